@@ -1,0 +1,220 @@
+"""Time and measure tigon, PyTorch eager and torch.compile on the same inputs in one run.
+
+Times are medians (``triton.testing.do_bench`` on CUDA, a wall-clock median on CPU). Peak memory is
+the rise of ``torch.cuda.max_memory_allocated()`` during one fwd+bwd over what was allocated with
+the inputs and their ``.grad`` buffers already present, as in shared/TARGETS.md.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from tigon.bench.registry import BENCH_OPS, BenchOp, Size
+
+IMPLS = ("tigon", "eager", "compile")
+
+
+def _outputs(out: Any) -> list[torch.Tensor]:
+    outs = [out] if isinstance(out, torch.Tensor) else list(out)
+    return [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+
+
+def _fwd_bwd(fn: Callable, args: Sequence[Any], grads: list[torch.Tensor] | None) -> Callable[[], None]:
+    def step() -> None:
+        outs = _outputs(fn(*args))
+        torch.autograd.backward(outs, grads)
+
+    return step
+
+
+def _time_ms(step: Callable[[], None], device: torch.device, leaves: list[torch.Tensor]) -> float:
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(step, warmup=25, rep=100, grad_to_none=leaves, return_mode="median"))
+    for _ in range(2):
+        step()
+    samples = []
+    for _ in range(5):
+        for leaf in leaves:
+            leaf.grad = None
+        start = time.perf_counter()
+        step()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def _peak_mib(step: Callable[[], None], device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    step()  # the .grad buffers now exist, as in TARGETS.md
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    step()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+def measure_bandwidth(device: torch.device) -> float:
+    """Copy bandwidth in bytes/s (bytes read + written), measured now on `device`."""
+    n = 2**28 if device.type == "cuda" else 2**24
+    src = torch.empty(n, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    ms = _time_ms(lambda: dst.copy_(src), device, [])
+    return 2 * src.numel() * 4 / (ms * 1e-3)
+
+
+def measure_matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
+    """Dense matmul FLOP/s for `dtype` on `device`, measured now on random data."""
+    n = 8192 if device.type == "cuda" else 512
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    ms = _time_ms(lambda: a @ b, device, [])
+    return 2 * n**3 / (ms * 1e-3)
+
+
+def bench_one(
+    op: BenchOp,
+    size: Size,
+    dtype: torch.dtype,
+    device: torch.device,
+    bandwidth: float,
+    matmul_rate: float | None,
+    impls: Sequence[str] = IMPLS,
+) -> list[dict[str, Any]]:
+    """Measure each implementation of `op` at `size`; one record per implementation."""
+    torch.manual_seed(0)
+    args = op.make_inputs(size, dtype, device)
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    fns = {"tigon": op.tigon, "eager": op.eager, "compile": torch.compile(op.eager, dynamic=False)}
+    grads = [torch.randn_like(o) for o in _outputs(op.eager(*args))]
+    floor_s = op.bytes_moved(size, dtype) / bandwidth
+    if op.flops(size) and matmul_rate:
+        floor_s = max(floor_s, op.flops(size) / matmul_rate)
+    records = []
+    for impl in impls:
+        record: dict[str, Any] = {"op": op.name, "size": "x".join(map(str, size)), "impl": impl}
+        try:
+            fn = fns[impl]
+            record["fwd_ms"] = _time_ms(lambda: fn(*args), device, [])
+            step = _fwd_bwd(fn, args, grads)
+            record["fwd_bwd_ms"] = _time_ms(step, device, leaves)
+            record["peak_mib"] = _peak_mib(step, device)
+            record["roofline_pct"] = 100 * floor_s * 1e3 / record["fwd_bwd_ms"]
+        except Exception as err:  # one failing implementation must not hide the others' numbers
+            record["error"] = f"{type(err).__name__}: {err}"
+        for leaf in leaves:
+            leaf.grad = None
+        records.append(record)
+    by_impl = {r["impl"]: r for r in records}
+    for record in records:
+        for base in ("eager", "compile"):
+            if "fwd_bwd_ms" in record and "fwd_bwd_ms" in by_impl.get(base, {}):
+                record[f"vs_{base}"] = record["fwd_bwd_ms"] / by_impl[base]["fwd_bwd_ms"]
+    return records
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """Date, device and versions, recorded with every result."""
+    import triton
+
+    info = {
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    }
+    return info
+
+
+def format_table(records: list[dict[str, Any]]) -> str:
+    header = f"{'op':<14}{'size':<14}{'impl':<9}{'fwd ms':>9}{'fwd+bwd ms':>12}{'peak MiB':>10}" \
+             f"{'vs eager':>10}{'vs compile':>11}{'roofline':>10}"
+    lines = [header]
+    for r in records:
+        if "error" in r:
+            lines.append(f"{r['op']:<14}{r['size']:<14}{r['impl']:<9}  failed: {r['error'][:80]}")
+            continue
+        peak = "-" if r.get("peak_mib") is None else f"{r['peak_mib']:.0f}"
+        lines.append(
+            f"{r['op']:<14}{r['size']:<14}{r['impl']:<9}{r['fwd_ms']:>9.3f}{r['fwd_bwd_ms']:>12.3f}"
+            f"{peak:>10}{r.get('vs_eager', float('nan')):>9.2f}x{r.get('vs_compile', float('nan')):>10.2f}x"
+            f"{r['roofline_pct']:>9.0f}%"
+        )
+    return "\n".join(lines)
+
+
+def plot(records: list[dict[str, Any]], op: str, path: Path) -> bool:
+    """fwd+bwd time over the size sweep, one line per implementation. False if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = [r for r in records if r["op"] == op and "fwd_bwd_ms" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for impl in IMPLS:
+        pts = [r for r in rows if r["impl"] == impl]
+        ax.plot([r["size"] for r in pts], [r["fwd_bwd_ms"] for r in pts], marker="o", label=impl)
+    ax.set_title(f"{op}: forward + backward")
+    ax.set_xlabel("size")
+    ax.set_ylabel("ms (median)")
+    ax.tick_params(axis="x", rotation=30)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def run_benchmarks(
+    ops: Sequence[str] | None = None,
+    sizes: Sequence[Size] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | None = None,
+    out_dir: Path | None = None,
+    log: Callable[[str], None] = print,
+) -> list[dict[str, Any]]:
+    """Benchmark `ops` (all registered when None) over `sizes` (each op's sweep when None)."""
+    import tigon.bench.ops  # noqa: F401  (registers the cases)
+
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    names = list(ops) if ops else list(BENCH_OPS)
+    unknown = [n for n in names if n not in BENCH_OPS]
+    if unknown:
+        raise ValueError(f"unknown op(s) {', '.join(unknown)}; known: {', '.join(BENCH_OPS)}")
+    env = environment(device)
+    bandwidth = measure_bandwidth(device)
+    needs_matmul = any(BENCH_OPS[n].flops(BENCH_OPS[n].sizes[0]) for n in names)
+    matmul_rate = measure_matmul_rate(device, dtype) if needs_matmul else None
+    log(f"tigon bench on {env['device']} (torch {env['torch']}, triton {env['triton']}, {dtype}), "
+        f"copy bandwidth {bandwidth / 1e12:.2f} TB/s"
+        + (f", matmul {matmul_rate / 1e12:.0f} TFLOP/s" if matmul_rate else ""))
+    records: list[dict[str, Any]] = []
+    for name in names:
+        op = BENCH_OPS[name]
+        op_sizes = sizes or (op.sizes if device.type == "cuda" else op.cpu_sizes)
+        for size in op_sizes:
+            records += bench_one(op, size, dtype, device, bandwidth, matmul_rate)
+            log(format_table([r for r in records if r["op"] == name and r["size"] == "x".join(map(str, size))]))
+    log("\n" + format_table(records))
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        payload = {"environment": env, "bandwidth_bytes_per_s": bandwidth, "matmul_flops": matmul_rate,
+                   "dtype": str(dtype), "results": records}
+        (out_dir / "bench.json").write_text(json.dumps(payload, indent=1))
+        for name in names:
+            if plot(records, name, out_dir / f"{name}.png"):
+                log(f"wrote {out_dir / (name + '.png')}")
+        log(f"wrote {out_dir / 'bench.json'}")
+    return records

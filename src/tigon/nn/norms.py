@@ -1,0 +1,62 @@
+"""Norm modules with the state dicts of the Hugging Face / torch modules they replace."""
+
+from __future__ import annotations
+
+import torch
+
+from tigon import functional as F
+
+
+class RMSNorm(torch.nn.Module):
+    """RMSNorm with HF's layout: a `weight` parameter and a `variance_epsilon` attribute.
+
+    ``RMSNorm(h)`` replaces LlamaRMSNorm (and the Mistral/Qwen/Phi-3 copies of it);
+    ``RMSNorm(h, offset=1.0, casting="gemma")`` replaces GemmaRMSNorm, whose weight starts at zero.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        *,
+        offset: float = 0.0,
+        casting: str = "llama",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        init = torch.zeros if offset else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, device=device, dtype=dtype))
+        self.variance_epsilon = eps
+        self.offset = offset
+        self.casting = casting
+
+    @property
+    def eps(self) -> float:
+        """Alias of `variance_epsilon` (Gemma's modules call it `eps`)."""
+        return self.variance_epsilon
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(
+            hidden_states, self.weight, self.variance_epsilon, offset=self.offset, casting=self.casting
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, offset={self.offset}, "
+            f"casting={self.casting!r}"
+        )
+
+
+class LayerNorm(torch.nn.LayerNorm):
+    """torch.nn.LayerNorm (same arguments and state dict) over the fused kernel; the last dim only."""
+
+    def __init__(self, normalized_shape: int | tuple[int], eps: float = 1e-5, **kwargs) -> None:
+        super().__init__(normalized_shape, eps, **kwargs)
+        if len(self.normalized_shape) != 1:
+            raise ValueError(
+                f"normalized_shape must be one dim (the last), got {tuple(self.normalized_shape)}"
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight, self.bias, self.eps)

@@ -1,0 +1,1 @@
+"""Fused Triton kernels, one op per file, each with its PyTorch reference and autograd Function."""

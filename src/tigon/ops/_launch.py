@@ -1,0 +1,25 @@
+"""Launch shapes shared by the row-wise kernels (norms and friends)."""
+
+from __future__ import annotations
+
+import torch
+
+from tigon import _backend
+from tigon._backend import triton
+
+
+def row_block_config(n_cols: int) -> tuple[int, int, int]:
+    """(BLOCK_ROWS, BLOCK_COLS, num_warps) for a kernel that holds whole rows in registers.
+
+    Narrow rows are batched so each program moves at least ~2K elements; warps grow with the tile
+    so each thread keeps a few 16-byte vectors in flight.
+    """
+    block_cols = triton.next_power_of_2(n_cols)
+    block_rows = max(1, 2048 // block_cols)
+    num_warps = min(32, max(1, block_rows * block_cols // 512))
+    return block_rows, block_cols, num_warps
+
+
+def persistent_programs(n_blocks: int, device: torch.device) -> int:
+    """Programs for a persistent kernel over `n_blocks` row blocks: two per multiprocessor at most."""
+    return max(1, min(n_blocks, 2 * _backend.multiprocessor_count(device)))

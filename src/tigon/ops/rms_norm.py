@@ -1,0 +1,314 @@
+"""RMSNorm, and residual add + RMSNorm, in one pass over each row.
+
+    rms_norm(x, w)         = x / sqrt(mean(x^2) + eps) * (offset + w)
+    add_rms_norm(x, r, w)  = (rms_norm(x + r, w), x + r)
+
+`casting` picks where rounding to the input dtype happens, to match each model family exactly:
+    "llama"  normalise in fp32, round to the input dtype, then multiply by the weight
+             (HF LlamaRMSNorm; the output dtype is the promotion of input and weight dtypes);
+    "gemma"  everything in fp32, round once at the end (HF GemmaRMSNorm with offset=1.0);
+    "none"   the plain formula in the input dtype (the kernel still accumulates in fp32).
+
+Forward saves the row's input (for add_rms_norm, the sum x + r, which is an output anyway) and one
+fp32 rstd per row; backward recomputes the normalised row from them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tigon import _backend
+from tigon._backend import tl, triton
+from tigon.ops._launch import persistent_programs, row_block_config
+from tigon._checks import KERNEL_DTYPES, check_choice, check_eps, check_float, check_vector, rows_view
+
+RMS_NORM = _backend.register("rms_norm")
+ADD_RMS_NORM = _backend.register("add_rms_norm")
+
+CASTINGS = ("llama", "gemma", "none")
+MAX_KERNEL_COLS = 65536  # a whole row lives in registers; wider rows run the reference
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, rstd_ptr,
+    n_rows, n_cols,
+    x_row_stride, residual_row_stride, out_row_stride, sum_row_stride,
+    eps, offset,
+    CASTING: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_COLS)
+    row_mask = rows < n_rows
+    mask = row_mask[:, None] & (cols < n_cols)[None, :]
+
+    x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(
+            residual_ptr + rows[:, None] * residual_row_stride + cols[None, :], mask=mask, other=0.0
+        )
+        # Round the sum to the input dtype, as the unfused `x + residual` does.
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(sum_ptr + rows[:, None] * sum_row_stride + cols[None, :], x, mask=mask)
+    x = x.to(tl.float32)
+
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+
+    weight = tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + offset
+    x_hat = x * rstd[:, None]
+    if CASTING == "llama":
+        x_hat = x_hat.to(x_ptr.dtype.element_ty).to(tl.float32)
+    out = x_hat * weight[None, :]
+    tl.store(out_ptr + rows[:, None] * out_row_stride + cols[None, :], out, mask=mask)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    grad_out_ptr, grad_sum_ptr, x_ptr, weight_ptr, rstd_ptr, grad_x_ptr, grad_weight_partial_ptr,
+    n_rows, n_cols,
+    grad_out_row_stride, grad_sum_row_stride, x_row_stride, grad_x_row_stride,
+    offset,
+    CASTING: tl.constexpr,
+    HAS_GRAD_SUM: tl.constexpr,
+    COMPUTE_GRAD_WEIGHT: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):
+    # Persistent: each program walks row blocks pid, pid + n_programs, ... and keeps its share of
+    # the weight gradient in registers, written once as one row of a (n_programs, n_cols) buffer.
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_COLS)
+    col_mask = cols < n_cols
+    weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+    grad_weight_acc = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
+
+    for block in range(pid, tl.cdiv(n_rows, BLOCK_ROWS), tl.num_programs(0)):
+        rows = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS).to(tl.int64)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        grad_out = tl.load(
+            grad_out_ptr + rows[:, None] * grad_out_row_stride + cols[None, :], mask=mask, other=0.0
+        ).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+
+        x_hat = x * rstd[:, None]
+        if COMPUTE_GRAD_WEIGHT:
+            if CASTING == "llama":
+                grad_weight_acc += grad_out * x_hat.to(x_ptr.dtype.element_ty).to(tl.float32)
+            else:
+                grad_weight_acc += grad_out * x_hat
+        grad_x_hat = grad_out * weight[None, :]
+        mean_dot = tl.sum(grad_x_hat * x_hat, axis=1) / n_cols
+        grad_x = (grad_x_hat - x_hat * mean_dot[:, None]) * rstd[:, None]
+        if HAS_GRAD_SUM:
+            grad_x += tl.load(
+                grad_sum_ptr + rows[:, None] * grad_sum_row_stride + cols[None, :], mask=mask, other=0.0
+            ).to(tl.float32)
+        tl.store(grad_x_ptr + rows[:, None] * grad_x_row_stride + cols[None, :], grad_x, mask=mask)
+
+    if COMPUTE_GRAD_WEIGHT:
+        tl.store(grad_weight_partial_ptr + pid * n_cols + cols, tl.sum(grad_weight_acc, axis=0), mask=col_mask)
+
+
+def rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0, casting: str = "llama"
+) -> torch.Tensor:
+    """RMSNorm written the obvious way in PyTorch: the test oracle and the fallback."""
+    if casting == "none":
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (offset + weight)
+    compute = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for a float64 oracle
+    x_up = x.to(compute)
+    x_hat = x_up * torch.rsqrt(x_up.pow(2).mean(-1, keepdim=True) + eps)
+    if casting == "gemma":
+        return (x_hat * (offset + weight.to(compute))).to(x.dtype)
+    return (offset + weight) * x_hat.to(x.dtype)
+
+
+def add_rms_norm_reference(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    casting: str = "llama",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)`` in PyTorch."""
+    total = x + residual
+    return rms_norm_reference(total, weight, eps, offset, casting), total
+
+
+def _output_dtype(x: torch.Tensor, weight: torch.Tensor, casting: str) -> torch.dtype:
+    return x.dtype if casting == "gemma" else torch.promote_types(x.dtype, weight.dtype)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, offset, casting):
+        shape = x.shape
+        x2d = rows_view(x)
+        n_rows, n_cols = x2d.shape
+        out = torch.empty((n_rows, n_cols), dtype=_output_dtype(x, weight, casting), device=x.device)
+        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+        if residual is not None:
+            residual2d = rows_view(residual)
+            total = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+        else:
+            residual2d = total = x2d  # unused by the kernel; any pointer will do
+        block_rows, block_cols, num_warps = row_block_config(n_cols)
+        _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_rows),)](
+            x2d, residual2d, weight, out, total, rstd,
+            n_rows, n_cols,
+            x2d.stride(0), residual2d.stride(0), out.stride(0), total.stride(0),
+            eps, offset,
+            CASTING=casting,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK_ROWS=block_rows,
+            BLOCK_COLS=block_cols,
+            num_warps=num_warps,
+        )
+        # Backward needs the normalised row's input: the sum when there is a residual.
+        ctx.save_for_backward(total if residual is not None else x2d, weight, rstd)
+        ctx.config = (eps, offset, casting, shape, residual is not None)
+        out = out.view(shape)
+        if residual is None:
+            return out, None
+        return out, total.view(shape)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_sum):
+        x2d, weight, rstd = ctx.saved_tensors
+        eps, offset, casting, shape, has_residual = ctx.config
+        try:
+            grad_x, grad_weight = _rms_norm_backward(
+                grad_out, grad_sum, x2d, weight, rstd, offset, casting, ctx.needs_input_grad[2]
+            )
+        except Exception as err:
+            op = ADD_RMS_NORM if has_residual else RMS_NORM
+            reference = (lambda s, w: rms_norm_reference(s, w, eps, offset, casting))
+            grad_x, grad_weight = _backend.reference_backward(
+                op, err, reference, (x2d.view(shape), weight), (grad_out,)
+            )
+            if grad_sum is not None:
+                grad_x = grad_x + grad_sum
+        grad_x = grad_x.view(shape)
+        return grad_x, (grad_x if has_residual else None), grad_weight, None, None, None
+
+
+def _rms_norm_backward(grad_out, grad_sum, x2d, weight, rstd, offset, casting, compute_grad_weight):
+    n_rows, n_cols = x2d.shape
+    grad_out2d = rows_view(grad_out)
+    grad_sum2d = rows_view(grad_sum) if grad_sum is not None else grad_out2d
+    grad_x = torch.empty_like(x2d)
+    block_rows, block_cols, num_warps = row_block_config(n_cols)
+    n_programs = persistent_programs(triton.cdiv(n_rows, block_rows), x2d.device)
+    grad_weight_partial = (
+        torch.empty((n_programs, n_cols), dtype=torch.float32, device=x2d.device)
+        if compute_grad_weight
+        else rstd  # unused by the kernel
+    )
+    _rms_norm_bwd_kernel[(n_programs,)](
+        grad_out2d, grad_sum2d, x2d, weight, rstd, grad_x, grad_weight_partial,
+        n_rows, n_cols,
+        grad_out2d.stride(0), grad_sum2d.stride(0), x2d.stride(0), grad_x.stride(0),
+        offset,
+        CASTING=casting,
+        HAS_GRAD_SUM=grad_sum is not None,
+        COMPUTE_GRAD_WEIGHT=compute_grad_weight,
+        BLOCK_ROWS=block_rows,
+        BLOCK_COLS=block_cols,
+        num_warps=num_warps,
+    )
+    grad_weight = grad_weight_partial.sum(0).to(weight.dtype) if compute_grad_weight else None
+    return grad_x, grad_weight
+
+
+def _check(x, weight, eps, casting, residual=None) -> str | None:
+    """Validate the arguments; return why the kernel cannot take them, if it cannot."""
+    check_float("x", x)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (the normalised one), got a scalar")
+    check_vector("weight", weight, x.shape[-1], x.device)
+    check_eps(eps)
+    check_choice("casting", casting, CASTINGS)
+    if residual is not None:
+        check_float("residual", residual)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
+        if residual.dtype != x.dtype:
+            raise ValueError(f"residual must have the dtype of x ({x.dtype}), got {residual.dtype}")
+        if residual.device != x.device:
+            raise ValueError(f"residual is on {residual.device}, expected {x.device} like x")
+    if x.dtype not in KERNEL_DTYPES or weight.dtype not in KERNEL_DTYPES:
+        return f"dtype {x.dtype}/{weight.dtype} runs on the reference"
+    if x.shape[-1] > MAX_KERNEL_COLS:
+        return f"last dim {x.shape[-1]} is wider than the kernel's {MAX_KERNEL_COLS}"
+    return None
+
+
+def _rms_norm_kernel(x, weight, eps, offset, casting):
+    return _RMSNormFunction.apply(x, None, weight, float(eps), float(offset), casting)[0]
+
+
+def _add_rms_norm_kernel(x, residual, weight, eps, offset, casting):
+    return _RMSNormFunction.apply(x, residual, weight, float(eps), float(offset), casting)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    offset: float = 0.0,
+    casting: str = "llama",
+) -> torch.Tensor:
+    """RMSNorm over the last dim of `x`, scaled by ``offset + weight``.
+
+    Args:
+        x: input of any shape ``(..., hidden)``, float16/bfloat16/float32 (float64 runs the
+            reference); need not be contiguous.
+        weight: ``(hidden,)`` scale.
+        eps: added to the mean square before the square root.
+        offset: added to `weight` (1.0 for Gemma, whose weights are stored as ``scale - 1``).
+        casting: ``"llama"``, ``"gemma"`` or ``"none"``: where rounding to the input dtype
+            happens (see the module docstring).
+
+    Returns:
+        A tensor of the shape of `x`; dtype of `x` (``"llama"``/``"none"`` promote with the
+        weight's dtype, as the HF modules do).
+    """
+    unsupported = _check(x, weight, eps, casting)
+    if x.numel() == 0:
+        return rms_norm_reference(x, weight, eps, offset, casting)
+    return _backend.dispatch(
+        RMS_NORM, _rms_norm_kernel, rms_norm_reference, x, weight, eps, offset, casting,
+        device=x.device, unsupported=unsupported,
+    )
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    offset: float = 0.0,
+    casting: str = "llama",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add then RMSNorm in one kernel: returns ``(rms_norm(x + residual), x + residual)``.
+
+    The sum is rounded to the input dtype before it is normalised, as in the unfused code. Arguments
+    are those of :func:`rms_norm`; `residual` has the shape and dtype of `x`.
+    """
+    unsupported = _check(x, weight, eps, casting, residual)
+    if x.numel() == 0:
+        return add_rms_norm_reference(x, residual, weight, eps, offset, casting)
+    return _backend.dispatch(
+        ADD_RMS_NORM, _add_rms_norm_kernel, add_rms_norm_reference, x, residual, weight, eps, offset, casting,
+        device=x.device, unsupported=unsupported,
+    )

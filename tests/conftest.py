@@ -1,0 +1,48 @@
+"""Test set-up: without a GPU the real Triton kernels run in Triton's CPU interpreter."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Must be set before tigon (and so triton.jit) is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TIGON_STRICT", "1")  # a kernel error fails the test instead of falling back
+
+from tigon import _backend  # noqa: E402
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available() and not _backend.INTERPRET:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU with compiled Triton kernels")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """Where kernel tests run: the GPU when there is one, else the CPU under the interpreter."""
+    return torch.device("cuda" if torch.cuda.is_available() and not _backend.INTERPRET else "cpu")
+
+
+@pytest.fixture(autouse=True)
+def fresh_backend():
+    """Each test starts with no remembered warnings or broken kernels."""
+    _backend.reset()
+    yield
+    _backend.reset()
+
+
+@pytest.fixture
+def poison_outputs(monkeypatch):
+    """Fill every buffer from torch.empty/empty_like with NaN (or a sentinel) so an element a
+    kernel forgets to write cannot pass for a right answer."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        return t.fill_(float("nan") if t.is_floating_point() else -12345) if t.numel() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))

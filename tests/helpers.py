@@ -1,0 +1,54 @@
+"""Comparison helpers shared by the tests."""
+
+import torch
+
+# Relative error ‖got − want‖ / ‖want‖ allowed per dtype (fp32 arithmetic lands far below 1e-3).
+REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float64: 1e-12}
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype | None = None, name: str = "") -> None:
+    """Same shape and dtype, finite where `want` is, and ‖got − want‖ / ‖want‖ within the dtype's
+    bound (or every element within that bound absolutely, for values that are ~0)."""
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
+    got64, want64 = got.detach().double().cpu(), want.detach().double().cpu()
+    assert (torch.isfinite(got64) | ~torch.isfinite(want64)).all(), f"{name}: NaN/inf where the reference is finite"
+    diff = (got64 - want64).nan_to_num(nan=float("inf"))
+    rel = (diff.norm() / want64.norm().clamp_min(1e-30)).item()
+    tol = REL_TOL[dtype or want.dtype]
+    # Values that are ~0 (a width-1 row's input gradient) have no meaningful relative error.
+    tiny = diff.numel() == 0 or diff.abs().max().item() <= tol
+    assert rel <= tol or tiny, f"{name}: relative error {rel:.3e} > {tol:.0e}"
+
+
+def _leaves(args, dtype=None):
+    return [
+        a.detach().to(dtype or a.dtype).requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+        for a in args
+    ]
+
+
+def _as_list(out):
+    return [out] if isinstance(out, torch.Tensor) else [o for o in out if isinstance(o, torch.Tensor)]
+
+
+def compare_fwd_bwd(fn, reference, args, dtype=None, name=""):
+    """Run `fn` on copies of `args` and `reference` on float64 copies (the oracle), backpropagate
+    the same random output gradients through both, and assert that outputs and every input
+    gradient agree within the tolerance of `dtype` (default: the least precise input dtype).
+    Returns fn's outputs."""
+    floats = [a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    dtype = dtype or max(floats, key=lambda d: REL_TOL[d])
+    ours, theirs = _leaves(args), _leaves(args, torch.float64)
+    out, ref = _as_list(fn(*ours)), _as_list(reference(*theirs))
+    assert len(out) == len(ref), f"{name}: {len(out)} outputs, reference has {len(ref)}"
+    for i, (o, r) in enumerate(zip(out, ref)):
+        assert_close(o, r.to(o.dtype), dtype, f"{name} output {i}")
+    grads = [torch.randn_like(r) for r in ref]
+    torch.autograd.backward(out, [g.to(o.dtype) for g, o in zip(grads, out)])
+    torch.autograd.backward(ref, grads)
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        if isinstance(a, torch.Tensor) and a.requires_grad:
+            assert a.grad is not None, f"{name}: no gradient for argument {i}"
+            assert_close(a.grad, b.grad.to(a.grad.dtype), dtype, f"{name} grad of argument {i}")
+    return out

@@ -1,0 +1,46 @@
+import torch
+
+import tigon.nn
+from tigon.ops.rms_norm import rms_norm_reference
+
+
+def test_rms_norm_module_loads_hf_llama_state_dict_and_matches(device):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    hf = LlamaRMSNorm(64, eps=1e-5).to(device)
+    with torch.no_grad():
+        hf.weight.normal_()
+    ours = tigon.nn.RMSNorm(64, eps=1e-5).to(device)
+    ours.load_state_dict(hf.state_dict())
+    assert ours.variance_epsilon == hf.variance_epsilon
+    x = torch.randn(3, 5, 64, device=device)
+    torch.testing.assert_close(ours(x), hf(x))
+
+
+def test_gemma_rms_norm_module(device):
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    hf = GemmaRMSNorm(48, eps=1e-6).to(device)
+    ours = tigon.nn.RMSNorm(48, eps=1e-6, offset=1.0, casting="gemma").to(device)
+    assert torch.equal(ours.weight, hf.weight)  # both start at zero: scale = 1 + weight
+    with torch.no_grad():
+        hf.weight.normal_()
+    ours.load_state_dict(hf.state_dict())
+    x = torch.randn(2, 48, device=device)
+    torch.testing.assert_close(ours(x), hf(x))
+    torch.testing.assert_close(ours(x), rms_norm_reference(x, ours.weight, 1e-6, 1.0, "gemma"))
+
+
+def test_layer_norm_module_is_torch_compatible(device):
+    hf = torch.nn.LayerNorm(33).to(device)
+    with torch.no_grad():
+        hf.weight.normal_()
+        hf.bias.normal_()
+    ours = tigon.nn.LayerNorm(33).to(device)
+    ours.load_state_dict(hf.state_dict())
+    x = torch.randn(4, 33, device=device, requires_grad=True)
+    torch.testing.assert_close(ours(x), hf(x), rtol=1e-5, atol=1e-5)
+    no_bias = tigon.nn.LayerNorm(33, bias=False).to(device)
+    assert set(no_bias.state_dict()) == {"weight"}
+    no_bias(x).sum().backward()
+    assert x.grad is not None
