@@ -1,0 +1,277 @@
+"""Apply and undo the family table: on transformers' classes, or on a live model's modules.
+
+Two ways in, one plan:
+
+* ``patch("llama")`` sets the replacement forwards on the classes of
+  ``transformers.models.llama.modeling_llama`` (and swaps its module-level functions), so every
+  model of that family built afterwards, and every one already built, runs tigon's code.
+* ``patch(model)`` rebinds ``forward`` on the matching modules of that one model (plain, on any
+  device, or inside a PEFT wrapper); parameters, buffers and the state dict are untouched.
+  Module-level functions (RoPE) have no per-model home, so those are swapped in the family's module
+  and restored when the last patch that needed them is undone.
+
+Everything is planned and checked before anything changes, so an error leaves nothing half-patched.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import types
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from tigon.patch import forwards
+from tigon.patch.families import FAMILIES, Family
+
+log = logging.getLogger("tigon")
+
+SWITCHES = (
+    "rms_norm", "rope", "swiglu", "geglu", "layer_norm", "add_rms_norm",
+    "linear_cross_entropy", "cross_entropy", "lora",
+)
+
+
+@dataclass(frozen=True)
+class Patched:
+    """What one :func:`patch` call applied; ``str()`` is the line it logged."""
+
+    target: str
+    model_type: str
+    applied: tuple[str, ...]
+    layers: int | None = None
+
+    def __str__(self) -> str:
+        what = ", ".join(self.applied) if self.applied else "nothing"
+        layers = f" ({self.layers} layers)" if self.layers is not None else ""
+        return f"tigon: applied {what} to {self.target}{layers}"
+
+
+@dataclass(frozen=True)
+class _Replacement:
+    switch: str
+    name: str  # a class (its forward is replaced) or a function, in the family's modeling module
+    new: Callable[..., Any]
+    is_function: bool = False
+
+
+def _plan(family: Family, switches: dict[str, bool]) -> list[_Replacement]:
+    """The replacements the switches turn on for `family`, in table order."""
+    plan = []
+    if switches["rms_norm"]:
+        plan.append(_Replacement("rms_norm", family.norm.cls, forwards.rms_norm_forward(family.norm)))
+    return plan
+
+
+# Class- and module-level swaps, shared by every patch that needs them: (owner, name) ->
+# [owner, original, replacement, holders].
+_MISSING = object()
+_shared: dict[tuple[int, str], list[Any]] = {}
+# model_type -> the shared swaps a class patch holds.
+_class_patches: dict[str, list[tuple[int, str]]] = {}
+# model -> (instance swaps [(module, attr, previous)], shared swaps it holds).
+_instance_patches: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[list, list]]" = weakref.WeakKeyDictionary()
+
+
+def _acquire(owner: Any, name: str, new: Callable[..., Any]) -> tuple[int, str]:
+    key = (id(owner), name)
+    entry = _shared.get(key)
+    if entry is None:
+        entry = _shared[key] = [owner, vars(owner).get(name, _MISSING), new, 0]
+        setattr(owner, name, new)
+    elif entry[2] is not new:
+        raise RuntimeError(f"tigon: {owner.__name__}.{name} is already replaced by {entry[2]!r}")
+    entry[3] += 1
+    return key
+
+
+def _release(key: tuple[int, str]) -> None:
+    entry = _shared[key]
+    entry[3] -= 1
+    if entry[3]:
+        return
+    owner, original, _, _ = _shared.pop(key)
+    if original is _MISSING:
+        delattr(owner, key[1])
+    else:
+        setattr(owner, key[1], original)
+
+
+def _family(model_type: str) -> tuple[Family, types.ModuleType]:
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise ValueError(
+            f"tigon.patch does not support model_type {model_type!r}; supported: "
+            f"{', '.join(sorted(FAMILIES))}"
+        )
+    module = importlib.import_module(f"transformers.models.{family.module}.modeling_{family.module}")
+    return family, module
+
+
+def _resolve(module: types.ModuleType, plan: list[_Replacement]) -> list[tuple[_Replacement, Any]]:
+    missing = [r.name for r in plan if not hasattr(module, r.name)]
+    if missing:
+        raise ValueError(
+            f"tigon.patch: {module.__name__} has no {', '.join(missing)} "
+            "(an unsupported transformers version?); nothing was patched"
+        )
+    return [(r, getattr(module, r.name)) for r in plan]
+
+
+def _switches(kwargs: dict[str, bool]) -> dict[str, bool]:
+    if kwargs["linear_cross_entropy"] and kwargs["cross_entropy"]:
+        raise ValueError(
+            "linear_cross_entropy and cross_entropy are exclusive: linear_cross_entropy already "
+            "computes the loss from the hidden states without logits; pass cross_entropy=False"
+        )
+    return kwargs
+
+
+def _find_hf_model(model: torch.nn.Module) -> torch.nn.Module:
+    from transformers import PreTrainedModel
+
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            return module
+    raise ValueError(
+        f"tigon.patch: {type(model).__name__} contains no Hugging Face PreTrainedModel to patch"
+    )
+
+
+def _patch_classes(model_type: str, switches: dict[str, bool]) -> Patched:
+    family, module = _family(model_type)
+    resolved = _resolve(module, _plan(family, switches))
+    unpatch(model_type)
+    held = []
+    try:
+        for replacement, owner in resolved:
+            if replacement.is_function:
+                held.append(_acquire(module, replacement.name, replacement.new))
+            else:
+                held.append(_acquire(owner, "forward", replacement.new))
+    except BaseException:
+        for key in held:
+            _release(key)
+        raise
+    _class_patches[model_type] = held
+    applied = tuple(dict.fromkeys(r.switch for r, _ in resolved))
+    return Patched(f"{model_type} classes", model_type, applied)
+
+
+def _forward_attr(module: torch.nn.Module) -> str:
+    # accelerate's hooks (device_map loading, offload) own `forward` and call `_old_forward`.
+    return "_old_forward" if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward") else "forward"
+
+
+def _patch_instance(model: torch.nn.Module, switches: dict[str, bool]) -> Patched:
+    hf_model = _find_hf_model(model)
+    model_type = hf_model.config.model_type
+    family, module = _family(model_type)
+    resolved = _resolve(module, _plan(family, switches))
+    unpatch(model)
+    bound: list[tuple[torch.nn.Module, str, Any]] = []
+    held: list[tuple[int, str]] = []
+    applied: dict[str, None] = {}
+    try:
+        for replacement, owner in resolved:
+            if replacement.is_function:
+                held.append(_acquire(module, replacement.name, replacement.new))
+                applied[replacement.switch] = None
+                continue
+            for sub in model.modules():
+                if isinstance(sub, owner):
+                    attr = _forward_attr(sub)
+                    bound.append((sub, attr, vars(sub).get(attr, _MISSING)))
+                    setattr(sub, attr, types.MethodType(replacement.new, sub))
+                    applied[replacement.switch] = None
+    except BaseException:
+        _undo_instance(bound, held)
+        raise
+    _instance_patches[model] = (bound, held)
+    layer_cls = getattr(module, family.layer)
+    layers = sum(isinstance(sub, layer_cls) for sub in model.modules())
+    return Patched(type(hf_model).__name__, model_type, tuple(applied), layers)
+
+
+def _undo_instance(bound: list[tuple[torch.nn.Module, str, Any]], held: list[tuple[int, str]]) -> None:
+    for sub, attr, previous in reversed(bound):
+        if previous is _MISSING:
+            delattr(sub, attr)
+        else:
+            setattr(sub, attr, previous)
+    for key in held:
+        _release(key)
+
+
+def patch(
+    target: str | torch.nn.Module,
+    *,
+    rms_norm: bool = True,
+    rope: bool = True,
+    swiglu: bool = True,
+    geglu: bool = True,
+    layer_norm: bool = True,
+    add_rms_norm: bool = True,
+    linear_cross_entropy: bool = True,
+    cross_entropy: bool = False,
+    lora: bool = True,
+) -> Patched:
+    """Make a Hugging Face decoder model run tigon's kernels; outputs, loss and gradients unchanged.
+
+    Args:
+        target: a ``config.model_type`` (``"llama"``, ``"qwen2"``, ...) to patch that family's
+            transformers classes, for models built before or after the call; or a model instance
+            (plain, on any device, or wrapped by PEFT) to patch only its modules, in place.
+        rms_norm ... lora: one switch per kernel; a switch a family has no use for is ignored.
+            `linear_cross_entropy` (loss straight from the hidden states, logits never
+            materialised) and `cross_entropy` (loss from materialised logits) are exclusive.
+
+    Returns:
+        What was applied; the same line is logged at INFO level on the ``tigon`` logger.
+        Patching a target again first undoes its previous patch.
+
+    Raises:
+        ValueError: an unsupported model type (the message lists the supported ones), a target
+            that is neither, or both loss switches; nothing is patched then.
+    """
+    switches = _switches(dict(
+        rms_norm=rms_norm, rope=rope, swiglu=swiglu, geglu=geglu, layer_norm=layer_norm,
+        add_rms_norm=add_rms_norm, linear_cross_entropy=linear_cross_entropy,
+        cross_entropy=cross_entropy, lora=lora,
+    ))
+    if isinstance(target, str):
+        result = _patch_classes(target, switches)
+    elif isinstance(target, torch.nn.Module):
+        result = _patch_instance(target, switches)
+    else:
+        raise ValueError(
+            f"target must be a model_type string or a torch.nn.Module, got {type(target).__name__}"
+        )
+    log.info("%s", result)
+    return result
+
+
+def unpatch(target: str | torch.nn.Module | None = None) -> None:
+    """Undo :func:`patch` for `target` (the same string or model), or for everything when None.
+
+    Undoing something that was not patched does nothing.
+    """
+    if target is None:
+        for model in list(_instance_patches):
+            unpatch(model)
+        for model_type in list(_class_patches):
+            unpatch(model_type)
+    elif isinstance(target, str):
+        for key in _class_patches.pop(target, []):
+            _release(key)
+    elif isinstance(target, torch.nn.Module):
+        undo = _instance_patches.pop(target, None)
+        if undo is not None:
+            _undo_instance(*undo)
+    else:
+        raise ValueError(
+            f"target must be a model_type string, a torch.nn.Module or None, got {type(target).__name__}"
+        )

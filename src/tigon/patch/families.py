@@ -1,0 +1,74 @@
+"""Which parts of each Hugging Face decoder family tigon replaces, as data.
+
+One entry per ``config.model_type``. Names refer to attributes of
+``transformers.models.<module>.modeling_<module>``; :mod:`tigon.patch.apply` walks this table for
+every family alike, so adding a family is adding an entry here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Norm:
+    """An RMSNorm class and how its arithmetic rounds (see :func:`tigon.functional.rms_norm`)."""
+
+    cls: str
+    offset: float = 0.0
+    casting: str = "llama"
+    eps: str = "variance_epsilon"  # the attribute holding epsilon (Gemma's modules call it `eps`)
+
+
+# Norm variants shared by several families.
+LLAMA_NORM = "llama"
+GEMMA_NORM = "gemma"
+
+
+@dataclass(frozen=True)
+class Family:
+    """What to replace in one family's modeling module.
+
+    Attributes:
+        module: the modeling module's directory under ``transformers.models``.
+        causal_lm: the ``*ForCausalLM`` class.
+        layer: the decoder-layer class (counted for the log line).
+        norm: the RMSNorm class with its rounding.
+    """
+
+    module: str
+    causal_lm: str
+    layer: str
+    norm: Norm
+
+
+def _norm(prefix: str, kind: str = LLAMA_NORM) -> Norm:
+    if kind == GEMMA_NORM:
+        return Norm(f"{prefix}RMSNorm", offset=1.0, casting="gemma", eps="eps")
+    return Norm(f"{prefix}RMSNorm")
+
+
+def _family(module: str, prefix: str, *, norm: Norm | None = None) -> Family:
+    return Family(
+        module=module,
+        causal_lm=f"{prefix}ForCausalLM",
+        layer=f"{prefix}DecoderLayer",
+        norm=norm or _norm(prefix),
+    )
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": _family("llama", "Llama"),
+    "mistral": _family("mistral", "Mistral"),
+    "mixtral": _family("mixtral", "Mixtral"),
+    "qwen2": _family("qwen2", "Qwen2"),
+    "qwen3": _family("qwen3", "Qwen3"),
+    "qwen3_moe": _family("qwen3_moe", "Qwen3Moe"),
+    "phi3": _family("phi3", "Phi3"),
+    "gemma": _family("gemma", "Gemma", norm=_norm("Gemma", GEMMA_NORM)),
+    "gemma2": _family("gemma2", "Gemma2", norm=_norm("Gemma2", GEMMA_NORM)),
+    "gemma3_text": _family("gemma3", "Gemma3", norm=_norm("Gemma3", GEMMA_NORM)),
+    "granite": _family("granite", "Granite"),
+    # OLMo 2 multiplies by the weight in fp32 and rounds once, as Gemma does, but without the +1.
+    "olmo2": _family("olmo2", "Olmo2", norm=Norm("Olmo2RMSNorm", casting="gemma")),
+}
