@@ -12,11 +12,14 @@ def row_block_config(n_cols: int) -> tuple[int, int, int]:
     """(BLOCK_ROWS, BLOCK_COLS, num_warps) for a kernel that holds whole rows in registers.
 
     Narrow rows are batched so each program moves at least ~2K elements; warps grow with the tile
-    so each thread keeps a few 16-byte vectors in flight.
+    so each thread keeps a few 16-byte vectors in flight. On the H200 (2026-11-29 sweep,
+    scripts/tune_norm_backward.py) 16 warps beat 32 up to 16K-wide rows; only wider rows need 32
+    to keep the row in registers.
     """
     block_cols = triton.next_power_of_2(n_cols)
     block_rows = max(1, 2048 // block_cols)
-    num_warps = min(32, max(1, block_rows * block_cols // 512))
+    max_warps = 16 if block_cols <= 16384 else 32
+    num_warps = min(max_warps, max(1, block_rows * block_cols // 512))
     return block_rows, block_cols, num_warps
 
 

@@ -1,0 +1,59 @@
+"""Sweep launch configs of the norm backward kernels on the GPU (one device call).
+
+Prints the median backward time per (tile rows, warps, programs per SM) for a few shapes, and the
+bandwidth-floor time, so the defaults in tigon/ops/_launch.py can be chosen from measurements.
+"""
+
+import itertools
+import sys
+
+import torch
+from triton.testing import do_bench
+
+from tigon import _backend
+from tigon.ops import layer_norm as ln
+from tigon.ops import rms_norm as rn
+
+SHAPES = [(16384, 4096), (4096, 16384), (16384, 1024)]
+BANDWIDTH = 4.3e12
+
+
+def sweep(module, run_backward, shapes):
+    for rows, cols in shapes:
+        x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn_like(x)
+        floor_ms = 3 * x.numel() * 2 / BANDWIDTH * 1e3
+        results = []
+        block_cols = 1 << (cols - 1).bit_length()
+        for tile_rows, warps, per_sm in itertools.product([1, 2, 4, 8], [4, 8, 16, 32], [1, 2, 4, 8, 16]):
+            if tile_rows * block_cols > 65536 or tile_rows * block_cols < 32 * warps:
+                continue
+            module.row_block_config = lambda n, tr=tile_rows, w=warps: (tr, block_cols, w)
+            module.persistent_programs = lambda nb, dev, p=per_sm: max(1, min(nb, p * 132))
+            try:
+                ms = do_bench(lambda: run_backward(x, dy), warmup=10, rep=40, return_mode="median")
+            except Exception as err:  # out of resources for this config
+                print(f"  {tile_rows=} {warps=} {per_sm=}: {type(err).__name__}", file=sys.stderr)
+                continue
+            results.append((ms, tile_rows, warps, per_sm))
+        results.sort()
+        print(f"{module.__name__} {rows}x{cols}: floor {floor_ms:.3f} ms; best:")
+        for ms, tile_rows, warps, per_sm in results[:6]:
+            print(f"   {ms:.3f} ms ({100 * floor_ms / ms:.0f}% roofline)  tile_rows={tile_rows} warps={warps} per_sm={per_sm}")
+
+
+def rms_backward(x, dy):
+    w = torch.ones(x.shape[1], device="cuda", dtype=x.dtype)
+    rstd = torch.ones(x.shape[0], device="cuda", dtype=torch.float32)
+    rn._rms_norm_backward(dy, None, x, w, rstd, 0.0, "llama", True)
+
+
+def ln_backward(x, dy):
+    w = torch.ones(x.shape[1], device="cuda", dtype=x.dtype)
+    stat = torch.ones(x.shape[0], device="cuda", dtype=torch.float32)
+    ln._layer_norm_backward(dy, x, w, stat, stat, True, True, w)
+
+
+if __name__ == "__main__":
+    sweep(rn, rms_backward, SHAPES)
+    sweep(ln, ln_backward, SHAPES[:1])
