@@ -53,17 +53,14 @@ class Patched:
 @dataclass(frozen=True)
 class _Replacement:
     switch: str
-    name: str  # a class (its forward is replaced) or a function, in the family's modeling module
+    owner: Any  # a class (its `name` attribute is a method) or the family's modeling module
+    name: str
     new: Callable[..., Any]
-    is_function: bool = False
 
-
-def _plan(family: Family, switches: dict[str, bool]) -> list[_Replacement]:
-    """The replacements the switches turn on for `family`, in table order."""
-    plan = []
-    if switches["rms_norm"]:
-        plan.append(_Replacement("rms_norm", family.norm.cls, forwards.rms_norm_forward(family.norm)))
-    return plan
+    @property
+    def per_module(self) -> bool:
+        """Whether instance patching binds it per module (methods) or swaps it module-wide."""
+        return isinstance(self.owner, type)
 
 
 # Class- and module-level swaps, shared by every patch that needs them: (owner, name) ->
@@ -74,6 +71,12 @@ _shared: dict[tuple[int, str], list[Any]] = {}
 _class_patches: dict[str, list[tuple[int, str]]] = {}
 # model -> (instance swaps [(module, attr, previous)], shared swaps it holds).
 _instance_patches: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[list, list]]" = weakref.WeakKeyDictionary()
+
+
+def _original(owner: Any, name: str) -> Any:
+    """`owner.name` as transformers defines it, even while a class patch replaces it."""
+    entry = _shared.get((id(owner), name))
+    return getattr(owner, name) if entry is None else entry[1]
 
 
 def _acquire(owner: Any, name: str, new: Callable[..., Any]) -> tuple[int, str]:
@@ -111,14 +114,28 @@ def _family(model_type: str) -> tuple[Family, types.ModuleType]:
     return family, module
 
 
-def _resolve(module: types.ModuleType, plan: list[_Replacement]) -> list[tuple[_Replacement, Any]]:
-    missing = [r.name for r in plan if not hasattr(module, r.name)]
+def _plan(family: Family, module: types.ModuleType, switches: dict[str, bool]) -> list[_Replacement]:
+    """The replacements the switches turn on for `family`, checked against `module`."""
+    missing: list[str] = []
+
+    def find(name: str) -> Any:
+        if not hasattr(module, name):
+            missing.append(name)
+        return getattr(module, name, None)
+
+    plan: list[_Replacement] = []
+    if switches["rms_norm"]:
+        plan.append(_Replacement("rms_norm", find(family.norm.cls), "forward", forwards.rms_norm_forward(family.norm)))
+    layer = find(family.layer.cls)
+    if switches["add_rms_norm"] and family.layer.fuse is not None and layer is not None:
+        fused = forwards.decoder_layer_forward(family.layer, family.norm, _original(layer, "forward"))
+        plan.append(_Replacement("add_rms_norm", layer, "forward", fused))
     if missing:
         raise ValueError(
             f"tigon.patch: {module.__name__} has no {', '.join(missing)} "
             "(an unsupported transformers version?); nothing was patched"
         )
-    return [(r, getattr(module, r.name)) for r in plan]
+    return plan
 
 
 def _switches(kwargs: dict[str, bool]) -> dict[str, bool]:
@@ -143,22 +160,18 @@ def _find_hf_model(model: torch.nn.Module) -> torch.nn.Module:
 
 def _patch_classes(model_type: str, switches: dict[str, bool]) -> Patched:
     family, module = _family(model_type)
-    resolved = _resolve(module, _plan(family, switches))
+    plan = _plan(family, module, switches)
     unpatch(model_type)
     held = []
     try:
-        for replacement, owner in resolved:
-            if replacement.is_function:
-                held.append(_acquire(module, replacement.name, replacement.new))
-            else:
-                held.append(_acquire(owner, "forward", replacement.new))
+        for replacement in plan:
+            held.append(_acquire(replacement.owner, replacement.name, replacement.new))
     except BaseException:
         for key in held:
             _release(key)
         raise
     _class_patches[model_type] = held
-    applied = tuple(dict.fromkeys(r.switch for r, _ in resolved))
-    return Patched(f"{model_type} classes", model_type, applied)
+    return Patched(f"{model_type} classes", model_type, tuple(dict.fromkeys(r.switch for r in plan)))
 
 
 def _forward_attr(module: torch.nn.Module) -> str:
@@ -170,20 +183,20 @@ def _patch_instance(model: torch.nn.Module, switches: dict[str, bool]) -> Patche
     hf_model = _find_hf_model(model)
     model_type = hf_model.config.model_type
     family, module = _family(model_type)
-    resolved = _resolve(module, _plan(family, switches))
+    plan = _plan(family, module, switches)
     unpatch(model)
     bound: list[tuple[torch.nn.Module, str, Any]] = []
     held: list[tuple[int, str]] = []
     applied: dict[str, None] = {}
     try:
-        for replacement, owner in resolved:
-            if replacement.is_function:
-                held.append(_acquire(module, replacement.name, replacement.new))
+        for replacement in plan:
+            if not replacement.per_module:
+                held.append(_acquire(replacement.owner, replacement.name, replacement.new))
                 applied[replacement.switch] = None
                 continue
             for sub in model.modules():
-                if isinstance(sub, owner):
-                    attr = _forward_attr(sub)
+                if isinstance(sub, replacement.owner):
+                    attr = _forward_attr(sub) if replacement.name == "forward" else replacement.name
                     bound.append((sub, attr, vars(sub).get(attr, _MISSING)))
                     setattr(sub, attr, types.MethodType(replacement.new, sub))
                     applied[replacement.switch] = None
@@ -191,7 +204,7 @@ def _patch_instance(model: torch.nn.Module, switches: dict[str, bool]) -> Patche
         _undo_instance(bound, held)
         raise
     _instance_patches[model] = (bound, held)
-    layer_cls = getattr(module, family.layer)
+    layer_cls = getattr(module, family.layer.cls)
     layers = sum(isinstance(sub, layer_cls) for sub in model.modules())
     return Patched(type(hf_model).__name__, model_type, tuple(applied), layers)
 

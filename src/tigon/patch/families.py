@@ -20,6 +20,26 @@ class Norm:
     eps: str = "variance_epsilon"  # the attribute holding epsilon (Gemma's modules call it `eps`)
 
 
+@dataclass(frozen=True)
+class Layer:
+    """A decoder-layer class and where a residual add feeds an RMSNorm inside it.
+
+    Attributes:
+        cls: the class name.
+        fuse: ``"pre_norm"`` (Llama: ``post_attention_layernorm(residual + attn)``),
+            ``"sandwich"`` (Gemma 2/3: ``pre_feedforward_layernorm(residual +
+            post_attention_layernorm(attn))``), or None when no add feeds a norm (OLMo 2 normalises
+            the sublayer outputs, not the sums).
+        scale: attribute multiplying each sublayer's output before the add (Granite).
+        dropout: the modules applied to the attention and MLP outputs before the add (Phi-3).
+    """
+
+    cls: str
+    fuse: str | None = "pre_norm"
+    scale: str | None = None
+    dropout: tuple[str, str] | None = None
+
+
 # Norm variants shared by several families.
 LLAMA_NORM = "llama"
 GEMMA_NORM = "gemma"
@@ -32,13 +52,13 @@ class Family:
     Attributes:
         module: the modeling module's directory under ``transformers.models``.
         causal_lm: the ``*ForCausalLM`` class.
-        layer: the decoder-layer class (counted for the log line).
+        layer: the decoder-layer class and its residual structure.
         norm: the RMSNorm class with its rounding.
     """
 
     module: str
     causal_lm: str
-    layer: str
+    layer: Layer
     norm: Norm
 
 
@@ -48,11 +68,11 @@ def _norm(prefix: str, kind: str = LLAMA_NORM) -> Norm:
     return Norm(f"{prefix}RMSNorm")
 
 
-def _family(module: str, prefix: str, *, norm: Norm | None = None) -> Family:
+def _family(module: str, prefix: str, *, norm: Norm | None = None, **layer) -> Family:
     return Family(
         module=module,
         causal_lm=f"{prefix}ForCausalLM",
-        layer=f"{prefix}DecoderLayer",
+        layer=Layer(f"{prefix}DecoderLayer", **layer),
         norm=norm or _norm(prefix),
     )
 
@@ -64,11 +84,11 @@ FAMILIES: dict[str, Family] = {
     "qwen2": _family("qwen2", "Qwen2"),
     "qwen3": _family("qwen3", "Qwen3"),
     "qwen3_moe": _family("qwen3_moe", "Qwen3Moe"),
-    "phi3": _family("phi3", "Phi3"),
+    "phi3": _family("phi3", "Phi3", dropout=("resid_attn_dropout", "resid_mlp_dropout")),
     "gemma": _family("gemma", "Gemma", norm=_norm("Gemma", GEMMA_NORM)),
-    "gemma2": _family("gemma2", "Gemma2", norm=_norm("Gemma2", GEMMA_NORM)),
-    "gemma3_text": _family("gemma3", "Gemma3", norm=_norm("Gemma3", GEMMA_NORM)),
-    "granite": _family("granite", "Granite"),
+    "gemma2": _family("gemma2", "Gemma2", norm=_norm("Gemma2", GEMMA_NORM), fuse="sandwich"),
+    "gemma3_text": _family("gemma3", "Gemma3", norm=_norm("Gemma3", GEMMA_NORM), fuse="sandwich"),
+    "granite": _family("granite", "Granite", scale="residual_multiplier"),
     # OLMo 2 multiplies by the weight in fp32 and rounds once, as Gemma does, but without the +1.
-    "olmo2": _family("olmo2", "Olmo2", norm=Norm("Olmo2RMSNorm", casting="gemma")),
+    "olmo2": _family("olmo2", "Olmo2", norm=Norm("Olmo2RMSNorm", casting="gemma"), fuse=None),
 }
