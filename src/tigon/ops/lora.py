@@ -1,0 +1,346 @@
+"""LoRA linear layers with the low-rank term folded into the base GEMM, forward and backward.
+
+    lora_linear(x, W, A, B, s, b) = x Wᵀ + b + s · (x Aᵀ) Bᵀ        W (out, in), A (r, in), B (out, r)
+
+Written the obvious way (`F.linear(x, W, b) + s * F.linear(F.linear(x, A), B)`) this is a GEMM,
+two skinny GEMMs and three full-size (N × out) passes to write, scale and add the low-rank term;
+backward adds the scale's pass and a full-size sum of two input gradients. Here every full-size
+tensor is written once:
+
+* forward: ``xa = x Aᵀ`` (N × r); ``out = b + s · xa Bᵀ`` (a K = r GEMM that writes `out`); then
+  the base GEMM accumulates into `out` (``beta = 1``: cuBLAS reads `out` in its epilogue, which is
+  free in a compute-bound GEMM). Writing the small term first and the big one on top costs one
+  full-size pass instead of the two an in-place add after the base GEMM would.
+* backward: ``dxa = s · dy B``, ``dB = s · dyᵀ xa``, ``dA = dxaᵀ x``; ``dx = dxa A`` then
+  ``dx += dy W`` in the second base GEMM; ``dW = dyᵀ x`` and ``db = Σ dy`` only when they need a
+  gradient (a frozen base skips its weight-gradient GEMM).
+
+Saved for backward: x and ``xa`` (N × r), nothing of size N × out.
+
+The projections of one input (q/k/v, or an MLP's gate/up) go through the same code as a group:
+one skinny GEMM forms every ``x Aᵢᵀ`` side by side, x is saved once, and the input gradient is one
+tensor that each projection's base GEMM accumulates into, so autograd never sums per-projection
+copies of dx (:func:`lora_linear_group`).
+
+Everything is cuBLAS: the full-size work is two GEMMs that cuBLAS runs near the matmul roofline,
+and the rest is skinny (K or N = r) GEMMs that move each tensor once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import NamedTuple, Sequence
+
+import torch
+
+from tigon import _backend
+from tigon._checks import check_device, check_float
+
+LORA_LINEAR = _backend.register("lora_linear")
+LORA_LINEAR_GROUP = _backend.register("lora_linear_group")
+
+
+class LoraProjection(NamedTuple):
+    """One LoRA-adapted linear: ``x Wᵀ + bias + scaling · (x Aᵀ) Bᵀ``.
+
+    Attributes:
+        weight: ``(out, in)`` base weight.
+        lora_a: ``(r, in)`` down-projection A.
+        lora_b: ``(out, r)`` up-projection B.
+        scaling: the LoRA scale (``alpha / r`` in PEFT).
+        bias: ``(out,)`` base bias, or None.
+    """
+
+    weight: torch.Tensor
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    scaling: float
+    bias: torch.Tensor | None = None
+
+
+def lora_linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: float,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """LoRA linear written the obvious way in PyTorch (as PEFT computes it): the oracle and fallback."""
+    lora = torch.nn.functional.linear(torch.nn.functional.linear(x, lora_a), lora_b)
+    return torch.nn.functional.linear(x, weight, bias) + scaling * lora
+
+
+def lora_linear_group_reference(x: torch.Tensor, *flat: torch.Tensor | float | None) -> tuple[torch.Tensor, ...]:
+    """:func:`lora_linear_reference` for each projection of a group (flattened as in :func:`_flatten`)."""
+    return tuple(lora_linear_reference(x, *projection) for projection in _unflatten(flat))
+
+
+def _flatten(projections: Sequence[LoraProjection]) -> tuple:
+    return tuple(value for projection in projections for value in projection)
+
+
+def _unflatten(flat: Sequence) -> list[LoraProjection]:
+    width = len(LoraProjection._fields)
+    return [LoraProjection(*flat[i : i + width]) for i in range(0, len(flat), width)]
+
+
+def _scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``alpha · a @ b``, scaled in the GEMM's fp32 epilogue rather than by a pass over the result."""
+    if out is None:
+        out = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
+    return out.addmm_(a, b, beta=0, alpha=alpha)
+
+
+def lora_forward(x2d: torch.Tensor, xa: torch.Tensor, projection: LoraProjection) -> torch.Tensor:
+    """One projection's output, written once: ``bias + s · xa Bᵀ``, then the base GEMM on top.
+
+    `xa` is ``x Aᵀ`` for this projection (may be a column slice of a wider tensor).
+    """
+    weight, _, lora_b, scaling, bias = projection
+    if bias is None:
+        out = _scaled_mm(xa, lora_b.t(), scaling)
+    else:
+        out = torch.addmm(bias, xa, lora_b.t(), alpha=scaling)
+    return out.addmm_(x2d, weight.t())
+
+
+def lora_rank_slices(lora_as: Sequence[torch.Tensor]) -> list[slice]:
+    """Each adapter's columns in the side-by-side ``x [A₁; A₂; …]ᵀ``."""
+    bounds = [0]
+    for a in lora_as:
+        bounds.append(bounds[-1] + a.shape[0])
+    return [slice(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+
+
+def stacked(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The adapters' A matrices stacked along the rank (no copy for a single one)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(list(tensors))
+
+
+def lora_group_forward(
+    x2d: torch.Tensor, projections: Sequence[LoraProjection]
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Every projection's output of the rows `x2d`, and ``x [A₁; A₂; …]ᵀ`` (N × Σr) for backward."""
+    lora_as = [p.lora_a for p in projections]
+    xa = torch.mm(x2d, stacked(lora_as).t())
+    outs = [lora_forward(x2d, xa[:, cols], p) for p, cols in zip(projections, lora_rank_slices(lora_as))]
+    return outs, xa
+
+
+def lora_group_backward(
+    x2d: torch.Tensor,
+    xa: torch.Tensor,
+    grads: Sequence[torch.Tensor | None],
+    projections: Sequence[LoraProjection],
+    needs_grad: Sequence[bool],
+) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+    """Gradients of a group of LoRA projections sharing the input rows `x2d`.
+
+    `grads` are the 2-D output gradients (None for an output that got none); `needs_grad` is
+    ``[x, then weight, lora_a, lora_b, scaling, bias of each projection]``. Returns dx and the
+    per-projection gradients in the same flat order (None where not needed).
+    """
+    width = len(LoraProjection._fields)
+    needs = [needs_grad[1 + i * width : 1 + (i + 1) * width] for i in range(len(projections))]
+    need_x = needs_grad[0]
+    need_dxa = need_x or any(n[1] for n in needs)
+    lora_as = [p.lora_a for p in projections]
+    slices = lora_rank_slices(lora_as)
+    n_rows = x2d.shape[0]
+
+    dxa = torch.empty((n_rows, xa.shape[1]), dtype=xa.dtype, device=xa.device) if need_dxa else None
+    flat_grads: list[torch.Tensor | None] = []
+    for projection, dy, cols, need in zip(projections, grads, slices, needs):
+        weight, lora_a, lora_b, scaling, bias = projection
+        if dy is None:
+            # No gradient reaches this output: none for its parameters either, as in eager.
+            if dxa is not None:
+                dxa[:, cols].zero_()
+            flat_grads += [None] * width
+            continue
+        if dxa is not None:
+            _scaled_mm(dy, lora_b, scaling, out=dxa[:, cols])
+        flat_grads += [
+            torch.mm(dy.t(), x2d) if need[0] else None,
+            None,  # dA comes from one GEMM for the whole group, below
+            _scaled_mm(dy.t(), xa[:, cols], scaling) if need[2] else None,
+            None,
+            dy.sum(0) if need[4] else None,
+        ]
+
+    if any(n[1] for n in needs):
+        grad_stacked_a = torch.mm(dxa.t(), x2d)
+        for i, (cols, need, dy) in enumerate(zip(slices, needs, grads)):
+            if need[1] and dy is not None:
+                flat_grads[i * width + 1] = grad_stacked_a[cols]
+
+    grad_x = None
+    if need_x:
+        # dx = Σ dxaᵢ Aᵢ + Σ dyᵢ Wᵢ: the K = Σr GEMM writes dx, each base GEMM accumulates into it.
+        grad_x = torch.mm(dxa, stacked(lora_as))
+        for projection, dy in zip(projections, grads):
+            if dy is not None:
+                grad_x.addmm_(dy, projection.weight)
+    return grad_x, flat_grads
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """`t` as (rows, last dim), a view where possible; cuBLAS takes any row stride."""
+    t2d = t.reshape(-1, t.shape[-1])
+    return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
+
+
+class _LoraGroupFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, *flat):
+        projections = _unflatten(flat)
+        x2d = _rows(x)
+        outs, xa = lora_group_forward(x2d, projections)
+        ctx.save_for_backward(x2d, xa, *(t for p in projections for t in (p.weight, p.lora_a, p.lora_b, p.bias)))
+        ctx.scalings = [p.scaling for p in projections]
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not a zero tensor
+        ctx.lead_shape = x.shape[:-1]
+        return tuple(out.view(*x.shape[:-1], out.shape[-1]) for out in outs)
+
+    @staticmethod
+    def backward(ctx, *grad_outs):
+        x2d, xa, *tensors = ctx.saved_tensors
+        projections = [
+            LoraProjection(w, a, b, s, bias)
+            for (w, a, b, bias), s in zip(zip(*[iter(tensors)] * 4), ctx.scalings)
+        ]
+        grads = [None if g is None else _rows(g) for g in grad_outs]
+        grad_x, flat_grads = lora_group_backward(x2d, xa, grads, projections, ctx.needs_input_grad)
+        if grad_x is not None:
+            grad_x = grad_x.view(*ctx.lead_shape, x2d.shape[1])
+        return (grad_x, *flat_grads)
+
+
+def check_projection(name: str, x: torch.Tensor, projection: LoraProjection, autocast: bool) -> None:
+    """Raise ValueError unless `projection` fits the input `x` (see :class:`LoraProjection`)."""
+    if not isinstance(projection, tuple) or len(projection) != len(LoraProjection._fields):
+        raise ValueError(f"{name} must be a LoraProjection (weight, lora_a, lora_b, scaling, bias), got {projection!r}")
+    weight, lora_a, lora_b, scaling, bias = projection
+    in_features = x.shape[-1]
+    for arg, t in ((f"{name} weight", weight), (f"{name} lora_a", lora_a), (f"{name} lora_b", lora_b)):
+        check_float(arg, t)
+        if t.dim() != 2:
+            raise ValueError(f"{arg} must be a 2-D matrix, got shape {tuple(t.shape)}")
+        check_device(arg, t, x.device)
+    out_features, rank = weight.shape[0], lora_a.shape[0]
+    if weight.shape[1] != in_features:
+        raise ValueError(f"{name} weight must have shape (out, {in_features}) to match x, got {tuple(weight.shape)}")
+    if lora_a.shape[1] != in_features or rank == 0:
+        raise ValueError(f"{name} lora_a must have shape (r, {in_features}) with r >= 1, got {tuple(lora_a.shape)}")
+    if tuple(lora_b.shape) != (out_features, rank):
+        raise ValueError(f"{name} lora_b must have shape ({out_features}, {rank}), got {tuple(lora_b.shape)}")
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not math.isfinite(scaling):
+        raise ValueError(f"{name} scaling must be a finite number, got {scaling!r}")
+    if bias is not None:
+        check_float(f"{name} bias", bias)
+        if tuple(bias.shape) != (out_features,):
+            raise ValueError(f"{name} bias must have shape ({out_features},), got {tuple(bias.shape)}")
+        check_device(f"{name} bias", bias, x.device)
+    if not autocast:
+        for arg, t in ((f"{name} weight", weight), (f"{name} lora_a", lora_a), (f"{name} lora_b", lora_b),
+                       (f"{name} bias", bias)):
+            if t is not None and t.dtype != x.dtype:
+                raise ValueError(f"{arg} must have the dtype of x ({x.dtype}), got {t.dtype}")
+
+
+def check_input(x: torch.Tensor) -> None:
+    check_float("x", x)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (the features), got a scalar")
+
+
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast would run a linear in on `x`'s device, or None when autocast is off."""
+    device_type = x.device.type
+    if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def cast_for_autocast(x: torch.Tensor, flat: Sequence, dtype: torch.dtype | None) -> tuple[torch.Tensor, list]:
+    """`x` and the tensors of `flat` in `dtype` (as autocast casts a linear's operands); unchanged
+    when `dtype` is None. Casts are differentiable, so gradients come back in the original dtypes."""
+    if dtype is None:
+        return x, list(flat)
+    cast = [t.to(dtype) if isinstance(t, torch.Tensor) else t for t in flat]
+    return x.to(dtype), cast
+
+
+def run_op(op: str, kernel, reference, x: torch.Tensor, flat: Sequence, autocast: torch.dtype | None):
+    """Dispatch `op` on `x` and `flat` (already in the autocast dtype, if any) with autocast off, so
+    the GEMMs inside run in the dtype the operands have."""
+    if x.numel() == 0:
+        return reference(x, *flat)
+    unsupported = "float64 runs on the reference" if x.dtype == torch.float64 else None
+    with torch.autocast(x.device.type, enabled=False) if autocast is not None else contextlib.nullcontext():
+        return _backend.dispatch(op, kernel, reference, x, *flat, device=x.device, unsupported=unsupported)
+
+
+def _apply_first(x: torch.Tensor, *flat) -> torch.Tensor:
+    return _LoraGroupFunction.apply(x, *flat)[0]
+
+
+def lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: float,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A LoRA-adapted linear layer, ``x Wᵀ + bias + scaling · (x Aᵀ) Bᵀ``, with each full-size
+    tensor written once in forward and backward (see the module docstring).
+
+    Args:
+        x: input ``(..., in)``, float16/bfloat16/float32 (float64 runs the reference).
+        weight: ``(out, in)`` base weight; its gradient (a full GEMM) is computed only if it
+            requires grad.
+        lora_a: ``(r, in)`` adapter A (PEFT's ``lora_A.weight``).
+        lora_b: ``(out, r)`` adapter B (PEFT's ``lora_B.weight``).
+        scaling: the adapter's scale (``lora_alpha / r`` in PEFT).
+        bias: optional ``(out,)`` base bias.
+
+    All tensors share x's dtype and device; under autocast they are cast to the autocast dtype as
+    ``F.linear`` would be.
+
+    Returns:
+        ``(..., out)`` in x's dtype (the autocast dtype under autocast).
+    """
+    check_input(x)
+    dtype = autocast_dtype(x)
+    projection = LoraProjection(weight, lora_a, lora_b, scaling, bias)
+    check_projection("lora", x, projection, autocast=dtype is not None)
+    x, flat = cast_for_autocast(x, projection, dtype)
+    return run_op(LORA_LINEAR, _apply_first, lora_linear_reference, x, flat, dtype)
+
+
+def lora_linear_group(x: torch.Tensor, projections: Sequence[LoraProjection]) -> tuple[torch.Tensor, ...]:
+    """Several LoRA linears of the same input (q/k/v, or gate/up), as one op.
+
+    Equal to ``tuple(lora_linear(x, *p) for p in projections)``, but x is read once for all the
+    ``x Aᵢᵀ``, saved once, and its gradient is one tensor that every projection's base GEMM
+    accumulates into (no per-projection dx summed by autograd).
+
+    Args:
+        x: input ``(..., in)``.
+        projections: one :class:`LoraProjection` per output; each may have its own rank, scaling
+            and output width.
+
+    Returns:
+        One ``(..., out_i)`` tensor per projection.
+    """
+    check_input(x)
+    if not projections:
+        raise ValueError("projections must hold at least one LoraProjection, got none")
+    dtype = autocast_dtype(x)
+    for i, projection in enumerate(projections):
+        check_projection(f"projections[{i}]", x, projection, autocast=dtype is not None)
+    x, flat = cast_for_autocast(x, _flatten(projections), dtype)
+    return run_op(LORA_LINEAR_GROUP, _LoraGroupFunction.apply, lora_linear_group_reference, x, flat, dtype)
