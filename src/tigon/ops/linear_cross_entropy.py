@@ -1,0 +1,302 @@
+"""Linear layer + cross-entropy (the LM head and its loss) without materialising the logits.
+
+    linear_cross_entropy(h, W, t, b) = cross_entropy(h @ W.T + b, t)
+
+The N tokens are processed in chunks of C rows, C chosen so that one (C, V) logits chunk in the
+input dtype fits `max_chunk_bytes`. Per chunk, in forward:
+
+    logits  = h_c @ W.T + b             cuBLAS, fp32 accumulation, rounded to the input dtype
+                                        (exactly what F.linear gives the unfused loss)
+    loss_c, and dlogits over the chunk  one Triton pass (cross_entropy's kernel, WRITE_GRAD), in
+                                        place: the chunk buffer is private to this op
+    grad_h_c  = dlogits @ W             straight into its rows of grad_h
+    grad_W   += dlogits.T @ h_c         accumulated in W's dtype (an fp32 copy of W would cost
+                                        2 bytes per weight more than the budget allows)
+    grad_b   += dlogits.sum(0)          in fp32
+
+Each GEMM runs only for a tensor that requires grad (a frozen W costs no weight-gradient GEMM).
+The gradients are scaled in forward by 1 / (number of non-ignored targets, or num_items_in_batch)
+as a device tensor, so nothing syncs with the host. Backward multiplies them by grad_output in
+place, with a kernel that reads grad_output on the device and does nothing when it is 1 (the usual
+``loss.backward()``). With reduction="none" the per-row grad_output is only known in backward,
+which then recomputes the chunks (one GEMM more than the other reductions).
+
+Extra memory, besides the gradients themselves: the logits chunk plus O(N + V) fp32 scalars.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tigon import _backend
+from tigon._backend import tl, triton
+from tigon._checks import KERNEL_DTYPES, check_device, check_float, check_vector, rows_view
+from tigon.ops.cross_entropy import (
+    LossOptions,
+    check_loss_options,
+    check_target,
+    cross_entropy_reference,
+    cross_entropy_rows,
+    mean_denominator,
+    reduce_losses,
+)
+
+LINEAR_CROSS_ENTROPY = _backend.register("linear_cross_entropy")
+
+# The logits chunk's budget; 128 MiB keeps the op's extra memory under the TARGETS.md bound at
+# V = 128256 in bf16 (512 rows = 125 MiB). A larger chunk makes the weight-gradient GEMM
+# (K = chunk rows) more efficient: see BENCHMARKS.md for the time/memory curve.
+DEFAULT_MAX_CHUNK_BYTES = 128 * 2**20
+CHUNK_ROW_MULTIPLE = 64  # whole GEMM tiles along the chunk's rows
+SCALE_BLOCK = 4096
+
+
+@triton.jit
+def _scale_in_place_kernel(x_ptr, scale_ptr, n_elements, BLOCK: tl.constexpr):
+    # grad_output is read on the device: when it is 1 every program returns at once, with no host
+    # sync and no pass over the gradient.
+    scale = tl.load(scale_ptr).to(tl.float32)
+    if scale != 1.0:
+        step = tl.num_programs(0).to(tl.int64) * BLOCK
+        for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n_elements, step):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < n_elements
+            x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
+            tl.store(x_ptr + offs, (x * scale).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def linear_cross_entropy_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss_scale: float = 0.0,
+    softcap: float | None = None,
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``cross_entropy(F.linear(hidden, weight, bias), target)`` with the whole logits in memory:
+    the test oracle and the fallback."""
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    losses = cross_entropy_reference(
+        logits, target, ignore_index, "none", label_smoothing, z_loss_scale, softcap
+    )
+    return reduce_losses(losses, target, ignore_index, reduction, num_items_in_batch)
+
+
+def chunk_rows(max_chunk_bytes: int, vocab: int, dtype: torch.dtype) -> int:
+    """Rows per logits chunk: as many as `max_chunk_bytes` holds, rounded down to whole GEMM
+    tiles, and at least one."""
+    rows = max(1, max_chunk_bytes // (vocab * dtype.itemsize))
+    return rows - rows % CHUNK_ROW_MULTIPLE if rows >= CHUNK_ROW_MULTIPLE else rows
+
+
+def _chunked_loss_and_grads(
+    hidden2d, weight, bias, target1d, options, chunk, scale, need_hidden, need_weight, need_bias
+):
+    """Per-row fp32 losses and, for the tensors that need them, the gradients of
+    ``sum(scale * losses)`` (`scale` is 0-dim or one value per row; None when no gradient is
+    needed)."""
+    n_rows = hidden2d.shape[0]
+    vocab = weight.shape[0]
+    device = hidden2d.device
+    write_grad = need_hidden or need_weight or need_bias
+    losses = torch.empty(n_rows, dtype=torch.float32, device=device)
+    lse = torch.empty(min(chunk, n_rows), dtype=torch.float32, device=device)
+    logits_buffer = torch.empty((min(chunk, n_rows), vocab), dtype=hidden2d.dtype, device=device)
+    grad_hidden = torch.empty((n_rows, hidden2d.shape[1]), dtype=hidden2d.dtype, device=device) if need_hidden else None
+    grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=device) if need_weight else None
+    grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if need_bias else None
+    per_row_scale = scale is not None and scale.dim() == 1
+
+    for start in range(0, n_rows, chunk):
+        end = min(start + chunk, n_rows)
+        hidden_c, logits = hidden2d[start:end], logits_buffer[: end - start]
+        if bias is None:
+            torch.mm(hidden_c, weight.t(), out=logits)
+        else:
+            torch.addmm(bias, hidden_c, weight.t(), out=logits)
+        cross_entropy_rows(
+            logits, target1d[start:end], losses[start:end], lse[: end - start], options,
+            grad=logits if write_grad else None,
+            scale=scale[start:end] if per_row_scale else scale,
+        )
+        # `logits` now holds d loss / d logits for this chunk.
+        if need_hidden:
+            torch.mm(logits, weight, out=grad_hidden[start:end])
+        if need_weight:
+            if start == 0:
+                torch.mm(logits.t(), hidden_c, out=grad_weight)
+            else:
+                grad_weight.addmm_(logits.t(), hidden_c)
+        if need_bias:
+            grad_bias += logits.sum(0, dtype=torch.float32)
+    if grad_bias is not None:
+        grad_bias = grad_bias.to(bias.dtype)
+    return losses, grad_hidden, grad_weight, grad_bias
+
+
+def _scale_in_place(t: torch.Tensor, scale: torch.Tensor) -> None:
+    n_blocks = triton.cdiv(t.numel(), SCALE_BLOCK)
+    programs = max(1, min(n_blocks, 8 * _backend.multiprocessor_count(t.device)))
+    _scale_in_place_kernel[(programs,)](t, scale, t.numel(), BLOCK=SCALE_BLOCK, num_warps=8)
+
+
+class _LinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, num_items_in_batch, options, reduction, max_chunk_bytes):
+        hidden2d, target1d = rows_view(hidden), target.reshape(-1)
+        chunk = chunk_rows(max_chunk_bytes, weight.shape[0], hidden.dtype)
+        needs = ctx.needs_input_grad[:3]
+        ctx.save_for_backward(hidden, weight, bias, target)
+        ctx.config = (options, reduction, chunk)
+        ctx.num_items_in_batch = num_items_in_batch
+        ctx.grads = None
+        if reduction == "none":
+            # The per-row grad_output arrives in backward, which recomputes the chunks with it.
+            losses = _chunked_loss_and_grads(hidden2d, weight, bias, target1d, options, chunk, None, False, False, False)[0]
+            return losses.view(target.shape)
+        if reduction == "mean":
+            ctx.inverse_denominator = 1.0 / mean_denominator(
+                target1d, options.ignore_index, num_items_in_batch, torch.float32
+            )
+        else:
+            ctx.inverse_denominator = torch.ones((), dtype=torch.float32, device=hidden.device)
+        losses, *grads = _chunked_loss_and_grads(
+            hidden2d, weight, bias, target1d, options, chunk,
+            ctx.inverse_denominator if any(needs) else None, *needs,
+        )
+        ctx.grads = grads if any(needs) else None
+        return losses.sum() * ctx.inverse_denominator
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output):
+        hidden, weight, bias, target = ctx.saved_tensors
+        options, reduction, chunk = ctx.config
+        try:
+            if ctx.grads is not None:
+                # Computed in forward for grad_output = 1. Handed over once: a second backward
+                # (retain_graph=True) recomputes below.
+                grads, ctx.grads = ctx.grads, None
+                for grad in grads:
+                    if grad is not None:
+                        _scale_in_place(grad, grad_output)
+            else:
+                scale = grad_output.reshape(-1) if reduction == "none" else grad_output * ctx.inverse_denominator
+                grads = _chunked_loss_and_grads(
+                    rows_view(hidden), weight, bias, target.reshape(-1), options, chunk, scale,
+                    *ctx.needs_input_grad[:3],
+                )[1:]
+        except Exception as err:
+            def reference(h, w, b):
+                return linear_cross_entropy_reference(
+                    h, w, target, b, options.ignore_index, reduction,
+                    options.label_smoothing, options.z_loss_scale, options.softcap, ctx.num_items_in_batch,
+                )
+
+            grads = _backend.reference_backward(
+                LINEAR_CROSS_ENTROPY, err, reference, (hidden, weight, bias), (grad_output,)
+            )
+        grad_hidden, grad_weight, grad_bias = grads
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.view(hidden.shape)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _check(hidden, weight, target, bias, options, reduction, num_items_in_batch, max_chunk_bytes) -> str | None:
+    check_float("hidden", hidden)
+    if hidden.dim() == 0:
+        raise ValueError("hidden must have at least one dimension (the hidden size), got a scalar")
+    check_float("weight", weight)
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
+        raise ValueError(
+            f"weight must have shape (vocab, {hidden.shape[-1]}) with vocab >= 1 to match the last dim "
+            f"of hidden, got {tuple(weight.shape)}"
+        )
+    check_device("weight", weight, hidden.device)
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"weight must have the dtype of hidden ({hidden.dtype}), got {weight.dtype}")
+    if bias is not None:
+        check_vector("bias", bias, weight.shape[0], hidden.device)
+        if bias.dtype != hidden.dtype:
+            raise ValueError(f"bias must have the dtype of hidden ({hidden.dtype}), got {bias.dtype}")
+    check_target(target, hidden.shape[:-1], hidden.device, "hidden")
+    check_loss_options(options, reduction)
+    if num_items_in_batch is not None:
+        if reduction != "mean":
+            raise ValueError(f"num_items_in_batch replaces the mean's divisor: reduction must be 'mean', got {reduction!r}")
+        is_int = isinstance(num_items_in_batch, int) and not isinstance(num_items_in_batch, bool)
+        is_scalar_tensor = isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.dim() == 0
+        if not (is_int or is_scalar_tensor):
+            raise ValueError(f"num_items_in_batch must be an int or a 0-dim tensor, got {num_items_in_batch!r}")
+        if is_scalar_tensor and num_items_in_batch.device.type != "cpu":
+            check_device("num_items_in_batch", num_items_in_batch, hidden.device)
+    if not isinstance(max_chunk_bytes, int) or isinstance(max_chunk_bytes, bool) or max_chunk_bytes <= 0:
+        raise ValueError(f"max_chunk_bytes must be a positive int, got {max_chunk_bytes!r}")
+    if hidden.dtype not in KERNEL_DTYPES:
+        return f"dtype {hidden.dtype} runs on the reference"
+    return None
+
+
+def _linear_cross_entropy_kernel(
+    hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss_scale, softcap,
+    num_items_in_batch, max_chunk_bytes,
+):
+    options = LossOptions(ignore_index, label_smoothing, z_loss_scale, softcap)
+    return _LinearCrossEntropyFunction.apply(
+        hidden, weight, bias, target, num_items_in_batch, options, reduction, max_chunk_bytes
+    )
+
+
+@torch.compiler.disable  # a graph break under torch.compile: the op runs eagerly, as itself
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss_scale: float = 0.0,
+    softcap: float | None = None,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    max_chunk_bytes: int | None = None,
+) -> torch.Tensor:
+    """``cross_entropy(hidden @ weight.T + bias, target)`` without ever holding the (N, V) logits.
+
+    Args:
+        hidden: ``(..., H)`` float16/bfloat16/float32 (float64 runs the reference).
+        weight: ``(V, H)`` (the LM head), dtype of `hidden`.
+        target: ``(...)`` int64/int32 class indices (shape of `hidden` without its last dim).
+        bias: optional ``(V,)``.
+        ignore_index, reduction, label_smoothing, z_loss_scale, softcap: as in
+            :func:`tigon.functional.cross_entropy`.
+        num_items_in_batch: an int or 0-dim tensor; the loss becomes ``sum / num_items_in_batch``
+            (gradient accumulation that matches one large batch). Needs reduction="mean".
+        max_chunk_bytes: the most bytes one chunk of logits may take (at least one row);
+            default ``DEFAULT_MAX_CHUNK_BYTES``. Larger is faster and uses more memory.
+
+    Returns:
+        The loss in fp32 (shape of `target` for reduction="none"). An all-ignored batch gives 0
+        and zero gradients. Gradients are computed in forward, for the tensors that require grad,
+        and backward only scales them; no host sync in either.
+    """
+    if max_chunk_bytes is None:
+        max_chunk_bytes = DEFAULT_MAX_CHUNK_BYTES
+    options = LossOptions(ignore_index, label_smoothing, z_loss_scale, softcap)
+    unsupported = _check(hidden, weight, target, bias, options, reduction, num_items_in_batch, max_chunk_bytes)
+    args = (hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss_scale, softcap, num_items_in_batch)
+    if target.numel() == 0:
+        return linear_cross_entropy_reference(*args)
+    return _backend.dispatch(
+        LINEAR_CROSS_ENTROPY,
+        lambda *a: _linear_cross_entropy_kernel(*a, max_chunk_bytes),
+        linear_cross_entropy_reference,
+        *args,
+        device=hidden.device,
+        unsupported=unsupported,
+    )
