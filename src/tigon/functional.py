@@ -1,6 +1,8 @@
 """tigon's ops as plain functions: drop-in, differentiable, Triton where it can run."""
 
+from tigon.ops.glu import geglu, glu_mlp, swiglu
 from tigon.ops.layer_norm import layer_norm
 from tigon.ops.rms_norm import add_rms_norm, rms_norm
+from tigon.ops.rope import rope
 
-__all__ = ["add_rms_norm", "layer_norm", "rms_norm"]
+__all__ = ["add_rms_norm", "geglu", "glu_mlp", "swiglu", "layer_norm", "rms_norm", "rope"]

@@ -1,0 +1,418 @@
+"""Gated activations and the gated MLP built on them.
+
+    swiglu(gate, up)             = silu(gate) * up
+    geglu(gate, up, approximate) = gelu(gate) * up      (tanh approximation or exact erf)
+    glu_mlp(x, ...)              = down_proj(act(gate_proj(x)) * up_proj(x))
+
+One forward and one backward kernel serve every activation (an ACTIVATION constexpr). The kernels
+compute in fp32 and round once to the input dtype. Backward recomputes the activation from `gate`,
+so only `gate` and `up` are saved, never ``act(gate)`` or the product.
+
+`glu_mlp` runs the three projections with torch matmuls around the kernels and saves the MLP input,
+`gate` and `up` only: the down projection's input ``act(gate) * up`` is recomputed in backward, by
+the same pass that computes the gradients of `gate` and `up`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as torch_f
+
+from tigon import _backend
+from tigon._backend import tl, triton
+from tigon._checks import KERNEL_DTYPES, check_choice, check_device, check_float, rows_view
+
+SWIGLU = _backend.register("swiglu")
+GEGLU = _backend.register("geglu")
+GLU_MLP = _backend.register("glu_mlp")
+
+# "gelu_tanh" is gelu(approximate="tanh") (Gemma's gelu_pytorch_tanh), "gelu" the exact erf form.
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+APPROXIMATIONS = {"tanh": "gelu_tanh", "none": "gelu"}
+
+# Elements per program. Each thread keeps two 16-byte bf16 vectors of every tensor in flight.
+BLOCK_SIZE = 2048
+NUM_WARPS = 4
+
+
+@triton.jit
+def _activation(gate, ACTIVATION: tl.constexpr):
+    if ACTIVATION == "silu":
+        act = gate * tl.sigmoid(gate)
+    elif ACTIVATION == "gelu_tanh":
+        # 0.5 * (1 + tanh(z)) == sigmoid(2z): no cancellation near z = 0.
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        act = gate * tl.sigmoid(2.0 * inner)
+    else:
+        act = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
+    return act
+
+
+@triton.jit
+def _activation_grad(gate, ACTIVATION: tl.constexpr):
+    """d act / d gate."""
+    if ACTIVATION == "silu":
+        sig = tl.sigmoid(gate)
+        grad = sig * (1.0 + gate * (1.0 - sig))
+    elif ACTIVATION == "gelu_tanh":
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        sig = tl.sigmoid(2.0 * inner)
+        inner_grad = 0.7978845608028654 * (1.0 + 0.134145 * gate * gate)
+        grad = sig + 2.0 * gate * sig * (1.0 - sig) * inner_grad
+    else:
+        cdf = 0.5 * (1.0 + tl.erf(gate * 0.7071067811865476))
+        grad = cdf + gate * 0.3989422804014327 * tl.exp(-0.5 * gate * gate)
+    return grad
+
+
+@triton.jit
+def _glu_fwd_kernel(
+    gate_ptr, up_ptr, out_ptr,
+    n_cols, n_col_blocks,
+    gate_row_stride, up_row_stride, out_row_stride,
+    ACTIVATION: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # One flat index space over (rows, column blocks): the row count may pass the grid's y limit.
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // n_col_blocks
+    cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + row * up_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * out_row_stride + cols, _activation(gate, ACTIVATION) * up, mask=mask)
+
+
+@triton.jit
+def _glu_bwd_kernel(
+    grad_out_ptr, gate_ptr, up_ptr, grad_gate_ptr, grad_up_ptr, product_ptr,
+    n_cols, n_col_blocks,
+    grad_out_row_stride, gate_row_stride, up_row_stride,
+    grad_gate_row_stride, grad_up_row_stride, product_row_stride,
+    ACTIVATION: tl.constexpr,
+    STORE_PRODUCT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // n_col_blocks
+    cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    grad_out = tl.load(grad_out_ptr + row * grad_out_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + row * up_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    act = _activation(gate, ACTIVATION)
+    grad_gate = grad_out * up * _activation_grad(gate, ACTIVATION)
+    tl.store(grad_gate_ptr + row * grad_gate_row_stride + cols, grad_gate, mask=mask)
+    tl.store(grad_up_ptr + row * grad_up_row_stride + cols, grad_out * act, mask=mask)
+    if STORE_PRODUCT:
+        # The forward's output, recomputed with the forward's arithmetic (glu_mlp's down_proj input).
+        tl.store(product_ptr + row * product_row_stride + cols, act * up, mask=mask)
+
+
+def _activation_reference(gate: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "silu":
+        return torch_f.silu(gate)
+    return torch_f.gelu(gate, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
+def glu_reference(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """``act(gate) * up`` in PyTorch for any of ACTIVATIONS: the test oracle and the fallback."""
+    return _activation_reference(gate, activation) * up
+
+
+def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` in PyTorch."""
+    return torch_f.silu(gate) * up
+
+
+def geglu_reference(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """``gelu(gate, approximate) * up`` in PyTorch."""
+    return torch_f.gelu(gate, approximate=approximate) * up
+
+
+def glu_mlp_reference(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    gate_bias: torch.Tensor | None = None,
+    up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """The gated MLP as Hugging Face's LlamaMLP / GemmaMLP compute it."""
+    gate = torch_f.linear(x, gate_weight, gate_bias)
+    up = torch_f.linear(x, up_weight, up_bias)
+    return torch_f.linear(glu_reference(gate, up, activation), down_weight, down_bias)
+
+
+def _row_views(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """2-D views of same-shaped tensors for the kernels: one row over everything when all are
+    contiguous (no partial blocks at row ends), else (rows, last dim) views that keep row strides."""
+    if all(t.is_contiguous() for t in tensors):
+        return [t.view(1, -1) for t in tensors]
+    return [rows_view(t) for t in tensors]
+
+
+def _grid(rows2d: torch.Tensor) -> tuple[int, int]:
+    n_rows, n_cols = rows2d.shape
+    n_col_blocks = triton.cdiv(n_cols, BLOCK_SIZE)
+    return n_rows * n_col_blocks, n_col_blocks
+
+
+def _glu_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """``act(gate) * up`` by the forward kernel, outside autograd; contiguous, dtype of `gate`."""
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    gate2d, up2d, out2d = _row_views(gate, up, out)
+    n_programs, n_col_blocks = _grid(gate2d)
+    _glu_fwd_kernel[(n_programs,)](
+        gate2d, up2d, out2d,
+        gate2d.shape[1], n_col_blocks,
+        gate2d.stride(0), up2d.stride(0), out2d.stride(0),
+        ACTIVATION=activation,
+        BLOCK=BLOCK_SIZE,
+        num_warps=NUM_WARPS,
+    )
+    return out
+
+
+def _glu_backward(
+    grad_out: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    store_product: bool,
+    grad_out_is_scratch: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(grad_gate, grad_up, act(gate) * up or None) by the backward kernel.
+
+    With `grad_out_is_scratch` (a contiguous buffer only the caller holds) grad_gate overwrites
+    grad_out, saving one allocation; never pass a gradient autograd handed in.
+    """
+    grad_gate = grad_out if grad_out_is_scratch else torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    grad_up = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+    product = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device) if store_product else None
+    views = _row_views(grad_out, gate, up, grad_gate, grad_up, *([product] if store_product else []))
+    grad_out2d, gate2d, up2d, grad_gate2d, grad_up2d = views[:5]
+    product2d = views[5] if store_product else grad_up2d  # unused by the kernel when not stored
+    n_programs, n_col_blocks = _grid(gate2d)
+    _glu_bwd_kernel[(n_programs,)](
+        grad_out2d, gate2d, up2d, grad_gate2d, grad_up2d, product2d,
+        gate2d.shape[1], n_col_blocks,
+        grad_out2d.stride(0), gate2d.stride(0), up2d.stride(0),
+        grad_gate2d.stride(0), grad_up2d.stride(0), product2d.stride(0),
+        ACTIVATION=activation,
+        STORE_PRODUCT=store_product,
+        BLOCK=BLOCK_SIZE,
+        num_warps=NUM_WARPS,
+    )
+    return grad_gate, grad_up, product
+
+
+def _glu_backward_or_reference(op, grad_out, gate, up, activation, store_product=False, grad_out_is_scratch=False):
+    """:func:`_glu_backward`, or the reference's gradients if the kernel fails to compile or launch."""
+    try:
+        return _glu_backward(grad_out, gate, up, activation, store_product, grad_out_is_scratch)
+    except Exception as err:
+        reference = functools.partial(glu_reference, activation=activation)
+        grad_gate, grad_up = _backend.reference_backward(op, err, reference, (gate, up), (grad_out,))
+        product = reference(gate, up) if store_product else None
+        return grad_gate, grad_up, product
+
+
+class _GLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, activation, op):
+        ctx.save_for_backward(gate, up)
+        ctx.config = (activation, op)
+        return _glu_forward(gate, up, activation)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gate, up = ctx.saved_tensors
+        activation, op = ctx.config
+        grad_gate, grad_up, _ = _glu_backward_or_reference(op, grad_out, gate, up, activation)
+        return (
+            grad_gate if ctx.needs_input_grad[0] else None,
+            grad_up if ctx.needs_input_grad[1] else None,
+            None,
+            None,
+        )
+
+
+def _check_pair(gate: torch.Tensor, up: torch.Tensor) -> str | None:
+    """Validate gate/up; return why the kernel cannot take them, if it cannot."""
+    check_float("gate", gate)
+    check_float("up", up)
+    if up.shape != gate.shape:
+        raise ValueError(f"up must have the shape of gate {tuple(gate.shape)}, got {tuple(up.shape)}")
+    if up.dtype != gate.dtype:
+        raise ValueError(f"up must have the dtype of gate ({gate.dtype}), got {up.dtype}")
+    check_device("up", up, gate.device)
+    if gate.dtype not in KERNEL_DTYPES:
+        return f"dtype {gate.dtype} runs on the reference"
+    return None
+
+
+def _glu_kernel(gate, up, activation, op):
+    return _GLUFunction.apply(gate, up, activation, op)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` in one pass; backward saves only `gate` and `up`.
+
+    Args:
+        gate: the gate projection's output, any shape, float16/bfloat16/float32 (float64 runs the
+            reference); need not be contiguous (e.g. one half of a fused gate/up projection).
+        up: the up projection's output, same shape, dtype and device as `gate`.
+
+    Returns:
+        A contiguous tensor of `gate`'s shape and dtype.
+    """
+    unsupported = _check_pair(gate, up)
+    if gate.numel() == 0:
+        return swiglu_reference(gate, up)
+    return _backend.dispatch(
+        SWIGLU, lambda g, u: _glu_kernel(g, u, "silu", SWIGLU), swiglu_reference, gate, up,
+        device=gate.device, unsupported=unsupported,
+    )
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """``gelu(gate) * up`` in one pass; backward saves only `gate` and `up`.
+
+    Args:
+        gate, up: as for :func:`swiglu`.
+        approximate: ``"tanh"`` (Gemma's ``gelu_pytorch_tanh``) or ``"none"`` (exact erf GELU), as
+            in :func:`torch.nn.functional.gelu`.
+
+    Returns:
+        A contiguous tensor of `gate`'s shape and dtype.
+    """
+    check_choice("approximate", approximate, tuple(APPROXIMATIONS))
+    unsupported = _check_pair(gate, up)
+    if gate.numel() == 0:
+        return geglu_reference(gate, up, approximate)
+    activation = APPROXIMATIONS[approximate]
+    return _backend.dispatch(
+        GEGLU, lambda g, u, a: _glu_kernel(g, u, activation, GEGLU), geglu_reference, gate, up, approximate,
+        device=gate.device, unsupported=unsupported,
+    )
+
+
+class _GLUMLPFunction(torch.autograd.Function):
+    # custom_fwd/custom_bwd: under autocast the backward's matmuls run in the forward's precision.
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation):
+        gate = torch_f.linear(x, gate_weight, gate_bias)
+        up = torch_f.linear(x, up_weight, up_bias)
+        out = torch_f.linear(_glu_forward(gate, up, activation), down_weight, down_bias)
+        ctx.save_for_backward(x, gate, up, gate_weight, up_weight, down_weight)
+        ctx.activation = activation
+        return out
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, grad_out):
+        x, gate, up, gate_weight, up_weight, down_weight = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        grad_out2d = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_h = torch.matmul(grad_out2d, down_weight)
+        # grad_h is ours alone, so grad_gate may overwrite it; the recomputed down_proj input is
+        # only needed for the down weight's gradient.
+        grad_gate, grad_up, product = _glu_backward_or_reference(
+            GLU_MLP, grad_h, gate.reshape(grad_h.shape), up.reshape(grad_h.shape), ctx.activation,
+            store_product=needs[3], grad_out_is_scratch=True,
+        )
+        grad_down_weight = grad_out2d.t().matmul(product) if needs[3] else None
+        del product
+        grad_down_bias = grad_out2d.sum(0) if needs[6] else None
+        grad_x = None
+        if needs[0]:
+            grad_x = torch.addmm(grad_gate.matmul(gate_weight), grad_up, up_weight).view(x.shape)
+        x2d = x.reshape(-1, x.shape[-1])
+        grad_gate_weight = grad_gate.t().matmul(x2d) if needs[1] else None
+        grad_up_weight = grad_up.t().matmul(x2d) if needs[2] else None
+        grad_gate_bias = grad_gate.sum(0) if needs[4] else None
+        grad_up_bias = grad_up.sum(0) if needs[5] else None
+        return (
+            grad_x, grad_gate_weight, grad_up_weight, grad_down_weight,
+            grad_gate_bias, grad_up_bias, grad_down_bias, None,
+        )
+
+
+def _check_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation) -> str | None:
+    check_choice("activation", activation, ACTIVATIONS)
+    check_float("x", x)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (the hidden one), got a scalar")
+    hidden = x.shape[-1]
+    check_float("gate_weight", gate_weight)
+    if gate_weight.dim() != 2 or gate_weight.shape[1] != hidden:
+        raise ValueError(
+            f"gate_weight must have shape (intermediate, {hidden}) to match x's last dim, "
+            f"got {tuple(gate_weight.shape)}"
+        )
+    intermediate = gate_weight.shape[0]
+    expected = {
+        "up_weight": (up_weight, (intermediate, hidden)),
+        "down_weight": (down_weight, (hidden, intermediate)),
+        "gate_bias": (gate_bias, (intermediate,)),
+        "up_bias": (up_bias, (intermediate,)),
+        "down_bias": (down_bias, (hidden,)),
+    }
+    for name, (t, shape) in expected.items():
+        if t is None and name.endswith("bias"):
+            continue
+        check_float(name, t)
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    for name, t in [("gate_weight", gate_weight), *((n, t) for n, (t, _) in expected.items())]:
+        if t is not None:
+            check_device(name, t, x.device)
+    dtypes = {x.dtype, gate_weight.dtype, up_weight.dtype, down_weight.dtype}
+    if not dtypes <= set(KERNEL_DTYPES):
+        return f"dtypes {sorted(map(str, dtypes))} run on the reference"
+    return None
+
+
+def _glu_mlp_kernel(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation):
+    return _GLUMLPFunction.apply(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation)
+
+
+def glu_mlp(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    gate_bias: torch.Tensor | None = None,
+    up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    *,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """The gated MLP ``down(act(gate(x)) * up(x))`` of Llama / Gemma, saving less for backward.
+
+    Saves `x`, ``gate(x)`` and ``up(x)``; the down projection's input is recomputed in backward
+    (one intermediate-sized tensor less than the unfused module). Works under autocast.
+
+    Args:
+        x: ``(..., hidden)`` input.
+        gate_weight, up_weight: ``(intermediate, hidden)``; down_weight: ``(hidden, intermediate)``
+            (``nn.Linear`` layout).
+        gate_bias, up_bias, down_bias: optional biases.
+        activation: ``"silu"`` (SwiGLU), ``"gelu_tanh"`` or ``"gelu"`` (GeGLU).
+
+    Returns:
+        ``(..., hidden)``.
+    """
+    args = (x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation)
+    unsupported = _check_mlp(*args)
+    if x.numel() == 0:
+        return glu_mlp_reference(*args)
+    return _backend.dispatch(
+        GLU_MLP, _glu_mlp_kernel, glu_mlp_reference, *args, device=x.device, unsupported=unsupported,
+    )
