@@ -142,48 +142,82 @@ def lora_group_backward(
     ``[x, then weight, lora_a, lora_b, scaling, bias of each projection]``. Returns dx and the
     per-projection gradients in the same flat order (None where not needed).
     """
+    grad_x, grad_xa, flat_grads = lora_backward_without_input(xa, grads, projections, needs_grad)
+    lora_backward_from_input(x2d, grad_xa, grads, projections, needs_grad, flat_grads)
+    return grad_x, flat_grads
+
+
+def _split_needs(projections: Sequence[LoraProjection], needs_grad: Sequence[bool]) -> list[Sequence[bool]]:
     width = len(LoraProjection._fields)
-    needs = [needs_grad[1 + i * width : 1 + (i + 1) * width] for i in range(len(projections))]
+    return [needs_grad[1 + i * width : 1 + (i + 1) * width] for i in range(len(projections))]
+
+
+def lora_backward_without_input(
+    xa: torch.Tensor,
+    grads: Sequence[torch.Tensor | None],
+    projections: Sequence[LoraProjection],
+    needs_grad: Sequence[bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, list[torch.Tensor | None]]:
+    """The part of :func:`lora_group_backward` that does not read the group's input: dx,
+    ``dxa = [s₁ dy₁ B₁, s₂ dy₂ B₂, …]`` (None when neither dx nor any dA needs it), and the flat
+    gradients with dB and dbias filled in (dW and dA are left to :func:`lora_backward_from_input`).
+
+    A gated MLP needs dx of its down projection before it can recompute that projection's input.
+    """
+    width = len(LoraProjection._fields)
+    needs = _split_needs(projections, needs_grad)
     need_x = needs_grad[0]
     need_dxa = need_x or any(n[1] for n in needs)
     lora_as = [p.lora_a for p in projections]
     slices = lora_rank_slices(lora_as)
-    n_rows = x2d.shape[0]
 
-    dxa = torch.empty((n_rows, xa.shape[1]), dtype=xa.dtype, device=xa.device) if need_dxa else None
+    grad_xa = torch.empty(xa.shape, dtype=xa.dtype, device=xa.device) if need_dxa else None
     flat_grads: list[torch.Tensor | None] = []
     for projection, dy, cols, need in zip(projections, grads, slices, needs):
-        weight, lora_a, lora_b, scaling, bias = projection
+        flat_grads += [None] * width
         if dy is None:
             # No gradient reaches this output: none for its parameters either, as in eager.
-            if dxa is not None:
-                dxa[:, cols].zero_()
-            flat_grads += [None] * width
+            if grad_xa is not None:
+                grad_xa[:, cols].zero_()
             continue
-        if dxa is not None:
-            _scaled_mm(dy, lora_b, scaling, out=dxa[:, cols])
-        flat_grads += [
-            torch.mm(dy.t(), x2d) if need[0] else None,
-            None,  # dA comes from one GEMM for the whole group, below
-            _scaled_mm(dy.t(), xa[:, cols], scaling) if need[2] else None,
-            None,
-            dy.sum(0) if need[4] else None,
-        ]
-
-    if any(n[1] for n in needs):
-        grad_stacked_a = torch.mm(dxa.t(), x2d)
-        for i, (cols, need, dy) in enumerate(zip(slices, needs, grads)):
-            if need[1] and dy is not None:
-                flat_grads[i * width + 1] = grad_stacked_a[cols]
+        if grad_xa is not None:
+            _scaled_mm(dy, projection.lora_b, projection.scaling, out=grad_xa[:, cols])
+        if need[2]:
+            flat_grads[-width + 2] = _scaled_mm(dy.t(), xa[:, cols], projection.scaling)
+        if need[4]:
+            flat_grads[-width + 4] = dy.sum(0)
 
     grad_x = None
     if need_x:
         # dx = Σ dxaᵢ Aᵢ + Σ dyᵢ Wᵢ: the K = Σr GEMM writes dx, each base GEMM accumulates into it.
-        grad_x = torch.mm(dxa, stacked(lora_as))
+        grad_x = torch.mm(grad_xa, stacked(lora_as))
         for projection, dy in zip(projections, grads):
             if dy is not None:
                 grad_x.addmm_(dy, projection.weight)
-    return grad_x, flat_grads
+    return grad_x, grad_xa, flat_grads
+
+
+def lora_backward_from_input(
+    x2d: torch.Tensor,
+    grad_xa: torch.Tensor | None,
+    grads: Sequence[torch.Tensor | None],
+    projections: Sequence[LoraProjection],
+    needs_grad: Sequence[bool],
+    flat_grads: list[torch.Tensor | None],
+) -> None:
+    """Fill dA (one GEMM for the whole group) and dW into `flat_grads`: the gradients that read the
+    group's input rows `x2d`."""
+    width = len(LoraProjection._fields)
+    needs = _split_needs(projections, needs_grad)
+    slices = lora_rank_slices([p.lora_a for p in projections])
+    if any(need[1] and dy is not None for need, dy in zip(needs, grads)):
+        grad_stacked_a = torch.mm(grad_xa.t(), x2d)
+        for i, (cols, need, dy) in enumerate(zip(slices, needs, grads)):
+            if need[1] and dy is not None:
+                flat_grads[i * width + 1] = grad_stacked_a[cols]
+    for i, (need, dy) in enumerate(zip(needs, grads)):
+        if need[0] and dy is not None:
+            flat_grads[i * width] = torch.mm(dy.t(), x2d)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -218,12 +252,15 @@ class _LoraGroupFunction(torch.autograd.Function):
         return (grad_x, *flat_grads)
 
 
-def check_projection(name: str, x: torch.Tensor, projection: LoraProjection, autocast: bool) -> None:
-    """Raise ValueError unless `projection` fits the input `x` (see :class:`LoraProjection`)."""
+def check_projection(
+    name: str, projection: LoraProjection, x: torch.Tensor, autocast: bool, in_features: int | None = None
+) -> None:
+    """Raise ValueError unless `projection` takes inputs of width `in_features` (default x's last
+    dim) on x's device, in x's dtype unless autocast will cast them (see :class:`LoraProjection`)."""
     if not isinstance(projection, tuple) or len(projection) != len(LoraProjection._fields):
         raise ValueError(f"{name} must be a LoraProjection (weight, lora_a, lora_b, scaling, bias), got {projection!r}")
     weight, lora_a, lora_b, scaling, bias = projection
-    in_features = x.shape[-1]
+    in_features = x.shape[-1] if in_features is None else in_features
     for arg, t in ((f"{name} weight", weight), (f"{name} lora_a", lora_a), (f"{name} lora_b", lora_b)):
         check_float(arg, t)
         if t.dim() != 2:
@@ -231,7 +268,7 @@ def check_projection(name: str, x: torch.Tensor, projection: LoraProjection, aut
         check_device(arg, t, x.device)
     out_features, rank = weight.shape[0], lora_a.shape[0]
     if weight.shape[1] != in_features:
-        raise ValueError(f"{name} weight must have shape (out, {in_features}) to match x, got {tuple(weight.shape)}")
+        raise ValueError(f"{name} weight must have shape (out, {in_features}) to match its input, got {tuple(weight.shape)}")
     if lora_a.shape[1] != in_features or rank == 0:
         raise ValueError(f"{name} lora_a must have shape (r, {in_features}) with r >= 1, got {tuple(lora_a.shape)}")
     if tuple(lora_b.shape) != (out_features, rank):
@@ -316,7 +353,7 @@ def lora_linear(
     check_input(x)
     dtype = autocast_dtype(x)
     projection = LoraProjection(weight, lora_a, lora_b, scaling, bias)
-    check_projection("lora", x, projection, autocast=dtype is not None)
+    check_projection("lora", projection, x, autocast=dtype is not None)
     x, flat = cast_for_autocast(x, projection, dtype)
     return run_op(LORA_LINEAR, _apply_first, lora_linear_reference, x, flat, dtype)
 
@@ -341,6 +378,6 @@ def lora_linear_group(x: torch.Tensor, projections: Sequence[LoraProjection]) ->
         raise ValueError("projections must hold at least one LoraProjection, got none")
     dtype = autocast_dtype(x)
     for i, projection in enumerate(projections):
-        check_projection(f"projections[{i}]", x, projection, autocast=dtype is not None)
+        check_projection(f"projections[{i}]", projection, x, autocast=dtype is not None)
     x, flat = cast_for_autocast(x, _flatten(projections), dtype)
     return run_op(LORA_LINEAR_GROUP, _LoraGroupFunction.apply, lora_linear_group_reference, x, flat, dtype)

@@ -1,0 +1,149 @@
+"""A gated MLP whose three projections all carry LoRA adapters, as one autograd Function.
+
+    lora_gated_mlp(x) = down(act(gate(x)) * up(x)),    each proj(z) = z Wᵀ + b + s · (z Aᵀ) Bᵀ
+
+with act SiLU (SwiGLU: Llama, Mistral, Qwen) or GELU (GeGLU: Gemma). Eager PEFT runs this as three
+LoRA linears (each with its full-size low-rank term, scale and add, forward and backward) around an
+activation that saves ``act(gate)``, ``up`` and the product for backward. Here:
+
+* gate and up are one LoRA group (:func:`tigon.ops.lora.lora_linear_group`'s code): x is read once
+  for both adapters, each output is written once, and dx is one tensor both base GEMMs accumulate
+  into;
+* the activation is the gated-activation kernel of :mod:`tigon.ops.glu`;
+* saved per layer: x, gate, up and the rank-sized ``x Aᵀ`` / ``h A_downᵀ``. The down projection's
+  input ``h = act(gate) * up`` is recomputed in backward by the same pass that forms the
+  gradients of gate and up.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from tigon import _backend
+from tigon._checks import check_choice
+from tigon.ops.glu import ACTIVATIONS, _glu_backward_or_reference, _glu_forward, glu_reference
+from tigon.ops.lora import (
+    LoraProjection,
+    _flatten,
+    _rows,
+    _unflatten,
+    autocast_dtype,
+    cast_for_autocast,
+    check_input,
+    check_projection,
+    lora_backward_from_input,
+    lora_backward_without_input,
+    lora_forward,
+    lora_group_backward,
+    lora_group_forward,
+    lora_linear_reference,
+    run_op,
+)
+
+LORA_GATED_MLP = _backend.register("lora_gated_mlp")
+
+
+def lora_gated_mlp_reference(x: torch.Tensor, activation: str, *flat) -> torch.Tensor:
+    """The LoRA gated MLP as PEFT computes it around a Hugging Face LlamaMLP / GemmaMLP; `flat` is
+    the gate, up and down projections' fields in :class:`LoraProjection` order."""
+    gate, up, down = _unflatten(flat)
+    h = glu_reference(lora_linear_reference(x, *gate), lora_linear_reference(x, *up), activation)
+    return lora_linear_reference(h, *down)
+
+
+class _LoraGatedMLPFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, activation, *flat):
+        gate_proj, up_proj, down_proj = _unflatten(flat)
+        x2d = _rows(x)
+        (gate, up), xa = lora_group_forward(x2d, [gate_proj, up_proj])
+        h = _glu_forward(gate, up, activation)
+        ha = torch.mm(h, down_proj.lora_a.t())
+        out = lora_forward(h, ha, down_proj)
+        del h  # recomputed in backward
+        tensors = [t for p in (gate_proj, up_proj, down_proj) for t in (p.weight, p.lora_a, p.lora_b, p.bias)]
+        ctx.save_for_backward(x2d, gate, up, xa, ha, *tensors)
+        ctx.scalings = [p.scaling for p in (gate_proj, up_proj, down_proj)]
+        ctx.activation = activation
+        ctx.lead_shape = x.shape[:-1]
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x2d, gate, up, xa, ha, *tensors = ctx.saved_tensors
+        gate_proj, up_proj, down_proj = (
+            LoraProjection(w, a, b, s, bias)
+            for (w, a, b, bias), s in zip(zip(*[iter(tensors)] * 4), ctx.scalings)
+        )
+        width = len(LoraProjection._fields)
+        needs = ctx.needs_input_grad
+        gate_up_needs = (needs[0], *needs[2 : 2 + 2 * width])
+        down_needs = (True, *needs[2 + 2 * width :])
+        dy = _rows(grad_out)
+
+        # dh = s dy B A + dy W of the down projection; it is ours alone, so the activation's
+        # backward writes d(gate) over it.
+        grad_h, grad_ha, down_grads = lora_backward_without_input(ha, [dy], [down_proj], down_needs)
+        needs_h = down_needs[1] or down_needs[2]  # the down projection's dW or dA reads h
+        grad_gate, grad_up, h = _glu_backward_or_reference(
+            LORA_GATED_MLP, grad_h, gate, up, ctx.activation, store_product=needs_h, grad_out_is_scratch=True,
+        )
+        if needs_h:
+            lora_backward_from_input(h, grad_ha, [dy], [down_proj], down_needs, down_grads)
+        del h, grad_h
+
+        grad_x, gate_up_grads = lora_group_backward(
+            x2d, xa, [grad_gate, grad_up], [gate_proj, up_proj], gate_up_needs
+        )
+        if grad_x is not None:
+            grad_x = grad_x.view(*ctx.lead_shape, x2d.shape[1])
+        return (grad_x, None, *gate_up_grads, *down_grads)
+
+
+def lora_gated_mlp(
+    x: torch.Tensor,
+    gate: LoraProjection,
+    up: LoraProjection,
+    down: LoraProjection,
+    *,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """``down(act(gate(x)) * up(x))`` with a LoRA adapter on each projection, as one op that saves
+    only x, the gate and up outputs and rank-sized products (see the module docstring).
+
+    Args:
+        x: ``(..., hidden)`` input, float16/bfloat16/float32 (float64 runs the reference).
+        gate, up: :class:`~tigon.ops.lora.LoraProjection` of shape ``(intermediate, hidden)``.
+        down: :class:`~tigon.ops.lora.LoraProjection` of shape ``(hidden, intermediate)``.
+        activation: ``"silu"`` (SwiGLU), ``"gelu_tanh"`` (GeGLU with gelu_pytorch_tanh) or
+            ``"gelu"`` (exact erf GeGLU).
+
+    Each projection may have its own rank and scaling, and a bias. All tensors share x's dtype and
+    device; under autocast they are cast to the autocast dtype as ``F.linear`` would be. Base
+    weights get a gradient only if they require one.
+
+    Returns:
+        ``(..., hidden)`` in x's dtype (the autocast dtype under autocast).
+    """
+    check_choice("activation", activation, ACTIVATIONS)
+    check_input(x)
+    dtype = autocast_dtype(x)
+    autocast = dtype is not None
+    check_projection("gate", gate, x, autocast)
+    check_projection("up", up, x, autocast)
+    intermediate = gate.weight.shape[0]
+    if up.weight.shape[0] != intermediate:
+        raise ValueError(f"up weight must have shape ({intermediate}, {x.shape[-1]}) like gate's, got {tuple(up.weight.shape)}")
+    check_projection("down", down, x, autocast, in_features=intermediate)
+    if down.weight.shape[0] != x.shape[-1]:
+        raise ValueError(
+            f"down weight must have shape ({x.shape[-1]}, {intermediate}) to return x's width, "
+            f"got {tuple(down.weight.shape)}"
+        )
+    x, flat = cast_for_autocast(x, _flatten([gate, up, down]), dtype)
+    return run_op(
+        LORA_GATED_MLP, lambda x, *flat: _LoraGatedMLPFunction.apply(x, activation, *flat),
+        lambda x, *flat: lora_gated_mlp_reference(x, activation, *flat), x, flat, dtype,
+    )

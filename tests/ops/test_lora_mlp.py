@@ -1,0 +1,138 @@
+import pytest
+import torch
+
+from tigon.ops.lora import LoraProjection
+from tigon.ops.lora_mlp import lora_gated_mlp, lora_gated_mlp_reference
+from tests.helpers import compare_fwd_bwd
+from tests.ops.test_lora import _projection
+
+ACTIVATIONS = ["silu", "gelu_tanh", "gelu"]
+
+
+def _mlp(hidden, intermediate, ranks, dtype, device, **kwargs):
+    gate = _projection(hidden, intermediate, ranks[0], dtype, device, **kwargs)
+    up = _projection(hidden, intermediate, ranks[1], dtype, device, **kwargs)
+    down = _projection(intermediate, hidden, ranks[2], dtype, device, **kwargs)
+    return gate, up, down
+
+
+def _check_mlp(x, projections, activation, dtype=None):
+    fields = [t for p in projections for t in (p.weight, p.lora_a, p.lora_b, p.bias)]
+    scalings = [p.scaling for p in projections]
+
+    def regroup(tensors):
+        return [LoraProjection(w, a, b, s, bias) for (w, a, b, bias), s in zip(zip(*[iter(tensors)] * 4), scalings)]
+
+    def flat(tensors):
+        return [v for p in regroup(tensors) for v in p]
+
+    compare_fwd_bwd(
+        lambda x, *t: lora_gated_mlp(x, *regroup(t), activation=activation),
+        lambda x, *t: lora_gated_mlp_reference(x, activation, *flat(t)),
+        (x, *fields), dtype, name=f"lora_gated_mlp {activation}",
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("rank", [1, 8, 64])
+def test_matches_reference(poison_outputs, device, dtype, activation, rank):
+    x = torch.randn(3, 11, 37, dtype=dtype, device=device, requires_grad=True)
+    _check_mlp(x, _mlp(37, 91, (rank, rank, rank), dtype, device), activation)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("trainable_base", [False, True])
+def test_bias_and_trainable_base(poison_outputs, device, bias, trainable_base):
+    x = torch.randn(2, 9, 40, device=device, requires_grad=True)
+    projections = _mlp(40, 72, (4, 6, 2), torch.float32, device, bias=bias, trainable_base=trainable_base)
+    _check_mlp(x, projections, "silu")
+
+
+def test_frozen_input_and_down_adapter(poison_outputs, device):
+    # Nothing needs h in backward: the activation's backward skips recomputing it.
+    x = torch.randn(7, 24, device=device)
+    gate, up, down = _mlp(24, 50, (3, 3, 3), torch.float32, device)
+    down.lora_a.requires_grad_(False)
+    down.lora_b.requires_grad_(False)
+    out = lora_gated_mlp(x, gate, up, down)
+    grads = torch.autograd.grad(out, (gate.lora_a, up.lora_b), torch.ones_like(out))
+    ref = lora_gated_mlp_reference(x, "silu", *gate, *up, *down)
+    want = torch.autograd.grad(ref, (gate.lora_a, up.lora_b), torch.ones_like(ref))
+    for g, w in zip(grads, want):
+        torch.testing.assert_close(g, w)
+
+
+def test_saves_only_x_gate_up_and_rank_sized_products(device):
+    n, hidden, intermediate = 30, 24, 50
+    x = torch.randn(n, hidden, device=device, requires_grad=True)
+    projections = _mlp(hidden, intermediate, (3, 5, 2), torch.float32, device)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        lora_gated_mlp(x, *projections)
+    activations = sorted(tuple(t.shape) for t in saved if t.shape[:1] == (n,))
+    assert activations == sorted([(n, hidden), (n, intermediate), (n, intermediate), (n, 3 + 5), (n, 2)])
+
+
+def test_autocast(device):
+    x = torch.randn(5, 32, device=device, requires_grad=True)
+    projections = _mlp(32, 48, (4, 4, 4), torch.float32, device)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        out = lora_gated_mlp(x, *projections)
+        ref = lora_gated_mlp_reference(x, "silu", *(v for p in projections for v in p))
+    assert out.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    out.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and projections[2].lora_b.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda p: dict(activation="relu"), "activation must be one of"),
+        (lambda p: dict(up=_projection(24, 49, 2, torch.float32, "cpu")), r"up weight must have shape \(50, 24\)"),
+        (lambda p: dict(down=_projection(49, 24, 2, torch.float32, "cpu")), r"down weight must have shape \(out, 50\)"),
+        (lambda p: dict(down=_projection(50, 23, 2, torch.float32, "cpu")), r"down weight must have shape \(24, 50\)"),
+        (lambda p: dict(gate=p[0]._replace(scaling=None)), "gate scaling must be a finite number"),
+    ],
+)
+def test_bad_arguments_raise_value_error(make, match):
+    gate, up, down = _mlp(24, 50, (2, 2, 2), torch.float32, torch.device("cpu"))
+    args = dict(gate=gate, up=up, down=down, activation="silu")
+    args.update(make((gate, up, down)))
+    with pytest.raises(ValueError, match=match):
+        lora_gated_mlp(torch.randn(3, 24), **args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_bf16_llama_8b_sizes_on_gpu(activation):
+    device = torch.device("cuda")
+    x = torch.randn(2, 4096, 4096, dtype=torch.bfloat16, device=device, requires_grad=True)
+    _check_mlp(x, _mlp(4096, 14336, (16, 16, 16), torch.bfloat16, device), activation, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_peak_memory_below_eager_on_gpu():
+    device = torch.device("cuda")
+    x = torch.randn(8192, 4096, dtype=torch.bfloat16, device=device, requires_grad=True)
+    projections = _mlp(4096, 14336, (16, 16, 16), torch.bfloat16, device)
+    flat = [v for p in projections for v in p]
+    grad = torch.randn_like(x)
+
+    def peak_and_saved(fn):
+        fn().backward(grad)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = fn()
+        saved = torch.cuda.memory_allocated() - base - out.numel() * out.element_size()
+        out.backward(grad)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base, saved
+
+    ours, ours_saved = peak_and_saved(lambda: lora_gated_mlp(x, *projections))
+    eager, eager_saved = peak_and_saved(lambda: lora_gated_mlp_reference(x, "silu", *flat))
+    assert ours <= eager, (ours / 2**20, eager / 2**20)
+    # x is the caller's; the layer keeps gate and up (and rank-sized scraps) alive.
+    assert ours_saved <= 2 * 8192 * 14336 * 2 + 2**22, ours_saved / 2**20
