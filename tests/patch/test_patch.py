@@ -49,15 +49,34 @@ def assert_same_run(got, want):
         assert_close(grad, want_grads[name], name=f"grad {name}")
 
 
+def forbid_hf_code(monkeypatch, family: Family):
+    """Make the HF code that tigon replaces raise, so a replacement that quietly falls back to it
+    fails the test instead of passing as HF's own numbers."""
+    module = modeling(family)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("tigon's replacement fell back to HF's code")
+
+    names = [family.norm.cls] + ([family.mlp.cls] if family.mlp else [])
+    names += [family.layer.cls] if family.layer.fuse else []
+    for name in names:
+        monkeypatch.setattr(getattr(module, name), "forward", forbidden)
+    monkeypatch.setattr(module, family.rope.function, forbidden)
+
+
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
-def test_instance_patch_matches_hf(model_type):
+def test_instance_patch_matches_hf(model_type, monkeypatch):
+    family = FAMILIES[model_type]
     model = tiny_model(model_type)
     patched = copy.deepcopy(model)
+    want = run(model)
+    forbid_hf_code(monkeypatch, family)
     result = tigon.patch(patched)
-    assert "rms_norm" in result.applied
-    assert ("add_rms_norm" in result.applied) == (FAMILIES[model_type].layer.fuse is not None)
+    expected = {"rms_norm", "rope"} | ({family.mlp.switch} if family.mlp else set())
+    expected |= {"add_rms_norm"} if family.layer.fuse else set()
+    assert expected <= set(result.applied)
     assert result.layers == 2
-    assert_same_run(run(patched), run(model))
+    assert_same_run(run(patched), want)
 
 
 def snapshot(module):

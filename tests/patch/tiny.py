@@ -18,7 +18,7 @@ EXTRA = {
     "gemma3_text": dict(final_logit_softcapping=30.0, sliding_window=8),
     "granite": dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=4.0),
     # Residual dropout on: the fused layer must draw the same masks in the same order.
-    "phi3": dict(resid_pdrop=0.1, embd_pdrop=0.0, attention_dropout=0.0),
+    "phi3": dict(resid_pdrop=0.1, embd_pdrop=0.0, attention_dropout=0.0, partial_rotary_factor=0.5),
 }
 
 

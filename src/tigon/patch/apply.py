@@ -126,6 +126,14 @@ def _plan(family: Family, module: types.ModuleType, switches: dict[str, bool]) -
     plan: list[_Replacement] = []
     if switches["rms_norm"]:
         plan.append(_Replacement("rms_norm", find(family.norm.cls), "forward", forwards.rms_norm_forward(family.norm)))
+    if switches["rope"] and find(family.rope.function) is not None:
+        original = _original(module, family.rope.function)
+        plan.append(_Replacement("rope", module, family.rope.function, forwards.rope_function(family.rope, original)))
+    if family.mlp is not None and switches[family.mlp.switch]:
+        cls = find(family.mlp.cls)
+        if cls is not None:
+            fused = forwards.mlp_forward(family.mlp, _original(cls, "forward"))
+            plan.append(_Replacement(family.mlp.switch, cls, "forward", fused))
     layer = find(family.layer.cls)
     if switches["add_rms_norm"] and family.layer.fuse is not None and layer is not None:
         fused = forwards.decoder_layer_forward(family.layer, family.norm, _original(layer, "forward"))

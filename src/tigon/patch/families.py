@@ -40,6 +40,38 @@ class Layer:
     dropout: tuple[str, str] | None = None
 
 
+@dataclass(frozen=True)
+class MLP:
+    """A gated-MLP class: ``down_proj(act(gate) * up)``.
+
+    Attributes:
+        cls: the class name.
+        switch: ``"swiglu"`` (SiLU gate) or ``"geglu"`` (GELU gate); a module whose activation turns
+            out to be another keeps HF's forward.
+        act: the attribute holding the activation module.
+        packed: one ``gate_up_proj`` whose output is ``[gate, up]`` (Phi-3) instead of
+            ``gate_proj`` and ``up_proj``.
+    """
+
+    cls: str
+    switch: str = "swiglu"
+    act: str = "act_fn"
+    packed: bool = False
+
+
+@dataclass(frozen=True)
+class Rope:
+    """The module-level ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``.
+
+    Attributes:
+        function: its name in the modeling module.
+        keep_dtype: the result is cast back to q's and k's dtypes (OLMo 2).
+    """
+
+    function: str = "apply_rotary_pos_emb"
+    keep_dtype: bool = False
+
+
 # Norm variants shared by several families.
 LLAMA_NORM = "llama"
 GEMMA_NORM = "gemma"
@@ -54,12 +86,16 @@ class Family:
         causal_lm: the ``*ForCausalLM`` class.
         layer: the decoder-layer class and its residual structure.
         norm: the RMSNorm class with its rounding.
+        mlp: the dense gated MLP, if the family has one (MoE experts keep HF's code).
+        rope: the rotary-embedding function.
     """
 
     module: str
     causal_lm: str
     layer: Layer
     norm: Norm
+    mlp: MLP | None
+    rope: Rope
 
 
 def _norm(prefix: str, kind: str = LLAMA_NORM) -> Norm:
@@ -68,27 +104,50 @@ def _norm(prefix: str, kind: str = LLAMA_NORM) -> Norm:
     return Norm(f"{prefix}RMSNorm")
 
 
-def _family(module: str, prefix: str, *, norm: Norm | None = None, **layer) -> Family:
+_DEFAULT = object()
+
+
+def _family(
+    module: str,
+    prefix: str,
+    *,
+    norm: Norm | None = None,
+    mlp: MLP | None | object = _DEFAULT,
+    rope: Rope = Rope(),
+    **layer,
+) -> Family:
     return Family(
         module=module,
         causal_lm=f"{prefix}ForCausalLM",
         layer=Layer(f"{prefix}DecoderLayer", **layer),
         norm=norm or _norm(prefix),
+        mlp=MLP(f"{prefix}MLP") if mlp is _DEFAULT else mlp,
+        rope=rope,
     )
 
 
 FAMILIES: dict[str, Family] = {
     "llama": _family("llama", "Llama"),
     "mistral": _family("mistral", "Mistral"),
-    "mixtral": _family("mixtral", "Mixtral"),
+    "mixtral": _family("mixtral", "Mixtral", mlp=None),
     "qwen2": _family("qwen2", "Qwen2"),
     "qwen3": _family("qwen3", "Qwen3"),
+    # The dense MLP of the layers listed in `mlp_only_layers`; the experts keep HF's code.
     "qwen3_moe": _family("qwen3_moe", "Qwen3Moe"),
-    "phi3": _family("phi3", "Phi3", dropout=("resid_attn_dropout", "resid_mlp_dropout")),
-    "gemma": _family("gemma", "Gemma", norm=_norm("Gemma", GEMMA_NORM)),
-    "gemma2": _family("gemma2", "Gemma2", norm=_norm("Gemma2", GEMMA_NORM), fuse="sandwich"),
-    "gemma3_text": _family("gemma3", "Gemma3", norm=_norm("Gemma3", GEMMA_NORM), fuse="sandwich"),
+    "phi3": _family(
+        "phi3", "Phi3", mlp=MLP("Phi3MLP", act="activation_fn", packed=True),
+        dropout=("resid_attn_dropout", "resid_mlp_dropout"),
+    ),
+    "gemma": _family("gemma", "Gemma", norm=_norm("Gemma", GEMMA_NORM), mlp=MLP("GemmaMLP", "geglu")),
+    "gemma2": _family(
+        "gemma2", "Gemma2", norm=_norm("Gemma2", GEMMA_NORM), mlp=MLP("Gemma2MLP", "geglu"), fuse="sandwich"
+    ),
+    "gemma3_text": _family(
+        "gemma3", "Gemma3", norm=_norm("Gemma3", GEMMA_NORM), mlp=MLP("Gemma3MLP", "geglu"), fuse="sandwich"
+    ),
     "granite": _family("granite", "Granite", scale="residual_multiplier"),
     # OLMo 2 multiplies by the weight in fp32 and rounds once, as Gemma does, but without the +1.
-    "olmo2": _family("olmo2", "Olmo2", norm=Norm("Olmo2RMSNorm", casting="gemma"), fuse=None),
+    "olmo2": _family(
+        "olmo2", "Olmo2", norm=Norm("Olmo2RMSNorm", casting="gemma"), rope=Rope(keep_dtype=True), fuse=None
+    ),
 }
