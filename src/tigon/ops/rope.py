@@ -214,6 +214,8 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
 class _RopeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin, interleaved):
+        # An unused output gets no gradient (None, not zeros): its tensor is skipped in backward.
+        ctx.set_materialize_grads(False)
         q, k = _unit_last_stride(q), _unit_last_stride(k)
         cos, sin = _unit_last_stride(cos), _unit_last_stride(sin)
         out_dtype = torch.promote_types(q.dtype, cos.dtype)
