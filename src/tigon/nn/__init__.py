@@ -1,6 +1,7 @@
 """Drop-in modules over tigon.functional, state-dict compatible with the modules they replace."""
 
 from tigon.nn.mlp import GeGLUMLP, SwiGLUMLP
+from tigon.nn.loss import CrossEntropyLoss, LinearCrossEntropyLoss
 from tigon.nn.norms import LayerNorm, RMSNorm
 
-__all__ = ["GeGLUMLP", "LayerNorm", "RMSNorm", "SwiGLUMLP"]
+__all__ = ["CrossEntropyLoss", "LinearCrossEntropyLoss", "GeGLUMLP", "LayerNorm", "RMSNorm", "SwiGLUMLP"]

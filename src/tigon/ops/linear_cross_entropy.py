@@ -146,10 +146,11 @@ def _scale_in_place(t: torch.Tensor, scale: torch.Tensor) -> None:
 
 class _LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, num_items_in_batch, options, reduction, max_chunk_bytes):
+    def forward(ctx, hidden, weight, bias, target, num_items_in_batch, options, reduction, max_chunk_bytes, grad_enabled):
         hidden2d, target1d = rows_view(hidden), target.reshape(-1)
         chunk = chunk_rows(max_chunk_bytes, weight.shape[0], hidden.dtype)
-        needs = ctx.needs_input_grad[:3]
+        # needs_input_grad follows requires_grad even under no_grad, when no backward can come.
+        needs = [grad_enabled and need for need in ctx.needs_input_grad[:3]]
         ctx.save_for_backward(hidden, weight, bias, target)
         ctx.config = (options, reduction, chunk)
         ctx.num_items_in_batch = num_items_in_batch
@@ -203,7 +204,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         grad_hidden, grad_weight, grad_bias = grads
         if grad_hidden is not None:
             grad_hidden = grad_hidden.view(hidden.shape)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def _check(hidden, weight, target, bias, options, reduction, num_items_in_batch, max_chunk_bytes) -> str | None:
@@ -247,7 +248,8 @@ def _linear_cross_entropy_kernel(
 ):
     options = LossOptions(ignore_index, label_smoothing, z_loss_scale, softcap)
     return _LinearCrossEntropyFunction.apply(
-        hidden, weight, bias, target, num_items_in_batch, options, reduction, max_chunk_bytes
+        hidden, weight, bias, target, num_items_in_batch, options, reduction, max_chunk_bytes,
+        torch.is_grad_enabled(),
     )
 
 

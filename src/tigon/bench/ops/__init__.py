@@ -1,3 +1,6 @@
 """Importing this package registers every op's benchmark cases (one module per op family)."""
 
+from tigon.bench.ops import cross_entropy  # noqa: F401
+from tigon.bench.ops import glu  # noqa: F401
 from tigon.bench.ops import norms  # noqa: F401
+from tigon.bench.ops import rope  # noqa: F401
