@@ -6,6 +6,15 @@ from tigon.ops.lora import LoraProjection, lora_linear, lora_linear_group, lora_
 from tests.helpers import assert_close, compare_fwd_bwd
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_cpu_thread():
+    """Tiny CPU matmuls run far faster on one thread than on a contended OpenMP pool."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _projection(in_features, out_features, rank, dtype, device, *, bias=False, trainable_base=False):
     # A and B of comparable size, so the low-rank term matters as much as the base one.
     weight = torch.randn(out_features, in_features, dtype=dtype, device=device) / in_features**0.5

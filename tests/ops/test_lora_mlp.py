@@ -4,7 +4,7 @@ import torch
 from tigon.ops.lora import LoraProjection
 from tigon.ops.lora_mlp import lora_gated_mlp, lora_gated_mlp_reference
 from tests.helpers import compare_fwd_bwd
-from tests.ops.test_lora import _projection
+from tests.ops.test_lora import _projection, one_cpu_thread  # noqa: F401 (autouse fixture)
 
 ACTIVATIONS = ["silu", "gelu_tanh", "gelu"]
 
