@@ -68,6 +68,15 @@ def _activation_grad(gate, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def _program_block(n_cols, n_col_blocks, BLOCK: tl.constexpr):
+    """(row, cols, mask) of this program's block. The grid is one flat index over (rows, column
+    blocks) because the row count may pass the grid's y limit."""
+    pid = tl.program_id(0).to(tl.int64)
+    cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
+    return pid // n_col_blocks, cols, cols < n_cols
+
+
+@triton.jit
 def _glu_fwd_kernel(
     gate_ptr, up_ptr, out_ptr,
     n_cols, n_col_blocks,
@@ -75,11 +84,7 @@ def _glu_fwd_kernel(
     ACTIVATION: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # One flat index space over (rows, column blocks): the row count may pass the grid's y limit.
-    pid = tl.program_id(0).to(tl.int64)
-    row = pid // n_col_blocks
-    cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
+    row, cols, mask = _program_block(n_cols, n_col_blocks, BLOCK)
     gate = tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + row * up_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * out_row_stride + cols, _activation(gate, ACTIVATION) * up, mask=mask)
@@ -95,10 +100,7 @@ def _glu_bwd_kernel(
     STORE_PRODUCT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    row = pid // n_col_blocks
-    cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
+    row, cols, mask = _program_block(n_cols, n_col_blocks, BLOCK)
     grad_out = tl.load(grad_out_ptr + row * grad_out_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     gate = tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + row * up_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -345,6 +347,7 @@ class _GLUMLPFunction(torch.autograd.Function):
 
 
 def _check_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation) -> str | None:
+    """Validate glu_mlp's arguments; return why the kernel path cannot take them, if it cannot."""
     check_choice("activation", activation, ACTIVATIONS)
     check_float("x", x)
     if x.dim() == 0:
@@ -357,22 +360,21 @@ def _check_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_
             f"got {tuple(gate_weight.shape)}"
         )
     intermediate = gate_weight.shape[0]
-    expected = {
-        "up_weight": (up_weight, (intermediate, hidden)),
-        "down_weight": (down_weight, (hidden, intermediate)),
-        "gate_bias": (gate_bias, (intermediate,)),
-        "up_bias": (up_bias, (intermediate,)),
-        "down_bias": (down_bias, (hidden,)),
-    }
-    for name, (t, shape) in expected.items():
+    expected = [
+        ("gate_weight", gate_weight, (intermediate, hidden)),
+        ("up_weight", up_weight, (intermediate, hidden)),
+        ("down_weight", down_weight, (hidden, intermediate)),
+        ("gate_bias", gate_bias, (intermediate,)),
+        ("up_bias", up_bias, (intermediate,)),
+        ("down_bias", down_bias, (hidden,)),
+    ]
+    for name, t, shape in expected:
         if t is None and name.endswith("bias"):
             continue
         check_float(name, t)
         if tuple(t.shape) != shape:
             raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-    for name, t in [("gate_weight", gate_weight), *((n, t) for n, (t, _) in expected.items())]:
-        if t is not None:
-            check_device(name, t, x.device)
+        check_device(name, t, x.device)
     dtypes = {x.dtype, gate_weight.dtype, up_weight.dtype, down_weight.dtype}
     if not dtypes <= set(KERNEL_DTYPES):
         return f"dtypes {sorted(map(str, dtypes))} run on the reference"
