@@ -59,6 +59,85 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train():
+    try:
+        import tigon.train
+    except ImportError as err:
+        raise ValueError(f"{err}: tigon sft needs transformers, peft and accelerate (pip install 'tigon[hf]')") from None
+    return tigon.train
+
+
+def _cmd_sft(args: argparse.Namespace) -> int:
+    train = _train()
+    train.run_sft(*train.config_from_args(args))
+    return 0
+
+
+def _cmd_merge(args: argparse.Namespace) -> int:
+    _train().merge(args.adapter, args.output, base=args.base, dtype=args.dtype)
+    return 0
+
+
+def _load_for_generation(args: argparse.Namespace):
+    train = _train()
+    from tigon.train.modeling import pick_dtype
+
+    return train.load_for_inference(args.model, pick_dtype(args.dtype), base=args.base)
+
+
+def _cmd_infer(args: argparse.Namespace) -> int:
+    model, tokenizer = _load_for_generation(args)
+    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    for prompt in prompts:
+        chat = prompt if args.raw else system + [{"role": "user", "content": prompt}]
+        reply = _train().generate(model, tokenizer, chat, args.max_new_tokens, args.temperature)
+        print(reply if len(prompts) == 1 else f"> {prompt}\n{reply}\n")
+    return 0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    model, tokenizer = _load_for_generation(args)
+    _train().chat(model, tokenizer, args.max_new_tokens, args.temperature, args.system, sys.stdin, sys.stdout)
+    return 0
+
+
+def _add_train_commands(sub: argparse._SubParsersAction) -> None:
+    """`sft`, `merge`, `infer` and `chat` (the options of sft come from tigon.train.config)."""
+    from tigon.train.config import add_sft_arguments
+
+    debug = {"action": "store_true", "default": argparse.SUPPRESS, "help": "show full tracebacks"}
+    sft = sub.add_parser("sft", help="fine-tune a model on a dataset with tigon's kernels (no arguments: "
+                         "a built-in tiny model on bundled data, on CPU in minutes)")
+    add_sft_arguments(sft)
+    sft.add_argument("--debug", **debug)
+    sft.set_defaults(run=_cmd_sft)
+
+    merge = sub.add_parser("merge", help="fold a LoRA adapter into its base model; writes a standalone HF model")
+    merge.add_argument("adapter", help="adapter directory (e.g. tigon-out/final)")
+    merge.add_argument("--output", required=True, metavar="DIR", help="where to write the merged model")
+    merge.add_argument("--base", metavar="MODEL", help="base model (default: the one the adapter names)")
+    merge.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
+                       help="stored dtype (auto: the base model's)")
+    merge.add_argument("--debug", **debug)
+    merge.set_defaults(run=_cmd_merge)
+
+    for name, helptext in (("infer", "answer prompts (--prompt, or one per line on stdin)"),
+                           ("chat", "talk to a model or adapter on the terminal")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("model", help="model directory, hub id, or LoRA adapter directory")
+        if name == "infer":
+            p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+            p.add_argument("--raw", action="store_true", help="continue the text as is, without the chat template")
+        p.add_argument("--system", help="system message")
+        p.add_argument("--base", metavar="MODEL", help="base model for an adapter (default: the one it names)")
+        p.add_argument("--max-new-tokens", type=int, default=256)
+        p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+        p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto")
+        p.add_argument("--debug", **debug)
+        p.set_defaults(run=_cmd_infer if name == "infer" else _cmd_chat)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tigon", description="Fused Triton kernels for LLM fine-tuning.")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks")
@@ -73,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     bench.add_argument("--out", metavar="DIR", help="write bench.json and one PNG plot per op here")
     bench.set_defaults(run=_cmd_bench)
+    _add_train_commands(sub)
     return parser
 
 

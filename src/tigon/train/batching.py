@@ -1,0 +1,76 @@
+"""Rows and batches: optional packing of several samples per row, and the collator that pads a
+batch. Packed rows carry ``position_ids`` that restart at 0 for each sample and no attention
+mask; from those, Hugging Face models build a block-diagonal causal mask (sdpa/eager) or
+per-sample sequence lengths (flash attention), so no token attends across samples."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+from tigon.train.template import IGNORE
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """A list of already-tokenized rows (dicts of int lists)."""
+
+    def __init__(self, rows: list[dict[str, list[int]]]):
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, list[int]]:
+        return self.rows[i]
+
+    def num_tokens(self) -> int:
+        return sum(len(r["input_ids"]) for r in self.rows)
+
+
+def pack(examples: list[dict[str, list[int]]], max_length: int, seed: int) -> list[dict[str, list[int]]]:
+    """Concatenate samples (in a seeded random order) into rows of at most `max_length` tokens,
+    with ``position_ids`` restarting at 0 at each sample. Every sample is already truncated to
+    `max_length`, so each fits in a row; a sample never straddles two rows."""
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    rows: list[dict[str, list[int]]] = []
+    row: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
+    for i in order:
+        ex = examples[i]
+        n = len(ex["input_ids"])
+        if row["input_ids"] and len(row["input_ids"]) + n > max_length:
+            rows.append(row)
+            row = {"input_ids": [], "labels": [], "position_ids": []}
+        row["input_ids"] += ex["input_ids"]
+        row["labels"] += ex["labels"]
+        row["position_ids"] += list(range(n))
+    if row["input_ids"]:
+        rows.append(row)
+    return rows
+
+
+class Collator:
+    """Right-pads a batch to its longest row. Unpacked rows get an attention mask; packed rows get
+    their padding as one more "sample" (positions from 0, no labels), which their block mask
+    already keeps apart, so they need none."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        width = max(len(f["input_ids"]) for f in features)
+        packed = "position_ids" in features[0]
+        batch: dict[str, list[list[int]]] = {"input_ids": [], "labels": []}
+        batch["position_ids" if packed else "attention_mask"] = []
+        for f in features:
+            n = len(f["input_ids"])
+            pad = width - n
+            batch["input_ids"].append(f["input_ids"] + [self.pad_token_id] * pad)
+            batch["labels"].append(f["labels"] + [IGNORE] * pad)
+            if packed:
+                batch["position_ids"].append(f["position_ids"] + list(range(pad)))
+            else:
+                batch["attention_mask"].append([1] * n + [0] * pad)
+        return {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}

@@ -1,0 +1,216 @@
+"""`tigon sft` settings: one dataclass, read from a YAML/JSON file and the command line (the command
+line wins), then checked and completed with defaults in one place, before anything is loaded."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class SFTError(ValueError):
+    """A problem with the user's settings, data or files: `tigon sft` prints it as one line."""
+
+
+def _opt(default: Any, help: str, **argparse_kwargs: Any) -> Any:
+    metadata = {"help": help, **argparse_kwargs}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class SFTConfig:
+    """Every `tigon sft` setting. ``None`` means "the default for this run" (see `resolve`): the
+    built-in tiny model (no ``model``) trains from scratch and so wants other defaults than a real
+    model being fine-tuned."""
+
+    model: str | None = _opt(None, "local model directory or hub id (default: the built-in tiny Llama)")
+    dataset: list[str] | None = _opt(
+        None, "data files (.jsonl .json .csv .parquet); PATH#N takes N random rows (default: bundled "
+        "instructions)", nargs="+", metavar="PATH")
+    eval_dataset: list[str] | None = _opt(None, "evaluation files, same formats", nargs="+", metavar="PATH")
+    eval_split: float = _opt(0.0, "hold out this fraction of the training rows for evaluation")
+    tuner: str | None = _opt(None, "lora (default) or full (default for the built-in model)",
+                             choices=["lora", "full"])
+    lora_rank: int = _opt(16, "LoRA rank")
+    lora_alpha: float | None = _opt(None, "LoRA alpha (default: 2 x rank)")
+    lora_dropout: float = _opt(0.0, "LoRA dropout")
+    target_modules: str = _opt("all-linear", "modules LoRA adapts: all-linear, or names such as q_proj,v_proj")
+    max_length: int | None = _opt(None, "truncate each sample (or packed row) to this many tokens "
+                                  "(default 2048; 128 for the built-in model)")
+    packing: bool = _opt(False, "pack several samples per row; position ids restart per sample and "
+                         "attention never crosses samples")
+    epochs: float | None = _opt(None, "passes over the data (default 1; 30 for the built-in model)")
+    max_steps: int = _opt(-1, "stop after this many optimizer steps (overrides --epochs)")
+    lr: float | None = _opt(None, "peak learning rate (default: 2e-4 LoRA, 2e-5 full, 3e-3 built-in)")
+    warmup: float = _opt(0.05, "linear warm-up: a fraction of all steps if < 1, else a step count")
+    weight_decay: float = _opt(0.0, "AdamW weight decay")
+    batch_size: int | None = _opt(None, "samples (or packed rows) per device per step (default 4; 16 built-in)")
+    grad_accum: int = _opt(1, "gradient accumulation steps")
+    dtype: str = _opt("auto", "weight dtype; auto = bf16 on a GPU that has it, else fp32",
+                      choices=["auto", "bf16", "fp16", "fp32"])
+    gradient_checkpointing: bool = _opt(False, "recompute activations in the backward pass to save memory")
+    output_dir: str = _opt("tigon-out", "where checkpoints, metrics.jsonl and loss.png go")
+    save_steps: int = _opt(500, "write a checkpoint every N steps (0: only at the end)")
+    save_limit: int | None = _opt(None, "keep only the newest N step checkpoints")
+    resume: str | None = _opt(None, "continue from the newest checkpoint in --output-dir, or from CKPT",
+                              nargs="?", const="latest", metavar="CKPT")
+    overwrite: bool = _opt(False, "allow an --output-dir that already holds checkpoints")
+    seed: int = _opt(42, "seed for weights, data order, sampling and dropout")
+    kernels: bool = _opt(True, "swap in tigon's fused kernels (tigon.patch)")
+    kernels_off: list[str] = _opt([], "kernels to leave out, e.g. rope,swiglu (see tigon.patch)",
+                                  metavar="OP,OP")
+    logging_steps: int = _opt(1, "log loss/lr/speed every N steps")
+    samples: int = _opt(3, "prompts from the data answered before and after training (0: none)")
+    max_new_tokens: int = _opt(48, "length of those sample answers")
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(SFTConfig)}
+_LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules")
+
+
+def _scalar_type(f: dataclasses.Field) -> type:
+    annotation = str(f.type)
+    for name, kind in (("bool", bool), ("int", int), ("float", float)):
+        if annotation.startswith(name):
+            return kind
+    return str
+
+
+def add_sft_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one option per `SFTConfig` field (``--lora-rank``, ``--no-kernels`` ...) plus ``--config``.
+    Options not given stay absent from the namespace, so a config file can fill them."""
+    parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
+                        help="YAML or JSON file of settings (keys as below, - or _); options given here win")
+    for name, f in _FIELDS.items():
+        flag = "--" + name.replace("_", "-")
+        kind = _scalar_type(f)
+        kwargs = {"metavar": {int: "N", float: "X"}.get(kind, "STR"), **f.metadata}
+        if kind is bool:
+            kwargs.pop("metavar")
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, **kwargs)
+        elif name == "kernels_off":
+            parser.add_argument(flag, type=_comma_list, default=argparse.SUPPRESS, **kwargs)
+        else:
+            parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, **kwargs)
+
+
+def _comma_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    """A config-file value converted to the field's type, or an SFTError naming the key."""
+    f = _FIELDS[name]
+    kind = _scalar_type(f)
+    if value is None:
+        return None
+    if name == "kernels_off":
+        return _comma_list(value) if isinstance(value, str) else [str(v) for v in value]
+    if f.metadata.get("nargs") == "+":
+        values = [value] if isinstance(value, str) else value
+        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+            raise SFTError(f"{source}: {name} must be a path or a list of paths, got {value!r}")
+        return values
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise SFTError(f"{source}: {name} must be true or false, got {value!r}")
+        return value
+    try:
+        converted = kind(value)
+    except (TypeError, ValueError):
+        raise SFTError(f"{source}: {name} must be {kind.__name__}, got {value!r}") from None
+    if kind is int and converted != value and not isinstance(value, str):
+        raise SFTError(f"{source}: {name} must be an integer, got {value!r}")
+    choices = f.metadata.get("choices")
+    if choices and converted not in choices:
+        raise SFTError(f"{source}: {name} must be one of {', '.join(choices)}, got {value!r}")
+    return converted
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """The settings in a YAML (.yaml/.yml) or JSON file, keys normalised to field names."""
+    path = Path(path)
+    if not path.is_file():
+        raise SFTError(f"config file not found: {path}")
+    text = path.read_text()
+    try:
+        if path.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+
+            raw = yaml.safe_load(text)
+        else:
+            raw = json.loads(text)
+    except Exception as err:  # a YAML or JSON syntax error: report it on one line
+        raise SFTError(f"{path}: not valid {'YAML' if path.suffix.lower() in ('.yaml', '.yml') else 'JSON'}: "
+                       f"{str(err).splitlines()[0]}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise SFTError(f"{path}: expected a mapping of setting: value, got {type(raw).__name__}")
+    settings = {}
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        if name not in _FIELDS:
+            raise SFTError(f"{path}: unknown setting {key!r}")
+        settings[name] = _coerce(name, value, str(path))
+    return settings
+
+
+def config_from_args(args: argparse.Namespace) -> tuple[SFTConfig, set[str]]:
+    """The config from ``--config`` overlaid with the options given on the command line, and the
+    names of the settings the user chose (file or command line), for the checks in `resolve`."""
+    settings = load_config_file(args.config) if getattr(args, "config", None) else {}
+    settings.update({name: getattr(args, name) for name in _FIELDS if hasattr(args, name)})
+    return SFTConfig(**settings), set(settings)
+
+
+def resolve(cfg: SFTConfig, given: set[str] = frozenset()) -> SFTConfig:
+    """Fill the run-dependent defaults and reject bad or incompatible settings, one line each."""
+    builtin = cfg.model is None
+    tuner = cfg.tuner or ("full" if builtin else "lora")
+    cfg = dataclasses.replace(
+        cfg,
+        tuner=tuner,
+        lora_alpha=cfg.lora_alpha if cfg.lora_alpha is not None else 2.0 * cfg.lora_rank,
+        max_length=cfg.max_length or (128 if builtin else 2048),
+        epochs=cfg.epochs if cfg.epochs is not None else (30.0 if builtin else 1.0),
+        lr=cfg.lr if cfg.lr is not None else (3e-3 if builtin else 2e-4 if tuner == "lora" else 2e-5),
+        batch_size=cfg.batch_size or (16 if builtin else 4),
+    )
+    positive = {"lora_rank": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "max_length": cfg.max_length,
+                "lr": cfg.lr, "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum,
+                "logging_steps": cfg.logging_steps}
+    for name, value in positive.items():
+        if value <= 0:
+            raise SFTError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+    nonnegative = {"save_steps": cfg.save_steps, "samples": cfg.samples, "warmup": cfg.warmup,
+                   "weight_decay": cfg.weight_decay, "max_new_tokens": cfg.max_new_tokens}
+    for name, value in nonnegative.items():
+        if value < 0:
+            raise SFTError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+    if cfg.max_steps <= 0 and cfg.epochs <= 0:
+        raise SFTError(f"--epochs must be > 0 (or give --max-steps), got {cfg.epochs}")
+    if cfg.save_limit is not None and cfg.save_limit < 1:
+        raise SFTError(f"--save-limit must be >= 1, got {cfg.save_limit}")
+    if not 0.0 <= cfg.lora_dropout < 1.0:
+        raise SFTError(f"--lora-dropout must be in [0, 1), got {cfg.lora_dropout}")
+    if not 0.0 <= cfg.eval_split < 1.0:
+        raise SFTError(f"--eval-split must be in [0, 1), got {cfg.eval_split}")
+    if cfg.eval_split and cfg.eval_dataset:
+        raise SFTError("--eval-split and --eval-dataset are incompatible: choose one")
+    if tuner == "full" and given & set(_LORA_KEYS):
+        names = ", ".join("--" + k.replace("_", "-") for k in _LORA_KEYS if k in given)
+        raise SFTError(f"{names} only apply to --tuner lora, not --tuner full")
+    if tuner == "full" and cfg.dtype == "fp16":
+        raise SFTError("--dtype fp16 cannot be used with --tuner full (fp16 weights cannot be updated "
+                       "through a loss scaler): use bf16 or fp32")
+    if cfg.resume and cfg.overwrite:
+        raise SFTError("--resume and --overwrite are incompatible: resuming keeps the output dir")
+    if cfg.kernels_off and not cfg.kernels:
+        raise SFTError("--kernels-off has no effect with --no-kernels: give one or the other")
+    return cfg

@@ -1,0 +1,261 @@
+"""Training data: read jsonl/json/csv/parquet files, detect each file's format from its first row,
+and turn every row into a chat (a list of role/content messages) or a plain text. Every row is
+checked; the first bad one stops the run with its file, line and what is wrong."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from tigon.train.config import SFTError
+
+log = logging.getLogger("tigon.train")
+
+ROLES = ("system", "user", "assistant")
+# ShareGPT speaker names seen in the wild, mapped to chat roles.
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                   "model": "assistant", "bot": "assistant", "chatgpt": "assistant", "system": "system"}
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One training example: `messages` for a chat (loss on assistant turns only) or `text` for
+    plain text (loss on every token). `where` names its file and line, for error messages."""
+
+    where: str
+    messages: tuple[dict[str, str], ...] | None = None
+    text: str | None = None
+
+
+class RowError(ValueError):
+    """What is wrong with one row; the reader adds the file and line."""
+
+
+def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield f"line {number}", json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise SFTError(f"{path} line {number}: not valid JSON: {err.msg}") from None
+
+
+def _read_json(path: Path) -> Iterator[tuple[str, Any]]:
+    text = path.read_text(encoding="utf-8")
+    try:
+        payload = json.loads(text)
+    except json.JSONDecodeError as err:
+        if err.msg == "Extra data":  # several JSON documents, one per line: JSON Lines named .json
+            yield from _read_jsonl(path)
+            return
+        raise SFTError(f"{path} line {err.lineno}: not valid JSON: {err.msg}") from None
+    if not isinstance(payload, list):
+        raise SFTError(f"{path}: expected a JSON list of rows, got {type(payload).__name__}")
+    for number, row in enumerate(payload, 1):
+        yield f"row {number}", row
+
+
+def _read_csv(path: Path) -> Iterator[tuple[str, Any]]:
+    with path.open(encoding="utf-8", newline="") as f:
+        reader = csv.DictReader(f)
+        for row in reader:
+            if None in row:
+                raise SFTError(f"{path} line {reader.line_num}: more cells than header columns")
+            yield f"line {reader.line_num}", row
+
+
+def _read_parquet(path: Path) -> Iterator[tuple[str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise SFTError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
+    for number, row in enumerate(pq.read_table(path).to_pylist(), 1):
+        yield f"row {number}", row
+
+
+_READERS: dict[str, Callable[[Path], Iterator[tuple[str, Any]]]] = {
+    ".jsonl": _read_jsonl, ".json": _read_json, ".csv": _read_csv, ".parquet": _read_parquet,
+}
+
+
+def _text(value: Any, what: str, *, required: bool = True) -> str:
+    if value is None and not required:
+        return ""
+    if not isinstance(value, str):
+        raise RowError(f"{what} must be a string, got {type(value).__name__}")
+    if required and not value.strip():
+        raise RowError(f"{what} is empty")
+    return value
+
+
+def _json_cell(value: Any, what: str) -> Any:
+    """CSV cells hold nested lists as JSON text."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value) if value.strip() else None
+        except json.JSONDecodeError as err:
+            raise RowError(f"{what} is not valid JSON: {err.msg}") from None
+    return value
+
+
+def _content(value: Any, what: str) -> str:
+    # OpenAI content may be a list of parts; only text parts can be trained on here.
+    if isinstance(value, list):
+        parts = []
+        for part in value:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise RowError(f"{what} has a non-text part; only text content is supported")
+            parts.append(_text(part.get("text"), f"{what} text part", required=False))
+        value = "".join(parts)
+    return _text(value, what, required=False)
+
+
+def _check_chat(messages: list[dict[str, str]]) -> tuple[dict[str, str], ...]:
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+        raise RowError("no assistant message with content: nothing to learn from")
+    return tuple(messages)
+
+
+def _messages(row: dict, key: str, role_key: str, content_key: str, roles: dict[str, str]) -> tuple:
+    turns = _json_cell(row[key], key)
+    if not isinstance(turns, list) or not turns:
+        raise RowError(f"{key} must be a non-empty list of messages")
+    messages = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise RowError(f"{key}[{i}] must be an object, got {type(turn).__name__}")
+        # ShareGPT files sometimes carry OpenAI-style keys inside "conversations".
+        rk, ck = (role_key, content_key) if role_key in turn else ("role", "content")
+        if rk not in turn or ck not in turn:
+            raise RowError(f"{key}[{i}] needs {role_key!r} and {content_key!r}")
+        role = roles.get(turn[rk]) if isinstance(turn[rk], str) else None
+        if role is None:
+            raise RowError(f"{key}[{i}] has {rk} {turn[rk]!r}; expected one of {', '.join(sorted(roles))}")
+        messages.append({"role": role, "content": _content(turn[ck], f"{key}[{i}].{ck}")})
+    return _check_chat(messages)
+
+
+def _from_messages(row: dict) -> Sample:
+    return Sample("", messages=_messages(row, "messages", "role", "content", {r: r for r in ROLES}))
+
+
+def _from_sharegpt(row: dict) -> Sample:
+    return Sample("", messages=_messages(row, "conversations", "from", "value", _SHAREGPT_ROLES))
+
+
+def _system(row: dict) -> list[dict[str, str]]:
+    system = _text(row.get("system"), "system", required=False)
+    return [{"role": "system", "content": system}] if system.strip() else []
+
+
+def _from_alpaca(row: dict) -> Sample:
+    instruction = _text(row["instruction"], "instruction")
+    extra = _text(row.get("input"), "input", required=False)
+    prompt = f"{instruction}\n\n{extra}" if extra.strip() else instruction
+    return Sample("", messages=_check_chat(_system(row) + [
+        {"role": "user", "content": prompt},
+        {"role": "assistant", "content": _text(row["output"], "output")}]))
+
+
+def _from_query_response(row: dict) -> Sample:
+    history = _json_cell(row.get("history"), "history") or []
+    if not isinstance(history, list):
+        raise RowError(f"history must be a list of [query, response] pairs, got {type(history).__name__}")
+    messages = _system(row)
+    for i, pair in enumerate(history):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise RowError(f"history[{i}] must be a [query, response] pair")
+        messages += [{"role": "user", "content": _text(pair[0], f"history[{i}][0]")},
+                     {"role": "assistant", "content": _text(pair[1], f"history[{i}][1]")}]
+    messages += [{"role": "user", "content": _text(row["query"], "query")},
+                 {"role": "assistant", "content": _text(row["response"], "response")}]
+    return Sample("", messages=_check_chat(messages))
+
+
+def _from_text(row: dict) -> Sample:
+    return Sample("", text=_text(row["text"], "text"))
+
+
+# name shown to the user, the keys that identify the format, the converter.
+FORMATS: list[tuple[str, tuple[str, ...], Callable[[dict], Sample]]] = [
+    ("OpenAI messages", ("messages",), _from_messages),
+    ("ShareGPT conversations", ("conversations",), _from_sharegpt),
+    ("Alpaca", ("instruction", "output"), _from_alpaca),
+    ("query/response", ("query", "response"), _from_query_response),
+    ("plain text", ("text",), _from_text),
+]
+
+
+def detect_format(row: Any) -> tuple[str, tuple[str, ...], Callable[[dict], Sample]] | None:
+    """The entry of `FORMATS` whose keys `row` has (the first that fits), or None."""
+    if isinstance(row, dict):
+        for fmt in FORMATS:
+            if all(k in row for k in fmt[1]):
+                return fmt
+    return None
+
+
+def split_spec(spec: str) -> tuple[Path, int | None]:
+    """``PATH#N`` -> (PATH, N); a plain path -> (path, None)."""
+    path, sep, count = spec.rpartition("#")
+    if sep and count.isdigit():
+        if int(count) < 1:
+            raise SFTError(f"{spec}: the row count after # must be >= 1")
+        return Path(path), int(count)
+    return Path(spec), None
+
+
+def read_file(spec: str, seed: int) -> tuple[list[Sample], str]:
+    """All rows of one data file as Samples, and the name of its detected format. ``PATH#N`` keeps
+    N rows chosen at random (fixed by `seed`), in file order."""
+    path, count = split_spec(spec)
+    if not path.is_file():
+        raise SFTError(f"dataset file not found: {path}")
+    reader = _READERS.get(path.suffix.lower())
+    if reader is None:
+        raise SFTError(f"{path}: unknown file type {path.suffix!r}; use .jsonl, .json, .csv or .parquet")
+    samples: list[Sample] = []
+    fmt = None
+    for where, row in reader(path):
+        if fmt is None:
+            fmt = detect_format(row)
+            if fmt is None:
+                keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+                raise SFTError(
+                    f"{path} {where}: unknown data format (keys {keys}); expected messages, conversations, "
+                    "instruction+output, query+response or text")
+        name, keys, convert = fmt
+        if not isinstance(row, dict):
+            raise SFTError(f"{path} {where}: expected an object, got {type(row).__name__}")
+        missing = [k for k in keys if k not in row]
+        if missing:
+            raise SFTError(f"{path} {where}: missing {', '.join(missing)} (the file is {name} format)")
+        try:
+            sample = convert(row)
+        except RowError as err:
+            raise SFTError(f"{path} {where}: {err}") from None
+        samples.append(Sample(f"{path} {where}", sample.messages, sample.text))
+    if not samples:
+        raise SFTError(f"{path}: no rows")
+    if count is not None:
+        if count > len(samples):
+            raise SFTError(f"{spec}: asks for {count} rows but the file has {len(samples)}")
+        keep = sorted(random.Random(seed).sample(range(len(samples)), count))
+        samples = [samples[i] for i in keep]
+    return samples, fmt[0]
+
+
+def load_samples(specs: list[str], seed: int) -> list[Sample]:
+    """The rows of every file in `specs`, in order; logs each file's format and row count."""
+    samples = []
+    for spec in specs:
+        rows, fmt = read_file(spec, seed)
+        log.info("data: %s: %d rows, %s", spec, len(rows), fmt)
+        samples += rows
+    return samples

@@ -1,0 +1,119 @@
+"""Using what `tigon sft` wrote: load a model or a LoRA adapter, generate replies (`tigon infer`,
+`tigon chat`), and fold an adapter into its base model (`tigon merge`)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Sequence, TextIO
+
+import torch
+
+from tigon.train.checkpoint import publish, staging_dir
+from tigon.train.config import SFTError
+from tigon.train.modeling import DTYPES, load_model, load_tokenizer, peft_quiet, pick_dtype
+from tigon.train.template import ensure_chat_template, render
+
+log = logging.getLogger("tigon.train")
+
+
+def is_adapter(path: str | Path) -> bool:
+    return (Path(path) / "adapter_config.json").is_file()
+
+
+def _adapter_base(adapter: str | Path) -> str:
+    from peft import PeftConfig
+
+    base = PeftConfig.from_pretrained(str(adapter)).base_model_name_or_path
+    if not base:
+        raise SFTError(f"{adapter}: adapter_config.json names no base model; pass --base")
+    return base
+
+
+def load_for_inference(path: str, dtype: torch.dtype, base: str | None = None) -> tuple[Any, Any]:
+    """(model, tokenizer) from a model directory / hub id, or from a LoRA adapter directory on
+    top of its base (from adapter_config.json unless `base` is given), in eval mode."""
+    if is_adapter(path):
+        from peft import PeftModel
+
+        base = base or _adapter_base(path)
+        with peft_quiet():
+            model = PeftModel.from_pretrained(load_model(base, dtype), path)
+        has_tokenizer = (Path(path) / "tokenizer_config.json").is_file()
+        tokenizer = load_tokenizer(path if has_tokenizer else base)
+    else:
+        if base is not None:
+            raise SFTError(f"--base only applies to a LoRA adapter, and {path} is not one (no adapter_config.json)")
+        model, tokenizer = load_model(path, dtype), load_tokenizer(path)
+    ensure_chat_template(tokenizer)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return model.to(device).eval(), tokenizer
+
+
+@torch.no_grad()
+def generate(model: Any, tokenizer: Any, prompt: Sequence[dict[str, str]] | str,
+             max_new_tokens: int = 128, temperature: float = 0.0) -> str:
+    """The model's reply to a chat (a list of messages: rendered with the chat template and a
+    generation prompt) or its continuation of a plain string. Greedy when `temperature` is 0."""
+    if isinstance(prompt, str):
+        text, special = prompt, True
+    else:
+        text, special = render(tokenizer, prompt, True), False
+    inputs = tokenizer(text, return_tensors="pt", add_special_tokens=special).to(next(model.parameters()).device)
+    was_training = model.training
+    model.eval()
+    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+    try:
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id, use_cache=True, **sampling)
+    finally:
+        model.train(was_training)
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
+def chat(model: Any, tokenizer: Any, max_new_tokens: int, temperature: float, system: str | None,
+         stdin: TextIO, stdout: TextIO) -> None:
+    """A conversation on the terminal: each line is a user turn; /reset forgets, /exit (or EOF) ends."""
+    history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    start = list(history)
+    stdout.write("tigon chat: type a message; /reset starts over, /exit quits\n")
+    while True:
+        stdout.write("you> ")
+        stdout.flush()
+        line = stdin.readline()
+        if not line or line.strip() == "/exit":
+            return
+        if line.strip() == "/reset":
+            history = list(start)
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line.rstrip("\n")})
+        reply = generate(model, tokenizer, history, max_new_tokens, temperature)
+        history.append({"role": "assistant", "content": reply})
+        stdout.write(f"model> {reply}\n")
+
+
+def merge(adapter: str, output: str, base: str | None = None, dtype: str = "auto") -> Path:
+    """Fold a LoRA adapter into its base model and write a standalone Hugging Face model
+    (safetensors, config, tokenizer) to `output`, atomically. The sum is formed in fp32 and stored
+    in `dtype` (auto: the base model's own dtype)."""
+    if not is_adapter(adapter):
+        raise SFTError(f"{adapter} is not a LoRA adapter directory (no adapter_config.json)")
+    from transformers import AutoConfig
+
+    base = base or _adapter_base(adapter)
+    model, tokenizer = load_for_inference(adapter, torch.float32, base)
+    if dtype == "auto":
+        saved = getattr(AutoConfig.from_pretrained(base), "dtype", None)
+        target = getattr(torch, saved) if isinstance(saved, str) else saved or pick_dtype("auto")
+    else:
+        target = DTYPES[dtype]
+    merged = model.merge_and_unload().to(device="cpu", dtype=target)
+    out = Path(output)
+    staging = staging_dir(out)
+    merged.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    publish(staging, out)
+    log.info("merged %s into %s -> %s (%s)", adapter, base, out, str(target).replace("torch.", ""))
+    return out

@@ -1,0 +1,152 @@
+"""Models for `tigon sft`: load a tokenizer and model (or build the tiny default), wrap it with
+LoRA, and switch on tigon's kernels. Loading failures become one-line SFTErrors."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from tigon.train.config import SFTConfig, SFTError
+
+log = logging.getLogger("tigon.train")
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def pick_dtype(name: str) -> torch.dtype:
+    """`--dtype` as a torch dtype; auto is bf16 on a GPU that supports it, fp32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
+    if name == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        raise SFTError("--dtype bf16: this GPU has no bfloat16 support; use fp16 (LoRA) or fp32")
+    return DTYPES[name]
+
+
+def _not_found(model_id: str, err: Exception) -> SFTError:
+    reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return SFTError(f"model not found: {model_id} ({reason})")
+
+
+def _check_source(model_id: str) -> None:
+    """Fail fast on a local path that does not exist, instead of asking the hub for it."""
+    path = Path(model_id).expanduser()
+    looks_local = model_id.startswith((".", "/", "~")) or model_id.count("/") > 1
+    if looks_local and not path.exists():
+        raise SFTError(f"model not found: {model_id} (no such directory)")
+
+
+def load_tokenizer(model_id: str) -> Any:
+    from transformers import AutoTokenizer
+
+    _check_source(model_id)
+    try:
+        return AutoTokenizer.from_pretrained(model_id)
+    except (OSError, ValueError) as err:
+        raise _not_found(model_id, err) from None
+
+
+def quiet_transformers() -> None:
+    """No per-file load/save progress bars: they would break tigon's own progress bar."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def load_model(model_id: str, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    quiet_transformers()
+    _check_source(model_id)
+    try:
+        return AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype, attn_implementation="sdpa")
+    except (OSError, ValueError) as err:
+        raise _not_found(model_id, err) from None
+
+
+@contextlib.contextmanager
+def peft_quiet() -> Iterator[None]:
+    """peft asks newer transformers a question under its old, deprecated name; that warning is
+    theirs to fix and says nothing to a tigon user."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        yield
+
+
+def add_lora(model: torch.nn.Module, cfg: SFTConfig) -> torch.nn.Module:
+    """`model` wrapped by PEFT with LoRA adapters on `cfg.target_modules`; adapters stay fp32."""
+    from peft import LoraConfig, get_peft_model
+
+    targets: str | list[str] = cfg.target_modules
+    if targets != "all-linear":
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
+    lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=targets, task_type="CAUSAL_LM")
+    try:
+        with peft_quiet():
+            return get_peft_model(model, lora)
+    except ValueError as err:
+        raise SFTError(f"--target-modules {cfg.target_modules}: {str(err).splitlines()[0]}") from None
+
+
+def kernel_switches(kernels_off: list[str]) -> dict[str, bool]:
+    """The `tigon.patch` keyword switches for ``--kernels-off``. Turning off the fused
+    linear+cross-entropy leaves the (logits-materialising) fused cross-entropy on, unless that
+    is listed too."""
+    from tigon.patch import SWITCHES
+
+    unknown = [name for name in kernels_off if name not in SWITCHES]
+    if unknown:
+        raise SFTError(f"--kernels-off: unknown kernel(s) {', '.join(unknown)}; "
+                       f"choose from {', '.join(SWITCHES)}")
+    switches = {name: False for name in kernels_off}
+    if "linear_cross_entropy" in kernels_off and "cross_entropy" not in kernels_off:
+        switches["cross_entropy"] = True
+    return switches
+
+
+def apply_kernels(model: torch.nn.Module, cfg: SFTConfig) -> str:
+    """Patch `model` in place with tigon's kernels (or not, with ``--no-kernels``); logs and
+    returns the line saying what was applied."""
+    if not cfg.kernels:
+        line = "tigon: kernels off (--no-kernels): plain PyTorch / transformers code"
+        log.info("%s", line)
+        return line
+    import tigon
+
+    try:
+        return str(tigon.patch(model, **kernel_switches(cfg.kernels_off)))  # patch logs the line itself
+    except SFTError:
+        raise
+    except ValueError as err:
+        raise SFTError(f"{err} (run with --no-kernels to train without tigon's kernels)") from None
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts; tied weights count once."""
+    seen: dict[int, torch.nn.Parameter] = {id(p): p for p in model.parameters()}
+    total = sum(p.numel() for p in seen.values())
+    trainable = sum(p.numel() for p in seen.values() if p.requires_grad)
+    return trainable, total
+
+
+def flops_per_token(model: torch.nn.Module, seq_len: float) -> float:
+    """Model FLOPs per trained token: 2 per weight for the forward, 2 for the input gradients and
+    2 more for the weight gradients of trainable weights (so LoRA skips the frozen ones'), plus
+    causal attention scores and values (6 * layers * seq * width). Recomputation is not counted."""
+    forward = trainable = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            forward += module.weight.numel()
+            trainable += module.weight.numel() if module.weight.requires_grad else 0
+    config = getattr(model, "config", None)
+    attention = 0.0
+    if config is not None and getattr(config, "num_hidden_layers", None):
+        heads = getattr(config, "num_attention_heads", 0) or 0
+        head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 0)
+        attention = 6.0 * config.num_hidden_layers * seq_len * heads * head_dim
+    return 4.0 * forward + 2.0 * trainable + attention
