@@ -1,8 +1,9 @@
 """Time and measure tigon, PyTorch eager and torch.compile on the same inputs in one run.
 
 Times are medians (``triton.testing.do_bench`` on CUDA, a wall-clock median on CPU). Peak memory is
-the rise of ``torch.cuda.max_memory_allocated()`` during one fwd+bwd over what was allocated with
-the inputs and their ``.grad`` buffers already present, as in shared/TARGETS.md.
+the rise of ``torch.cuda.max_memory_allocated()`` during one fwd+bwd over what the inputs hold,
+less the ``.grad`` buffers it produces, as in shared/TARGETS.md (the gradients themselves are not
+counted; everything else the op allocates is).
 """
 
 from __future__ import annotations
@@ -51,16 +52,21 @@ def _time_ms(step: Callable[[], None], device: torch.device, leaves: list[torch.
     return statistics.median(samples)
 
 
-def _peak_mib(step: Callable[[], None], device: torch.device) -> float | None:
+def _peak_mib(step: Callable[[], None], device: torch.device, leaves: list[torch.Tensor]) -> float | None:
+    """Peak allocation of one fwd+bwd above the inputs, less the gradients it hands back: the
+    `.grad` buffers are what TARGETS.md leaves out, everything else the op allocates counts."""
     if device.type != "cuda":
         return None
-    step()  # the .grad buffers now exist, as in TARGETS.md
+    step()  # warm: caches and lazily built state are not part of the op's peak
+    for leaf in leaves:
+        leaf.grad = None
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
     step()
     torch.cuda.synchronize(device)
-    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    grad_bytes = sum(leaf.grad.nbytes for leaf in leaves if leaf.grad is not None)
+    return (torch.cuda.max_memory_allocated(device) - base - grad_bytes) / 2**20
 
 
 def measure_bandwidth(device: torch.device) -> float:
@@ -95,7 +101,8 @@ def bench_one(
     args = op.make_inputs(size, dtype, device)
     leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
     fns = {"tigon": op.tigon, "eager": op.eager, "compile": torch.compile(op.eager, dynamic=False)}
-    grads = [torch.randn_like(o) for o in _outputs(op.eager(*args))]
+    # A scalar output is a loss: backpropagate 1 as `loss.backward()` does.
+    grads = [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in _outputs(op.eager(*args))]
     floor_s = op.bytes_moved(size, dtype) / bandwidth
     if op.flops(size) and matmul_rate:
         floor_s = max(floor_s, op.flops(size) / matmul_rate)
@@ -107,7 +114,7 @@ def bench_one(
             record["fwd_ms"] = _time_ms(lambda: fn(*args), device, [])
             step = _fwd_bwd(fn, args, grads)
             record["fwd_bwd_ms"] = _time_ms(step, device, leaves)
-            record["peak_mib"] = _peak_mib(step, device)
+            record["peak_mib"] = _peak_mib(step, device, leaves)
             record["roofline_pct"] = 100 * floor_s * 1e3 / record["fwd_bwd_ms"]
         except Exception as err:  # one failing implementation must not hide the others' numbers
             record["error"] = f"{type(err).__name__}: {err}"
