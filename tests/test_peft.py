@@ -306,3 +306,59 @@ def test_bf16_llama_on_gpu_as_accurate_as_peft():
     assert error(got[0], want[0]) <= 1.5 * error(peft_got[0], want[0]) + 1e-3
     for name, w in want[2].items():
         assert error(got[2][name], w) <= 1.5 * error(peft_got[2][name], w) + 2e-3, name
+
+
+class _SwappedMLP(torch.nn.Module):
+    """Looks like a gated MLP but gates the other way: must not be fused."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(37, 53, bias=True)
+        self.up_proj = torch.nn.Linear(37, 53, bias=True)
+        self.down_proj = torch.nn.Linear(53, 37, bias=True)
+        self.act_fn = torch.nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))
+
+
+def test_plain_modules_with_bias_and_lookalike_mlp(spy):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(29, 37), _SwappedMLP())
+    config = peft.LoraConfig(r=5, lora_alpha=7, target_modules=["0", "gate_proj", "up_proj", "down_proj"],
+                             init_lora_weights=False)
+    ours = peft.get_peft_model(model, config)
+    theirs = copy.deepcopy(ours)
+    summary = apply_lora_kernels(ours)
+    assert (summary.linears, summary.gated_mlps) == (4, 0)
+    x = torch.randn(3, 5, 29, requires_grad=True)
+    out = ours(x)
+    ref = theirs(x)
+    assert_close(out, ref, name="output")
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, [x, *(p for p in ours.parameters() if p.requires_grad)], grad)
+    want = torch.autograd.grad(ref, [x, *(p for p in theirs.parameters() if p.requires_grad)], grad)
+    for g, w in zip(got, want):
+        assert_close(g, w)
+    assert spy == {"lora_linear": 4, "lora_gated_mlp": 0}
+
+
+def test_mlp_recognised_after_its_class_forward_is_patched(monkeypatch, spy):
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.LlamaMLP.forward
+    calls = []
+
+    def patched(self, x):
+        calls.append(1)
+        return original(self, x)
+
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", patched)
+    ours, theirs = _models()
+    assert apply_lora_kernels(ours).gated_mlps == 2
+    _assert_same_step(ours, theirs, _ids())
+    assert spy["lora_gated_mlp"] == 2
+    calls.clear()
+    with ours.disable_adapter():
+        ours(input_ids=_ids())
+    assert len(calls) == 2  # the fallback is the class's (patched) forward

@@ -177,11 +177,18 @@ def _gated_mlp_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: A
 
 @functools.lru_cache(maxsize=None)
 def _forward_is_gated_mlp(cls: type) -> bool:
-    try:
-        source = inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return False
-    return _GATED_MLP_SOURCE in source
+    """Whether the class's forward, as written in its source file (so a forward patched in at
+    run time does not hide it), is Hugging Face's gated MLP."""
+    for klass in cls.__mro__:
+        if klass is nn.Module:
+            break
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):
+            return False
+        if "def forward" in source:
+            return _GATED_MLP_SOURCE in source
+    return False
 
 
 def _is_gated_mlp(module: nn.Module, lora_linear: type, mlp_classes: frozenset[str]) -> bool:
