@@ -13,8 +13,8 @@ R/2 frequencies written twice (``cat(freqs, freqs)``).
 
 One kernel serves forward and backward: the rotation is linear, and its transpose is the rotation
 by -sin with the two halves' sin swapped (the same as -sin when the halves are equal). Each program
-takes one token and every head of q and k, so cos/sin are read once per token. Nothing of q/k is
-saved: backward needs only cos and sin.
+takes a block of tokens and every head of q and k, so cos/sin are read once per token. Nothing of
+q/k is saved: backward needs only cos and sin.
 """
 
 from __future__ import annotations
