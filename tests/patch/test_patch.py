@@ -16,7 +16,8 @@ from tigon.patch.families import Family
 
 
 @pytest.fixture(autouse=True)
-def clean_patches():
+def clean_patches(monkeypatch):
+    """Undo every patch after each test, before monkeypatch restores what tests replaced."""
     yield
     tigon.unpatch()
 
@@ -57,7 +58,7 @@ def forbid_hf_code(monkeypatch, family: Family):
     def forbidden(*args, **kwargs):
         raise AssertionError("tigon's replacement fell back to HF's code")
 
-    names = [family.norm.cls] + ([family.mlp.cls] if family.mlp else [])
+    names = [family.norm.cls, family.causal_lm] + ([family.mlp.cls] if family.mlp else [])
     names += [family.layer.cls] if family.layer.fuse else []
     for name in names:
         monkeypatch.setattr(getattr(module, name), "forward", forbidden)
@@ -72,11 +73,13 @@ def test_instance_patch_matches_hf(model_type, monkeypatch):
     want = run(model)
     forbid_hf_code(monkeypatch, family)
     result = tigon.patch(patched)
-    expected = {"rms_norm", "rope"} | ({family.mlp.switch} if family.mlp else set())
+    expected = {"rms_norm", "rope", "linear_cross_entropy"} | ({family.mlp.switch} if family.mlp else set())
     expected |= {"add_rms_norm"} if family.layer.fuse else set()
     assert expected <= set(result.applied)
     assert result.layers == 2
-    assert_same_run(run(patched), want)
+    got = run(patched)
+    assert got[1] is None, "training with labels must not materialise the logits"
+    assert_same_run(got, want)
 
 
 def snapshot(module):
@@ -160,3 +163,64 @@ def test_bad_arguments():
         tigon.patch("llama", cross_entropy=True, linear_cross_entropy=True)
     with pytest.raises(ValueError, match="target must be"):
         tigon.patch(42)
+
+
+LOSS_CASES = ["llama", "gemma2", "granite", "qwen3_moe"]  # plain, softcap, logit scaling, MoE router loss
+
+
+@pytest.mark.parametrize("model_type", LOSS_CASES)
+def test_cross_entropy_switch_matches_hf(model_type):
+    model = tiny_model(model_type)
+    patched = copy.deepcopy(model)
+    assert "cross_entropy" in tigon.patch(patched, linear_cross_entropy=False, cross_entropy=True).applied
+    got = run(patched)
+    assert got[1] is not None
+    assert_same_run(got, run(model))
+
+
+@pytest.mark.parametrize("model_type", LOSS_CASES)
+def test_linear_cross_entropy_loss_options_match_hf(model_type):
+    """Gradient accumulation's num_items_in_batch, precomputed shift_labels, logits_to_keep."""
+    model = tiny_model(model_type)
+    patched = copy.deepcopy(model)
+    tigon.patch(patched)
+    ids, mask, labels = batch(3)
+    shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
+    cases = [
+        dict(labels=labels, num_items_in_batch=torch.tensor(37)),
+        dict(labels=labels, num_items_in_batch=41),
+        dict(labels=labels, shift_labels=shift),
+        dict(labels=labels[:, -5:], shift_labels=shift[:, -5:].contiguous(), logits_to_keep=5),
+    ]
+    for kwargs in cases:
+        for m in (model, patched):
+            m.train()
+            m.zero_grad(set_to_none=True)
+        want = model(input_ids=ids, attention_mask=mask, **kwargs)
+        got = patched(input_ids=ids, attention_mask=mask, **kwargs)
+        assert got.logits is None
+        assert_close(got.loss, want.loss, name=f"loss {sorted(kwargs)}")
+        got.loss.backward()
+        want.loss.backward()
+        head = dict(patched.named_parameters())
+        for name, param in model.named_parameters():
+            assert_close(head[name].grad, param.grad, name=f"grad {name} {sorted(kwargs)}")
+
+
+def test_logits_as_hf_without_labels_or_training():
+    model = tiny_model("gemma2")
+    patched = copy.deepcopy(model)
+    tigon.patch(patched)
+    ids, mask, labels = batch(4)
+    model.eval(), patched.eval()
+    with torch.no_grad():
+        for kwargs in (dict(labels=labels), dict(), dict(logits_to_keep=1)):
+            want = model(input_ids=ids, attention_mask=mask, **kwargs)
+            got = patched(input_ids=ids, attention_mask=mask, **kwargs)
+            assert_close(got.logits, want.logits, name="logits")
+            assert (got.loss is None) == (want.loss is None)
+            if want.loss is not None:
+                assert_close(got.loss, want.loss, name="loss")
+    patched.train()
+    as_tuple = patched(input_ids=ids, attention_mask=mask, labels=labels, return_dict=False)
+    assert isinstance(as_tuple, tuple) and as_tuple[0].dim() == 0

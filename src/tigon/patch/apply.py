@@ -134,6 +134,14 @@ def _plan(family: Family, module: types.ModuleType, switches: dict[str, bool]) -
         if cls is not None:
             fused = forwards.mlp_forward(family.mlp, _original(cls, "forward"))
             plan.append(_Replacement(family.mlp.switch, cls, "forward", fused))
+    loss_switch = next((name for name in ("linear_cross_entropy", "cross_entropy") if switches[name]), None)
+    causal_lm = find(family.causal_lm)
+    aux_loss = find(family.head.aux_loss) if family.head.aux_loss else None
+    if loss_switch is not None and causal_lm is not None:
+        original = _original(causal_lm, "forward")
+        fused = loss_switch == "linear_cross_entropy"
+        forward = forwards.causal_lm_forward(family.head, fused, original, aux_loss)
+        plan.append(_Replacement(loss_switch, causal_lm, "forward", forward))
     layer = find(family.layer.cls)
     if switches["add_rms_norm"] and family.layer.fuse is not None and layer is not None:
         fused = forwards.decoder_layer_forward(family.layer, family.norm, _original(layer, "forward"))

@@ -72,6 +72,23 @@ class Rope:
     keep_dtype: bool = False
 
 
+@dataclass(frozen=True)
+class Head:
+    """What the ``*ForCausalLM`` forward does between the last hidden state and the loss.
+
+    Attributes:
+        softcap: config attribute of the final-logit softcap, ``cap * tanh(logits / cap)``, None
+            when unset (Gemma 2/3).
+        scale: config attribute that the logits are divided by (Granite).
+        aux_loss: module-level router load-balancing loss added when router logits are output
+            (the MoE families).
+    """
+
+    softcap: str | None = None
+    scale: str | None = None
+    aux_loss: str | None = None
+
+
 # Norm variants shared by several families.
 LLAMA_NORM = "llama"
 GEMMA_NORM = "gemma"
@@ -88,6 +105,7 @@ class Family:
         norm: the RMSNorm class with its rounding.
         mlp: the dense gated MLP, if the family has one (MoE experts keep HF's code).
         rope: the rotary-embedding function.
+        head: the causal-LM head's extras.
     """
 
     module: str
@@ -96,6 +114,7 @@ class Family:
     norm: Norm
     mlp: MLP | None
     rope: Rope
+    head: Head
 
 
 def _norm(prefix: str, kind: str = LLAMA_NORM) -> Norm:
@@ -104,6 +123,8 @@ def _norm(prefix: str, kind: str = LLAMA_NORM) -> Norm:
     return Norm(f"{prefix}RMSNorm")
 
 
+MOE_HEAD = Head(aux_loss="load_balancing_loss_func")
+SOFTCAP_HEAD = Head(softcap="final_logit_softcapping")
 _DEFAULT = object()
 
 
@@ -114,6 +135,7 @@ def _family(
     norm: Norm | None = None,
     mlp: MLP | None | object = _DEFAULT,
     rope: Rope = Rope(),
+    head: Head = Head(),
     **layer,
 ) -> Family:
     return Family(
@@ -123,29 +145,32 @@ def _family(
         norm=norm or _norm(prefix),
         mlp=MLP(f"{prefix}MLP") if mlp is _DEFAULT else mlp,
         rope=rope,
+        head=head,
     )
 
 
 FAMILIES: dict[str, Family] = {
     "llama": _family("llama", "Llama"),
     "mistral": _family("mistral", "Mistral"),
-    "mixtral": _family("mixtral", "Mixtral", mlp=None),
+    "mixtral": _family("mixtral", "Mixtral", mlp=None, head=MOE_HEAD),
     "qwen2": _family("qwen2", "Qwen2"),
     "qwen3": _family("qwen3", "Qwen3"),
     # The dense MLP of the layers listed in `mlp_only_layers`; the experts keep HF's code.
-    "qwen3_moe": _family("qwen3_moe", "Qwen3Moe"),
+    "qwen3_moe": _family("qwen3_moe", "Qwen3Moe", head=MOE_HEAD),
     "phi3": _family(
         "phi3", "Phi3", mlp=MLP("Phi3MLP", act="activation_fn", packed=True),
         dropout=("resid_attn_dropout", "resid_mlp_dropout"),
     ),
     "gemma": _family("gemma", "Gemma", norm=_norm("Gemma", GEMMA_NORM), mlp=MLP("GemmaMLP", "geglu")),
     "gemma2": _family(
-        "gemma2", "Gemma2", norm=_norm("Gemma2", GEMMA_NORM), mlp=MLP("Gemma2MLP", "geglu"), fuse="sandwich"
+        "gemma2", "Gemma2", norm=_norm("Gemma2", GEMMA_NORM), mlp=MLP("Gemma2MLP", "geglu"), head=SOFTCAP_HEAD,
+        fuse="sandwich",
     ),
     "gemma3_text": _family(
-        "gemma3", "Gemma3", norm=_norm("Gemma3", GEMMA_NORM), mlp=MLP("Gemma3MLP", "geglu"), fuse="sandwich"
+        "gemma3", "Gemma3", norm=_norm("Gemma3", GEMMA_NORM), mlp=MLP("Gemma3MLP", "geglu"), head=SOFTCAP_HEAD,
+        fuse="sandwich",
     ),
-    "granite": _family("granite", "Granite", scale="residual_multiplier"),
+    "granite": _family("granite", "Granite", head=Head(scale="logits_scaling"), scale="residual_multiplier"),
     # OLMo 2 multiplies by the weight in fp32 and rounds once, as Gemma does, but without the +1.
     "olmo2": _family(
         "olmo2", "Olmo2", norm=Norm("Olmo2RMSNorm", casting="gemma"), rope=Rope(keep_dtype=True), fuse=None

@@ -9,12 +9,12 @@ to a live module (instance patching) or set on the class (class patching) alike.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from tigon import functional as F
-from tigon.patch.families import MLP, Layer, Norm, Rope
+from tigon.patch.families import MLP, Head, Layer, Norm, Rope
 
 
 @functools.lru_cache(maxsize=None)
@@ -159,3 +159,105 @@ def rope_function(rope: Rope, original: Callable[..., tuple]) -> Callable[..., t
 
     apply_rotary_pos_emb.__qualname__ = f"tigon_{rope.function}"
     return apply_rotary_pos_emb
+
+
+def _shifted_targets(labels: torch.Tensor, kwargs: dict, ignore_index: int) -> torch.Tensor:
+    """The next-token targets HF's ForCausalLMLoss uses: `shift_labels` if given, else `labels`
+    moved left by one with `ignore_index` last."""
+    shift_labels = kwargs.get("shift_labels")
+    if shift_labels is not None:
+        return shift_labels
+    return torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+def _mean_as_hf(loss_sum: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    count = kwargs["num_items_in_batch"]
+    return loss_sum / (count.to(loss_sum.device) if isinstance(count, torch.Tensor) else count)
+
+
+@functools.lru_cache(maxsize=None)
+def causal_lm_forward(
+    head: Head, fused: bool, original: Callable[..., Any], aux_loss: Callable[..., torch.Tensor] | None
+) -> Callable[..., Any]:
+    """Forward for an HF ``*ForCausalLM`` whose loss runs on tigon's kernels, same loss as HF's.
+
+    fused=True (``linear_cross_entropy``): in training, with labels, HF's own loss function and
+    an int `logits_to_keep`, the loss comes from :func:`tigon.functional.linear_cross_entropy` on
+    the last hidden state, and ``logits`` is None: the logits never exist. Otherwise `original`
+    runs unchanged.
+
+    fused=False (``cross_entropy``): with labels, HF computes the logits (softcap and scaling
+    included) and :func:`tigon.functional.cross_entropy` the loss.
+
+    Both follow HF's ``ForCausalLMLoss``: shifted labels (or `shift_labels`), `ignore_index`,
+    ``sum / num_items_in_batch`` when that is given, and the MoE router loss when router logits
+    are output. Arguments after `position_ids` must be passed by keyword (as Trainer, PEFT and
+    generate do); a positional one sends the call to `original`.
+    """
+    from transformers.loss.loss_utils import ForCausalLMLoss
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+    from transformers.utils import can_return_tuple
+
+    output_cls = MoeCausalLMOutputWithPast if aux_loss is not None else CausalLMOutputWithPast
+
+    def add_aux_loss(self, loss: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
+        return loss if aux is None else loss + self.router_aux_loss_coef * aux.to(loss.device)
+
+    def linear_loss(self, input_ids, attention_mask, position_ids, labels, logits_to_keep, kwargs):
+        if aux_loss is not None and kwargs.get("output_router_logits") is None:
+            kwargs["output_router_logits"] = self.config.output_router_logits
+        decoder = getattr(self, self.base_model_prefix)
+        outputs = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        hidden = outputs.last_hidden_state
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:, :]
+        if head.scale is not None:
+            hidden = hidden / getattr(self.config, head.scale)
+        weight = self.lm_head.weight
+        ignore_index = kwargs.get("ignore_index", -100)
+        has_count = kwargs.get("num_items_in_batch") is not None
+        loss = F.linear_cross_entropy(
+            hidden.to(weight.dtype), weight, _shifted_targets(labels, kwargs, ignore_index).to(hidden.device),
+            self.lm_head.bias, ignore_index=ignore_index,
+            softcap=getattr(self.config, head.softcap) if head.softcap is not None else None,
+            reduction="sum" if has_count else "mean",
+        )
+        if has_count:
+            loss = _mean_as_hf(loss, kwargs)
+        fields = {key: value for key, value in outputs.items() if key != "last_hidden_state"}
+        if aux_loss is not None and kwargs["output_router_logits"]:
+            fields["aux_loss"] = aux_loss(
+                outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask
+            )
+            loss = add_aux_loss(self, loss, fields["aux_loss"])
+        return output_cls(loss=loss, logits=None, **fields)
+
+    def logits_loss(self, out, labels, kwargs):
+        ignore_index = kwargs.get("ignore_index", -100)
+        has_count = kwargs.get("num_items_in_batch") is not None
+        logits = out.logits
+        loss = F.cross_entropy(
+            logits, _shifted_targets(labels, kwargs, ignore_index).to(logits.device),
+            ignore_index=ignore_index, reduction="sum" if has_count else "mean",
+        )
+        if has_count:
+            loss = _mean_as_hf(loss, kwargs)
+        loss = add_aux_loss(self, loss, out.get("aux_loss"))
+        return type(out)(loss=loss, **{key: value for key, value in out.items() if key != "loss"})
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, *args, labels=None, logits_to_keep=0, **kwargs):
+        ours = labels is not None and not args and self.loss_function is ForCausalLMLoss
+        if fused and ours and self.training and isinstance(logits_to_keep, int) and _plain(self.lm_head):
+            return linear_loss(self, input_ids, attention_mask, position_ids, labels, logits_to_keep, kwargs)
+        if not fused and ours:
+            out = original(
+                self, input_ids, attention_mask, position_ids, logits_to_keep=logits_to_keep, return_dict=True, **kwargs
+            )
+            return logits_loss(self, out, labels, kwargs)
+        return original(
+            self, input_ids, attention_mask, position_ids, *args, labels=labels, logits_to_keep=logits_to_keep,
+            return_dict=True, **kwargs,
+        )
+
+    forward.__qualname__ = "tigon_causal_lm.forward"
+    return can_return_tuple(forward)
