@@ -125,6 +125,9 @@ def _projection(layer: nn.Module, x: torch.Tensor) -> LoraProjection | None:
     name, _ = _active_adapter(layer)
     if name is None or not x.is_floating_point():
         return None
+    scaling = layer.scaling[name]
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
+        return None
     base = layer.get_base_layer()
     weight, bias = base.weight, base.bias
     lora_a, lora_b = layer.lora_A[name].weight, layer.lora_B[name].weight
@@ -135,7 +138,7 @@ def _projection(layer: nn.Module, x: torch.Tensor) -> LoraProjection | None:
         if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
             return None  # F.linear would refuse it: let PEFT's path raise its own error
         lora_a, lora_b = lora_a.to(x.dtype), lora_b.to(x.dtype)
-    return LoraProjection(weight, lora_a, lora_b, layer.scaling[name], bias)
+    return LoraProjection(weight, lora_a, lora_b, scaling, bias)
 
 
 def _previous_forward(module: nn.Module) -> Callable[..., Any]:
