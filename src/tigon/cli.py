@@ -55,7 +55,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     sizes = [parse_size(s) for s in args.sizes] if args.sizes else None
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    run_benchmarks(ops=args.ops, sizes=sizes, dtype=dtype, out_dir=Path(args.out) if args.out else None)
+    run_benchmarks(
+        ops=args.ops, sizes=sizes, dtype=dtype, out_dir=Path(args.out) if args.out else None,
+        impls=args.impls, headline=args.headline,
+    )
     return 0
 
 
@@ -150,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--ops", nargs="+", metavar="OP", help="ops to run (default: all registered)")
     bench.add_argument("--sizes", nargs="+", metavar="RxC", help="sizes such as 16384x4096 (default: each op's sweep)")
     bench.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    bench.add_argument("--headline", action="store_true", help="only each op's first (TARGETS.md) size")
+    bench.add_argument("--impls", nargs="+", choices=["tigon", "eager", "compile"], default=["tigon", "eager", "compile"],
+                       help="implementations to measure (default: all three, in the same run)")
     bench.add_argument("--out", metavar="DIR", help="write bench.json and one PNG plot per op here")
     bench.set_defaults(run=_cmd_bench)
     _add_train_commands(sub)

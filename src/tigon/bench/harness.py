@@ -100,7 +100,9 @@ def bench_one(
     torch.manual_seed(0)
     args = op.make_inputs(size, dtype, device)
     leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-    fns = {"tigon": op.tigon, "eager": op.eager, "compile": torch.compile(op.eager, dynamic=False)}
+    fns = {"tigon": op.tigon, "eager": op.eager}
+    if "compile" in impls:
+        fns["compile"] = torch.compile(op.eager, dynamic=False)
     # A scalar output is a loss: backpropagate 1 as `loss.backward()` does.
     grads = [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in _outputs(op.eager(*args))]
     floor_s = op.bytes_moved(size, dtype) / bandwidth
@@ -191,8 +193,11 @@ def run_benchmarks(
     device: torch.device | None = None,
     out_dir: Path | None = None,
     log: Callable[[str], None] = print,
+    impls: Sequence[str] = IMPLS,
+    headline: bool = False,
 ) -> list[dict[str, Any]]:
-    """Benchmark `ops` (all registered when None) over `sizes` (each op's sweep when None)."""
+    """Benchmark `ops` (all registered when None) over `sizes` (each op's sweep when None, only
+    its first, TARGETS.md size when `headline`), for the implementations in `impls`."""
     import tigon.bench.ops  # noqa: F401  (registers the cases)
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -211,8 +216,8 @@ def run_benchmarks(
     for name in names:
         op = BENCH_OPS[name]
         op_sizes = sizes or (op.sizes if device.type == "cuda" else op.cpu_sizes)
-        for size in op_sizes:
-            records += bench_one(op, size, dtype, device, bandwidth, matmul_rate)
+        for size in op_sizes[:1] if headline else op_sizes:
+            records += bench_one(op, size, dtype, device, bandwidth, matmul_rate, impls)
             log(format_table([r for r in records if r["op"] == name and r["size"] == "x".join(map(str, size))]))
     log("\n" + format_table(records))
     if out_dir is not None:
