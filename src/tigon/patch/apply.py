@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sys
 import types
 import weakref
 from dataclasses import dataclass
@@ -69,7 +70,8 @@ _MISSING = object()
 _shared: dict[tuple[int, str], list[Any]] = {}
 # model_type -> the shared swaps a class patch holds.
 _class_patches: dict[str, list[tuple[int, str]]] = {}
-# model -> (instance swaps [(module, attr, previous)], shared swaps it holds).
+# model -> (instance swaps [(module, attr, previous)], shared swaps it holds, whether tigon.peft's
+# LoRA kernels were applied).
 _instance_patches: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[list, list]]" = weakref.WeakKeyDictionary()
 
 
@@ -204,6 +206,7 @@ def _patch_instance(model: torch.nn.Module, switches: dict[str, bool]) -> Patche
     bound: list[tuple[torch.nn.Module, str, Any]] = []
     held: list[tuple[int, str]] = []
     applied: dict[str, None] = {}
+    lora = False
     try:
         for replacement in plan:
             if not replacement.per_module:
@@ -212,20 +215,43 @@ def _patch_instance(model: torch.nn.Module, switches: dict[str, bool]) -> Patche
                 continue
             for sub in model.modules():
                 if isinstance(sub, replacement.owner):
-                    attr = _forward_attr(sub) if replacement.name == "forward" else replacement.name
+                    attr = _forward_attr(sub)
                     bound.append((sub, attr, vars(sub).get(attr, _MISSING)))
                     setattr(sub, attr, types.MethodType(replacement.new, sub))
                     applied[replacement.switch] = None
+        if switches["lora"] and _has_lora_layers(model):
+            lora = True
+            # After the forwards above: the LoRA kernels fall back to whatever forward they replace.
+            from tigon.peft import apply_lora_kernels
+
+            mlp = family.mlp
+            summary = apply_lora_kernels(model, mlp_classes=[mlp.cls] if mlp and not mlp.packed else [])
+            if summary.linears:
+                applied["lora"] = None
     except BaseException:
-        _undo_instance(bound, held)
+        _undo_instance(model, bound, held, lora)
         raise
-    _instance_patches[model] = (bound, held)
+    _instance_patches[model] = (bound, held, lora)
     layer_cls = getattr(module, family.layer.cls)
     layers = sum(isinstance(sub, layer_cls) for sub in model.modules())
     return Patched(type(hf_model).__name__, model_type, tuple(applied), layers)
 
 
-def _undo_instance(bound: list[tuple[torch.nn.Module, str, Any]], held: list[tuple[int, str]]) -> None:
+def _has_lora_layers(model: torch.nn.Module) -> bool:
+    if "peft" not in sys.modules:  # nothing can hold a PEFT layer without PEFT imported
+        return False
+    from peft.tuners.lora import LoraLayer
+
+    return any(isinstance(module, LoraLayer) for module in model.modules())
+
+
+def _undo_instance(
+    model: torch.nn.Module, bound: list[tuple[torch.nn.Module, str, Any]], held: list[tuple[int, str]], lora: bool
+) -> None:
+    if lora:
+        from tigon.peft import remove_lora_kernels
+
+        remove_lora_kernels(model)
     for sub, attr, previous in reversed(bound):
         if previous is _MISSING:
             delattr(sub, attr)
@@ -299,7 +325,7 @@ def unpatch(target: str | torch.nn.Module | None = None) -> None:
     elif isinstance(target, torch.nn.Module):
         undo = _instance_patches.pop(target, None)
         if undo is not None:
-            _undo_instance(*undo)
+            _undo_instance(target, *undo)
     else:
         raise ValueError(
             f"target must be a model_type string, a torch.nn.Module or None, got {type(target).__name__}"
