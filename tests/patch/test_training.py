@@ -107,3 +107,31 @@ def test_twenty_adamw_steps_match_step_by_step():
     got, want = train(patched, 20, cols=9), train(model, 20, cols=9)
     assert want[-1] < want[0] - 0.5, "the run must actually learn for the comparison to mean much"
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_hf_trainer_with_gradient_accumulation_and_checkpointing(tmp_path):
+    """Trainer passes num_items_in_batch across accumulated micro-batches and recomputes layers
+    under gradient checkpointing; the logged losses must not notice tigon."""
+    from transformers import Trainer, TrainingArguments
+
+    def losses(model):
+        rows = []
+        for seed in range(6):
+            ids, mask, labels = batch(200 + seed, rows=1, cols=11, pad_tail=seed % 3)
+            rows.append(dict(input_ids=ids[0], attention_mask=mask[0], labels=labels[0]))
+        args = TrainingArguments(
+            output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=1,
+            gradient_accumulation_steps=2, gradient_checkpointing=True, learning_rate=3e-3,
+            logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0,
+        )
+        trainer = Trainer(model=model, args=args, train_dataset=rows)
+        trainer.train()
+        assert model.model.layers[0].gradient_checkpointing
+        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+    model = tiny_model("gemma2")
+    patched = copy.deepcopy(model)
+    tigon.patch(patched)
+    got, want = losses(patched), losses(model)
+    assert len(want) == 3
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-5)
