@@ -50,6 +50,10 @@ def _cmd_env(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.e2e:
+        from tigon.bench.e2e import run_e2e
+
+        return 1 if any("error" in r for r in run_e2e(out_dir=Path(args.out) if args.out else None)) else 0
     from tigon.bench import run_benchmarks
     from tigon.bench.registry import parse_size
 
@@ -157,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--impls", nargs="+", choices=["tigon", "eager", "compile"], default=["tigon", "eager", "compile"],
                        help="implementations to measure (default: all three, in the same run)")
     bench.add_argument("--out", metavar="DIR", help="write bench.json and one PNG plot per op here")
+    bench.add_argument("--e2e", action="store_true",
+                       help="end-to-end fine-tuning (full and LoRA) eager vs tigon instead of ops; "
+                            "more knobs: python -m tigon.bench.e2e --help")
     bench.set_defaults(run=_cmd_bench)
     _add_train_commands(sub)
     return parser

@@ -1,0 +1,238 @@
+"""End-to-end fine-tuning benchmark: PyTorch eager vs tigon-patched, same model, data and run.
+
+The model is shared/TARGETS.md's Llama shape (hidden 2048, intermediate 8192, 16 layers, 32 heads /
+8 KV heads, vocab 128256, tied embeddings; ~1.24 B parameters) with random weights, in bf16 with
+SDPA attention, trained by AdamW on random tokens:
+
+* ``full``: every parameter trains;
+* ``lora``: PEFT LoRA r=16 (alpha 32, no dropout) on every linear layer of the decoder.
+
+Each (mode, implementation) gets a fresh model from the same seed and the same batches, so the
+per-step losses are comparable: they are reported next to eager's. Throughput is tokens per
+second over the timed steps (after warm-up steps, which also absorb torch.compile's compilation);
+peak is ``torch.cuda.max_memory_allocated()`` over the whole run from building the model on, in
+GiB (weights, gradients and optimizer state included, as in TARGETS.md).
+
+``tigon bench --e2e`` runs the defaults; ``python -m tigon.bench.e2e --help`` lists the knobs
+(long-context runs: ``--modes lora --batch 1 --seq 65536 --checkpointing``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+import tigon
+from tigon.bench.harness import environment
+
+MODES = ("full", "lora")
+# "tigon+compile" is the patched model under torch.compile.
+IMPLS = ("eager", "tigon", "compile", "tigon+compile")
+LLAMA_1B = dict(
+    hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+    num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0,
+)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def build_model(
+    mode: str, seq: int, device: torch.device, *, shape: dict, lora_rank: int, checkpointing: bool, seed: int = 0
+):
+    """A Llama of `shape` on `device`, in bf16, random weights from `seed`."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(**shape, max_position_embeddings=max(seq, 8192), use_cache=False)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if mode == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(
+            model,
+            LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, target_modules=list(LORA_TARGETS)),
+        )
+        if checkpointing:
+            model.enable_input_require_grads()
+    return model
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_case(
+    mode: str,
+    impl: str,
+    device: torch.device,
+    *,
+    batch: int,
+    seq: int,
+    steps: int,
+    warmup: int,
+    shape: dict = LLAMA_1B,
+    lora_rank: int = 16,
+    checkpointing: bool = False,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Train one model for `warmup` + `steps` AdamW steps; throughput, peak memory (CUDA only)
+    and losses."""
+    _release(device)
+    model = build_model(mode, seq, device, shape=shape, lora_rank=lora_rank, checkpointing=checkpointing)
+    record: dict[str, Any] = {"mode": mode, "impl": impl, "batch": batch, "seq": seq}
+    try:
+        if impl.startswith("tigon"):
+            record["applied"] = str(tigon.patch(model))
+            log(record["applied"])
+        step_model = torch.compile(model) if impl.endswith("compile") else model
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
+        gen = torch.Generator(device).manual_seed(1234)
+        vocab = shape["vocab_size"]
+        batches = [torch.randint(0, vocab, (batch, seq), device=device, generator=gen) for _ in range(warmup + steps)]
+        losses, times = [], []
+        model.train()
+        for i, ids in enumerate(batches):
+            _sync(device)
+            start = time.perf_counter()
+            loss = step_model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            _sync(device)
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+            losses.append(loss.item())
+        record.update(
+            tokens_per_s=batch * seq * len(times) / sum(times),
+            step_ms=1e3 * statistics.median(times),
+            peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan"),
+            losses=losses,
+        )
+    except Exception as err:  # one failing case must not hide the others' numbers
+        record["error"] = f"{type(err).__name__}: {err}"
+    finally:
+        tigon.unpatch(model)
+        del model
+        _release(device)
+    return record
+
+
+def compare(records: list[dict[str, Any]]) -> None:
+    """Add speed-up, memory ratio and the largest per-step loss difference against eager."""
+    eager = {r["mode"]: r for r in records if r["impl"] == "eager" and "losses" in r}
+    for record in records:
+        base = eager.get(record["mode"])
+        if base is None or "losses" not in record:
+            continue
+        record["vs_eager_speed"] = record["tokens_per_s"] / base["tokens_per_s"]
+        record["vs_eager_peak"] = record["peak_gib"] / base["peak_gib"]
+        record["max_loss_diff"] = max(abs(a - b) for a, b in zip(record["losses"], base["losses"]))
+
+
+def format_table(records: list[dict[str, Any]]) -> str:
+    lines = [f"{'mode':<6}{'impl':<15}{'tok/s':>10}{'step ms':>9}{'peak GiB':>10}{'speed-up':>10}"
+             f"{'peak/eager':>11}{'first loss':>11}{'max |dloss|':>12}"]
+    for r in records:
+        if "error" in r:
+            lines.append(f"{r['mode']:<6}{r['impl']:<15}  {r['error']}")
+            continue
+        lines.append(
+            f"{r['mode']:<6}{r['impl']:<15}{r['tokens_per_s']:>10.0f}{r['step_ms']:>9.1f}{r['peak_gib']:>10.2f}"
+            f"{r.get('vs_eager_speed', float('nan')):>9.2f}x{r.get('vs_eager_peak', float('nan')):>11.2f}"
+            f"{r['losses'][0]:>11.4f}{r.get('max_loss_diff', float('nan')):>12.4f}"
+        )
+    return "\n".join(lines)
+
+
+def run_e2e(
+    modes: Sequence[str] = MODES,
+    impls: Sequence[str] = ("eager", "tigon"),
+    *,
+    batch: int = 4,
+    seq: int = 2048,
+    steps: int = 10,
+    warmup: int = 3,
+    lora_rank: int = 16,
+    checkpointing: bool = False,
+    out_dir: Path | None = None,
+    log: Callable[[str], None] = print,
+    shape: dict = LLAMA_1B,
+    device: torch.device | None = None,
+) -> list[dict[str, Any]]:
+    """Run every (mode, impl) pair on the current CUDA device (or `device`: a CPU run of a small
+    `shape` checks the pipeline, not speed); print a table, optionally write ``e2e.json`` to
+    `out_dir`, and return the records."""
+    for name, values, known in (("modes", modes, MODES), ("impls", impls, IMPLS)):
+        unknown = [v for v in values if v not in known]
+        if unknown:
+            raise ValueError(f"{name} must be among {', '.join(known)}, got {', '.join(unknown)}")
+    if device is None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("the end-to-end benchmark needs a CUDA GPU")
+        device = torch.device("cuda", torch.cuda.current_device())
+    env = environment(device)
+    import transformers
+
+    env["transformers"] = transformers.__version__
+    log(f"tigon e2e bench on {env['device']} (torch {env['torch']}, triton {env['triton']}, "
+        f"transformers {env['transformers']}): batch {batch} x {seq} tokens, {steps} timed steps after {warmup}")
+    records = []
+    for mode in modes:
+        for impl in impls:
+            records.append(run_case(
+                mode, impl, device, batch=batch, seq=seq, steps=steps, warmup=warmup, shape=shape,
+                lora_rank=lora_rank, checkpointing=checkpointing, log=log,
+            ))
+            compare(records)
+            log(format_table(records[-1:]))
+    log("\n" + format_table(records))
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        settings = dict(
+            batch=batch, seq=seq, steps=steps, warmup=warmup, lora_rank=lora_rank, checkpointing=checkpointing, shape=shape
+        )
+        (out_dir / "e2e.json").write_text(json.dumps({"environment": env, "settings": settings, "results": records}, indent=1))
+        log(f"wrote {out_dir / 'e2e.json'}")
+    return records
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tigon.bench.e2e", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=["eager", "tigon"])
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing (long context)")
+    parser.add_argument("--out", metavar="DIR", help="write e2e.json here")
+    args = parser.parse_args(argv)
+    records = run_e2e(
+        args.modes, args.impls, batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup,
+        lora_rank=args.lora_rank, checkpointing=args.checkpointing, out_dir=Path(args.out) if args.out else None,
+    )
+    return 1 if any("error" in r for r in records) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

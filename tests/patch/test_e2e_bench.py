@@ -1,0 +1,36 @@
+"""The end-to-end benchmark's pipeline on a tiny Llama on CPU (its numbers mean nothing here)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+import tigon
+from tigon.bench.e2e import run_e2e
+
+TINY = dict(
+    hidden_size=64, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=1000, tie_word_embeddings=True,
+)
+
+
+def test_e2e_runs_both_modes_and_reports_matching_losses(tmp_path):
+    lines = []
+    records = run_e2e(
+        batch=2, seq=12, steps=2, warmup=1, shape=TINY, device=torch.device("cpu"), out_dir=tmp_path, log=lines.append
+    )
+    assert [(r["mode"], r["impl"]) for r in records] == [
+        ("full", "eager"), ("full", "tigon"), ("lora", "eager"), ("lora", "tigon"),
+    ]
+    assert not [r["error"] for r in records if "error" in r]
+    for record in records:
+        assert record["tokens_per_s"] > 0 and len(record["losses"]) == 3
+        assert record["max_loss_diff"] < 0.02, "bf16 runs of the same model and data"
+    assert "lora" in records[-1]["applied"]
+    assert json.loads((tmp_path / "e2e.json").read_text())["results"][0]["impl"] == "eager"
+    # Every patch is undone after its run.
+    from transformers.models.llama import modeling_llama
+
+    assert "tigon" not in modeling_llama.apply_rotary_pos_emb.__qualname__
+    tigon.unpatch()
