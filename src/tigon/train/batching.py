@@ -1,7 +1,8 @@
 """Rows and batches: optional packing of several samples per row, and the collator that pads a
 batch. Packed rows carry ``position_ids`` that restart at 0 for each sample and no attention
 mask; from those, Hugging Face models build a block-diagonal causal mask (sdpa/eager) or
-per-sample sequence lengths (flash attention), so no token attends across samples."""
+per-sample sequence lengths (flash attention), so no token attends across samples. They do so
+only when no KV cache is in use, which is why training runs with ``config.use_cache = False``."""
 
 from __future__ import annotations
 

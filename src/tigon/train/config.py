@@ -213,4 +213,9 @@ def resolve(cfg: SFTConfig, given: set[str] = frozenset()) -> SFTConfig:
         raise SFTError("--resume and --overwrite are incompatible: resuming keeps the output dir")
     if cfg.kernels_off and not cfg.kernels:
         raise SFTError("--kernels-off has no effect with --no-kernels: give one or the other")
+    from tigon.patch import SWITCHES
+
+    unknown = [name for name in cfg.kernels_off if name not in SWITCHES]
+    if unknown:
+        raise SFTError(f"--kernels-off: unknown kernel(s) {', '.join(unknown)}; choose from {', '.join(SWITCHES)}")
     return cfg

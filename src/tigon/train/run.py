@@ -176,10 +176,6 @@ def _run(cfg: SFTConfig, given: set[str]) -> Path:
     dtype = pick_dtype(cfg.dtype)
     args = _training_arguments(cfg, output_dir, dtype, eval_data is not None)
     model = tiny.build_model(tokenizer, cfg.seed).to(dtype) if builtin else load_model(cfg.model, dtype)
-    model.config.use_cache = False
-    if cfg.gradient_checkpointing:
-        # Non-reentrant checkpointing needs no input that requires grad, so frozen embeddings (LoRA) work.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     base_model = None
     if builtin and cfg.tuner == "lora":
         # The adapter needs its base on disk to be loadable, and a resumed run the same base.
@@ -188,6 +184,10 @@ def _run(cfg: SFTConfig, given: set[str]) -> Path:
             model = load_model(str(base), dtype)
         model.name_or_path = str(base.resolve())
         base_model = copy.deepcopy(model)  # LoRA wraps `model` in place; written out below
+    use_cache, model.config.use_cache = model.config.use_cache, False  # see tigon.train.batching
+    if cfg.gradient_checkpointing:
+        # Non-reentrant checkpointing needs no input that requires grad, so frozen embeddings (LoRA) work.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.tuner == "lora":
         model = add_lora(model, cfg)
     trainable, total = count_parameters(model)
@@ -219,9 +219,11 @@ def _run(cfg: SFTConfig, given: set[str]) -> Path:
                             callbacks=[reporter], save_limit=cfg.save_limit)
     trainer.remove_callback(PrinterCallback)
     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
-    if eval_data is not None and not (cfg.save_steps and trainer.state.global_step % cfg.save_steps == 0):
-        trainer.evaluate()  # (the last step's evaluation when it was not a save step)
+    evaluated = {r["step"] for r in trainer.state.log_history if "eval_loss" in r}
+    if eval_data is not None and trainer.state.global_step not in evaluated:
+        trainer.evaluate()
 
+    model.config.use_cache = use_cache
     final = output_dir / FINAL_DIR
     staging = final.with_name(STAGING_PREFIX + FINAL_DIR)
     if trainer.is_world_process_zero():

@@ -83,8 +83,9 @@ def encode(tokenizer: Any, sample: Sample, max_length: int) -> dict[str, list[in
         # The template writes BOS itself where the model wants one.
         enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = enc["input_ids"]
-        labels = [tok if any(a <= start < b for a, b in spans) else IGNORE
-                  for tok, (start, _) in zip(ids, enc["offset_mapping"])]
+        # Any overlap counts: a byte-level token such as "Ġword" starts on the space before the turn.
+        labels = [tok if any(start < b and end > a for a, b in spans) else IGNORE
+                  for tok, (start, end) in zip(ids, enc["offset_mapping"])]
     ids, labels = ids[:max_length], labels[:max_length]
     if labels:
         labels[0] = IGNORE  # nothing precedes it; in a packed row it must not be predicted from the previous sample

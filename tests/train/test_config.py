@@ -1,0 +1,86 @@
+import argparse
+import json
+
+import pytest
+
+from tigon.train.config import SFTConfig, SFTError, add_sft_arguments, config_from_args, resolve
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser()
+    add_sft_arguments(parser)
+    return config_from_args(parser.parse_args(argv))
+
+
+def test_options_absent_from_the_command_line_keep_their_defaults():
+    cfg, given = parse(["--lora-rank", "4", "--no-packing", "--kernels-off", "rope,swiglu", "--resume"])
+    assert given == {"lora_rank", "packing", "kernels_off", "resume"}
+    assert cfg == SFTConfig(lora_rank=4, packing=False, kernels_off=["rope", "swiglu"], resume="latest")
+
+
+def test_command_line_overrides_config_file(tmp_path):
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("model: some/model\nlora-rank: 8\nlr: 1e-4\ndataset: a.jsonl\npacking: true\n"
+                         "kernels_off: rope, swiglu\n")
+    cfg, given = parse(["--config", str(yaml_file), "--lora-rank", "32", "--dataset", "b.jsonl", "c.csv#10"])
+    assert (cfg.model, cfg.lora_rank, cfg.lr, cfg.packing) == ("some/model", 32, 1e-4, True)
+    assert cfg.dataset == ["b.jsonl", "c.csv#10"]
+    assert cfg.kernels_off == ["rope", "swiglu"]
+    assert given == {"model", "lora_rank", "lr", "dataset", "packing", "kernels_off"}
+
+    json_file = tmp_path / "run.json"
+    json_file.write_text(json.dumps({"max_steps": 7, "kernels": False}))
+    cfg, _ = parse(["--config", str(json_file), "--kernels"])
+    assert (cfg.max_steps, cfg.kernels) == (7, True)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("colour: red\n", "unknown setting 'colour'"),
+    ("lora_rank: eight\n", "lora_rank must be int"),
+    ("max_steps: 2.5\n", "max_steps must be an integer"),
+    ("packing: maybe\n", "packing must be true or false"),
+    ("tuner: qlora\n", "tuner must be one of lora, full"),
+    ("- a\n- b\n", "expected a mapping"),
+    ("model: [unclosed\n", "not valid YAML"),
+])
+def test_bad_config_file_names_the_problem(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(SFTError, match=message.replace("[", r"\[")):
+        parse(["--config", str(path)])
+
+
+def test_missing_config_file():
+    with pytest.raises(SFTError, match="config file not found: nowhere.yaml"):
+        parse(["--config", "nowhere.yaml"])
+
+
+def test_defaults_depend_on_builtin_or_real_model():
+    builtin = resolve(SFTConfig())
+    real = resolve(SFTConfig(model="m"))
+    assert (builtin.tuner, real.tuner) == ("full", "lora")
+    assert builtin.max_length < real.max_length and builtin.lr > real.lr
+    assert resolve(SFTConfig(model="m", tuner="full")).lr < real.lr
+    assert real.lora_alpha == 2 * real.lora_rank
+    explicit = resolve(SFTConfig(model="m", lr=0.5, epochs=2, batch_size=3, max_length=9, lora_alpha=5))
+    assert (explicit.lr, explicit.epochs, explicit.batch_size, explicit.max_length, explicit.lora_alpha) == (0.5, 2, 3, 9, 5)
+
+
+@pytest.mark.parametrize("changes, given, message", [
+    ({"eval_split": 0.1, "eval_dataset": ["e.jsonl"]}, set(), "--eval-split and --eval-dataset are incompatible"),
+    ({"tuner": "full", "lora_rank": 4}, {"tuner", "lora_rank"}, "--lora-rank only apply to --tuner lora"),
+    ({"tuner": "full", "dtype": "fp16"}, set(), "--dtype fp16 cannot be used with --tuner full"),
+    ({"resume": "latest", "overwrite": True}, set(), "--resume and --overwrite are incompatible"),
+    ({"kernels": False, "kernels_off": ["rope"]}, set(), "--kernels-off has no effect with --no-kernels"),
+    ({"kernels_off": ["rope", "warp_drive"]}, set(), "--kernels-off: unknown kernel\\(s\\) warp_drive; choose from rms_norm"),
+    ({"lr": 0.0}, set(), "--lr must be > 0"),
+    ({"batch_size": -1}, set(), "--batch-size must be > 0"),
+    ({"epochs": 0.0}, set(), "--epochs must be > 0"),
+    ({"lora_dropout": 1.0}, set(), r"--lora-dropout must be in \[0, 1\)"),
+    ({"eval_split": 1.5}, set(), r"--eval-split must be in \[0, 1\)"),
+    ({"save_limit": 0}, set(), "--save-limit must be >= 1"),
+    ({"warmup": -1.0}, set(), "--warmup must be >= 0"),
+])
+def test_incompatible_or_bad_settings(changes, given, message):
+    with pytest.raises(SFTError, match=message):
+        resolve(SFTConfig(model="m", **changes), given)

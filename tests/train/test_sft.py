@@ -1,0 +1,204 @@
+"""`tigon sft`, `merge`, `infer` and `chat` end to end on CPU, with the built-in tiny model kept
+to a few steps on a slice of the bundled data."""
+
+import io
+import json
+import logging
+import random
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tigon.cli import main
+from tigon.train import tiny
+from tigon.train.data import load_samples
+
+pytest.importorskip("peft")
+
+SHORT = ["--dataset", f"{tiny.BUNDLED_DATASET}#40", "--batch-size", "4", "--max-length", "48", "--samples", "0",
+         "--no-kernels"]
+
+
+def sft(*args):
+    assert main(["sft", *SHORT, *args]) == 0
+
+
+def losses(out):
+    return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r}
+
+
+def no_staging_left(out):
+    return not [p.name for p in out.rglob(".tmp-*")]
+
+
+def test_builtin_default_learns_and_writes_everything(tmp_path):
+    out = tmp_path / "run"
+    assert main(["sft", "--output-dir", str(out), "--max-steps", "12", "--save-steps", "6", "--samples", "1",
+                 "--max-new-tokens", "4", "--dataset", f"{tiny.BUNDLED_DATASET}#48", "--no-kernels"]) == 0
+    steps = losses(out)
+    assert sorted(steps) == list(range(1, 13))
+    first, last = [steps[s] for s in (1, 2, 3)], [steps[s] for s in (10, 11, 12)]
+    assert sum(last) < 0.8 * sum(first)  # the loss visibly falls
+    assert (out / "loss.png").stat().st_size > 1000
+    for d in ("checkpoint-6", "checkpoint-12", "final"):
+        assert (out / d / "model.safetensors").is_file() and (out / d / "tokenizer_config.json").is_file()
+    assert (out / "checkpoint-6" / "optimizer.pt").is_file()
+    assert no_staging_left(out)
+    (sample,) = json.loads((out / "samples.json").read_text())
+    assert sample["prompt"] and {"before", "after"} <= set(sample)
+
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out / "final")
+    saved = load_file(out / "final" / "model.safetensors")
+    assert all(torch.equal(reloaded.state_dict()[k], v) for k, v in saved.items())
+
+
+def test_kernels_on_trains_like_kernels_off(tmp_path, caplog):
+    """The patched model (kernels in Triton's interpreter here) takes the same steps."""
+    caplog.set_level(logging.INFO)
+    args = ["--max-steps", "2", "--batch-size", "2", "--max-length", "40", "--dataset", f"{tiny.BUNDLED_DATASET}#8",
+            "--save-steps", "0", "--samples", "0"]
+    assert main(["sft", *args, "--output-dir", str(tmp_path / "off"), "--no-kernels"]) == 0
+    assert main(["sft", *args, "--output-dir", str(tmp_path / "on")]) == 0
+    assert "tigon: applied rms_norm" in caplog.text
+    off, on = losses(tmp_path / "off"), losses(tmp_path / "on")
+    assert sorted(off) == sorted(on) == [1, 2]
+    for step in off:
+        assert on[step] == pytest.approx(off[step], rel=1e-4)
+
+
+def test_resume_continues_exactly(tmp_path):
+    """Interrupted after a checkpoint and resumed = never interrupted: same losses (LoRA dropout
+    included, so RNG state matters), same final adapter."""
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    args = ["--tuner", "lora", "--lora-dropout", "0.2", "--max-steps", "6", "--save-steps", "3", "--lr", "1e-2"]
+    sft("--output-dir", str(full), *args)
+    shutil.copytree(full, cut)
+    for d in ("checkpoint-6", "final"):
+        shutil.rmtree(cut / d)
+    sft("--output-dir", str(cut), *args, "--resume")
+    assert sorted(losses(cut)) == list(range(1, 7))
+    for step, loss in losses(full).items():
+        assert losses(cut)[step] == pytest.approx(loss, rel=1e-6, abs=1e-7)
+    a, b = (load_file(d / "final" / "adapter_model.safetensors") for d in (full, cut))
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-6, atol=1e-7) for k in a)
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """A saved tiny model used as a user's --model, and a LoRA adapter trained on it."""
+    root = tmp_path_factory.mktemp("lora")
+    tokenizer = tiny.build_tokenizer(load_samples([str(tiny.BUNDLED_DATASET)], seed=0))
+    model = tiny.build_model(tokenizer, seed=random.randrange(1000))
+    model.save_pretrained(root / "base")
+    tokenizer.save_pretrained(root / "base")
+    main(["sft", *SHORT, "--model", str(root / "base"), "--tuner", "lora", "--lora-rank", "4", "--lr", "2e-2",
+          "--max-steps", "3", "--save-steps", "0", "--output-dir", str(root / "out")])
+    return root
+
+
+def test_lora_adapter_loads_in_peft_and_merges(lora_run, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    adapter = lora_run / "out" / "final"
+    assert (adapter / "adapter_model.safetensors").is_file() and not (adapter / "model.safetensors").exists()
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(lora_run / "base"), adapter).eval()
+    assert main(["merge", str(adapter), "--output", str(tmp_path / "merged")]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    base = AutoModelForCausalLM.from_pretrained(lora_run / "base").eval()
+    ids = torch.randint(4, 1000, (2, 17))
+    with torch.no_grad():
+        want = peft_model(input_ids=ids).logits
+        torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(base(input_ids=ids).logits, want, atol=1e-3)  # the adapter did something
+    assert (tmp_path / "merged" / "tokenizer_config.json").is_file()
+
+
+def test_infer_and_chat(lora_run, capsys, monkeypatch):
+    adapter = str(lora_run / "out" / "final")
+    assert main(["infer", adapter, "--prompt", "Who are you?", "--prompt", "Hi", "--max-new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "> Who are you?" in out and "> Hi" in out
+    monkeypatch.setattr("sys.stdin", io.StringIO("Who are you?\n/reset\nHi\n/exit\n"))
+    assert main(["chat", adapter, "--max-new-tokens", "3", "--system", "Be brief."]) == 0
+    assert capsys.readouterr().out.count("model> ") == 2
+
+
+def test_packing_eval_and_other_formats(tmp_path):
+    rng = random.Random()
+    alpaca = tmp_path / "alpaca.csv"
+    alpaca.write_text("instruction,input,output\n" + "".join(
+        f"Add {a} and {b},,{a + b}\n" for a, b in ((rng.randint(0, 9), rng.randint(0, 9)) for _ in range(30))))
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(json.dumps({"text": f"line {i} of plain text"}) + "\n" for i in range(10)))
+    evals = tmp_path / "eval.json"
+    evals.write_text(json.dumps([{"query": "Add 1 and 2", "response": "3"}] * 4))
+    out = tmp_path / "run"
+    assert main(["sft", "--dataset", str(alpaca), str(text), "--eval-dataset", str(evals), "--packing",
+                 "--max-length", "64", "--batch-size", "2", "--max-steps", "3", "--save-steps", "2",
+                 "--samples", "0", "--no-kernels", "--output-dir", str(out)]) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "eval_loss" in r] == [2, 3]
+    assert all(r["tokens_per_s"] > 0 for r in records if "loss" in r)
+
+
+def test_crash_mid_save_leaves_no_checkpoint(tmp_path, monkeypatch):
+    from transformers import Trainer
+
+    def crash(self, output_dir):
+        raise RuntimeError("power cut")
+
+    monkeypatch.setattr(Trainer, "_save_rng_state", crash)  # after the weights, before the end
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="power cut"):
+        main(["sft", *SHORT, "--max-steps", "2", "--save-steps", "1", "--output-dir", str(out)])
+    assert not [p for p in out.iterdir() if p.name.startswith("checkpoint-")]
+    assert list(out.glob(".tmp-checkpoint-1/checkpoint-1/model.safetensors"))  # the half-written one
+    monkeypatch.undo()
+    assert main(["sft", *SHORT, "--output-dir", str(out), "--resume"]) == 2
+
+
+@pytest.fixture
+def bad_row_file(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    good = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    path.write_text(json.dumps(good) + "\n" + json.dumps({"messages": [{"role": "user", "content": "q"}]}) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dataset", "missing.jsonl"], "dataset file not found: missing.jsonl"),
+    (["--dataset", "{tmp}/bad.jsonl"], "{tmp}/bad.jsonl line 2: no assistant message with content"),
+    (["--dataset", "{tmp}/odd.jsonl"], "{tmp}/odd.jsonl line 1: unknown data format"),
+    (["--model", "./no/such/model"], "model not found: ./no/such/model"),
+    (["--eval-split", "0.1", "--eval-dataset", "e.jsonl"], "--eval-split and --eval-dataset are incompatible"),
+    (["--kernels-off", "warp_drive"], "--kernels-off: unknown kernel"),
+    (["--resume"], "--resume: no checkpoint-N directory in {tmp}/out"),
+    (["--tuner", "full", "--lora-rank", "4"], "--lora-rank only apply to --tuner lora"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, bad_row_file, argv, message):
+    (tmp_path / "odd.jsonl").write_text(json.dumps({"prompt": "p"}) + "\n")
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    assert main(["sft", "--output-dir", str(tmp_path / "out"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tigon sft: error: {message.format(tmp=tmp_path)}")
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_used_output_dir_is_refused_and_debug_shows_the_traceback(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("{}\n")
+    assert main(["sft", *SHORT, "--output-dir", str(out)]) == 2
+    assert "already holds a run (metrics.jsonl); pass --resume" in capsys.readouterr().err
+    assert (out / "metrics.jsonl").read_text() == "{}\n"
+    with pytest.raises(ValueError, match="dataset file not found"):
+        main(["sft", "--debug", "--dataset", "missing.jsonl"])
+    assert main(["merge", str(out), "--output", str(tmp_path / "m")]) == 2
+    assert "is not a LoRA adapter directory" in capsys.readouterr().err
