@@ -51,7 +51,7 @@ class SFTConfig:
     weight_decay: float = _opt(0.0, "AdamW weight decay")
     batch_size: int | None = _opt(None, "samples (or packed rows) per device per step (default 4; 16 built-in)")
     grad_accum: int = _opt(1, "gradient accumulation steps")
-    dtype: str = _opt("auto", "weight dtype; auto = bf16 on a GPU that has it, else fp32",
+    dtype: str = _opt("auto", "weight dtype; auto = bf16 on a GPU that has it, else (and for the built-in model) fp32",
                       choices=["auto", "bf16", "fp16", "fp32"])
     gradient_checkpointing: bool = _opt(False, "recompute activations in the backward pass to save memory")
     output_dir: str = _opt("tigon-out", "where checkpoints, metrics.jsonl and loss.png go")

@@ -120,6 +120,8 @@ def _training_arguments(cfg: SFTConfig, output_dir: Path, dtype: torch.dtype, ha
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         dataloader_pin_memory=torch.cuda.is_available(),
+        # Said explicitly, CPU-only machines also run `torchrun` jobs as one distributed (gloo) job.
+        use_cpu=not torch.cuda.is_available() and not torch.backends.mps.is_available(),
         seed=cfg.seed,
         data_seed=cfg.seed,
         include_num_input_tokens_seen="non_padding",
@@ -140,8 +142,8 @@ def run_sft(cfg: SFTConfig, given: set[str] = frozenset()) -> Path:
     """Fine-tune as `cfg` says; returns the directory of the final model (or adapter)."""
     threads = torch.get_num_threads()
     if cfg.model is None and not torch.cuda.is_available():
-        # The built-in model's matrices are too small to gain from threads; with more threads
-        # than idle cores, OpenMP's spinning makes each step ten times slower.
+        # The built-in model's matrices are too small to gain from threads, and with more threads
+        # than idle cores OpenMP's spinning made each step 16x slower (a busy 2-core machine).
         torch.set_num_threads(1)
     try:
         return _run(cfg, given)
@@ -173,7 +175,8 @@ def _run(cfg: SFTConfig, given: set[str]) -> Path:
     log.info("tokens: %d training rows%s, %d tokens, max length %d", len(train_data),
              " (packed)" if cfg.packing else "", train_data.num_tokens(), cfg.max_length)
 
-    dtype = pick_dtype(cfg.dtype)
+    # The built-in model is tiny and trained from scratch: fp32, where bf16 would only lose updates.
+    dtype = torch.float32 if builtin and cfg.dtype == "auto" else pick_dtype(cfg.dtype)
     args = _training_arguments(cfg, output_dir, dtype, eval_data is not None)
     model = tiny.build_model(tokenizer, cfg.seed).to(dtype) if builtin else load_model(cfg.model, dtype)
     base_model = None
@@ -185,6 +188,8 @@ def _run(cfg: SFTConfig, given: set[str]) -> Path:
         model.name_or_path = str(base.resolve())
         base_model = copy.deepcopy(model)  # LoRA wraps `model` in place; written out below
     use_cache, model.config.use_cache = model.config.use_cache, False  # see tigon.train.batching
+    # DDP's search for unused parameters costs a graph walk per step; only routed experts need it.
+    args.ddp_find_unused_parameters = any(getattr(model.config, k, None) for k in ("num_local_experts", "num_experts"))
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing needs no input that requires grad, so frozen embeddings (LoRA) work.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
