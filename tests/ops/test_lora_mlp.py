@@ -79,9 +79,10 @@ def test_autocast(device):
     projections = _mlp(32, 48, (4, 4, 4), torch.float32, device)
     with torch.autocast(device.type, dtype=torch.bfloat16):
         out = lora_gated_mlp(x, *projections)
-        ref = lora_gated_mlp_reference(x, "silu", *(v for p in projections for v in p))
-    assert out.dtype == ref.dtype == torch.bfloat16
-    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    ref = lora_gated_mlp_reference(x, "silu", *(v for p in projections for v in p))
+    assert out.dtype == torch.bfloat16
+    # x, every weight and each intermediate are rounded to bf16 along the way (as in eager).
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 3e-2
     out.float().sum().backward()
     assert x.grad.dtype == torch.float32 and projections[2].lora_b.grad.dtype == torch.float32
 
