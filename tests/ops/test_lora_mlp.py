@@ -105,12 +105,36 @@ def test_bad_arguments_raise_value_error(make, match):
         lora_gated_mlp(torch.randn(3, 24), **args)
 
 
+def _output_and_grads(fn, x, projections, grad, dtype):
+    """fn's output and the gradients of x and the adapters, all computed from `dtype` copies."""
+    x = x.detach().to(dtype).requires_grad_()
+    copies = [LoraProjection(*(t.detach().to(dtype).requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor)
+                               else t for t in p)) for p in projections]
+    out = fn(x, copies)
+    leaves = [x, *(t for p in copies for t in (p.lora_a, p.lora_b))]
+    return [out, *torch.autograd.grad(out, leaves, grad.to(dtype))]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-def test_bf16_llama_8b_sizes_on_gpu(activation):
+def test_bf16_llama_8b_sizes_on_gpu_as_accurate_as_eager(activation):
     device = torch.device("cuda")
-    x = torch.randn(2, 4096, 4096, dtype=torch.bfloat16, device=device, requires_grad=True)
-    _check_mlp(x, _mlp(4096, 14336, (16, 16, 16), torch.bfloat16, device), activation, torch.bfloat16)
+    x = torch.randn(2, 4096, 4096, dtype=torch.bfloat16, device=device)
+    projections = _mlp(4096, 14336, (16, 16, 16), torch.bfloat16, device)
+    grad = torch.randn_like(x)
+
+    def eager(x, ps):
+        return lora_gated_mlp_reference(x, activation, *(v for p in ps for v in p))
+
+    want = _output_and_grads(eager, x, projections, grad, torch.float64)
+    ours = _output_and_grads(lambda x, ps: lora_gated_mlp(x, *ps, activation=activation), x, projections, grad,
+                             torch.bfloat16)
+    theirs = _output_and_grads(eager, x, projections, grad, torch.bfloat16)
+    for i, (o, t, w) in enumerate(zip(ours, theirs, want)):
+        def error(got):
+            return ((got.double() - w).norm() / w.norm()).item()
+
+        assert error(o) <= 1.5 * error(t) + 1e-3, (i, error(o), error(t))
 
 
 @pytest.mark.gpu
