@@ -2,7 +2,9 @@ import pytest
 import torch
 
 import tigon.ops.lora as lora_module
-from tigon.ops.lora import LoraProjection, lora_linear, lora_linear_group, lora_linear_reference
+from tigon.ops.lora import (
+    LoraProjection, lora_linear, lora_linear_group, lora_linear_reference, restore_projections, saved_tensors,
+)
 from tests.helpers import assert_close, compare_fwd_bwd
 
 
@@ -121,11 +123,11 @@ def test_group_matches_separate_reference_layers(poison_outputs, device):
         _projection(57, 19, 3, torch.float32, device, trainable_base=True),
         _projection(57, 19, 1, torch.float32, device),
     ]
-    flat = [t for p in projections for t in (p.weight, p.lora_a, p.lora_b, p.bias)]
+    flat = saved_tensors(projections)
     scalings = [p.scaling for p in projections]
 
     def regroup(tensors):
-        return [LoraProjection(w, a, b, s, bias) for (w, a, b, bias), s in zip(zip(*[iter(tensors)] * 4), scalings)]
+        return restore_projections(tensors, scalings)
 
     compare_fwd_bwd(
         lambda x, *t: lora_linear_group(x, regroup(t)),

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tigon.ops.lora import LoraProjection
+from tigon.ops.lora import LoraProjection, restore_projections, saved_tensors
 from tigon.ops.lora_mlp import lora_gated_mlp, lora_gated_mlp_reference
 from tests.helpers import compare_fwd_bwd
 from tests.ops.test_lora import _projection, one_cpu_thread  # noqa: F401 (autouse fixture)
@@ -17,11 +17,11 @@ def _mlp(hidden, intermediate, ranks, dtype, device, **kwargs):
 
 
 def _check_mlp(x, projections, activation, dtype=None):
-    fields = [t for p in projections for t in (p.weight, p.lora_a, p.lora_b, p.bias)]
+    fields = saved_tensors(projections)
     scalings = [p.scaling for p in projections]
 
     def regroup(tensors):
-        return [LoraProjection(w, a, b, s, bias) for (w, a, b, bias), s in zip(zip(*[iter(tensors)] * 4), scalings)]
+        return restore_projections(tensors, scalings)
 
     def flat(tensors):
         return [v for p in regroup(tensors) for v in p]

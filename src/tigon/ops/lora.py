@@ -35,7 +35,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from tigon import _backend
-from tigon._checks import check_device, check_float
+from tigon._checks import check_device, check_float, rows_view
 
 LORA_LINEAR = _backend.register("lora_linear")
 LORA_LINEAR_GROUP = _backend.register("lora_linear_group")
@@ -73,17 +73,28 @@ def lora_linear_reference(
 
 
 def lora_linear_group_reference(x: torch.Tensor, *flat: torch.Tensor | float | None) -> tuple[torch.Tensor, ...]:
-    """:func:`lora_linear_reference` for each projection of a group (flattened as in :func:`_flatten`)."""
-    return tuple(lora_linear_reference(x, *projection) for projection in _unflatten(flat))
+    """:func:`lora_linear_reference` for each projection of a group (flattened as in :func:`flatten_projections`)."""
+    return tuple(lora_linear_reference(x, *projection) for projection in unflatten_projections(flat))
 
 
-def _flatten(projections: Sequence[LoraProjection]) -> tuple:
+def flatten_projections(projections: Sequence[LoraProjection]) -> tuple:
+    """The projections' fields in one tuple (autograd Functions take flat arguments)."""
     return tuple(value for projection in projections for value in projection)
 
 
-def _unflatten(flat: Sequence) -> list[LoraProjection]:
+def unflatten_projections(flat: Sequence) -> list[LoraProjection]:
     width = len(LoraProjection._fields)
     return [LoraProjection(*flat[i : i + width]) for i in range(0, len(flat), width)]
+
+
+def saved_tensors(projections: Sequence[LoraProjection]) -> list[torch.Tensor | None]:
+    """What a Function saves of each projection: its tensors, not the scaling."""
+    return [t for p in projections for t in (p.weight, p.lora_a, p.lora_b, p.bias)]
+
+
+def restore_projections(tensors: Sequence[torch.Tensor | None], scalings: Sequence[float]) -> list[LoraProjection]:
+    """Inverse of :func:`saved_tensors`, given the scalings."""
+    return [LoraProjection(w, a, b, s, bias) for (w, a, b, bias), s in zip(zip(*[iter(tensors)] * 4), scalings)]
 
 
 def _scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -220,19 +231,13 @@ def lora_backward_from_input(
             flat_grads[i * width] = torch.mm(dy.t(), x2d)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """`t` as (rows, last dim), a view where possible; cuBLAS takes any row stride."""
-    t2d = t.reshape(-1, t.shape[-1])
-    return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
-
-
 class _LoraGroupFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, *flat):
-        projections = _unflatten(flat)
-        x2d = _rows(x)
+        projections = unflatten_projections(flat)
+        x2d = rows_view(x)
         outs, xa = lora_group_forward(x2d, projections)
-        ctx.save_for_backward(x2d, xa, *(t for p in projections for t in (p.weight, p.lora_a, p.lora_b, p.bias)))
+        ctx.save_for_backward(x2d, xa, *saved_tensors(projections))
         ctx.scalings = [p.scaling for p in projections]
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not a zero tensor
         ctx.lead_shape = x.shape[:-1]
@@ -241,11 +246,8 @@ class _LoraGroupFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outs):
         x2d, xa, *tensors = ctx.saved_tensors
-        projections = [
-            LoraProjection(w, a, b, s, bias)
-            for (w, a, b, bias), s in zip(zip(*[iter(tensors)] * 4), ctx.scalings)
-        ]
-        grads = [None if g is None else _rows(g) for g in grad_outs]
+        projections = restore_projections(tensors, ctx.scalings)
+        grads = [None if g is None else rows_view(g) for g in grad_outs]
         grad_x, flat_grads = lora_group_backward(x2d, xa, grads, projections, ctx.needs_input_grad)
         if grad_x is not None:
             grad_x = grad_x.view(*ctx.lead_shape, x2d.shape[1])
@@ -379,5 +381,5 @@ def lora_linear_group(x: torch.Tensor, projections: Sequence[LoraProjection]) ->
     dtype = autocast_dtype(x)
     for i, projection in enumerate(projections):
         check_projection(f"projections[{i}]", projection, x, autocast=dtype is not None)
-    x, flat = cast_for_autocast(x, _flatten(projections), dtype)
+    x, flat = cast_for_autocast(x, flatten_projections(projections), dtype)
     return run_op(LORA_LINEAR_GROUP, _LoraGroupFunction.apply, lora_linear_group_reference, x, flat, dtype)

@@ -17,29 +17,28 @@ activation that saves ``act(gate)``, ``up`` and the product for backward. Here:
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 
 from tigon import _backend
-from tigon._checks import check_choice
+from tigon._checks import check_choice, rows_view
 from tigon.ops.glu import ACTIVATIONS, _glu_backward_or_reference, _glu_forward, glu_reference
 from tigon.ops.lora import (
     LoraProjection,
-    _flatten,
-    _rows,
-    _unflatten,
     autocast_dtype,
     cast_for_autocast,
     check_input,
     check_projection,
+    flatten_projections,
     lora_backward_from_input,
     lora_backward_without_input,
     lora_forward,
     lora_group_backward,
     lora_group_forward,
     lora_linear_reference,
+    restore_projections,
     run_op,
+    saved_tensors,
+    unflatten_projections,
 )
 
 LORA_GATED_MLP = _backend.register("lora_gated_mlp")
@@ -48,7 +47,7 @@ LORA_GATED_MLP = _backend.register("lora_gated_mlp")
 def lora_gated_mlp_reference(x: torch.Tensor, activation: str, *flat) -> torch.Tensor:
     """The LoRA gated MLP as PEFT computes it around a Hugging Face LlamaMLP / GemmaMLP; `flat` is
     the gate, up and down projections' fields in :class:`LoraProjection` order."""
-    gate, up, down = _unflatten(flat)
+    gate, up, down = unflatten_projections(flat)
     h = glu_reference(lora_linear_reference(x, *gate), lora_linear_reference(x, *up), activation)
     return lora_linear_reference(h, *down)
 
@@ -56,15 +55,14 @@ def lora_gated_mlp_reference(x: torch.Tensor, activation: str, *flat) -> torch.T
 class _LoraGatedMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, activation, *flat):
-        gate_proj, up_proj, down_proj = _unflatten(flat)
-        x2d = _rows(x)
+        gate_proj, up_proj, down_proj = unflatten_projections(flat)
+        x2d = rows_view(x)
         (gate, up), xa = lora_group_forward(x2d, [gate_proj, up_proj])
         h = _glu_forward(gate, up, activation)
         ha = torch.mm(h, down_proj.lora_a.t())
         out = lora_forward(h, ha, down_proj)
         del h  # recomputed in backward
-        tensors = [t for p in (gate_proj, up_proj, down_proj) for t in (p.weight, p.lora_a, p.lora_b, p.bias)]
-        ctx.save_for_backward(x2d, gate, up, xa, ha, *tensors)
+        ctx.save_for_backward(x2d, gate, up, xa, ha, *saved_tensors([gate_proj, up_proj, down_proj]))
         ctx.scalings = [p.scaling for p in (gate_proj, up_proj, down_proj)]
         ctx.activation = activation
         ctx.lead_shape = x.shape[:-1]
@@ -73,15 +71,12 @@ class _LoraGatedMLPFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x2d, gate, up, xa, ha, *tensors = ctx.saved_tensors
-        gate_proj, up_proj, down_proj = (
-            LoraProjection(w, a, b, s, bias)
-            for (w, a, b, bias), s in zip(zip(*[iter(tensors)] * 4), ctx.scalings)
-        )
+        gate_proj, up_proj, down_proj = restore_projections(tensors, ctx.scalings)
         width = len(LoraProjection._fields)
         needs = ctx.needs_input_grad
         gate_up_needs = (needs[0], *needs[2 : 2 + 2 * width])
         down_needs = (True, *needs[2 + 2 * width :])
-        dy = _rows(grad_out)
+        dy = rows_view(grad_out)
 
         # dh = s dy B A + dy W of the down projection; it is ours alone, so the activation's
         # backward writes d(gate) over it.
@@ -142,7 +137,7 @@ def lora_gated_mlp(
             f"down weight must have shape ({x.shape[-1]}, {intermediate}) to return x's width, "
             f"got {tuple(down.weight.shape)}"
         )
-    x, flat = cast_for_autocast(x, _flatten([gate, up, down]), dtype)
+    x, flat = cast_for_autocast(x, flatten_projections([gate, up, down]), dtype)
     return run_op(
         LORA_GATED_MLP, lambda x, *flat: _LoraGatedMLPFunction.apply(x, activation, *flat),
         lambda x, *flat: lora_gated_mlp_reference(x, activation, *flat), x, flat, dtype,
