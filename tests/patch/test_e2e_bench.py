@@ -18,7 +18,7 @@ TINY = dict(
 def test_e2e_runs_both_modes_and_reports_matching_losses(tmp_path):
     lines = []
     records = run_e2e(
-        batch=2, seq=12, steps=2, warmup=1, shape=TINY, device=torch.device("cpu"), out_dir=tmp_path, log=lines.append
+        batch=1, seq=8, steps=2, warmup=1, shape=TINY, device=torch.device("cpu"), out_dir=tmp_path, log=lines.append
     )
     assert [(r["mode"], r["impl"]) for r in records] == [
         ("full", "eager"), ("full", "tigon"), ("lora", "eager"), ("lora", "tigon"),

@@ -46,13 +46,14 @@ def randomise_norms(model: torch.nn.Module, generator: torch.Generator) -> None:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.5 + 0.5)
 
 
-def tiny_model(model_type: str, seed: int = 0, **overrides):
+def tiny_model(model_type: str, seed: int = 0, device="cpu", dtype=torch.float32, **overrides):
+    """Built on the CPU from `seed`, then moved: the same weights on every device."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
     randomise_norms(model, torch.Generator().manual_seed(seed))
-    return model
+    return model.to(device, dtype)
 
 
 def batch(seed: int = 0, rows: int = 2, cols: int = 13, pad_tail: int = 3):
