@@ -72,7 +72,7 @@ def test_template_that_rewrites_earlier_turns_falls_back_to_content(tokenizer):
     marked = copy.deepcopy(tokenizer)
     # Not prefix-stable: the last message is marked, so shorter renders are not prefixes of the full one.
     marked.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
-                            "{% if loop.last %} (last){% endif %}\n{% endfor %}"
+                            "{% if loop.last %} (last){% endif %}{{ '\\n' }}{% endfor %}"
                             "{% if add_generation_prompt %}assistant:{% endif %}")
     sample = chat(random.Random(), 2)
     enc = encode(marked, sample, max_length=1000)
@@ -80,7 +80,7 @@ def test_template_that_rewrites_earlier_turns_falls_back_to_content(tokenizer):
     assert [run.lstrip(" ") for run in labelled_runs(marked, enc)] == assistant_texts(sample)
 
     marked.chat_template = ("{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}"
-                            "{{ m['role'] }}: {{ m['content'] }}\n{% endif %}{% endfor %}")
+                            "{{ m['role'] }}: {{ m['content'] }}{{ '\\n' }}{% endif %}{% endfor %}")
     with pytest.raises(SFTError, match="test: the chat template drops assistant turn 2"):
         encode(marked, sample, max_length=1000)
     marked.chat_template = "{{ raise_exception('no system messages') }}"
