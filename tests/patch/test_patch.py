@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import inspect
 
 import pytest
 import torch
@@ -232,3 +233,13 @@ def test_logits_as_hf_without_labels_or_training():
     model.train()
     as_tuple = model(input_ids=ids, attention_mask=mask, labels=labels, return_dict=False)
     assert isinstance(as_tuple, tuple) and as_tuple[0].dim() == 0
+
+
+def test_generate_as_hf():
+    model = tiny_model("qwen3")
+    prompt = batch(5)[0][:1, :6]
+    model.eval()
+    want = model.generate(prompt, max_new_tokens=3, do_sample=False)
+    tigon.patch(model)
+    assert "labels" in inspect.signature(model.forward).parameters
+    torch.testing.assert_close(model.generate(prompt, max_new_tokens=3, do_sample=False), want)

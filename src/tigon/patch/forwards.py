@@ -9,6 +9,7 @@ to a live module (instance patching) or set on the class (class patching) alike.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -260,4 +261,7 @@ def causal_lm_forward(
         )
 
     forward.__qualname__ = "tigon_causal_lm.forward"
-    return can_return_tuple(forward)
+    wrapped = can_return_tuple(forward)
+    # Trainer and generate() read the forward's signature to pick the inputs they pass.
+    wrapped.__signature__ = inspect.signature(original)
+    return wrapped
