@@ -36,7 +36,8 @@ def run(model, seed=0, **kwargs):
     ids, mask, labels = (t.to(device) for t in batch(seed))
     out = model(input_ids=ids, attention_mask=mask, labels=labels, **kwargs)
     out.loss.backward()
-    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    module = getattr(model, "_orig_mod", model)  # torch.compile's wrapper prefixes the names
+    grads = {n: p.grad for n, p in module.named_parameters() if p.requires_grad}
     return out.loss.detach(), (None if out.logits is None else out.logits.detach()), grads
 
 
