@@ -29,9 +29,9 @@ def test_command_line_overrides_config_file(tmp_path):
     assert given == {"model", "lora_rank", "lr", "dataset", "packing", "kernels_off"}
 
     json_file = tmp_path / "run.json"
-    json_file.write_text(json.dumps({"max_steps": 7, "kernels": False}))
+    json_file.write_text(json.dumps({"max_steps": 7, "kernels": False, "resume": True, "model": None}))
     cfg, _ = parse(["--config", str(json_file), "--kernels"])
-    assert (cfg.max_steps, cfg.kernels) == (7, True)
+    assert (cfg.max_steps, cfg.kernels, cfg.resume, cfg.model) == (7, True, "latest", None)
 
 
 @pytest.mark.parametrize("text, message", [
@@ -40,6 +40,7 @@ def test_command_line_overrides_config_file(tmp_path):
     ("max_steps: 2.5\n", "max_steps must be an integer"),
     ("packing: maybe\n", "packing must be true or false"),
     ("tuner: qlora\n", "tuner must be one of lora, full"),
+    ("lora_rank:\n", "lora_rank needs a value"),
     ("- a\n- b\n", "expected a mapping"),
     ("model: [unclosed\n", "not valid YAML"),
 ])
@@ -68,7 +69,7 @@ def test_defaults_depend_on_builtin_or_real_model():
 
 @pytest.mark.parametrize("changes, given, message", [
     ({"eval_split": 0.1, "eval_dataset": ["e.jsonl"]}, set(), "--eval-split and --eval-dataset are incompatible"),
-    ({"tuner": "full", "lora_rank": 4}, {"tuner", "lora_rank"}, "--lora-rank only apply to --tuner lora"),
+    ({"tuner": "full", "lora_rank": 4}, {"tuner", "lora_rank"}, "--lora-rank: only for --tuner lora"),
     ({"tuner": "full", "dtype": "fp16"}, set(), "--dtype fp16 cannot be used with --tuner full"),
     ({"resume": "latest", "overwrite": True}, set(), "--resume and --overwrite are incompatible"),
     ({"kernels": False, "kernels_off": ["rope"]}, set(), "--kernels-off has no effect with --no-kernels"),

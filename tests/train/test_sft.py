@@ -179,7 +179,7 @@ def bad_row_file(tmp_path):
     (["--eval-split", "0.1", "--eval-dataset", "e.jsonl"], "--eval-split and --eval-dataset are incompatible"),
     (["--kernels-off", "warp_drive"], "--kernels-off: unknown kernel"),
     (["--resume"], "--resume: no checkpoint-N directory in {tmp}/out"),
-    (["--tuner", "full", "--lora-rank", "4"], "--lora-rank only apply to --tuner lora"),
+    (["--tuner", "full", "--lora-rank", "4"], "--lora-rank: only for --tuner lora"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, bad_row_file, argv, message):
     (tmp_path / "odd.jsonl").write_text(json.dumps({"prompt": "p"}) + "\n")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,7 @@ class Reporter(TrainerCallback):
         self.window: tuple[float, int] | None = None
         self.start: tuple[float, int] | None = None
         self.losses: list[float] = []
+        self.rates: list[float] = []
         self.postfix = ""
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -108,6 +110,7 @@ class Reporter(TrainerCallback):
         if seconds <= 0 or tokens <= 0:
             return {}
         rate = tokens / seconds
+        self.rates.append(rate)
         speed = {"tokens_per_s": round(rate, 1)}
         if self.peak_flops > 0:
             speed["mfu"] = round(rate * self.flops_per_token / self.peak_flops, 5)
@@ -164,6 +167,10 @@ class Reporter(TrainerCallback):
         tokens = state.num_input_tokens_seen - self.start[1]
         rate = tokens / seconds if seconds > 0 else 0.0
         lines = [f"done: {state.global_step} steps in {seconds:.1f} s, {_si(tokens)} tokens, {_si(rate)} tok/s"]
+        if len(self.rates) > 2:
+            # The first interval carries kernel compilation and autotuning: leave it out.
+            rate = statistics.median(self.rates[1:])
+            lines[-1] += f" ({_si(rate)} tok/s median after the first log)"
         if self.peak_flops > 0 and rate > 0:
             lines[-1] += f", MFU {100 * rate * self.flops_per_token / self.peak_flops:.1f}%"
         if torch.cuda.is_available():

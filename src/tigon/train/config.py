@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tigon.patch import SWITCHES
+
 
 class SFTError(ValueError):
     """A problem with the user's settings, data or files: `tigon sft` prints it as one line."""
@@ -108,7 +110,11 @@ def _coerce(name: str, value: Any, source: str) -> Any:
     f = _FIELDS[name]
     kind = _scalar_type(f)
     if value is None:
+        if f.default is not None:
+            raise SFTError(f"{source}: {name} needs a value")
         return None
+    if name == "resume" and isinstance(value, bool):
+        return "latest" if value else None
     if name == "kernels_off":
         return _comma_list(value) if isinstance(value, str) else [str(v) for v in value]
     if f.metadata.get("nargs") == "+":
@@ -177,10 +183,10 @@ def resolve(cfg: SFTConfig, given: set[str] = frozenset()) -> SFTConfig:
         cfg,
         tuner=tuner,
         lora_alpha=cfg.lora_alpha if cfg.lora_alpha is not None else 2.0 * cfg.lora_rank,
-        max_length=cfg.max_length or (128 if builtin else 2048),
+        max_length=cfg.max_length if cfg.max_length is not None else (128 if builtin else 2048),
         epochs=cfg.epochs if cfg.epochs is not None else (30.0 if builtin else 1.0),
         lr=cfg.lr if cfg.lr is not None else (3e-3 if builtin else 2e-4 if tuner == "lora" else 2e-5),
-        batch_size=cfg.batch_size or (16 if builtin else 4),
+        batch_size=cfg.batch_size if cfg.batch_size is not None else (16 if builtin else 4),
     )
     positive = {"lora_rank": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "max_length": cfg.max_length,
                 "lr": cfg.lr, "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum,
@@ -205,7 +211,7 @@ def resolve(cfg: SFTConfig, given: set[str] = frozenset()) -> SFTConfig:
         raise SFTError("--eval-split and --eval-dataset are incompatible: choose one")
     if tuner == "full" and given & set(_LORA_KEYS):
         names = ", ".join("--" + k.replace("_", "-") for k in _LORA_KEYS if k in given)
-        raise SFTError(f"{names} only apply to --tuner lora, not --tuner full")
+        raise SFTError(f"{names}: only for --tuner lora, not --tuner full")
     if tuner == "full" and cfg.dtype == "fp16":
         raise SFTError("--dtype fp16 cannot be used with --tuner full (fp16 weights cannot be updated "
                        "through a loss scaler): use bf16 or fp32")
@@ -213,8 +219,6 @@ def resolve(cfg: SFTConfig, given: set[str] = frozenset()) -> SFTConfig:
         raise SFTError("--resume and --overwrite are incompatible: resuming keeps the output dir")
     if cfg.kernels_off and not cfg.kernels:
         raise SFTError("--kernels-off has no effect with --no-kernels: give one or the other")
-    from tigon.patch import SWITCHES
-
     unknown = [name for name in cfg.kernels_off if name not in SWITCHES]
     if unknown:
         raise SFTError(f"--kernels-off: unknown kernel(s) {', '.join(unknown)}; choose from {', '.join(SWITCHES)}")

@@ -42,17 +42,18 @@ def build_tokenizer(samples: list[Sample]) -> Any:
     return tokenizer
 
 
-def build_model(tokenizer: Any, seed: int) -> torch.nn.Module:
-    """A ~1M-parameter Llama (4 layers, hidden 128, grouped-query attention) with seeded weights."""
+def build_model(tokenizer: Any, seed: int, **sizes: Any) -> torch.nn.Module:
+    """A ~1M-parameter Llama (4 layers, hidden 128, grouped-query attention) with seeded weights.
+    `sizes` override LlamaConfig fields, e.g. to build a benchmark-sized model from nothing."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=352, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        attn_implementation="sdpa",
-    )
+    config = LlamaConfig(**{
+        "vocab_size": len(tokenizer), "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
+        "tie_word_embeddings": True, "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+        "attn_implementation": "sdpa", **sizes,
+    })
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return LlamaForCausalLM(config)
