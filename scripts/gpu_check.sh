@@ -1,12 +1,32 @@
 #!/usr/bin/env bash
-# One device-machine call: the gpu-marked tests, then the benchmarks, results under $OUT.
-# Usage (on the device machine, from the repo root): bash scripts/gpu_check.sh [ops...]
+# One device-machine call: gpu-marked tests, op benchmarks at the TARGETS.md shapes, the linear-CE
+# chunk-budget sweep and the end-to-end benchmark. Everything lands in $OUT/results.tar.gz (the
+# device tool returns at most 8 files) plus the text logs.
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|ops|sweep|e2e ...]
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1 TIGON_STRICT=1
 OUT=${OUT:-gpu-out}
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-python3 -m tigon.cli env | tee -a "$OUT/gpu.txt"
-timeout 240 python3 -m pytest -q -m gpu -x tests 2>&1 | tail -30 | tee "$OUT/gpu_tests.txt"
-if [ $# -gt 0 ]; then ops=(--ops "$@"); else ops=(); fi
-python3 -m tigon.cli bench "${ops[@]}" --out "$OUT" 2>&1 | tail -60
+RES="$OUT/results"
+mkdir -p "$RES"
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(tests ops sweep e2e)
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$RES/env.txt"
+python3 -m tigon.cli env >> "$RES/env.txt" 2>&1
+for stage in "${stages[@]}"; do
+  start=$(date +%s)
+  case "$stage" in
+    tests) timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests > "$RES/gpu_tests.txt" 2>&1
+           tail -25 "$RES/gpu_tests.txt" ;;
+    ops)   timeout 420 python3 -m tigon.cli bench --headline --out "$RES/ops" > "$RES/ops.txt" 2>&1
+           grep -A60 "^op " "$RES/ops.txt" | tail -45 ;;
+    norms) timeout 420 python3 -m tigon.cli bench --ops rms_norm add_rms_norm layer_norm --out "$RES/norms" > "$RES/norms.txt" 2>&1
+           tail -25 "$RES/norms.txt" ;;
+    sweep) timeout 300 python3 -m tigon.cli bench --ops linear_cross_entropy_budget --impls tigon --out "$RES/lce_budget" > "$RES/lce_budget.txt" 2>&1
+           tail -9 "$RES/lce_budget.txt" ;;
+    e2e)   timeout 420 python3 -m tigon.cli bench --e2e --out "$RES/e2e" > "$RES/e2e.txt" 2>&1
+           tail -15 "$RES/e2e.txt" ;;
+    *)     echo "unknown stage $stage" ;;
+  esac
+  echo "[stage $stage took $(( $(date +%s) - start )) s]"
+done
+tar -czf "$OUT/results.tar.gz" -C "$OUT" results
