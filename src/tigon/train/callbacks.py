@@ -90,6 +90,9 @@ class Reporter(TrainerCallback):
         self.postfix = ""
 
     def on_train_begin(self, args, state, control, **kwargs):
+        if torch.cuda.is_available():
+            # The peak from here on: weights and optimizer state, not the MFU probe or sample generation.
+            torch.cuda.reset_peak_memory_stats()
         if not state.is_world_process_zero:
             return
         from tqdm.auto import tqdm

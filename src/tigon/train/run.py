@@ -132,10 +132,11 @@ def _training_arguments(cfg: SFTConfig, output_dir: Path, dtype: torch.dtype, ha
 
 
 def _peak_flops(device: torch.device, dtype: torch.dtype) -> float:
-    """The measured dense-matmul rate of this device, the denominator of MFU."""
+    """The measured dense-matmul rate of this device, the denominator of MFU. CPUs often run
+    half-precision matmuls slower than fp32 (emulated), so there the fp32 rate is the peak."""
     from tigon.bench.harness import measure_matmul_rate
 
-    return measure_matmul_rate(device, dtype)
+    return measure_matmul_rate(device, dtype if device.type == "cuda" else torch.float32)
 
 
 def run_sft(cfg: SFTConfig, given: set[str] = frozenset()) -> Path:
