@@ -15,7 +15,7 @@ python3 -m tigon.cli env >> "$RES/env.txt" 2>&1
 for stage in "${stages[@]}"; do
   start=$(date +%s)
   case "$stage" in
-    tests) timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests > "$RES/gpu_tests.txt" 2>&1
+    tests) timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests} > "$RES/gpu_tests.txt" 2>&1
            tail -25 "$RES/gpu_tests.txt" ;;
     ops)   timeout 420 python3 -m tigon.cli bench --headline --out "$RES/ops" > "$RES/ops.txt" 2>&1
            grep -A60 "^op " "$RES/ops.txt" | tail -45 ;;
@@ -23,7 +23,7 @@ for stage in "${stages[@]}"; do
            tail -25 "$RES/norms.txt" ;;
     sweep) timeout 300 python3 -m tigon.cli bench --ops linear_cross_entropy_budget --impls tigon --out "$RES/lce_budget" > "$RES/lce_budget.txt" 2>&1
            tail -9 "$RES/lce_budget.txt" ;;
-    e2e)   timeout 420 python3 -m tigon.cli bench --e2e --out "$RES/e2e" > "$RES/e2e.txt" 2>&1
+    e2e)   timeout ${E2E_TIMEOUT:-420} python3 -m tigon.cli bench --e2e --out "$RES/e2e" > "$RES/e2e.txt" 2>&1
            tail -15 "$RES/e2e.txt" ;;
     *)     echo "unknown stage $stage" ;;
   esac

@@ -1,6 +1,8 @@
 """Time and measure tigon, PyTorch eager and torch.compile on the same inputs in one run.
 
-Times are medians (``triton.testing.do_bench`` on CUDA, a wall-clock median on CPU). Peak memory is
+Times are medians: on CUDA of ``triton.testing.do_bench_cudagraph`` (CUDA-graph replay, the GPU's
+time alone) and, as the "launch" column, of plain ``do_bench`` (Python and launch overhead
+included, which dominates a lone call of a small op); on CPU a wall-clock median. Peak memory is
 the rise of ``torch.cuda.max_memory_allocated()`` during one fwd+bwd over what the inputs hold,
 less the ``.grad`` buffers it produces, as in shared/TARGETS.md (the gradients themselves are not
 counted; everything else the op allocates is).
@@ -35,10 +37,17 @@ def _fwd_bwd(fn: Callable, args: Sequence[Any], grads: list[torch.Tensor] | None
     return step
 
 
-def _time_ms(step: Callable[[], None], device: torch.device, leaves: list[torch.Tensor]) -> float:
+def _time_ms(
+    step: Callable[[], None], device: torch.device, leaves: list[torch.Tensor], graph: bool = False
+) -> float:
+    """Median ms of `step`. With `graph`, the calls are captured in a CUDA graph and replayed, so
+    the time is the GPU's alone: what the op costs in a training step whose host runs ahead,
+    rather than the Python and launch overhead that dominates a lone call of a small op."""
     if device.type == "cuda":
-        from triton.testing import do_bench
+        from triton.testing import do_bench, do_bench_cudagraph
 
+        if graph:
+            return float(do_bench_cudagraph(step, rep=100, grad_to_none=leaves, return_mode="median"))
         return float(do_bench(step, warmup=25, rep=100, grad_to_none=leaves, return_mode="median"))
     for _ in range(2):
         step()
@@ -113,10 +122,15 @@ def bench_one(
         record: dict[str, Any] = {"op": op.name, "size": "x".join(map(str, size)), "impl": impl}
         try:
             fn = fns[impl]
-            record["fwd_ms"] = _time_ms(lambda: fn(*args), device, [])
             step = _fwd_bwd(fn, args, grads)
-            record["fwd_bwd_ms"] = _time_ms(step, device, leaves)
+            record["fwd_host_ms"] = _time_ms(lambda: fn(*args), device, [])
+            record["fwd_bwd_host_ms"] = _time_ms(step, device, leaves)
             record["peak_mib"] = _peak_mib(step, device, leaves)
+            if device.type == "cuda":
+                record["fwd_ms"] = _time_ms(lambda: fn(*args), device, [], graph=True)
+                record["fwd_bwd_ms"] = _time_ms(step, device, leaves, graph=True)
+            else:
+                record["fwd_ms"], record["fwd_bwd_ms"] = record["fwd_host_ms"], record["fwd_bwd_host_ms"]
             record["roofline_pct"] = 100 * floor_s * 1e3 / record["fwd_bwd_ms"]
         except Exception as err:  # one failing implementation must not hide the others' numbers
             record["error"] = f"{type(err).__name__}: {err}"
@@ -126,8 +140,9 @@ def bench_one(
     by_impl = {r["impl"]: r for r in records}
     for record in records:
         for base in ("eager", "compile"):
-            if "fwd_bwd_ms" in record and "fwd_bwd_ms" in by_impl.get(base, {}):
-                record[f"vs_{base}"] = record["fwd_bwd_ms"] / by_impl[base]["fwd_bwd_ms"]
+            for key, suffix in (("fwd_bwd_ms", ""), ("fwd_bwd_host_ms", "_host")):
+                if key in record and key in by_impl.get(base, {}):
+                    record[f"vs_{base}{suffix}"] = record[key] / by_impl[base][key]
     return records
 
 
@@ -145,18 +160,22 @@ def environment(device: torch.device) -> dict[str, Any]:
 
 
 def format_table(records: list[dict[str, Any]]) -> str:
-    header = f"{'op':<14}{'size':<14}{'impl':<9}{'fwd ms':>9}{'fwd+bwd ms':>12}{'peak MiB':>10}" \
-             f"{'vs eager':>10}{'vs compile':>11}{'roofline':>10}"
+    """One line per record: graph-replayed (GPU) times and ratios first, then the plain-launch
+    fwd+bwd time (host overhead included) and its ratio to torch.compile."""
+    nan = float("nan")
+    header = (f"{'op':<24}{'size':<20}{'impl':<8}{'fwd ms':>8}{'fwd+bwd':>9}{'peak MiB':>9}"
+              f"{'vs eager':>9}{'vs comp':>8}{'roofline':>9}{'launch ms':>10}{'vs comp':>8}")
     lines = [header]
     for r in records:
+        head = f"{r['op']:<24}{r['size']:<20}{r['impl']:<8}"
         if "error" in r:
-            lines.append(f"{r['op']:<14}{r['size']:<14}{r['impl']:<9}  failed: {r['error'][:80]}")
+            lines.append(f"{head}  failed: {r['error'][:80]}")
             continue
         peak = "-" if r.get("peak_mib") is None else f"{r['peak_mib']:.0f}"
         lines.append(
-            f"{r['op']:<14}{r['size']:<14}{r['impl']:<9}{r['fwd_ms']:>9.3f}{r['fwd_bwd_ms']:>12.3f}"
-            f"{peak:>10}{r.get('vs_eager', float('nan')):>9.2f}x{r.get('vs_compile', float('nan')):>10.2f}x"
-            f"{r['roofline_pct']:>9.0f}%"
+            f"{head}{r['fwd_ms']:>8.3f}{r['fwd_bwd_ms']:>9.3f}{peak:>9}"
+            f"{r.get('vs_eager', nan):>8.2f}x{r.get('vs_compile', nan):>7.2f}x{r['roofline_pct']:>8.0f}%"
+            f"{r['fwd_bwd_host_ms']:>10.3f}{r.get('vs_compile_host', nan):>7.2f}x"
         )
     return "\n".join(lines)
 

@@ -16,7 +16,9 @@ def row_block_config(n_cols: int) -> tuple[int, int, int]:
     scripts/tune_norm_backward.py) 16 warps beat 32 up to 16K-wide rows; only wider rows need 32
     to keep the row in registers.
     """
-    block_cols = triton.next_power_of_2(n_cols)
+    # int(): under torch.compile a symbolic width would reach the launch as a SymInt num_warps,
+    # which dynamo cannot pass to Triton; specialising on the width is what the kernel needs anyway.
+    block_cols = triton.next_power_of_2(int(n_cols))
     block_rows = max(1, 2048 // block_cols)
     max_warps = 16 if block_cols <= 16384 else 32
     num_warps = min(max_warps, max(1, block_rows * block_cols // 512))
