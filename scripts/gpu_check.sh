@@ -2,7 +2,8 @@
 # One device-machine call: gpu-marked tests, op benchmarks at the TARGETS.md shapes, the linear-CE
 # chunk-budget sweep and the end-to-end benchmark. Everything lands in $OUT/results.tar.gz (the
 # device tool returns at most 8 files) plus the text logs.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|ops|sweep|e2e ...]
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|ops|norms|rope|sweep|e2e|sft ...]
+# GPU_TESTS narrows the tests stage (pytest arguments); E2E_TIMEOUT bounds the e2e stage.
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1 TIGON_STRICT=1
 OUT=${OUT:-gpu-out}
@@ -19,12 +20,16 @@ for stage in "${stages[@]}"; do
            tail -25 "$RES/gpu_tests.txt" ;;
     ops)   timeout 420 python3 -m tigon.cli bench --headline --out "$RES/ops" > "$RES/ops.txt" 2>&1
            grep -A60 "^op " "$RES/ops.txt" | tail -45 ;;
-    norms) timeout 420 python3 -m tigon.cli bench --ops rms_norm add_rms_norm layer_norm --out "$RES/norms" > "$RES/norms.txt" 2>&1
+    norms) timeout 420 python3 -m tigon.cli bench --ops rms_norm add_rms_norm layer_norm \
+             --sizes 16384x4096 16384x1024 4096x16384 16384x8192 --out "$RES/norms" > "$RES/norms.txt" 2>&1
            tail -25 "$RES/norms.txt" ;;
     sweep) timeout 300 python3 -m tigon.cli bench --ops linear_cross_entropy_budget --impls tigon --out "$RES/lce_budget" > "$RES/lce_budget.txt" 2>&1
            tail -9 "$RES/lce_budget.txt" ;;
     e2e)   timeout ${E2E_TIMEOUT:-420} python3 -m tigon.cli bench --e2e --out "$RES/e2e" > "$RES/e2e.txt" 2>&1
            tail -15 "$RES/e2e.txt" ;;
+    rope)  timeout 300 python3 -m tigon.cli bench --ops rope --out "$RES/rope" > "$RES/rope.txt" 2>&1
+           tail -12 "$RES/rope.txt" ;;
+    sft)   OUT="$RES/sft" bash scripts/sft_gpu_compare.sh ;;
     *)     echo "unknown stage $stage" ;;
   esac
   echo "[stage $stage took $(( $(date +%s) - start )) s]"

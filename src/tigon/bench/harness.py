@@ -47,7 +47,14 @@ def _time_ms(
         from triton.testing import do_bench, do_bench_cudagraph
 
         if graph:
-            return float(do_bench_cudagraph(step, rep=100, grad_to_none=leaves, return_mode="median"))
+            # Gradients are dropped inside the step: do_bench_cudagraph's own grad_to_none detaches
+            # the leaves in place, which a leaf that is a view (a transposed q, say) refuses.
+            def fresh_step() -> None:
+                for leaf in leaves:
+                    leaf.grad = None
+                step()
+
+            return float(do_bench_cudagraph(fresh_step, rep=100, return_mode="median"))
         return float(do_bench(step, warmup=25, rep=100, grad_to_none=leaves, return_mode="median"))
     for _ in range(2):
         step()
