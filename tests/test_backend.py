@@ -126,3 +126,18 @@ def test_why_not_triton_names_old_gpus(monkeypatch):
     monkeypatch.setattr(_backend, "_capability", lambda index: (7, 5))
     reason = _backend.why_not_triton("rms_norm", torch.device("cuda", 0))
     assert reason == "compute capability 7.5 is below 8.0"
+
+
+def test_torch_compile_traces_the_reference_even_for_symbolic_widths(spy_kernel):
+    # dynamic=True makes the width symbolic, as recompiling a frame for a second width does; the
+    # kernels' constexpr block sizes cannot be built from it, so the traced path is the reference.
+    compiled = torch.compile(lambda x, w: F.rms_norm(x, w), dynamic=True)
+    x = torch.randn(3, 5, 24, requires_grad=True)
+    w = torch.randn(24, requires_grad=True)
+    out = compiled(x, w)
+    out.sum().backward()
+    assert not spy_kernel
+    torch.testing.assert_close(out, rms_norm_reference(x, w))
+    ref_x, ref_w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    rms_norm_reference(ref_x, ref_w).sum().backward()
+    torch.testing.assert_close(x.grad, ref_x.grad)

@@ -10,6 +10,7 @@ Every public op goes through :func:`dispatch`. The rules (shared/DESIGN.md):
 * A kernel that raises while compiling or launching is not used again for that op; the call falls
   back to the reference and says so once. ``TIGON_STRICT=1`` re-raises instead (tests use it so a
   kernel bug cannot hide behind the fallback).
+* Inside ``torch.compile`` the reference is traced (inductor fuses it); see :func:`dispatch`.
 * ``TIGON_DEBUG=1`` also runs the reference on each call and logs the max abs/rel error once per
   op and shape, raising if the kernel produced NaN/inf where the reference did not.
 """
@@ -156,6 +157,13 @@ def dispatch(
     `unsupported` is an op-specific reason the kernel cannot take these inputs (a dtype or size it
     does not handle); it falls back like any other reason.
     """
+    if torch.compiler.is_compiling():
+        # Inside torch.compile the reference is traced and inductor fuses it: dynamo cannot launch
+        # our kernels once a width is symbolic (dynamic=True, or a frame recompiled for a second
+        # width, as Qwen3's per-head q/k norms cause), and for these ops inductor's fused kernels
+        # time like ours. Ops that must stay ours under compile (the fused losses) are wrapped in
+        # torch.compiler.disable, so they run eagerly and never reach this branch.
+        return reference(*args)
     reason = unsupported or why_not_triton(op, device)
     if reason is not None:
         _warn_once(op, reason)
