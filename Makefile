@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-gpu bench env clean
+.PHONY: demo test test-gpu env clean
 
 $(BIN)/tigon: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
