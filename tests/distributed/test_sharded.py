@@ -1,0 +1,135 @@
+"""tigon.patch under sharded training: two CPU processes on gloo against one unsharded process.
+
+Each rank trains on its own batch; the single-process oracle (plain Hugging Face, unpatched) runs
+both batches and averages the gradients, which is what data-parallel training must reproduce.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+WORLD = 2
+STEPS = 2
+LR = 0.5
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"
+)
+
+
+def _batch(step: int, rank: int):
+    from tests.patch.tiny import batch
+
+    ids, mask, labels = batch(seed=100 * step + rank, rows=2, cols=11 + rank, pad_tail=2)
+    return dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def _oracle(model: torch.nn.Module, steps: int):
+    """Per step: every rank's loss, and the rank-averaged gradients; then an SGD step on those."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    model.train()
+    history = []
+    for step in range(steps):
+        losses, grads = [], {}
+        for rank in range(WORLD):
+            model.zero_grad(set_to_none=True)
+            loss = model(**_batch(step, rank)).loss
+            loss.backward()
+            losses.append(loss.detach())
+            for name, param in model.named_parameters():
+                grads[name] = grads.get(name, 0) + param.grad / WORLD
+        history.append((losses, grads))
+        for name, param in model.named_parameters():
+            param.grad = grads[name]
+        optimizer.step()
+    return history
+
+
+def _spawn(worker, tmp_path) -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(worker, args=(str(tmp_path / "store"),), nprocs=WORLD, join=True)
+
+
+def _setup(rank: int, store: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+
+
+def _fsdp2_worker(rank: int, store: str) -> None:
+    import tigon
+    from tests.helpers import assert_close
+    from tests.patch.tiny import tiny_model
+    from torch.distributed.fsdp import fully_shard
+
+    _setup(rank, store)
+    try:
+        # The oracle runs before tigon.patch: the RoPE replacement is module-wide.
+        want = _oracle(tiny_model("llama", seed=3), STEPS)
+        model = tiny_model("llama", seed=3)
+        result = tigon.patch(model)
+        assert {"linear_cross_entropy", "add_rms_norm", "rms_norm", "swiglu"} <= set(result.applied)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)  # the embeddings, final norm and lm_head form the root's group
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        model.train()
+        for step, (want_losses, want_grads) in enumerate(want):
+            optimizer.zero_grad(set_to_none=True)
+            out = model(**_batch(step, rank))
+            assert out.logits is None, "the fused loss did not run"
+            out.loss.backward()
+            assert_close(out.loss.detach(), want_losses[rank], name=f"step {step} loss")
+            for name, param in model.named_parameters():
+                assert param.grad is not None, f"no gradient for {name}"
+                assert_close(param.grad.full_tensor(), want_grads[name], name=f"step {step} grad {name}")
+            optimizer.step()
+    finally:
+        dist.destroy_process_group()
+
+
+def _dtensor_head_worker(rank: int, store: str) -> None:
+    import tigon
+    from tests.helpers import assert_close
+    from tests.patch.tiny import tiny_model
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    _setup(rank, store)
+    try:
+        ((want_losses, want_grads),) = _oracle(tiny_model("llama", seed=4), 1)
+        own = tiny_model("llama", seed=4)  # this rank's batch alone: the unsharded parameters' gradients
+        own(**_batch(0, rank)).loss.backward()
+        model = tiny_model("llama", seed=4)
+        tigon.patch(model)
+        mesh = init_device_mesh("cpu", (WORLD,))
+        model.lm_head.weight = torch.nn.Parameter(distribute_tensor(model.lm_head.weight.detach(), mesh, [Shard(0)]))
+        model.train()
+        out = model(**_batch(0, rank))
+        assert out.logits is None, "the fused loss did not run"
+        out.loss.backward()
+        assert_close(out.loss.detach(), want_losses[rank], name="loss")
+        grad = model.lm_head.weight.grad
+        assert grad.placements == (Shard(0),), grad.placements
+        assert_close(grad.full_tensor(), want_grads["lm_head.weight"], name="grad lm_head.weight")
+        own_grads = dict(own.named_parameters())
+        for name, param in model.named_parameters():
+            if name != "lm_head.weight":
+                assert_close(param.grad, own_grads[name].grad, name=f"grad {name}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_matches_single_process(tmp_path):
+    """fully_shard per decoder layer and at the root, the kernels patched on every rank: two SGD
+    steps with the same losses, gathered gradients and updates as one unsharded process."""
+    pytest.importorskip("torch.distributed.fsdp", reason="needs FSDP2").fully_shard
+    _spawn(_fsdp2_worker, tmp_path)
+
+
+def test_sharded_dtensor_head_weight(tmp_path):
+    """An lm_head weight still sharded when the fused loss reads it (no FSDP hook unsharded it):
+    gathered for the loss, its gradient averaged over the ranks onto the local shards."""
+    pytest.importorskip("torch.distributed.tensor", reason="needs DTensor")
+    _spawn(_dtensor_head_worker, tmp_path)
