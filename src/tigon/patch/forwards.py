@@ -41,14 +41,22 @@ def _add_norm(norm: Norm, module: torch.nn.Module, x: torch.Tensor, residual: to
     )
 
 
+def _zero3_partitioned(param: torch.Tensor) -> bool:
+    """A DeepSpeed ZeRO-3 parameter (DeepSpeed's own test: it has a `ds_id`). Its data is whole
+    only while its own module's forward runs, so no other forward may read it directly."""
+    return hasattr(param, "ds_id")
+
+
 @functools.lru_cache(maxsize=None)
 def decoder_layer_forward(layer: Layer, norm: Norm, original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """Forward for an HF decoder layer with its residual add and following RMSNorm fused.
 
     The same module calls in the same order as `original`, so outputs, hooks and gradient
     checkpointing are unchanged. Every argument but the hidden states reaches the attention as HF
-    passes it, by keyword; a positional one sends the call to `original`.
+    passes it, by keyword; a positional one sends the call to `original`, and so does a ZeRO-3
+    partitioned weight of the norm that the fused add reads without calling its module.
     """
+    fused_norm = "pre_feedforward_layernorm" if layer.fuse == "sandwich" else "post_attention_layernorm"
 
     def branch(self: torch.nn.Module, out: torch.Tensor, index: int) -> torch.Tensor:
         if layer.dropout is not None:
@@ -58,7 +66,7 @@ def decoder_layer_forward(layer: Layer, norm: Norm, original: Callable[..., torc
         return out
 
     def forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if args:
+        if args or _zero3_partitioned(getattr(self, fused_norm).weight):
             return original(self, hidden_states, *args, **kwargs)
         residual = hidden_states
         hidden_states, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
