@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import torch
 
+from tigon import offload, tiled
 from tigon.patch import forwards
 from tigon.patch.families import FAMILIES, Family
 
@@ -57,6 +58,7 @@ class _Replacement:
     owner: Any  # a class (its `name` attribute is a method) or the family's modeling module
     name: str
     new: Callable[..., Any]
+    also: tuple[str, ...] = ()  # further switches `new` wraps in (tiled_mlp, offload_activations)
 
     @property
     def per_module(self) -> bool:
@@ -116,6 +118,17 @@ def _family(model_type: str) -> tuple[Family, types.ModuleType]:
     return family, module
 
 
+def _wrap(plan: list[_Replacement], switch: str, owner: Any, wrap: Callable[..., Any]) -> None:
+    """Wrap `owner.forward` in `wrap`: the forward planned for it if any, else the original."""
+    for i, replacement in enumerate(plan):
+        if replacement.owner is owner and replacement.name == "forward":
+            plan[i] = _Replacement(
+                replacement.switch, owner, "forward", wrap(replacement.new), (*replacement.also, switch)
+            )
+            return
+    plan.append(_Replacement(switch, owner, "forward", wrap(_original(owner, "forward"))))
+
+
 def _plan(family: Family, module: types.ModuleType, switches: dict[str, bool]) -> list[_Replacement]:
     """The replacements the switches turn on for `family`, checked against `module`."""
     missing: list[str] = []
@@ -148,6 +161,10 @@ def _plan(family: Family, module: types.ModuleType, switches: dict[str, bool]) -
     if switches["add_rms_norm"] and family.layer.fuse is not None and layer is not None:
         fused = forwards.decoder_layer_forward(family.layer, family.norm, _original(layer, "forward"))
         plan.append(_Replacement("add_rms_norm", layer, "forward", fused))
+    if switches["tiled_mlp"] and family.mlp is not None and find(family.mlp.cls) is not None:
+        _wrap(plan, "tiled_mlp", getattr(module, family.mlp.cls), tiled.tiled_forward)
+    if switches["offload_activations"] and causal_lm is not None:
+        _wrap(plan, "offload_activations", causal_lm, offload.offloaded_forward)
     if missing:
         raise ValueError(
             f"tigon.patch: {module.__name__} has no {', '.join(missing)} "
@@ -189,7 +206,8 @@ def _patch_classes(model_type: str, switches: dict[str, bool]) -> Patched:
             _release(key)
         raise
     _class_patches[model_type] = held
-    return Patched(f"{model_type} classes", model_type, tuple(dict.fromkeys(r.switch for r in plan)))
+    applied = (name for r in plan for name in (r.switch, *r.also))
+    return Patched(f"{model_type} classes", model_type, tuple(dict.fromkeys(applied)))
 
 
 def _forward_attr(module: torch.nn.Module) -> str:
@@ -211,21 +229,25 @@ def _patch_instance(model: torch.nn.Module, switches: dict[str, bool]) -> Patche
         for replacement in plan:
             if not replacement.per_module:
                 held.append(_acquire(replacement.owner, replacement.name, replacement.new))
-                applied[replacement.switch] = None
+                applied.update(dict.fromkeys((replacement.switch, *replacement.also)))
                 continue
             for sub in model.modules():
                 if isinstance(sub, replacement.owner):
                     attr = _forward_attr(sub)
                     bound.append((sub, attr, vars(sub).get(attr, _MISSING)))
                     setattr(sub, attr, types.MethodType(replacement.new, sub))
-                    applied[replacement.switch] = None
+                    applied.update(dict.fromkeys((replacement.switch, *replacement.also)))
         if switches["lora"] and _has_lora_layers(model):
             lora = True
             # After the forwards above: the LoRA kernels fall back to whatever forward they replace.
             from tigon.peft import apply_lora_kernels
 
             mlp = family.mlp
-            summary = apply_lora_kernels(model, mlp_classes=[mlp.cls] if mlp and not mlp.packed else [])
+            # A fused LoRA MLP would replace the tiled forward: under tiled_mlp the chunks run the
+            # LoRA linears' kernels instead.
+            summary = apply_lora_kernels(
+                model, gated_mlp=not switches["tiled_mlp"], mlp_classes=[mlp.cls] if mlp and not mlp.packed else []
+            )
             if summary.linears:
                 applied["lora"] = None
     except BaseException:
@@ -273,6 +295,8 @@ def patch(
     linear_cross_entropy: bool = True,
     cross_entropy: bool = False,
     lora: bool = True,
+    offload_activations: bool = False,
+    tiled_mlp: bool = False,
 ) -> Patched:
     """Make a Hugging Face decoder model run tigon's kernels; outputs, loss and gradients unchanged.
 
@@ -283,6 +307,12 @@ def patch(
         rms_norm ... lora: one switch per kernel; a switch a family has no use for is ignored.
             `linear_cross_entropy` (loss straight from the hidden states, logits never
             materialised) and `cross_entropy` (loss from materialised logits) are exclusive.
+        offload_activations: under gradient checkpointing, keep each layer's checkpointed hidden
+            states in pinned host memory, copied back one layer ahead in backward
+            (:mod:`tigon.offload`). Exact; off by default.
+        tiled_mlp: run the MLP over chunks of tokens so its tokens x intermediate tensors never
+            exist whole, in forward or recomputation (:mod:`tigon.tiled`). Exact; costs one more
+            MLP forward per step; off by default.
 
     Returns:
         What was applied; the same line is logged at INFO level on the ``tigon`` logger.
@@ -295,7 +325,7 @@ def patch(
     switches = _switches(dict(
         rms_norm=rms_norm, rope=rope, swiglu=swiglu, geglu=geglu, layer_norm=layer_norm,
         add_rms_norm=add_rms_norm, linear_cross_entropy=linear_cross_entropy,
-        cross_entropy=cross_entropy, lora=lora,
+        cross_entropy=cross_entropy, lora=lora, offload_activations=offload_activations, tiled_mlp=tiled_mlp,
     ))
     if isinstance(target, str):
         result = _patch_classes(target, switches)

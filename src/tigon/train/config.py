@@ -56,6 +56,10 @@ class SFTConfig:
     dtype: str = _opt("auto", "weight dtype; auto = bf16 on a GPU that has it, else (and for the built-in model) fp32",
                       choices=["auto", "bf16", "fp16", "fp32"])
     gradient_checkpointing: bool = _opt(False, "recompute activations in the backward pass to save memory")
+    offload_activations: bool = _opt(False, "long context: keep the hidden states gradient checkpointing saves "
+                                     "in host memory (needs --gradient-checkpointing)")
+    tiled_mlp: bool = _opt(False, "long context: run the MLP over chunks of tokens so its intermediates "
+                           "never exist whole")
     output_dir: str = _opt("tigon-out", "where checkpoints, metrics.jsonl and loss.png go")
     save_steps: int = _opt(500, "write a checkpoint every N steps (0: only at the end)")
     save_limit: int | None = _opt(None, "keep only the newest N step checkpoints")
@@ -217,6 +221,13 @@ def resolve(cfg: SFTConfig, given: set[str] = frozenset()) -> SFTConfig:
                        "through a loss scaler): use bf16 or fp32")
     if cfg.resume and cfg.overwrite:
         raise SFTError("--resume and --overwrite are incompatible: resuming keeps the output dir")
+    if cfg.offload_activations and not cfg.gradient_checkpointing:
+        raise SFTError("--offload-activations offloads what gradient checkpointing keeps: add "
+                       "--gradient-checkpointing")
+    memory = [f"--{name.replace('_', '-')}" for name in ("offload_activations", "tiled_mlp") if getattr(cfg, name)]
+    if memory and not cfg.kernels:
+        raise SFTError(f"{', '.join(memory)}: applied by tigon.patch, which --no-kernels turns off "
+                       "(leave out single kernels with --kernels-off)")
     if cfg.kernels_off and not cfg.kernels:
         raise SFTError("--kernels-off has no effect with --no-kernels: give one or the other")
     unknown = [name for name in cfg.kernels_off if name not in SWITCHES]

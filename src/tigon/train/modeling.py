@@ -114,7 +114,9 @@ def apply_kernels(model: torch.nn.Module, cfg: SFTConfig) -> str:
     import tigon
 
     try:
-        return str(tigon.patch(model, **kernel_switches(cfg.kernels_off)))  # patch logs the line itself
+        switches = dict(kernel_switches(cfg.kernels_off), offload_activations=cfg.offload_activations,
+                        tiled_mlp=cfg.tiled_mlp)
+        return str(tigon.patch(model, **switches))  # patch logs the line itself
     except ValueError as err:
         line = f"tigon: kernels off: {err}"
         log.warning("%s", line)
