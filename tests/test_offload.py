@@ -196,3 +196,43 @@ def test_offload_bf16_gpu_exact_and_saves_memory():
     _assert_same(got, want)
     hidden_bytes = 8192 * 1024 * 2
     assert offload_peak < plain_peak - 4 * hidden_bytes
+
+
+TINY_SHAPE = dict(
+    hidden_size=64, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=1000, tie_word_embeddings=True,
+)
+
+
+def test_max_context_bench_pipeline_on_cpu(tmp_path):
+    """Both variants per length, merged into max_context.json across runs (its numbers mean nothing
+    on the CPU); the long variant's first loss is the plain one's."""
+    import json
+
+    from tigon.bench.max_context import run_max_context
+
+    lines = []
+    kwargs = dict(steps=1, warmup=0, shape=TINY_SHAPE, device=torch.device("cpu"), out_dir=tmp_path, log=lines.append)
+    first = run_max_context([72], **kwargs)
+    second = run_max_context([66], ["long"], **kwargs)
+    assert not [r["error"] for r in first + second if "error" in r]
+    assert [(r["variant"], r["seq"]) for r in first] == [("tigon", 72), ("long", 72)]
+    assert "tiled_mlp" in first[1]["applied"] and "offload_activations" in first[1]["applied"]
+    assert first[0]["losses"] == first[1]["losses"] and first[0]["step_s"] > 0
+    saved = json.loads((tmp_path / "max_context.json").read_text())["results"]
+    assert [(r["variant"], r["seq"]) for r in saved] == [("tigon", 72), ("long", 72), ("long", 66)]
+    assert "66" in lines[-2] and "72" in lines[-2]
+    tigon.unpatch()
+    with pytest.raises(ValueError, match="variants must be among"):
+        run_max_context([72], ["nope"], **kwargs)
+
+
+def test_max_context_extrapolation():
+    from tigon.bench.max_context import extrapolate, format_table
+
+    records = [
+        {"variant": "long", "seq": s, "peak_gb": 2.0 + s / 2**16, "reserved_gb": 0, "step_s": 1.0, "host_gb": 1.0}
+        for s in (2**16, 2**17, 2**18)
+    ] + [{"variant": "tigon", "seq": 2**19, "error": "OutOfMemoryError: ..."}]
+    assert extrapolate(records) == {"long": pytest.approx(2.0 + 16)}
+    assert "extrapolated" in format_table(records) and "OutOfMemoryError" in format_table(records)

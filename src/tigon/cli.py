@@ -50,6 +50,11 @@ def _cmd_env(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.max_context is not None:
+        from tigon.bench.max_context import SEQS, run_max_context
+
+        records = run_max_context(args.max_context or SEQS, out_dir=Path(args.out) if args.out else None)
+        return 1 if any("error" in r for r in records) else 0
     if args.e2e:
         from tigon.bench.e2e import run_e2e
 
@@ -164,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--e2e", action="store_true",
                        help="end-to-end fine-tuning (full and LoRA) eager vs tigon instead of ops; "
                             "more knobs: python -m tigon.bench.e2e --help")
+    bench.add_argument("--max-context", nargs="*", type=int, metavar="TOKENS",
+                       help="long-context LoRA: peak memory and s/step by length (default 65536 ... 524288), "
+                            "with and without offload + tiled MLP; more knobs: python -m tigon.bench.max_context --help")
     bench.set_defaults(run=_cmd_bench)
     _add_train_commands(sub)
     return parser
