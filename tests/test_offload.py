@@ -219,12 +219,28 @@ def test_max_context_bench_pipeline_on_cpu(tmp_path):
     assert [(r["variant"], r["seq"]) for r in first] == [("tigon", 72), ("long", 72)]
     assert "tiled_mlp" in first[1]["applied"] and "offload_activations" in first[1]["applied"]
     assert first[0]["losses"] == first[1]["losses"] and first[0]["step_s"] > 0
+    # tigon.patch's default add_rms_norm layer forward bypasses transformers 5.24's checkpointing
+    # wrapper (5.17 checkpoints in __call__): the record says how many layers were checkpointed.
+    assert all(r["checkpointed_layers"] in (0, TINY_SHAPE["num_hidden_layers"]) for r in first)
     saved = json.loads((tmp_path / "max_context.json").read_text())["results"]
     assert [(r["variant"], r["seq"]) for r in saved] == [("tigon", 72), ("long", 72), ("long", 66)]
     assert "66" in lines[-2] and "72" in lines[-2]
     tigon.unpatch()
     with pytest.raises(ValueError, match="variants must be among"):
         run_max_context([72], ["nope"], **kwargs)
+
+
+def test_max_context_counts_checkpointed_layers():
+    from tigon.bench.max_context import _count_checkpoints
+
+    model = tiny_model("llama").train()
+    model.gradient_checkpointing_enable()
+    tigon.patch(model, add_rms_norm=False)
+    calls = _count_checkpoints(model)
+    ids, mask, labels = batch(seed=8)
+    model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    tigon.unpatch(model)
+    assert calls == [model.config.num_hidden_layers]
 
 
 def test_max_context_extrapolation():

@@ -64,6 +64,7 @@ def run_length(
         model = build_model("lora", seq, device, shape=shape, lora_rank=lora_rank, checkpointing=True)
         record["applied"] = str(tigon.patch(model, **VARIANTS[variant]))
         log(record["applied"])
+        checkpoints = _count_checkpoints(model)
         optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=device.type == "cuda"
         )
@@ -83,6 +84,9 @@ def run_length(
                 times.append(time.perf_counter() - start)
             losses.append(loss.item())
         cuda = device.type == "cuda"
+        record["checkpointed_layers"] = checkpoints[0] // (warmup + steps)
+        if not record["checkpointed_layers"]:
+            log("warning: no layer was checkpointed (a patched layer forward outside transformers' wrapper?)")
         record.update(
             step_s=sum(times) / len(times),
             peak_gb=torch.cuda.max_memory_allocated(device) / 1e9 if cuda else None,
@@ -98,6 +102,22 @@ def run_length(
         _release(device)
     record["host_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
     return record
+
+
+def _count_checkpoints(model: torch.nn.Module) -> list[int]:
+    """Count the layer forwards that really run under gradient checkpointing (the number is
+    what the memory figures rest on), in a one-element list updated in place."""
+    calls = [0]
+    for module in model.modules():
+        checkpoint = getattr(module, "_gradient_checkpointing_func", None)
+        if getattr(module, "gradient_checkpointing", False) and checkpoint is not None:
+
+            def counted(*args, _checkpoint=checkpoint, **kwargs):
+                calls[0] += 1
+                return _checkpoint(*args, **kwargs)
+
+            module._gradient_checkpointing_func = counted
+    return calls
 
 
 def extrapolate(records: list[dict[str, Any]], tokens: int = EXTRAPOLATE_TO) -> dict[str, float]:
