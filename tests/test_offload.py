@@ -174,7 +174,7 @@ def test_offload_bf16_gpu_exact_and_saves_memory():
     and the checkpointed hidden states no longer on the device."""
     model = tiny_model(
         "llama", device="cuda", dtype=torch.bfloat16, hidden_size=1024, intermediate_size=2816,
-        num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=128, max_position_embeddings=8192,
+        num_hidden_layers=16, num_attention_heads=8, num_key_value_heads=4, head_dim=128, max_position_embeddings=8192,
     ).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ids = torch.randint(3, 1000, (1, 8192), device="cuda")
@@ -190,12 +190,21 @@ def test_offload_bf16_gpu_exact_and_saves_memory():
 
     tigon.patch(model, add_rms_norm=False)
     want, plain_peak = step()
+    again, _ = step()
     tigon.patch(model, add_rms_norm=False, offload_activations=True)
     got, offload_peak = step()
     tigon.unpatch(model)
-    _assert_same(got, want)
+    try:
+        _assert_same(again, want)
+    except AssertionError:  # the step itself is not bit-reproducible here: compare to rounding
+        assert torch.equal(got[0], want[0])
+        for name in want[1]:
+            assert_close(got[1][name], want[1][name], torch.bfloat16, name=name)
+    else:
+        _assert_same(got, want)
     hidden_bytes = 8192 * 1024 * 2
-    assert offload_peak < plain_peak - 4 * hidden_bytes
+    # 16 checkpointed states leave the GPU; at most two (in flight) come back at a time.
+    assert offload_peak < plain_peak - 8 * hidden_bytes
 
 
 TINY_SHAPE = dict(
