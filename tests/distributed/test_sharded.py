@@ -26,9 +26,17 @@ def _batch(step: int, rank: int):
     return dict(input_ids=ids, attention_mask=mask, labels=labels)
 
 
+def _model(tuner: str, seed: int) -> torch.nn.Module:
+    from tests.patch.test_training import lora_model
+    from tests.patch.tiny import tiny_model
+
+    return lora_model("llama", seed) if tuner == "lora" else tiny_model("llama", seed)
+
+
 def _oracle(model: torch.nn.Module, steps: int):
     """Per step: every rank's loss, and the rank-averaged gradients; then an SGD step on those."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    trained = [param for param in model.parameters() if param.requires_grad]
+    optimizer = torch.optim.SGD(trained, lr=LR)
     model.train()
     history = []
     for step in range(steps):
@@ -39,18 +47,20 @@ def _oracle(model: torch.nn.Module, steps: int):
             loss.backward()
             losses.append(loss.detach())
             for name, param in model.named_parameters():
-                grads[name] = grads.get(name, 0) + param.grad / WORLD
+                if param.requires_grad:
+                    grads[name] = grads.get(name, 0) + param.grad / WORLD
         history.append((losses, grads))
         for name, param in model.named_parameters():
-            param.grad = grads[name]
+            if param.requires_grad:
+                param.grad = grads[name]
         optimizer.step()
     return history
 
 
-def _spawn(worker, tmp_path) -> None:
+def _spawn(worker, tmp_path, *args) -> None:
     import torch.multiprocessing as mp
 
-    mp.spawn(worker, args=(str(tmp_path / "store"),), nprocs=WORLD, join=True)
+    mp.spawn(worker, args=(str(tmp_path / "store"), *args), nprocs=WORLD, join=True)
 
 
 def _setup(rank: int, store: str) -> None:
@@ -58,33 +68,43 @@ def _setup(rank: int, store: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
 
 
-def _fsdp2_worker(rank: int, store: str) -> None:
+def _fsdp2_worker(rank: int, store: str, tuner: str) -> None:
     import tigon
     from tests.helpers import assert_close
-    from tests.patch.tiny import tiny_model
+    from tigon import functional
     from torch.distributed.fsdp import fully_shard
 
     _setup(rank, store)
     try:
         # The oracle runs before tigon.patch: the RoPE replacement is module-wide.
-        want = _oracle(tiny_model("llama", seed=3), STEPS)
-        model = tiny_model("llama", seed=3)
+        want = _oracle(_model(tuner, seed=3), STEPS)
+        model = _model(tuner, seed=3)
         result = tigon.patch(model)
-        assert {"linear_cross_entropy", "add_rms_norm", "rms_norm", "swiglu"} <= set(result.applied)
-        for layer in model.model.layers:
+        kernels = {"linear_cross_entropy", "add_rms_norm", "rms_norm", "swiglu", "lora" if tuner == "lora" else "rope"}
+        assert kernels <= set(result.applied), result.applied
+        base = model.get_base_model() if tuner == "lora" else model
+        for layer in base.model.layers:
             fully_shard(layer)
         fully_shard(model)  # the embeddings, final norm and lm_head form the root's group
-        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        # The fused MLP reads its projections' weights without calling them: count that it ran.
+        mlp_name = "lora_gated_mlp" if tuner == "lora" else "glu_mlp"
+        fused_mlp, mlp_calls = getattr(functional, mlp_name), []
+        setattr(functional, mlp_name, lambda *a, **k: mlp_calls.append(1) or fused_mlp(*a, **k))
+        trained = [param for param in model.parameters() if param.requires_grad]
+        optimizer = torch.optim.SGD(trained, lr=LR)
         model.train()
         for step, (want_losses, want_grads) in enumerate(want):
             optimizer.zero_grad(set_to_none=True)
             out = model(**_batch(step, rank))
             assert out.logits is None, "the fused loss did not run"
+            assert len(mlp_calls) == len(base.model.layers) * (step + 1), f"{mlp_name} ran {len(mlp_calls)} times"
             out.loss.backward()
             assert_close(out.loss.detach(), want_losses[rank], name=f"step {step} loss")
-            for name, param in model.named_parameters():
-                assert param.grad is not None, f"no gradient for {name}"
-                assert_close(param.grad.full_tensor(), want_grads[name], name=f"step {step} grad {name}")
+            grads = {name: param.grad for name, param in model.named_parameters() if param.requires_grad}
+            assert grads.keys() == want_grads.keys()
+            for name, grad in grads.items():
+                assert grad is not None, f"no gradient for {name}"
+                assert_close(grad.full_tensor(), want_grads[name], name=f"step {step} grad {name}")
             optimizer.step()
     finally:
         dist.destroy_process_group()
@@ -121,11 +141,14 @@ def _dtensor_head_worker(rank: int, store: str) -> None:
         dist.destroy_process_group()
 
 
-def test_fsdp2_matches_single_process(tmp_path):
+@pytest.mark.parametrize("tuner", ["full", "lora"])
+def test_fsdp2_matches_single_process(tmp_path, tuner):
     """fully_shard per decoder layer and at the root, the kernels patched on every rank: two SGD
     steps with the same losses, gathered gradients and updates as one unsharded process."""
     pytest.importorskip("torch.distributed.fsdp", reason="needs FSDP2").fully_shard
-    _spawn(_fsdp2_worker, tmp_path)
+    if tuner == "lora":
+        pytest.importorskip("peft")
+    _spawn(_fsdp2_worker, tmp_path, tuner)
 
 
 def test_sharded_dtensor_head_weight(tmp_path):
