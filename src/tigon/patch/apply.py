@@ -161,8 +161,9 @@ def _plan(family: Family, module: types.ModuleType, switches: dict[str, bool]) -
     if switches["add_rms_norm"] and family.layer.fuse is not None and layer is not None:
         fused = forwards.decoder_layer_forward(family.layer, family.norm, _original(layer, "forward"))
         plan.append(_Replacement("add_rms_norm", layer, "forward", fused))
-    if switches["tiled_mlp"] and family.mlp is not None and find(family.mlp.cls) is not None:
-        _wrap(plan, "tiled_mlp", getattr(module, family.mlp.cls), tiled.tiled_forward)
+    mlp_cls = find(family.mlp.cls) if switches["tiled_mlp"] and family.mlp is not None else None
+    if mlp_cls is not None:
+        _wrap(plan, "tiled_mlp", mlp_cls, tiled.tiled_forward)
     if switches["offload_activations"] and causal_lm is not None:
         _wrap(plan, "offload_activations", causal_lm, offload.offloaded_forward)
     if missing:
