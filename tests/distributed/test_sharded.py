@@ -2,6 +2,7 @@
 
 Each rank trains on its own batch; the single-process oracle (plain Hugging Face, unpatched) runs
 both batches and averages the gradients, which is what data-parallel training must reproduce.
+The same tests run on two GPUs with NCCL (marked gpu) where a machine has them.
 """
 
 from __future__ import annotations
@@ -17,23 +18,30 @@ LR = 0.5
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"
 )
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} GPUs"),
+    ]),
+]
 
 
-def _batch(step: int, rank: int):
+def _batch(step: int, rank: int, device: str):
     from tests.patch.tiny import batch
 
     ids, mask, labels = batch(seed=100 * step + rank, rows=2, cols=11 + rank, pad_tail=2)
-    return dict(input_ids=ids, attention_mask=mask, labels=labels)
+    return dict(input_ids=ids.to(device), attention_mask=mask.to(device), labels=labels.to(device))
 
 
-def _model(tuner: str, seed: int) -> torch.nn.Module:
+def _model(tuner: str, seed: int, device: str) -> torch.nn.Module:
     from tests.patch.test_training import lora_model
     from tests.patch.tiny import tiny_model
 
-    return lora_model("llama", seed) if tuner == "lora" else tiny_model("llama", seed)
+    return lora_model("llama", seed, device=device) if tuner == "lora" else tiny_model("llama", seed, device=device)
 
 
-def _oracle(model: torch.nn.Module, steps: int):
+def _oracle(model: torch.nn.Module, steps: int, device: str):
     """Per step: every rank's loss, and the rank-averaged gradients; then an SGD step on those."""
     trained = [param for param in model.parameters() if param.requires_grad]
     optimizer = torch.optim.SGD(trained, lr=LR)
@@ -43,7 +51,7 @@ def _oracle(model: torch.nn.Module, steps: int):
         losses, grads = [], {}
         for rank in range(WORLD):
             model.zero_grad(set_to_none=True)
-            loss = model(**_batch(step, rank)).loss
+            loss = model(**_batch(step, rank, device)).loss
             loss.backward()
             losses.append(loss.detach())
             for name, param in model.named_parameters():
@@ -57,28 +65,31 @@ def _oracle(model: torch.nn.Module, steps: int):
     return history
 
 
-def _spawn(worker, tmp_path, *args) -> None:
+def _spawn(worker, tmp_path, device: str, *args) -> None:
     import torch.multiprocessing as mp
 
-    mp.spawn(worker, args=(str(tmp_path / "store"), *args), nprocs=WORLD, join=True)
+    mp.spawn(worker, args=(str(tmp_path / "store"), device, *args), nprocs=WORLD, join=True)
 
 
-def _setup(rank: int, store: str) -> None:
+def _setup(rank: int, store: str, device: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=WORLD)
 
 
-def _fsdp2_worker(rank: int, store: str, tuner: str) -> None:
+def _fsdp2_worker(rank: int, store: str, device: str, tuner: str) -> None:
     import tigon
     from tests.helpers import assert_close
     from tigon import functional
     from torch.distributed.fsdp import fully_shard
 
-    _setup(rank, store)
+    _setup(rank, store, device)
     try:
         # The oracle runs before tigon.patch: the RoPE replacement is module-wide.
-        want = _oracle(_model(tuner, seed=3), STEPS)
-        model = _model(tuner, seed=3)
+        want = _oracle(_model(tuner, 3, device), STEPS, device)
+        model = _model(tuner, 3, device)
         result = tigon.patch(model)
         kernels = {"linear_cross_entropy", "add_rms_norm", "rms_norm", "swiglu", "lora" if tuner == "lora" else "rope"}
         assert kernels <= set(result.applied), result.applied
@@ -95,7 +106,7 @@ def _fsdp2_worker(rank: int, store: str, tuner: str) -> None:
         model.train()
         for step, (want_losses, want_grads) in enumerate(want):
             optimizer.zero_grad(set_to_none=True)
-            out = model(**_batch(step, rank))
+            out = model(**_batch(step, rank, device))
             assert out.logits is None, "the fused loss did not run"
             assert len(mlp_calls) == len(base.model.layers) * (step + 1), f"{mlp_name} ran {len(mlp_calls)} times"
             out.loss.backward()
@@ -110,23 +121,23 @@ def _fsdp2_worker(rank: int, store: str, tuner: str) -> None:
         dist.destroy_process_group()
 
 
-def _dtensor_head_worker(rank: int, store: str) -> None:
+def _dtensor_head_worker(rank: int, store: str, device: str) -> None:
     import tigon
     from tests.helpers import assert_close
     from tests.patch.tiny import tiny_model
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
-    _setup(rank, store)
+    _setup(rank, store, device)
     try:
-        ((want_losses, want_grads),) = _oracle(tiny_model("llama", seed=4), 1)
-        own = tiny_model("llama", seed=4)  # this rank's batch alone: the unsharded parameters' gradients
-        own(**_batch(0, rank)).loss.backward()
-        model = tiny_model("llama", seed=4)
+        ((want_losses, want_grads),) = _oracle(tiny_model("llama", 4, device), 1, device)
+        own = tiny_model("llama", 4, device)  # this rank's batch alone: the unsharded parameters' gradients
+        own(**_batch(0, rank, device)).loss.backward()
+        model = tiny_model("llama", 4, device)
         tigon.patch(model)
-        mesh = init_device_mesh("cpu", (WORLD,))
+        mesh = init_device_mesh(device, (WORLD,))
         model.lm_head.weight = torch.nn.Parameter(distribute_tensor(model.lm_head.weight.detach(), mesh, [Shard(0)]))
         model.train()
-        out = model(**_batch(0, rank))
+        out = model(**_batch(0, rank, device))
         assert out.logits is None, "the fused loss did not run"
         out.loss.backward()
         assert_close(out.loss.detach(), want_losses[rank], name="loss")
@@ -141,18 +152,20 @@ def _dtensor_head_worker(rank: int, store: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tuner", ["full", "lora"])
-def test_fsdp2_matches_single_process(tmp_path, tuner):
+def test_fsdp2_matches_single_process(tmp_path, tuner, device):
     """fully_shard per decoder layer and at the root, the kernels patched on every rank: two SGD
     steps with the same losses, gathered gradients and updates as one unsharded process."""
     pytest.importorskip("torch.distributed.fsdp", reason="needs FSDP2").fully_shard
     if tuner == "lora":
         pytest.importorskip("peft")
-    _spawn(_fsdp2_worker, tmp_path, tuner)
+    _spawn(_fsdp2_worker, tmp_path, device, tuner)
 
 
-def test_sharded_dtensor_head_weight(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_sharded_dtensor_head_weight(tmp_path, device):
     """An lm_head weight still sharded when the fused loss reads it (no FSDP hook unsharded it):
     gathered for the loss, its gradient averaged over the ranks onto the local shards."""
     pytest.importorskip("torch.distributed.tensor", reason="needs DTensor")
-    _spawn(_dtensor_head_worker, tmp_path)
+    _spawn(_dtensor_head_worker, tmp_path, device)
