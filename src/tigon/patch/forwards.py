@@ -179,7 +179,6 @@ def _shifted_targets(labels: torch.Tensor, kwargs: dict, ignore_index: int) -> t
     return torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
-@functools.lru_cache(maxsize=None)
 def _dtensor_type() -> type | None:
     if not torch.distributed.is_available():
         return None
@@ -188,15 +187,15 @@ def _dtensor_type() -> type | None:
     return DTensor
 
 
-def _full(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    """`tensor` whole, as a plain tensor the kernels can read.
+def _full(tensor: torch.Tensor | None, dtensor: type | None) -> torch.Tensor | None:
+    """`tensor` whole, as a plain tensor the kernels can read (`dtensor`: the DTensor class, or
+    None where torch has no distributed support).
 
     Under FSDP2 the head's weight is already whole here (the pre-forward hook of the group that
     owns it has unsharded it), and passes as it is. A DTensor that is still sharded (or replicated)
     is all-gathered; its gradient is averaged over the mesh on the way back, as FSDP and DDP
     reduce gradients across data-parallel ranks, and lands on the sharded parameter.
     """
-    dtensor = _dtensor_type()
     if dtensor is None or not isinstance(tensor, dtensor):
         return tensor
     from torch.distributed.tensor import Partial, Replicate
@@ -234,6 +233,7 @@ def causal_lm_forward(
     from transformers.utils import can_return_tuple
 
     output_cls = MoeCausalLMOutputWithPast if aux_loss is not None else CausalLMOutputWithPast
+    dtensor = _dtensor_type()  # resolved here, once: torch.compile warns on a cached lookup per call
 
     def add_aux_loss(self, loss: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
         return loss if aux is None else loss + self.router_aux_loss_coef * aux.to(loss.device)
@@ -248,12 +248,12 @@ def causal_lm_forward(
             hidden = hidden[:, -logits_to_keep:, :]
         if head.scale is not None:
             hidden = hidden / getattr(self.config, head.scale)
-        weight = _full(self.lm_head.weight)
+        weight = _full(self.lm_head.weight, dtensor)
         ignore_index = kwargs.get("ignore_index", -100)
         has_count = kwargs.get("num_items_in_batch") is not None
         loss = F.linear_cross_entropy(
             hidden.to(weight.dtype), weight, _shifted_targets(labels, kwargs, ignore_index).to(hidden.device),
-            _full(self.lm_head.bias), ignore_index=ignore_index,
+            _full(self.lm_head.bias, dtensor), ignore_index=ignore_index,
             softcap=getattr(self.config, head.softcap) if head.softcap is not None else None,
             reduction="sum" if has_count else "mean",
         )
