@@ -43,8 +43,6 @@ def _assert_same(got, want):
         assert torch.equal(got_grads[name], want_grads[name]), name
 
 
-# add_rms_norm=False throughout: its layer forward would bypass transformers 5.24's checkpointing
-# wrapper, leaving nothing checkpointed to offload.
 @pytest.mark.parametrize("model_type, reentrant", [("llama", False), ("llama", True), ("qwen3", False), ("gemma2", False)])
 def test_offload_same_loss_and_grads(model_type, reentrant, sessions):
     model = tiny_model(model_type).train()
@@ -52,10 +50,10 @@ def test_offload_same_loss_and_grads(model_type, reentrant, sessions):
     if reentrant:
         model.enable_input_require_grads()
     ids, mask, labels = batch(seed=3, rows=2, cols=11)
-    tigon.patch(model, add_rms_norm=False)
+    tigon.patch(model)
     want = _loss_and_grads(model, ids, mask, labels)
     assert not sessions
-    applied = tigon.patch(model, add_rms_norm=False, offload_activations=True).applied
+    applied = tigon.patch(model, offload_activations=True).applied
     assert "offload_activations" in applied and "linear_cross_entropy" in applied
     got = _loss_and_grads(model, ids, mask, labels)
     _assert_same(got, want)
@@ -88,9 +86,9 @@ def test_offload_and_tiled_with_peft_lora(sessions):
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.1)
     ids, mask, labels = batch(seed=6, rows=2, cols=37)  # 74 tokens > width 64: the MLP tiles
-    tigon.patch(model, add_rms_norm=False)
+    tigon.patch(model)
     want = _loss_and_grads(model, ids, mask, labels)
-    tigon.patch(model, add_rms_norm=False, offload_activations=True, tiled_mlp=True)
+    tigon.patch(model, offload_activations=True, tiled_mlp=True)
     got_loss, got_grads = _loss_and_grads(model, ids, mask, labels)
     tigon.unpatch(model)
     assert sessions[0].offloaded >= 2
@@ -188,10 +186,10 @@ def test_offload_bf16_gpu_exact_and_saves_memory():
         torch.cuda.synchronize()
         return out, torch.cuda.max_memory_allocated() - base
 
-    tigon.patch(model, add_rms_norm=False)
+    tigon.patch(model)
     want, plain_peak = step()
     again, _ = step()
-    tigon.patch(model, add_rms_norm=False, offload_activations=True)
+    tigon.patch(model, offload_activations=True)
     got, offload_peak = step()
     tigon.unpatch(model)
     try:
@@ -228,9 +226,7 @@ def test_max_context_bench_pipeline_on_cpu(tmp_path):
     assert [(r["variant"], r["seq"]) for r in first] == [("tigon", 72), ("long", 72)]
     assert "tiled_mlp" in first[1]["applied"] and "offload_activations" in first[1]["applied"]
     assert first[0]["losses"] == first[1]["losses"] and first[0]["step_s"] > 0
-    # tigon.patch's default add_rms_norm layer forward bypasses transformers 5.24's checkpointing
-    # wrapper (5.17 checkpoints in __call__): the record says how many layers were checkpointed.
-    assert all(r["checkpointed_layers"] in (0, TINY_SHAPE["num_hidden_layers"]) for r in first)
+    assert all(r["checkpointed_layers"] == TINY_SHAPE["num_hidden_layers"] for r in first)
     saved = json.loads((tmp_path / "max_context.json").read_text())["results"]
     assert [(r["variant"], r["seq"]) for r in saved] == [("tigon", 72), ("long", 72), ("long", 66)]
     assert "66" in lines[-2] and "72" in lines[-2]
@@ -244,7 +240,7 @@ def test_max_context_counts_checkpointed_layers():
 
     model = tiny_model("llama").train()
     model.gradient_checkpointing_enable()
-    tigon.patch(model, add_rms_norm=False)
+    tigon.patch(model)
     calls = _count_checkpoints(model)
     ids, mask, labels = batch(seed=8)
     model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()

@@ -114,11 +114,10 @@ def test_patched_model_with_checkpointing_same_loss_and_grads(model_type, monkey
     calls = []
     apply = tiled._TiledFunction.apply
     monkeypatch.setattr(tiled._TiledFunction, "apply", lambda *a: calls.append(a[1]) or apply(*a))
-    # add_rms_norm's layer forward would bypass transformers 5.24's checkpointing wrapper.
-    tigon.patch(model, add_rms_norm=False)
+    tigon.patch(model)
     want_loss, want = _loss_and_grads(model, ids, mask, labels)
     assert not calls
-    applied = tigon.patch(model, add_rms_norm=False, tiled_mlp=True).applied
+    applied = tigon.patch(model, tiled_mlp=True).applied
     assert "tiled_mlp" in applied
     got_loss, got = _loss_and_grads(model, ids, mask, labels)
     assert calls == [47] * 4  # per layer: the forward, then checkpointing's recomputation
@@ -163,9 +162,9 @@ def test_peft_lora_tiled_same_loss_and_grads():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.1)
     ids, mask, labels = batch(seed=9, rows=2, cols=41)
-    tigon.patch(model, add_rms_norm=False)
+    tigon.patch(model)
     want_loss, want = _loss_and_grads(model, ids, mask, labels)
-    tigon.patch(model, add_rms_norm=False, tiled_mlp=True)
+    tigon.patch(model, tiled_mlp=True)
     got_loss, got = _loss_and_grads(model, ids, mask, labels)
     tigon.unpatch(model)
     assert_close(got_loss, want_loss, name="loss")

@@ -65,9 +65,16 @@ def decoder_layer_forward(layer: Layer, norm: Norm, original: Callable[..., torc
             out = out * getattr(self, layer.scale)
         return out
 
-    def forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    # Newer transformers checkpoint a layer in a wrapper around its class's `forward` instead of in
+    # `__call__`. A forward installed by tigon replaces that wrapper, so it checkpoints itself, and
+    # falls back to the function inside the wrapper so as not to checkpoint twice.
+    checkpoints_in_forward = _hf_checkpoints_in_forward()
+    wrapped_by_hf = getattr(original, "__code__", None) is not None and original.__code__.co_name == "forward_with_checkpointing"
+    inner = original.__wrapped__ if checkpoints_in_forward and wrapped_by_hf else original
+
+    def fused(self: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if args or _zero3_partitioned(getattr(self, fused_norm).weight):
-            return original(self, hidden_states, *args, **kwargs)
+            return inner(self, hidden_states, *args, **kwargs)
         residual = hidden_states
         hidden_states, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
         if layer.fuse == "sandwich":
@@ -82,8 +89,22 @@ def decoder_layer_forward(layer: Layer, norm: Norm, original: Callable[..., torc
             hidden_states = self.mlp(hidden_states)
         return residual + branch(self, hidden_states, 1)
 
+    def forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if checkpoints_in_forward and self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            kwargs["use_cache"] = False  # as HF's wrapper: a replayed layer must not write the cache again
+            return self._gradient_checkpointing_func(functools.partial(fused, self, **kwargs), hidden_states, *args)
+        return fused(self, hidden_states, *args, **kwargs)
+
     forward.__qualname__ = f"tigon_{layer.cls}.forward"
     return forward
+
+
+def _hf_checkpoints_in_forward() -> bool:
+    """Whether this transformers checkpoints GradientCheckpointingLayer in a wrapper around the
+    class's `forward` (newer releases) rather than in its `__call__` (5.17 and earlier)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return "__call__" not in GradientCheckpointingLayer.__dict__
 
 
 # The activations each GLU switch covers, as the op's activation name.

@@ -1,0 +1,52 @@
+"""Gradient checkpointing survives tigon.patch: every decoder layer is still checkpointed once,
+whichever way the installed transformers checkpoints (in `__call__`, or in a wrapper around the
+class's `forward`, which a forward bound by tigon would otherwise replace)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tigon
+from tests.patch.test_patch import assert_same_run, run
+from tests.patch.tiny import tiny_model
+
+
+@pytest.fixture(autouse=True)
+def clean_patches():
+    yield
+    tigon.unpatch()
+
+
+def count_checkpoints(model: torch.nn.Module) -> list[int]:
+    """Wrap each layer's checkpoint function with a counter; returns the live counts."""
+    counts = []
+    for layer in model.model.layers:
+        inner = layer._gradient_checkpointing_func
+        counts.append(0)
+
+        def counted(*args, _inner=inner, _index=len(counts) - 1, **kwargs):
+            counts[_index] += 1
+            return _inner(*args, **kwargs)
+
+        layer._gradient_checkpointing_func = counted
+    return counts
+
+
+@pytest.mark.parametrize("model_type,reentrant", [("llama", False), ("llama", True), ("gemma2", False), ("phi3", True)])
+@pytest.mark.parametrize("target", ["instance", "class"])
+def test_every_layer_is_checkpointed_once_and_results_hold(model_type, reentrant, target):
+    plain = tiny_model(model_type).train()
+    plain.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    want = run(plain)
+
+    if target == "class":
+        tigon.patch(model_type)
+    model = tiny_model(model_type).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    if target == "instance":
+        tigon.patch(model)
+    counts = count_checkpoints(model)
+    got = run(model)
+    assert counts == [1] * len(counts), f"checkpoint calls per layer: {counts}"
+    assert_same_run(got, want)
