@@ -224,3 +224,17 @@ def test_gpu_bf16_kernels_train_like_eager(tmp_path, tuner):
         assert on[step] == pytest.approx(off[step], rel=3e-2), step
     records = [json.loads(line) for line in (tmp_path / "on" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["gpu_mem_gib"] > 0 and r["mfu"] > 0 for r in records if "loss" in r)
+
+
+def test_samples_are_skipped_when_the_model_will_be_sharded(monkeypatch):
+    from types import SimpleNamespace
+
+    from tigon.train.run import _sharded
+
+    plain = SimpleNamespace(fsdp="", deepspeed=None)
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    assert not _sharded(plain)
+    assert _sharded(SimpleNamespace(fsdp="full_shard", deepspeed=None))
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    assert _sharded(plain)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 import random
 import shutil
 from pathlib import Path
@@ -42,6 +43,13 @@ def _split(samples: list[Sample], fraction: float, seed: int) -> tuple[list[Samp
         raise SFTError(f"--eval-split {fraction} leaves no training rows out of {len(samples)}")
     held = set(order[:n_eval])
     return [s for i, s in enumerate(samples) if i not in held], [samples[i] for i in sorted(held)]
+
+
+def _sharded(args: Any) -> bool:
+    """Whether the Trainer will shard the model (FSDP or DeepSpeed, from its arguments or from an
+    `accelerate launch` config): generating on rank 0 alone would then wait forever for the others."""
+    launched = any(os.environ.get(f"ACCELERATE_USE_{name}", "").lower() in ("1", "true") for name in ("FSDP", "DEEPSPEED"))
+    return launched or bool(getattr(args, "fsdp", None)) or bool(getattr(args, "deepspeed", None))
 
 
 def _rows(tokenizer: Any, samples: list[Sample], cfg: SFTConfig, what: str) -> TokenDataset:
@@ -203,7 +211,10 @@ def _run(cfg: SFTConfig, given: set[str]) -> Path:
     apply_kernels(model, cfg)
     model.to(args.device)
 
-    prompts = _prompts(samples, cfg.samples) if args.process_index == 0 else []
+    if cfg.samples and _sharded(args):
+        log.info("samples: skipped under FSDP/DeepSpeed (a sharded model generates only with every rank); "
+                 "try the saved model with `tigon chat`")
+    prompts = _prompts(samples, cfg.samples) if args.process_index == 0 and not _sharded(args) else []
     before = [generate(model, tokenizer, p, cfg.max_new_tokens) for p in prompts]
     for prompt, reply in zip(prompts, before):
         log.info("before training: %r -> %r", _prompt_text(prompt), reply)
