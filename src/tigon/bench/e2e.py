@@ -79,6 +79,32 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def timed_steps(
+    model: torch.nn.Module, step_model: Callable[..., Any], vocab: int, batch: int, seq: int, warmup: int, steps: int
+) -> tuple[list[float], list[float]]:
+    """`warmup + steps` AdamW steps of `step_model` on random tokens (the same tokens for every
+    case); returns the seconds of the timed steps and the loss of every step."""
+    device = next(model.parameters()).device
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=device.type == "cuda"
+    )
+    gen = torch.Generator(device).manual_seed(1234)
+    times, losses = [], []
+    for i in range(warmup + steps):
+        ids = torch.randint(0, vocab, (batch, seq), device=device, generator=gen)
+        _sync(device)
+        start = time.perf_counter()
+        loss = step_model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    return times, losses
+
+
 def run_case(
     mode: str,
     impl: str,
@@ -103,24 +129,8 @@ def run_case(
             record["applied"] = str(tigon.patch(model))
             log(record["applied"])
         step_model = torch.compile(model) if impl.endswith("compile") else model
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
-        gen = torch.Generator(device).manual_seed(1234)
-        vocab = shape["vocab_size"]
-        batches = [torch.randint(0, vocab, (batch, seq), device=device, generator=gen) for _ in range(warmup + steps)]
-        losses, times = [], []
         model.train()
-        for i, ids in enumerate(batches):
-            _sync(device)
-            start = time.perf_counter()
-            loss = step_model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            _sync(device)
-            if i >= warmup:
-                times.append(time.perf_counter() - start)
-            losses.append(loss.item())
+        times, losses = timed_steps(model, step_model, shape["vocab_size"], batch, seq, warmup, steps)
         record.update(
             tokens_per_s=batch * seq * len(times) / sum(times),
             step_ms=1e3 * statistics.median(times),

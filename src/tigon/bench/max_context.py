@@ -25,14 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
 import tigon
-from tigon.bench.e2e import LLAMA_1B, _release, _sync, build_model
+from tigon.bench.e2e import LLAMA_1B, _release, build_model, timed_steps
 from tigon.bench.harness import environment
 
 SEQS = (65536, 131072, 262144, 524288)
@@ -65,24 +64,8 @@ def run_length(
         record["applied"] = str(tigon.patch(model, **VARIANTS[variant]))
         log(record["applied"])
         checkpoints = _count_checkpoints(model)
-        optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=device.type == "cuda"
-        )
-        gen = torch.Generator(device).manual_seed(1234)
         model.train()
-        times, losses = [], []
-        for i in range(warmup + steps):
-            ids = torch.randint(0, shape["vocab_size"], (1, seq), device=device, generator=gen)
-            _sync(device)
-            start = time.perf_counter()
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            _sync(device)
-            if i >= warmup:
-                times.append(time.perf_counter() - start)
-            losses.append(loss.item())
+        times, losses = timed_steps(model, model, shape["vocab_size"], 1, seq, warmup, steps)
         cuda = device.type == "cuda"
         record["checkpointed_layers"] = checkpoints[0] // (warmup + steps)
         if not record["checkpointed_layers"]:
