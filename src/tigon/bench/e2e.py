@@ -79,6 +79,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def current_cuda_device(bench: str) -> torch.device:
+    """The current CUDA device, or a RuntimeError saying that `bench` needs one."""
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"{bench} needs a CUDA GPU")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def timed_steps(
     model: torch.nn.Module, step_model: Callable[..., Any], vocab: int, batch: int, seq: int, warmup: int, steps: int
 ) -> tuple[list[float], list[float]]:
@@ -195,10 +202,7 @@ def run_e2e(
         unknown = [v for v in values if v not in known]
         if unknown:
             raise ValueError(f"{name} must be among {', '.join(known)}, got {', '.join(unknown)}")
-    if device is None:
-        if not torch.cuda.is_available():
-            raise RuntimeError("the end-to-end benchmark needs a CUDA GPU")
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = device or current_cuda_device("the end-to-end benchmark")
     env = environment(device)
     import transformers
 

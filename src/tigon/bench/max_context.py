@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 import tigon
-from tigon.bench.e2e import LLAMA_1B, _release, build_model, timed_steps
+from tigon.bench.e2e import LLAMA_1B, _release, build_model, current_cuda_device, timed_steps
 from tigon.bench.harness import environment
 
 SEQS = (65536, 131072, 262144, 524288)
@@ -155,10 +155,7 @@ def run_max_context(
         raise ValueError(f"sequence lengths must be >= 2 tokens, got {bad}")
     if steps < 1 or warmup < 0:
         raise ValueError(f"steps must be >= 1 and warmup >= 0, got {steps} and {warmup}")
-    if device is None:
-        if not torch.cuda.is_available():
-            raise RuntimeError("the max-context benchmark needs a CUDA GPU")
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = device or current_cuda_device("the max-context benchmark")
     env = environment(device)
     log(f"tigon max-context bench on {env['device']} (torch {env['torch']}): LoRA r=16, checkpointing, batch 1, "
         f"{warmup} warm-up + {steps} timed step(s)")
