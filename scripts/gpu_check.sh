@@ -3,7 +3,9 @@
 # chunk-budget sweep and the end-to-end benchmark. Everything lands in $OUT/results.tar.gz (the
 # device tool returns at most 8 files) plus the text logs.
 # Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|ops|norms|rope|sweep|e2e|sft ...]
-# GPU_TESTS narrows the tests stage (pytest arguments); E2E_TIMEOUT bounds the e2e stage.
+# GPU_TESTS narrows the tests stage (pytest arguments); E2E_TIMEOUT bounds the e2e stage; MC_ARGS
+# are the maxctx stage's arguments to tigon.bench.max_context (its results merge into those already
+# recorded in docs/bench/max_context.json); PROFILE_ARGS are scripts/profile_e2e.py's.
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1 TIGON_STRICT=1
 OUT=${OUT:-gpu-out}
@@ -30,6 +32,11 @@ for stage in "${stages[@]}"; do
     rope)  timeout 300 python3 -m tigon.cli bench --ops rope --out "$RES/rope" > "$RES/rope.txt" 2>&1
            tail -12 "$RES/rope.txt" ;;
     sft)   OUT="$RES/sft" bash scripts/sft_gpu_compare.sh ;;
+    profile) timeout 300 python3 scripts/profile_e2e.py ${PROFILE_ARGS:-full} > "$RES/profile.txt" 2>&1
+           cat "$RES/profile.txt" | tail -70 ;;
+    maxctx) mkdir -p "$RES/mc" && cp docs/bench/max_context.json "$RES/mc/" 2>/dev/null
+           timeout ${MC_TIMEOUT:-540} python3 -m tigon.bench.max_context ${MC_ARGS:-} --out "$RES/mc" > "$RES/mc.txt" 2>&1
+           tail -20 "$RES/mc.txt" ;;
     *)     echo "unknown stage $stage" ;;
   esac
   echo "[stage $stage took $(( $(date +%s) - start )) s]"

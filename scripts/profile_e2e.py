@@ -1,0 +1,118 @@
+"""Where one end-to-end training step (tigon bench --e2e's model and batch) spends GPU time and
+what is alive at its memory peak.
+
+Usage (GPU): PYTHONPATH=src python3 scripts/profile_e2e.py [full|lora] [--eager]
+Prints the kernels by total GPU time, grouped by family, and the live allocations at the step's
+peak grouped by the innermost tigon/transformers/peft/torch.optim frame that made them.
+"""
+
+import argparse
+import collections
+import time
+
+import torch
+
+import tigon
+from tigon.bench.e2e import LLAMA_1B, build_model
+
+parser = argparse.ArgumentParser()
+parser.add_argument("mode", choices=("full", "lora"), nargs="?", default="full")
+parser.add_argument("--eager", action="store_true", help="profile the unpatched model")
+parser.add_argument("--batch", type=int, default=4)
+parser.add_argument("--seq", type=int, default=2048)
+args = parser.parse_args()
+
+device = torch.device("cuda")
+model = build_model(args.mode, args.seq, device, shape=LLAMA_1B, lora_rank=16, checkpointing=False)
+if not args.eager:
+    print(tigon.patch(model))
+model.train()
+optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
+ids = torch.randint(0, LLAMA_1B["vocab_size"], (args.batch, args.seq), device=device)
+
+
+def step():
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+for _ in range(3):
+    step()
+torch.cuda.synchronize()
+start = time.perf_counter()
+for _ in range(5):
+    step()
+torch.cuda.synchronize()
+print(f"step {1e3 * (time.perf_counter() - start) / 5:.1f} ms wall")
+
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    step()
+    torch.cuda.synchronize()
+kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+total = sum(e.device_time_total for e in kernels) / 1e3
+print(f"GPU kernel time {total:.1f} ms per step")
+
+
+def family(name: str) -> str:
+    low = name.lower()
+    for key, label in (("flash", "attention"), ("fmha", "attention"), ("attention", "attention"),
+                       ("gemm", "gemm"), ("sm90_xmma", "gemm"), ("cutlass", "gemm"), ("nvjet", "gemm"),
+                       ("adam", "optimizer"), ("cross_entropy", "tigon loss"), ("rms_norm", "tigon norm"),
+                       ("rope", "tigon rope"), ("glu", "tigon glu"), ("lora", "tigon lora"),
+                       ("embedding", "embedding"), ("elementwise", "elementwise"), ("reduce", "reduce"),
+                       ("copy", "copy"), ("fill", "fill")):
+        if key in low:
+            return label
+    return "other"
+
+
+groups = collections.Counter()
+for e in kernels:
+    groups[family(e.key)] += e.device_time_total / 1e3
+for name, ms in groups.most_common():
+    print(f"  {name:<14}{ms:8.2f} ms {100 * ms / total:5.1f}%")
+print("top kernels:")
+for e in sorted(kernels, key=lambda e: -e.device_time_total)[:25]:
+    print(f"  {e.device_time_total / 1e3:8.2f} ms x{e.count:<4} {e.key[:110]}")
+
+torch.cuda.reset_peak_memory_stats()
+torch.cuda.memory._record_memory_history(max_entries=200000)
+step()
+torch.cuda.synchronize()
+snapshot = torch.cuda.memory._snapshot()
+torch.cuda.memory._record_memory_history(enabled=None)
+print(f"peak allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+
+# Replay the trace: the allocations alive when the allocated total was highest.
+live, total_bytes, best, best_live = {}, 0, -1, {}
+base = sum(b["size"] for seg in snapshot["segments"] for b in seg["blocks"] if b["state"] == "active_allocated")
+events = snapshot["device_traces"][0]
+for ev in events:  # blocks allocated before recording started are in `base` only at the end
+    if ev["action"] == "alloc":
+        live[ev["addr"]] = ev
+        total_bytes += ev["size"]
+        if total_bytes > best:
+            best, best_live = total_bytes, dict(live)
+    elif ev["action"] == "free_completed" and ev["addr"] in live:
+        total_bytes -= live.pop(ev["addr"])["size"]
+
+
+def origin(frames) -> str:
+    for f in frames:
+        name = f["filename"]
+        if any(k in name for k in ("/tigon/", "/transformers/", "/peft/", "torch/optim")):
+            return f"{name.split('/site-packages/')[-1].split('/src/')[-1]}:{f['line']} {f['name']}"
+    return frames[0]["filename"].split("/")[-1] + f":{frames[0]['line']}" if frames else "?"
+
+
+by_origin = collections.Counter()
+count = collections.Counter()
+for ev in best_live.values():
+    key = origin(ev.get("frames", []))
+    by_origin[key] += ev["size"]
+    count[key] += 1
+print(f"allocated during the step at its peak: {best / 2**30:.2f} GiB (plus what was alive before it)")
+for key, size in by_origin.most_common(30):
+    print(f"  {size / 2**20:9.1f} MiB x{count[key]:<4} {key}")
