@@ -32,10 +32,11 @@ for stage in "${stages[@]}"; do
     rope)  timeout 300 python3 -m tigon.cli bench --ops rope --out "$RES/rope" > "$RES/rope.txt" 2>&1
            tail -12 "$RES/rope.txt" ;;
     sft)   OUT="$RES/sft" bash scripts/sft_gpu_compare.sh ;;
-    profile) timeout 300 python3 scripts/profile_e2e.py ${PROFILE_ARGS:-full} > "$RES/profile.txt" 2>&1
+    profile) timeout 300 python3 scripts/profile_e2e.py ${PROFILE_ARGS:-full} --trace "$RES/step_trace.json" > "$RES/profile.txt" 2>&1
+           gzip -f "$RES/step_trace.json"
            cat "$RES/profile.txt" | tail -70 ;;
-    maxctx) mkdir -p "$RES/mc" && cp docs/bench/max_context.json "$RES/mc/" 2>/dev/null
-           timeout ${MC_TIMEOUT:-540} python3 -m tigon.bench.max_context ${MC_ARGS:-} --out "$RES/mc" > "$RES/mc.txt" 2>&1
+    maxctx) mkdir -p "$RES/mc" && cp -n docs/bench/max_context.json "$RES/mc/" 2>/dev/null
+           timeout ${MC_TIMEOUT:-540} python3 -m tigon.bench.max_context ${MC_ARGS:-} --out "$RES/mc" >> "$RES/mc.txt" 2>&1
            tail -20 "$RES/mc.txt" ;;
     *)     echo "unknown stage $stage" ;;
   esac

@@ -20,6 +20,7 @@ parser.add_argument("mode", choices=("full", "lora"), nargs="?", default="full")
 parser.add_argument("--eager", action="store_true", help="profile the unpatched model")
 parser.add_argument("--batch", type=int, default=4)
 parser.add_argument("--seq", type=int, default=2048)
+parser.add_argument("--trace", metavar="FILE", help="also write a Chrome trace of one step (CPU + GPU, Python stacks)")
 args = parser.parse_args()
 
 device = torch.device("cuda")
@@ -76,6 +77,13 @@ for name, ms in groups.most_common():
 print("top kernels:")
 for e in sorted(kernels, key=lambda e: -e.device_time_total)[:25]:
     print(f"  {e.device_time_total / 1e3:8.2f} ms x{e.count:<4} {e.key[:110]}")
+
+if args.trace:
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities, with_stack=True) as prof:
+        step()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(args.trace)
 
 torch.cuda.reset_peak_memory_stats()
 torch.cuda.memory._record_memory_history(max_entries=200000)

@@ -127,8 +127,9 @@ def test_activation_offload_unit():
         for _ in range(3):
             h = torch.tanh(h @ weight)
         loss = (h * h).sum()
-    assert session.offloaded >= 3
+    assert session.offloaded >= 3 and session.held == session.offloaded
     grads = torch.autograd.grad(loss, [x, weight], retain_graph=True)
+    assert session.held == session.offloaded
     again = torch.autograd.grad(loss, [x, weight])
     h = x
     for _ in range(3):
@@ -136,6 +137,9 @@ def test_activation_offload_unit():
     want = torch.autograd.grad((h * h).sum(), [x, weight])
     for g, a, w in zip(grads, again, want):
         assert torch.equal(g, w) and torch.equal(a, w)
+    # Released with the graph, though `loss` (and so the graph's nodes) is still referenced: the
+    # next step's forward must find the pinned buffers back in the cache, not allocate anew.
+    assert session.held == 0 and session.offloaded >= 3
     with pytest.raises(ValueError, match="hidden_size and tokens"):
         offload.ActivationOffload(0, 4)
 

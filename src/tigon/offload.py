@@ -19,19 +19,25 @@ training with gradient checkpointing on.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Callable
 
 import torch
 
 
 class _Stored:
-    """One offloaded tensor: its host copy and, once fetched, the device copy and its ready event."""
+    """One offloaded tensor: its host copy and, once fetched, the device copy and its ready event.
 
-    __slots__ = ("host", "device", "fetched", "ready")
+    It is what autograd keeps for the saved tensor, so the host copy lives exactly as long as the
+    graph needs it: freed back to the pinned-memory cache when backward releases the graph, for the
+    next step to reuse (a fresh pinned allocation per step costs seconds at long context)."""
 
-    def __init__(self, host: torch.Tensor, device: torch.device) -> None:
+    __slots__ = ("host", "device", "index", "fetched", "ready", "__weakref__")
+
+    def __init__(self, host: torch.Tensor, device: torch.device, index: int) -> None:
         self.host = host
         self.device = device
+        self.index = index
         self.fetched: torch.Tensor | None = None
         self.ready: Any = None
 
@@ -45,7 +51,8 @@ class ActivationOffload:
             parameter. Weights and small tensors (RoPE tables, norm statistics) stay put.
         tokens: tokens in the batch (batch x sequence).
 
-    ``offloaded`` counts the tensors sent to the host so far.
+    ``offloaded`` counts the tensors sent to the host so far, ``held`` those whose host copy is
+    still alive (backward frees each once autograd releases the graph).
     """
 
     def __init__(self, hidden_size: int, tokens: int) -> None:
@@ -54,7 +61,8 @@ class ActivationOffload:
         self.hidden_size = hidden_size
         self.tokens = tokens
         self.offloaded = 0
-        self._stored: list[_Stored] = []
+        # Weak: the saved-tensor slots own the copies; this only finds the one to prefetch next.
+        self._stored: list[weakref.ref[_Stored]] = []
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
@@ -64,6 +72,10 @@ class ActivationOffload:
 
     def __exit__(self, *exc: Any) -> None:
         self._hooks.__exit__(*exc)
+
+    @property
+    def held(self) -> int:
+        return sum(ref() is not None for ref in self._stored)
 
     def _wanted(self, tensor: torch.Tensor) -> bool:
         return (
@@ -82,8 +94,9 @@ class ActivationOffload:
     def _pack(self, tensor: torch.Tensor) -> Any:
         if not self._wanted(tensor):
             return tensor
+        index = len(self._stored)
         if tensor.device.type != "cuda":
-            stored = _Stored(tensor.detach().to("cpu", copy=True), tensor.device)
+            stored = _Stored(tensor.detach().to("cpu", copy=True), tensor.device, index)
         else:
             stream = self._stream(tensor.device)
             host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
@@ -92,10 +105,10 @@ class ActivationOffload:
                 host.copy_(tensor, non_blocking=True)
             # The caller may free `tensor` now; its memory must not be reused before the copy ends.
             tensor.record_stream(stream)
-            stored = _Stored(host, tensor.device)
-        self._stored.append(stored)
+            stored = _Stored(host, tensor.device, index)
+        self._stored.append(weakref.ref(stored))
         self.offloaded += 1
-        return len(self._stored) - 1
+        return stored
 
     def _fetch(self, stored: _Stored) -> None:
         if stored.fetched is not None:
@@ -113,7 +126,7 @@ class ActivationOffload:
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
-        stored = self._stored[packed]
+        stored = packed
         self._fetch(stored)
         tensor, ready = stored.fetched, stored.ready
         # Not kept: the tensor is freed when autograd is done with it (a second backward refetches).
@@ -122,9 +135,10 @@ class ActivationOffload:
             current = torch.cuda.current_stream(stored.device)
             current.wait_event(ready)
             tensor.record_stream(current)
-        if packed > 0:
+        previous = self._stored[stored.index - 1]() if stored.index > 0 else None
+        if previous is not None:
             # Backward unpacks in reverse order of saving: the previous layer's input is next.
-            self._fetch(self._stored[packed - 1])
+            self._fetch(previous)
         return tensor
 
 

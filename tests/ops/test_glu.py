@@ -142,6 +142,15 @@ def test_glu_mlp_frozen_weights_and_input(device):
     assert wg.grad is not None and wu.grad is not None and wd.grad is None
 
 
+def test_glu_mlp_second_backward_through_retained_graph_fails_loudly(device):
+    # The backward writes its gradients over the saved gate and up: a second pass must not read them.
+    x, weights, _ = _mlp_args((5,), 16, 24, torch.float32, device, False)
+    out = F.glu_mlp(x, *weights)
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
 @pytest.mark.parametrize(
     "call,match",
     [
@@ -179,6 +188,24 @@ def test_glu_mlp_bf16_on_gpu(activation):
         lambda *a: glu_mlp_reference(*a, activation=activation),
         (x, *weights), torch.bfloat16, name="glu_mlp bf16",
     )
+
+
+@pytest.mark.gpu
+def test_glu_mlp_backward_allocates_one_intermediate_sized_buffer_on_gpu():
+    # The training step's peak is the last layer's MLP backward: gradients of gate and up and the
+    # recomputed product reuse the saved buffers, so only dh is new.
+    n, hidden, intermediate = 8192, 2048, 8192
+    x, weights, _ = _mlp_args((n,), hidden, intermediate, torch.bfloat16, torch.device("cuda"), False)
+    out = F.glu_mlp(x, *weights)
+    grad = torch.randn_like(out)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out.backward(grad)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    returned = (3 * intermediate * hidden + n * hidden) * 2  # three weight gradients and dx
+    assert extra <= returned + n * intermediate * 2 + 2**22, (extra - returned) / 2**20
 
 
 @pytest.mark.gpu

@@ -63,6 +63,14 @@ def test_frozen_input_and_down_adapter(poison_outputs, device):
         torch.testing.assert_close(g, w)
 
 
+def test_second_backward_through_retained_graph_fails_loudly(device):
+    x = torch.randn(6, 24, device=device, requires_grad=True)
+    out = lora_gated_mlp(x, *_mlp(24, 50, (3, 3, 3), torch.float32, device))
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
 def test_saves_only_x_gate_up_and_rank_sized_products(device):
     n, hidden, intermediate = 30, 24, 50
     x = torch.randn(n, hidden, device=device, requires_grad=True)

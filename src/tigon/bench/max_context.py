@@ -5,7 +5,8 @@ bf16, SDPA), PEFT LoRA r=16 on every linear layer of the decoder, gradient check
 random tokens, AdamW. Variants:
 
 * ``tigon``: ``tigon.patch(model)`` (the default kernels);
-* ``long``: ``tigon.patch(model, offload_activations=True, tiled_mlp=True)``.
+* ``long``: ``tigon.patch(model, offload_activations=True, tiled_mlp=True)``;
+* ``offload`` and ``tiled``: each switch of ``long`` alone, to see what each costs and saves.
 
 Peak is ``torch.cuda.max_memory_allocated()`` from building the model on, in GB (10^9 bytes, the
 unit of the issue's table); ``reserved`` is the allocator's peak, what decides an out-of-memory.
@@ -38,7 +39,10 @@ SEQS = (65536, 131072, 262144, 524288)
 VARIANTS: dict[str, dict[str, bool]] = {
     "tigon": {},
     "long": {"offload_activations": True, "tiled_mlp": True},
+    "offload": {"offload_activations": True},
+    "tiled": {"tiled_mlp": True},
 }
+DEFAULT_VARIANTS = ("tigon", "long")
 EXTRAPOLATE_TO = 1_048_576
 RESULTS = "max_context.json"
 
@@ -135,7 +139,7 @@ def format_table(records: list[dict[str, Any]]) -> str:
 
 def run_max_context(
     seqs: Sequence[int] = SEQS,
-    variants: Sequence[str] = tuple(VARIANTS),
+    variants: Sequence[str] = DEFAULT_VARIANTS,
     *,
     steps: int = 1,
     warmup: int = 1,
@@ -179,7 +183,7 @@ def run_max_context(
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tigon.bench.max_context", description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq", nargs="+", type=int, default=list(SEQS), metavar="TOKENS")
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(DEFAULT_VARIANTS))
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--out", metavar="DIR", help=f"merge results into DIR/{RESULTS}")

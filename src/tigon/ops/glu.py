@@ -186,16 +186,25 @@ def _glu_backward(
     up: torch.Tensor,
     activation: str,
     store_product: bool,
-    grad_out_is_scratch: bool,
+    in_place: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(grad_gate, grad_up, act(gate) * up or None) by the backward kernel.
 
-    With `grad_out_is_scratch` (a contiguous buffer only the caller holds) grad_gate overwrites
-    grad_out, saving one allocation; never pass a gradient autograd handed in.
+    With `in_place` (for an op whose `gate`, `up` and `grad_out` are its own intermediates, which
+    no caller sees) grad_gate overwrites gate, grad_up overwrites up and the product overwrites
+    grad_out: the backward then allocates nothing of their size, which is the training step's
+    memory peak. Each element is read before it is written, by the same program. The saved gate
+    and up are bumped to a new version, so a second backward through a retained graph fails
+    loudly in autograd instead of reading gradients as activations.
     """
-    grad_gate = grad_out if grad_out_is_scratch else torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    grad_up = torch.empty(up.shape, dtype=up.dtype, device=up.device)
-    product = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device) if store_product else None
+    in_place = in_place and all(t.is_contiguous() for t in (grad_out, gate, up))
+    if in_place:
+        grad_gate, grad_up = gate, up
+        product = grad_out if store_product else None
+    else:
+        grad_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        grad_up = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+        product = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device) if store_product else None
     views = _row_views(grad_out, gate, up, grad_gate, grad_up, *([product] if store_product else []))
     grad_out2d, gate2d, up2d, grad_gate2d, grad_up2d = views[:5]
     product2d = views[5] if store_product else grad_up2d  # unused by the kernel when not stored
@@ -210,13 +219,16 @@ def _glu_backward(
         BLOCK=BLOCK_SIZE,
         num_warps=NUM_WARPS,
     )
+    if in_place:
+        torch.autograd.graph.increment_version(gate)
+        torch.autograd.graph.increment_version(up)
     return grad_gate, grad_up, product
 
 
-def _glu_backward_or_reference(op, grad_out, gate, up, activation, store_product=False, grad_out_is_scratch=False):
+def _glu_backward_or_reference(op, grad_out, gate, up, activation, store_product=False, in_place=False):
     """:func:`_glu_backward`, or the reference's gradients if the kernel fails to compile or launch."""
     try:
-        return _glu_backward(grad_out, gate, up, activation, store_product, grad_out_is_scratch)
+        return _glu_backward(grad_out, gate, up, activation, store_product, in_place)
     except Exception as err:
         reference = functools.partial(glu_reference, activation=activation)
         grad_gate, grad_up = _backend.reference_backward(op, err, reference, (gate, up), (grad_out,))
@@ -323,11 +335,11 @@ class _GLUMLPFunction(torch.autograd.Function):
         needs = ctx.needs_input_grad
         grad_out2d = grad_out.reshape(-1, grad_out.shape[-1])
         grad_h = torch.matmul(grad_out2d, down_weight)
-        # grad_h is ours alone, so grad_gate may overwrite it; the recomputed down_proj input is
-        # only needed for the down weight's gradient.
+        # grad_h, gate and up are ours alone: the gradients and the recomputed down_proj input
+        # (needed only for the down weight's gradient) overwrite them.
         grad_gate, grad_up, product = _glu_backward_or_reference(
             GLU_MLP, grad_h, gate.reshape(grad_h.shape), up.reshape(grad_h.shape), ctx.activation,
-            store_product=needs[3], grad_out_is_scratch=True,
+            store_product=needs[3], in_place=True,
         )
         grad_down_weight = grad_out2d.t().matmul(product) if needs[3] else None
         del product

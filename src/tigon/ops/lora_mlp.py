@@ -78,12 +78,12 @@ class _LoraGatedMLPFunction(torch.autograd.Function):
         down_needs = (True, *needs[2 + 2 * width :])
         dy = rows_view(grad_out)
 
-        # dh = s dy B A + dy W of the down projection; it is ours alone, so the activation's
-        # backward writes d(gate) over it.
+        # dh = s dy B A + dy W of the down projection; it, gate and up are ours alone, so the
+        # activation's backward writes its results over them.
         grad_h, grad_ha, down_grads = lora_backward_without_input(ha, [dy], [down_proj], down_needs)
         needs_h = down_needs[1] or down_needs[2]  # the down projection's dW or dA reads h
         grad_gate, grad_up, h = _glu_backward_or_reference(
-            LORA_GATED_MLP, grad_h, gate, up, ctx.activation, store_product=needs_h, grad_out_is_scratch=True,
+            LORA_GATED_MLP, grad_h, gate, up, ctx.activation, store_product=needs_h, in_place=True,
         )
         if needs_h:
             lora_backward_from_input(h, grad_ha, [dy], [down_proj], down_needs, down_grads)
