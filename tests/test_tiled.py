@@ -82,11 +82,12 @@ def test_tiled_mlp_replays_dropout_masks():
 
 
 @pytest.mark.parametrize("tokens, hidden", [(1, 64), (64, 64), (65, 64), (1000, 64), (262144, 2048), (100003, 4096)])
-def test_chunk_size_is_balanced_and_at_most_hidden(tokens, hidden):
+def test_chunk_size_is_balanced_and_bounded_by_the_width(tokens, hidden):
     chunk = tiled.chunk_size(tokens, hidden)
     chunks = math.ceil(tokens / chunk)
-    assert chunk <= hidden or tokens <= hidden
-    assert chunks == math.ceil(tokens / hidden)
+    most = tiled.CHUNK_WIDTHS * hidden
+    assert chunk <= most or tokens <= most
+    assert chunks == math.ceil(tokens / most)
     assert tokens - (chunks - 1) * chunk >= chunk - chunks  # the last chunk is not a sliver
 
 
@@ -110,7 +111,8 @@ def test_patched_model_with_checkpointing_same_loss_and_grads(model_type, monkey
     than the width): the loss and every gradient are those of the untiled model."""
     model = tiny_model(model_type, dtype=torch.float64, resid_pdrop=0.0).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ids, mask, labels = batch(seed=5, rows=2, cols=47)  # 94 tokens > hidden 64: two chunks
+    ids, mask, labels = batch(seed=5, rows=2, cols=47)
+    monkeypatch.setattr(tiled, "CHUNK_WIDTHS", 1)  # chunks of the width, 64: 94 tokens make two
     calls = []
     apply = tiled._TiledFunction.apply
     monkeypatch.setattr(tiled._TiledFunction, "apply", lambda *a: calls.append(a[1]) or apply(*a))
@@ -139,6 +141,7 @@ def test_class_patch_and_unpatch(monkeypatch):
         assert ml.LlamaMLP.forward is not original
         model = tiny_model("llama", dtype=torch.float64)
         ids, mask, labels = batch(seed=2, rows=1, cols=70)
+        monkeypatch.setattr(tiled, "CHUNK_WIDTHS", 1)
         calls = []
         apply = tiled._TiledFunction.apply
         monkeypatch.setattr(tiled._TiledFunction, "apply", lambda *a: calls.append(a[1]) or apply(*a))

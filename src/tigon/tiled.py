@@ -21,17 +21,22 @@ from typing import Callable, Sequence
 import torch
 
 
+# Chunks of this many times the width: big enough that the per-chunk work (recomputation, its
+# autograd call, many small LoRA kernels) is not dominated by launching it, still a small fraction
+# of a long sequence (8192 of 262144 tokens for a 2048-wide model).
+CHUNK_WIDTHS = 4
+
+
 def chunk_size(tokens: int, hidden: int) -> int:
     """Tokens per chunk for an MLP of width `hidden` over `tokens` tokens.
 
-    About `hidden` tokens, balanced so the chunks are equal to within one token: each chunk's
-    intermediates then hold ``hidden x intermediate`` elements apiece, the size of one weight
-    matrix, whatever the sequence length, while a chunk still has enough rows to keep the matmuls
-    efficient.
+    About ``CHUNK_WIDTHS * hidden`` tokens, balanced so the chunks are equal to within one token:
+    each chunk's intermediates then hold ``CHUNK_WIDTHS x hidden x intermediate`` elements apiece,
+    a few weight matrices' worth, whatever the sequence length.
     """
     if tokens < 1 or hidden < 1:
         raise ValueError(f"tokens and hidden must be >= 1, got {tokens} and {hidden}")
-    chunks = math.ceil(tokens / hidden)
+    chunks = math.ceil(tokens / (CHUNK_WIDTHS * hidden))
     return math.ceil(tokens / chunks)
 
 
