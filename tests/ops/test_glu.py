@@ -3,6 +3,7 @@ import torch
 
 import tigon.functional as F
 from tigon.ops.glu import geglu_reference, glu_mlp_reference, swiglu_reference
+from tigon.ops.rms_norm import NormedInput
 from tests.helpers import assert_close, compare_fwd_bwd
 
 SHAPES = [(7,), (3, 1000), (2, 5, 4099)]
@@ -140,6 +141,45 @@ def test_glu_mlp_frozen_weights_and_input(device):
     x = x.detach()
     F.glu_mlp(x, wg, wu, wd).sum().backward()
     assert wg.grad is not None and wu.grad is not None and wd.grad is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("casting, offset", [("llama", 0.0), ("gemma", 1.0)])
+def test_glu_mlp_with_normed_input_keeps_the_source_and_matches_exactly(poison_outputs, device, dtype, casting, offset):
+    # x = add_rms_norm(a, r)'s output; with normed_input the MLP saves the sum, not x, and
+    # renormalises it in backward: every gradient is bit for bit the one without.
+    _, weights, _ = _mlp_args((9,), 24, 40, dtype, device, False)
+    a, r = (torch.randn(3, 9, 24, dtype=dtype, device=device, requires_grad=True) for _ in range(2))
+    norm_weight = torch.randn(24, dtype=dtype, device=device, requires_grad=True)
+    grad = torch.randn(3, 9, 24, dtype=dtype, device=device)
+
+    def run(with_source):
+        leaves = [t.detach().clone().requires_grad_() for t in (a, r, norm_weight, *weights)]
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            x, total = F.add_rms_norm(*leaves[:3], 1e-6, offset=offset, casting=casting)
+            normed = NormedInput(total, leaves[2], 1e-6, offset, casting) if with_source else None
+            out = F.glu_mlp(x, *leaves[3:], normed_input=normed)
+        (out * grad).sum().backward()
+        saved_x = any(t.data_ptr() == x.data_ptr() for t in saved)
+        return out, [leaf.grad for leaf in leaves], saved_x
+
+    out, grads, saved_x = run(True)
+    want_out, want_grads, want_saved_x = run(False)
+    assert want_saved_x and not saved_x
+    assert torch.equal(out, want_out)
+    for got, want in zip(grads, want_grads):
+        assert torch.equal(got, want)
+
+
+def test_glu_mlp_normed_input_bad_arguments():
+    x, weights, _ = _mlp_args((4,), 8, 12, torch.float32, torch.device("cpu"), False)
+    with pytest.raises(ValueError, match="normed_input must be a tigon.ops.rms_norm.NormedInput"):
+        F.glu_mlp(x, *weights, normed_input=(x, torch.ones(8), 1e-6, 0.0, "llama"))
+    with pytest.raises(ValueError, match=r"normed_input.source must have x's shape \(4, 8\)"):
+        F.glu_mlp(x, *weights, normed_input=NormedInput(torch.ones(5, 8), torch.ones(8), 1e-6, 0.0, "llama"))
+    with pytest.raises(ValueError, match=r"normed_input.weight must have shape \(8,\)"):
+        F.glu_mlp(x, *weights, normed_input=NormedInput(torch.ones(4, 8), torch.ones(7), 1e-6, 0.0, "llama"))
 
 
 def test_glu_mlp_second_backward_through_retained_graph_fails_loudly(device):

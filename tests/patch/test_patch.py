@@ -244,3 +244,41 @@ def test_generate_as_hf():
     tigon.patch(model)
     assert "labels" in inspect.signature(model.forward).parameters
     torch.testing.assert_close(model.generate(prompt, max_new_tokens=3, do_sample=False), want)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_fused_layer_mlp_keeps_the_residual_sum_not_the_normed_input(model_type, monkeypatch):
+    """The MLP after the fused add + RMSNorm saves the sum the norm keeps anyway, not its normed
+    output: one tokens x hidden tensor less per layer, and the same loss and gradients."""
+    from tigon.patch import forwards
+
+    model = tiny_model(model_type)
+    ids, mask, labels = batch(seed=3)
+    tigon.patch(model)
+
+    def saved_bytes_loss_and_grads():
+        params = {p.data_ptr() for p in model.parameters()}
+        storages = {}
+
+        def pack(t):
+            if t.data_ptr() not in params:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        model.zero_grad(set_to_none=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        return sum(storages.values()), loss, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    try:
+        kept, loss, grads = saved_bytes_loss_and_grads()
+        monkeypatch.setattr(forwards, "_normed_input", lambda x: None)
+        kept_unfused, want_loss, want_grads = saved_bytes_loss_and_grads()
+    finally:
+        tigon.unpatch(model)
+    config = model.config
+    assert kept_unfused - kept == config.num_hidden_layers * ids.numel() * config.hidden_size * 4
+    assert torch.equal(loss, want_loss)
+    for name, grad in want_grads.items():
+        assert torch.equal(grads[name], grad), name

@@ -22,7 +22,8 @@ import torch.nn.functional as torch_f
 
 from tigon import _backend
 from tigon._backend import tl, triton
-from tigon._checks import KERNEL_DTYPES, check_choice, check_device, check_float, rows_view
+from tigon._checks import KERNEL_DTYPES, check_choice, check_device, check_float, check_vector, rows_view
+from tigon.ops.rms_norm import NormedInput
 
 SWIGLU = _backend.register("swiglu")
 GEGLU = _backend.register("geglu")
@@ -320,18 +321,22 @@ class _GLUMLPFunction(torch.autograd.Function):
     # custom_fwd/custom_bwd: under autocast the backward's matmuls run in the forward's precision.
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation):
+    def forward(ctx, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation,
+                norm_source, norm_weight, norm_config):
         gate = torch_f.linear(x, gate_weight, gate_bias)
         up = torch_f.linear(x, up_weight, up_bias)
         out = torch_f.linear(_glu_forward(gate, up, activation), down_weight, down_bias)
-        ctx.save_for_backward(x, gate, up, gate_weight, up_weight, down_weight)
-        ctx.activation = activation
+        # With a norm source, x itself is not kept: backward renormalises the source.
+        kept = (norm_source, norm_weight) if norm_source is not None else (x,)
+        ctx.save_for_backward(gate, up, gate_weight, up_weight, down_weight, *kept)
+        ctx.activation, ctx.norm_config = activation, norm_config
         return out
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad_out):
-        x, gate, up, gate_weight, up_weight, down_weight = ctx.saved_tensors
+        gate, up, gate_weight, up_weight, down_weight, *kept = ctx.saved_tensors
+        x = NormedInput(*kept, *ctx.norm_config).recompute() if ctx.norm_config is not None else kept[0]
         needs = ctx.needs_input_grad
         grad_out2d = grad_out.reshape(-1, grad_out.shape[-1])
         grad_h = torch.matmul(grad_out2d, down_weight)
@@ -354,7 +359,7 @@ class _GLUMLPFunction(torch.autograd.Function):
         grad_up_bias = grad_up.sum(0) if needs[5] else None
         return (
             grad_x, grad_gate_weight, grad_up_weight, grad_down_weight,
-            grad_gate_bias, grad_up_bias, grad_down_bias, None,
+            grad_gate_bias, grad_up_bias, grad_down_bias, None, None, None, None,
         )
 
 
@@ -393,8 +398,27 @@ def _check_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_
     return None
 
 
-def _glu_mlp_kernel(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation):
-    return _GLUMLPFunction.apply(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation)
+def _glu_mlp_kernel(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, normed_input):
+    norm = (None, None, None) if normed_input is None else (*normed_input[:2], tuple(normed_input[2:]))
+    return _GLUMLPFunction.apply(
+        x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, *norm
+    )
+
+
+def _glu_mlp_reference(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, normed_input):
+    return glu_mlp_reference(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation)
+
+
+def _check_normed_input(x: torch.Tensor, normed_input: NormedInput) -> None:
+    if not isinstance(normed_input, NormedInput):
+        raise ValueError(f"normed_input must be a tigon.ops.rms_norm.NormedInput, got {type(normed_input).__name__}")
+    source, weight = normed_input.source, normed_input.weight
+    if source.shape != x.shape or source.device != x.device:
+        raise ValueError(
+            f"normed_input.source must have x's shape {tuple(x.shape)} on {x.device}, "
+            f"got {tuple(source.shape)} on {source.device}"
+        )
+    check_vector("normed_input.weight", weight, x.shape[-1], x.device)
 
 
 def glu_mlp(
@@ -407,6 +431,7 @@ def glu_mlp(
     down_bias: torch.Tensor | None = None,
     *,
     activation: str = "silu",
+    normed_input: NormedInput | None = None,
 ) -> torch.Tensor:
     """The gated MLP ``down(act(gate(x)) * up(x))`` of Llama / Gemma, saving less for backward.
 
@@ -419,14 +444,21 @@ def glu_mlp(
             (``nn.Linear`` layout).
         gate_bias, up_bias, down_bias: optional biases.
         activation: ``"silu"`` (SwiGLU), ``"gelu_tanh"`` or ``"gelu"`` (GeGLU).
+        normed_input: when `x` is the output of an RMSNorm whose input is kept anyway (a decoder
+            layer's ``post_attention_layernorm``), what it was computed from: then that input is
+            saved instead of `x`, and `x` is renormalised in backward (one cheap kernel), so a
+            hidden-sized tensor per layer is not kept for the weight gradients.
 
     Returns:
         ``(..., hidden)``.
     """
     args = (x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation)
     unsupported = _check_mlp(*args)
+    if normed_input is not None:
+        _check_normed_input(x, normed_input)
     if x.numel() == 0:
         return glu_mlp_reference(*args)
     return _backend.dispatch(
-        GLU_MLP, _glu_mlp_kernel, glu_mlp_reference, *args, device=x.device, unsupported=unsupported,
+        GLU_MLP, _glu_mlp_kernel, _glu_mlp_reference, *args, normed_input,
+        device=x.device, unsupported=unsupported,
     )

@@ -15,6 +15,8 @@ fp32 rstd per row; backward recomputes the normalised row from them.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from tigon import _backend
@@ -141,6 +143,26 @@ def add_rms_norm_reference(
     """``(rms_norm(x + residual), x + residual)`` in PyTorch."""
     total = x + residual
     return rms_norm_reference(total, weight, eps, offset, casting), total
+
+
+class NormedInput(NamedTuple):
+    """Says that a tensor is ``rms_norm(source, weight, eps, offset=offset, casting=casting)``.
+
+    An op consuming such a tensor (:func:`tigon.ops.glu.glu_mlp`) may save `source` for backward
+    instead of it and recompute it there: the norm keeps `source` for its own backward anyway, so
+    one hidden-sized tensor per layer is not kept twice. The recomputation runs the same kernel on
+    the same rows, so it is bit for bit the tensor of the forward.
+    """
+
+    source: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    offset: float
+    casting: str
+
+    def recompute(self) -> torch.Tensor:
+        with torch.no_grad():
+            return rms_norm(self.source, self.weight, self.eps, offset=self.offset, casting=self.casting)
 
 
 def _output_dtype(x: torch.Tensor, weight: torch.Tensor, casting: str) -> torch.dtype:

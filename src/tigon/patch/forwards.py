@@ -8,13 +8,16 @@ to a live module (instance patching) or set on the class (class patching) alike.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from tigon import functional as F
+from tigon.ops.rms_norm import NormedInput
 from tigon.patch.families import MLP, Head, Layer, Norm, Rope
 
 
@@ -39,6 +42,32 @@ def _add_norm(norm: Norm, module: torch.nn.Module, x: torch.Tensor, residual: to
         x.to(dtype), residual.to(dtype), module.weight, getattr(module, norm.eps),
         offset=norm.offset, casting=norm.casting,
     )
+
+
+# (normed tensor, NormedInput) while a fused decoder layer calls its MLP on the output of its
+# fused add + RMSNorm: the MLP forward, reached through the module call (so hooks still run),
+# recognises its input and lets glu_mlp keep the sum, which the norm keeps anyway, instead of it.
+_MLP_NORMED_INPUT: contextvars.ContextVar[tuple[torch.Tensor, NormedInput] | None] = contextvars.ContextVar(
+    "tigon_mlp_normed_input", default=None
+)
+
+
+@contextlib.contextmanager
+def _mlp_input_from_norm(norm: Norm, module: torch.nn.Module, normed: torch.Tensor, source: torch.Tensor) -> Iterator[None]:
+    if torch.compiler.is_compiling():  # traced code runs the references, which keep x anyway
+        yield
+        return
+    eps = float(getattr(module, norm.eps))
+    token = _MLP_NORMED_INPUT.set((normed, NormedInput(source, module.weight, eps, norm.offset, norm.casting)))
+    try:
+        yield
+    finally:
+        _MLP_NORMED_INPUT.reset(token)
+
+
+def _normed_input(x: torch.Tensor) -> NormedInput | None:
+    current = _MLP_NORMED_INPUT.get()
+    return current[1] if current is not None and current[0] is x else None
 
 
 def _zero3_partitioned(param: torch.Tensor) -> bool:
@@ -81,12 +110,14 @@ def decoder_layer_forward(layer: Layer, norm: Norm, original: Callable[..., torc
             hidden_states, residual = _add_norm(
                 norm, self.pre_feedforward_layernorm, self.post_attention_layernorm(hidden_states), residual
             )
-            hidden_states = self.post_feedforward_layernorm(self.mlp(hidden_states))
+            with _mlp_input_from_norm(norm, self.pre_feedforward_layernorm, hidden_states, residual):
+                hidden_states = self.post_feedforward_layernorm(self.mlp(hidden_states))
         else:
             hidden_states, residual = _add_norm(
                 norm, self.post_attention_layernorm, branch(self, hidden_states, 0), residual
             )
-            hidden_states = self.mlp(hidden_states)
+            with _mlp_input_from_norm(norm, self.post_attention_layernorm, hidden_states, residual):
+                hidden_states = self.mlp(hidden_states)
         return residual + branch(self, hidden_states, 1)
 
     def forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -159,14 +190,17 @@ def mlp_forward(mlp: MLP, original: Callable[..., torch.Tensor]) -> Callable[...
             if _plain(gate_up) and _plain(down):
                 gate_w, up_w = gate_up.weight.chunk(2, dim=0)
                 gate_b, up_b = (None, None) if gate_up.bias is None else gate_up.bias.chunk(2)
-                return F.glu_mlp(x, gate_w, up_w, down.weight, gate_b, up_b, down.bias, activation=activation)
+                return F.glu_mlp(
+                    x, gate_w, up_w, down.weight, gate_b, up_b, down.bias,
+                    activation=activation, normed_input=_normed_input(x),
+                )
             gate, up = gate_up(x).chunk(2, dim=-1)
             return down(_glu(activation, gate, up))
         gate_proj, up_proj = self.gate_proj, self.up_proj
         if _plain(gate_proj) and _plain(up_proj) and _plain(down):
             return F.glu_mlp(
                 x, gate_proj.weight, up_proj.weight, down.weight, gate_proj.bias, up_proj.bias, down.bias,
-                activation=activation,
+                activation=activation, normed_input=_normed_input(x),
             )
         return down(_glu(activation, gate_proj(x), up_proj(x)))
 
