@@ -78,6 +78,25 @@ def test_failing_kernel_falls_back_once_and_stays_off(monkeypatch, caplog):
     assert "simulated compile failure" in _backend.why_not_triton("rms_norm", x.device)
 
 
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("simulated"), torch.utils.checkpoint._StopRecomputationError()])
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_errors_not_from_the_kernel_propagate_and_keep_it_on(monkeypatch, error, where):
+    # Out of memory, or checkpointing's early stop raised from a pack hook inside the op's forward:
+    # not the kernel's failure, so no fallback and the kernel stays on.
+    monkeypatch.delenv("TIGON_STRICT")
+
+    def raising(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(rms_norm_module._RMSNormFunction if where == "forward" else rms_norm_module,
+                        "apply" if where == "forward" else "_rms_norm_backward", raising)
+    x, w = _inputs()
+    with pytest.raises(type(error)):
+        out = F.rms_norm(x.requires_grad_(), w)
+        out.sum().backward()
+    assert _backend.why_not_triton("rms_norm", x.device) is None
+
+
 def test_strict_mode_reraises(monkeypatch):
     monkeypatch.setattr(rms_norm_module._RMSNormFunction, "apply", _broken_kernel)
     with pytest.raises(RuntimeError, match="simulated"):

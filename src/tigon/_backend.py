@@ -24,6 +24,7 @@ from types import SimpleNamespace
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.utils.checkpoint
 
 log = logging.getLogger("tigon")
 
@@ -171,7 +172,7 @@ def dispatch(
     try:
         out = kernel(*args)
     except Exception as err:  # compile or launch failure: this op stays on the reference
-        if _env_flag("TIGON_STRICT"):
+        if _env_flag("TIGON_STRICT") or not is_kernel_failure(err):
             raise
         _broken[op] = f"its kernel failed ({type(err).__name__}: {err})"
         _warned.add(op)  # this warning is the op's one fallback message
@@ -181,6 +182,22 @@ def dispatch(
         with torch.no_grad():
             _compare_with_reference(op, out, reference(*args), args)
     return out
+
+
+# Raised through an op's forward by others, not by its kernel: running out of memory, and the
+# signal with which non-reentrant checkpointing stops a layer's recomputation once the tensors it
+# needs are back (from the pack hook that the op's save_for_backward calls). Falling back on those
+# would switch a working kernel off, or run the reference in the middle of a recomputation and save
+# other tensors than the first pass did.
+_NOT_KERNEL_FAILURES: tuple[type[BaseException], ...] = (torch.OutOfMemoryError,) + tuple(
+    cls for cls in (getattr(torch.utils.checkpoint, "_StopRecomputationError", None),) if cls is not None
+)
+
+
+def is_kernel_failure(err: BaseException) -> bool:
+    """Whether `err`, raised from a kernel path, means the kernel cannot run (so falling back to
+    the reference is right), rather than an error or signal that must reach the caller."""
+    return not isinstance(err, _NOT_KERNEL_FAILURES)
 
 
 def reference_backward(
@@ -194,7 +211,7 @@ def reference_backward(
 
     Returns one gradient per input (None where an input is not a tensor that needs one).
     """
-    if _env_flag("TIGON_STRICT"):
+    if _env_flag("TIGON_STRICT") or not is_kernel_failure(err):
         raise err
     _broken[op] = f"its backward kernel failed ({type(err).__name__}: {err})"
     _warned.add(op)
