@@ -282,3 +282,46 @@ def test_fused_layer_mlp_keeps_the_residual_sum_not_the_normed_input(model_type,
     assert torch.equal(loss, want_loss)
     for name, grad in want_grads.items():
         assert torch.equal(grads[name], grad), name
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "phi3", "granite"])
+def test_residual_add_fuses_with_the_next_layers_norm(model_type, monkeypatch):
+    """Instance patching links each decoder layer to the norm after it: every residual add then
+    runs with the following norm in one kernel (the last one with the final norm), the only RMSNorms
+    run alone are the first layer's input norm (and Gemma 2's sublayer-output norms), and loss,
+    logits and gradients are those of the unpatched model."""
+    from tigon import functional
+    from tigon.patch import forwards
+
+    model = tiny_model(model_type)
+    want = run(model)
+    calls = {"add_rms_norm": 0, "rms_norm": 0}
+    for name in calls:
+        original = getattr(functional, name)
+        monkeypatch.setattr(
+            functional, name, lambda *a, _f=original, _n=name, **k: calls.__setitem__(_n, calls[_n] + 1) or _f(*a, **k)
+        )
+    tigon.patch(model)
+    layers = model.config.num_hidden_layers
+    assert all(isinstance(getattr(layer, forwards.NEXT_NORM, None)(), torch.nn.Module) for layer in model.model.layers)
+    got = run(model)
+    alone = 1 + (2 * layers if model_type == "gemma2" else 0)
+    assert calls == {"add_rms_norm": 2 * layers, "rms_norm": alone}
+    assert_same_run(got, want)
+
+    # A hook on a norm keeps its module call: that norm runs alone, and the hook sees its output.
+    seen = []
+    model.model.layers[1].input_layernorm.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    calls.update(add_rms_norm=0, rms_norm=0)
+    assert_same_run(run(model), want)
+    assert len(seen) == 1 and calls["add_rms_norm"] == 2 * layers - 1
+
+    # Under gradient checkpointing a layer's recomputation must save what its first pass saved:
+    # only the adds inside the layers fuse.
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    calls.update(add_rms_norm=0, rms_norm=0)
+    assert_same_run(run(model), want)
+    assert calls["add_rms_norm"] == 2 * layers  # first pass and recomputation, one add each
+
+    tigon.unpatch(model)
+    assert all(forwards.NEXT_NORM not in vars(layer) for layer in model.model.layers)

@@ -254,10 +254,35 @@ def _patch_instance(model: torch.nn.Module, switches: dict[str, bool]) -> Patche
     except BaseException:
         _undo_instance(model, bound, held, lora)
         raise
+    if switches["add_rms_norm"] and family.layer.fuse is not None:
+        _link_next_norms(model, family, module, switches["rms_norm"], bound)
     _instance_patches[model] = (bound, held, lora)
     layer_cls = getattr(module, family.layer.cls)
     layers = sum(isinstance(sub, layer_cls) for sub in model.modules())
     return Patched(type(hf_model).__name__, model_type, tuple(applied), layers)
+
+
+def _link_next_norms(
+    model: torch.nn.Module, family: Family, module: types.ModuleType, final_norm: bool,
+    bound: list[tuple[torch.nn.Module, str, Any]],
+) -> None:
+    """Tell each decoder layer of `model` the norm its output goes through next (the following
+    layer's input norm; after the last layer the model's final norm, when the rms_norm switch
+    patched it to take what the layer leaves), so its closing residual add fuses with it."""
+    layer_cls, norm_cls = getattr(module, family.layer.cls), getattr(module, family.norm.cls)
+    for sub in model.modules():
+        layers = getattr(sub, "layers", None)
+        if not isinstance(layers, torch.nn.ModuleList) or not layers:
+            continue
+        if not all(isinstance(layer, layer_cls) and isinstance(layer.input_layernorm, norm_cls) for layer in layers):
+            continue
+        final = getattr(sub, "norm", None)
+        nexts = [layer.input_layernorm for layer in layers[1:]]
+        nexts.append(final if final_norm and isinstance(final, norm_cls) else None)
+        for layer, next_norm in zip(layers, nexts):
+            if next_norm is not None:
+                bound.append((layer, forwards.NEXT_NORM, vars(layer).get(forwards.NEXT_NORM, _MISSING)))
+                setattr(layer, forwards.NEXT_NORM, weakref.ref(next_norm))
 
 
 def _has_lora_layers(model: torch.nn.Module) -> bool:

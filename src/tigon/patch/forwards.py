@@ -26,6 +26,9 @@ def rms_norm_forward(norm: Norm) -> Callable[[torch.nn.Module, torch.Tensor], to
     """Forward for an HF RMSNorm module: its `weight` and epsilon through :func:`tigon.functional.rms_norm`."""
 
     def forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        normed = _take_normed(hidden_states, self)
+        if normed is not None:
+            return normed
         return F.rms_norm(
             hidden_states, self.weight, getattr(self, norm.eps), offset=norm.offset, casting=norm.casting
         )
@@ -70,6 +73,50 @@ def _normed_input(x: torch.Tensor) -> NormedInput | None:
     return current[1] if current is not None and current[0] is x else None
 
 
+# A fused decoder layer that knows the norm its output goes through next (the following layer's
+# `input_layernorm`, or the model's final norm: `tigon.patch` of a model instance records it as
+# `NEXT_NORM`, a weak reference) forms its closing residual add and that norm in one kernel, and
+# leaves the normed tensor on the sum it returns, under `_NORMED`, for that norm to take instead of
+# computing it again. Only the named norm module takes it.
+NEXT_NORM = "_tigon_next_norm"
+_NORMED = "_tigon_normed"
+
+
+def _take_normed(x: torch.Tensor, norm_module: torch.nn.Module | None) -> torch.Tensor | None:
+    """The normed `x` a fused layer left for `norm_module`, removed from `x`; None if there is none."""
+    if torch.compiler.is_compiling():
+        return None
+    left = x.__dict__.pop(_NORMED, None)
+    return left[1] if left is not None and left[0] is norm_module else None
+
+
+def _next_norm(layer: torch.nn.Module, residual: torch.Tensor) -> torch.nn.Module | None:
+    """The norm `layer`'s output goes through next, if its add can be fused with it here: not under
+    gradient checkpointing (the recomputed layer must save what the first pass saved), nor into a
+    module whose hooks or ZeRO-3 partitioning a direct read would skip, nor across devices, nor in
+    a distributed run, where FSDP gathers each layer's weights only for its own forward and
+    reduces their gradients right after its own backward."""
+    ref = getattr(layer, NEXT_NORM, None)
+    if ref is None or torch.compiler.is_compiling():
+        return None
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return None
+    # (Reentrant checkpointing runs the first pass without grad mode: test the flags only.)
+    if getattr(layer, "gradient_checkpointing", False) and layer.training:
+        return None
+    norm_module = ref()
+    if (
+        norm_module is None
+        or norm_module._forward_hooks
+        or norm_module._forward_pre_hooks
+        or hasattr(norm_module, "_hf_hook")
+        or _zero3_partitioned(norm_module.weight)
+        or norm_module.weight.device != residual.device
+    ):
+        return None
+    return norm_module
+
+
 def _zero3_partitioned(param: torch.Tensor) -> bool:
     """A DeepSpeed ZeRO-3 parameter (DeepSpeed's own test: it has a `ds_id`). Its data is whole
     only while its own module's forward runs, so no other forward may read it directly."""
@@ -102,10 +149,13 @@ def decoder_layer_forward(layer: Layer, norm: Norm, original: Callable[..., torc
     inner = original.__wrapped__ if checkpoints_in_forward and wrapped_by_hf else original
 
     def fused(self: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        normed = _take_normed(hidden_states, self.input_layernorm)
         if args or _zero3_partitioned(getattr(self, fused_norm).weight):
             return inner(self, hidden_states, *args, **kwargs)
         residual = hidden_states
-        hidden_states, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+        if normed is None:
+            normed = self.input_layernorm(hidden_states)
+        hidden_states, _ = self.self_attn(hidden_states=normed, **kwargs)
         if layer.fuse == "sandwich":
             hidden_states, residual = _add_norm(
                 norm, self.pre_feedforward_layernorm, self.post_attention_layernorm(hidden_states), residual
@@ -118,7 +168,13 @@ def decoder_layer_forward(layer: Layer, norm: Norm, original: Callable[..., torc
             )
             with _mlp_input_from_norm(norm, self.post_attention_layernorm, hidden_states, residual):
                 hidden_states = self.mlp(hidden_states)
-        return residual + branch(self, hidden_states, 1)
+        out = branch(self, hidden_states, 1)
+        next_norm = _next_norm(self, residual)
+        if next_norm is None:
+            return residual + out
+        normed, total = _add_norm(norm, next_norm, out, residual)
+        setattr(total, _NORMED, (next_norm, normed))
+        return total
 
     def forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if checkpoints_in_forward and self.gradient_checkpointing and self.training and torch.is_grad_enabled():
