@@ -52,3 +52,20 @@ def compare_fwd_bwd(fn, reference, args, dtype=None, name=""):
             assert a.grad is not None, f"{name}: no gradient for argument {i}"
             assert_close(a.grad, b.grad.to(a.grad.dtype), dtype, f"{name} grad of argument {i}")
     return out
+
+
+def saved_activation_bytes(module: torch.nn.Module, *args, **kwargs) -> tuple[int, object]:
+    """Bytes of the tensors autograd saves for backward during ``module(*args, **kwargs)``,
+    parameters excluded and each storage counted once; and what the call returned."""
+    params = {p.data_ptr() for p in module.parameters()}
+    storages = {}
+
+    def pack(t):
+        if t.data_ptr() not in params:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(*args, **kwargs)
+    return sum(storages.values()), out
+

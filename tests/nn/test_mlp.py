@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import tigon.nn
-from tests.helpers import assert_close
+from tests.helpers import assert_close, saved_activation_bytes
 
 
 def _llama_config(**kwargs):
@@ -104,18 +104,7 @@ def test_unsupported_activation_is_a_value_error(cls, config, match):
 
 
 def _saved_activation_bytes(module, x):
-    """Bytes of the tensors autograd saves for backward during module(x), parameters excluded."""
-    params = {p.data_ptr() for p in module.parameters()}
-    storages = {}
-
-    def pack(t):
-        if t.data_ptr() not in params:
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        module(x)
-    return sum(storages.values())
+    return saved_activation_bytes(module, x)[0]
 
 
 def test_saves_only_input_gate_and_up(device):

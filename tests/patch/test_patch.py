@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tigon
-from tests.helpers import assert_close
+from tests.helpers import assert_close, saved_activation_bytes
 from tests.patch.tiny import batch, tiny_model
 from tigon.patch import FAMILIES
 from tigon.patch.families import Family
@@ -257,19 +257,10 @@ def test_fused_layer_mlp_keeps_the_residual_sum_not_the_normed_input(model_type,
     tigon.patch(model)
 
     def saved_bytes_loss_and_grads():
-        params = {p.data_ptr() for p in model.parameters()}
-        storages = {}
-
-        def pack(t):
-            if t.data_ptr() not in params:
-                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
         model.zero_grad(set_to_none=True)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        loss.backward()
-        return sum(storages.values()), loss, {n: p.grad.clone() for n, p in model.named_parameters()}
+        kept, out = saved_activation_bytes(model, input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        return kept, out.loss, {n: p.grad.clone() for n, p in model.named_parameters()}
 
     try:
         kept, loss, grads = saved_bytes_loss_and_grads()
