@@ -315,6 +315,25 @@ def _full(tensor: torch.Tensor | None, dtensor: type | None) -> torch.Tensor | N
     return tensor.redistribute(placements=[Replicate()] * dims).to_local(grad_placements=[Partial("avg")] * dims)
 
 
+def _head_weights(lm_head: torch.nn.Module) -> contextlib.AbstractContextManager | None:
+    """How the fused loss may read `lm_head`'s weights without calling it: as they are for a plain
+    linear; gathered for the duration (DeepSpeed's ``GatheredParameters``, read-only) for a linear
+    whose ZeRO-3 partitioned weights DeepSpeed's hooks would gather only inside its own forward.
+    None when neither: then the loss goes through the module and the logits."""
+    if _plain(lm_head):
+        return contextlib.nullcontext()
+    if type(lm_head) is torch.nn.Linear and _zero3_partitioned(lm_head.weight):
+        try:
+            import deepspeed
+            from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+        except ImportError:  # a `ds_id` without DeepSpeed to gather it: leave it to the module
+            return None
+        # Small parameters persist whole, and one may be in use already: gather only what is not.
+        partitioned = [p for p in lm_head.parameters(recurse=False) if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+        return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None) if partitioned else contextlib.nullcontext()
+    return None
+
+
 def _mean_as_hf(loss_sum: torch.Tensor, kwargs: dict) -> torch.Tensor:
     count = kwargs["num_items_in_batch"]
     return loss_sum / (count.to(loss_sum.device) if isinstance(count, torch.Tensor) else count)
@@ -349,7 +368,7 @@ def causal_lm_forward(
     def add_aux_loss(self, loss: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
         return loss if aux is None else loss + self.router_aux_loss_coef * aux.to(loss.device)
 
-    def linear_loss(self, input_ids, attention_mask, position_ids, labels, logits_to_keep, kwargs):
+    def linear_loss(self, head_weights, input_ids, attention_mask, position_ids, labels, logits_to_keep, kwargs):
         if aux_loss is not None and kwargs.get("output_router_logits") is None:
             kwargs["output_router_logits"] = self.config.output_router_logits
         decoder = getattr(self, self.base_model_prefix)
@@ -359,15 +378,17 @@ def causal_lm_forward(
             hidden = hidden[:, -logits_to_keep:, :]
         if head.scale is not None:
             hidden = hidden / getattr(self.config, head.scale)
-        weight = _full(self.lm_head.weight, dtensor)
         ignore_index = kwargs.get("ignore_index", -100)
         has_count = kwargs.get("num_items_in_batch") is not None
-        loss = F.linear_cross_entropy(
-            hidden.to(weight.dtype), weight, _shifted_targets(labels, kwargs, ignore_index).to(hidden.device),
-            _full(self.lm_head.bias, dtensor), ignore_index=ignore_index,
-            softcap=getattr(self.config, head.softcap) if head.softcap is not None else None,
-            reduction="sum" if has_count else "mean",
-        )
+        # The loss computes the weight's gradient in forward: nothing reads the weights after this.
+        with head_weights:
+            weight = _full(self.lm_head.weight, dtensor)
+            loss = F.linear_cross_entropy(
+                hidden.to(weight.dtype), weight, _shifted_targets(labels, kwargs, ignore_index).to(hidden.device),
+                _full(self.lm_head.bias, dtensor), ignore_index=ignore_index,
+                softcap=getattr(self.config, head.softcap) if head.softcap is not None else None,
+                reduction="sum" if has_count else "mean",
+            )
         if has_count:
             loss = _mean_as_hf(loss, kwargs)
         fields = {key: value for key, value in outputs.items() if key != "last_hidden_state"}
@@ -393,8 +414,9 @@ def causal_lm_forward(
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, *args, labels=None, logits_to_keep=0, **kwargs):
         ours = labels is not None and not args and self.loss_function is ForCausalLMLoss
-        if fused and ours and self.training and isinstance(logits_to_keep, int) and _plain(self.lm_head):
-            return linear_loss(self, input_ids, attention_mask, position_ids, labels, logits_to_keep, kwargs)
+        head_weights = _head_weights(self.lm_head) if fused and ours and self.training else None
+        if head_weights is not None and isinstance(logits_to_keep, int):
+            return linear_loss(self, head_weights, input_ids, attention_mask, position_ids, labels, logits_to_keep, kwargs)
         if not fused and ours:
             out = original(
                 self, input_ids, attention_mask, position_ids, logits_to_keep=logits_to_keep, return_dict=True, **kwargs
