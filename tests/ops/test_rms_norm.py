@@ -21,10 +21,13 @@ def _rms_norm_inputs(lead, width, dtype, device):
 @pytest.mark.parametrize("lead", LEADING)
 def test_rms_norm_matches_reference(poison_outputs, device, dtype, casting, offset, width, lead):
     x, weight = _rms_norm_inputs(lead, width, dtype, device)
+    # A width-1 row's input gradient is w dy eps rstd^3, which any fp32 code forms as the difference
+    # of two nearly equal terms: it is only good to ~1e-4 there, whatever computes it.
+    tolerance = torch.float16 if width == 1 and dtype == torch.float32 else None
     compare_fwd_bwd(
         lambda x, w: F.rms_norm(x, w, 1e-5, offset=offset, casting=casting),
         lambda x, w: rms_norm_reference(x, w, 1e-5, offset, casting),
-        (x, weight), name=f"rms_norm {casting}",
+        (x, weight), tolerance, name=f"rms_norm {casting}",
     )
 
 
