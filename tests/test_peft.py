@@ -10,7 +10,7 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 import tigon.functional as F  # noqa: E402
-from tigon.peft import apply_lora_kernels, remove_lora_kernels  # noqa: E402
+from tigon.peft import _GROUP, apply_lora_kernels, remove_lora_kernels  # noqa: E402
 from tests.helpers import assert_close  # noqa: E402
 from tests.ops.test_lora import one_cpu_thread  # noqa: E402,F401 (autouse fixture)
 
@@ -65,10 +65,14 @@ def _add_second_adapter(model):
     model.add_adapter("second", peft.LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
 
 
+# What one forward of the two-layer models runs when everything fuses.
+FUSED = {"lora_linear": 2, "lora_linear_group": 2, "lora_gated_mlp": 2}
+
+
 @pytest.fixture
 def spy(monkeypatch):
     """Counts calls to the fused ops as tigon.peft makes them."""
-    calls = {"lora_linear": 0, "lora_gated_mlp": 0}
+    calls = {"lora_linear": 0, "lora_linear_group": 0, "lora_gated_mlp": 0}
     for name in calls:
         real = getattr(F, name)
 
@@ -84,10 +88,10 @@ def spy(monkeypatch):
 def test_matches_peft(family, spy):
     ours, theirs = _models(family)
     summary = apply_lora_kernels(ours)
-    assert (summary.linears, summary.gated_mlps, summary.left) == (14, 2, {})
+    assert (summary.linears, summary.gated_mlps, summary.qkv_groups, summary.left) == (14, 2, 2, {})
     _assert_same_step(ours, theirs, _ids())
-    # q, k, v, o per layer on their own; gate/up/down as one op.
-    assert spy == {"lora_linear": 8, "lora_gated_mlp": 2}
+    # Per layer: q/k/v as one op, o on its own, gate/up/down as one op.
+    assert spy == FUSED
 
 
 @pytest.mark.parametrize("rank", [1, 64])
@@ -150,11 +154,11 @@ def test_dropout_uses_peft_in_training_and_fuses_in_eval(spy):
     logits = ours(input_ids=ids).logits
     torch.manual_seed(1)
     assert torch.equal(logits, theirs(input_ids=ids).logits)
-    assert spy == {"lora_linear": 0, "lora_gated_mlp": 0}
+    assert spy == {"lora_linear": 0, "lora_linear_group": 0, "lora_gated_mlp": 0}
     ours.eval()
     theirs.eval()
     _assert_same_step(ours, theirs, ids)
-    assert spy == {"lora_linear": 8, "lora_gated_mlp": 2}
+    assert spy == FUSED
 
 
 def test_dora_and_embedding_layers_stay_on_peft(spy):
@@ -172,12 +176,12 @@ def test_disabled_merged_and_several_adapters_follow_peft(spy):
     ids = _ids()
     with ours.disable_adapter(), theirs.disable_adapter():
         assert_close(ours(input_ids=ids).logits, theirs(input_ids=ids).logits, name="disabled")
-    assert spy == {"lora_linear": 0, "lora_gated_mlp": 0}
+    assert spy == {"lora_linear": 0, "lora_linear_group": 0, "lora_gated_mlp": 0}
 
     ours.merge_adapter()
     theirs.merge_adapter()
     assert_close(ours(input_ids=ids).logits, theirs(input_ids=ids).logits, name="merged")
-    assert spy == {"lora_linear": 0, "lora_gated_mlp": 0}
+    assert spy == {"lora_linear": 0, "lora_linear_group": 0, "lora_gated_mlp": 0}
     ours.unmerge_adapter()
     theirs.unmerge_adapter()
 
@@ -186,12 +190,12 @@ def test_disabled_merged_and_several_adapters_follow_peft(spy):
         model.base_model.set_adapter(["default", "second"])
     assert apply_lora_kernels(ours).left == {"2 active adapters": 14}
     assert_close(ours(input_ids=ids).logits, theirs(input_ids=ids).logits, name="two adapters")
-    assert spy == {"lora_linear": 0, "lora_gated_mlp": 0}
+    assert spy == {"lora_linear": 0, "lora_linear_group": 0, "lora_gated_mlp": 0}
 
     for model in (ours, theirs):
         model.set_adapter("second")
     _assert_same_step(ours, theirs, ids)
-    assert spy == {"lora_linear": 8, "lora_gated_mlp": 2}
+    assert spy == FUSED
 
 
 def test_mixed_adapter_batch_follows_peft():
@@ -217,8 +221,23 @@ def test_hooks_are_not_bypassed(spy):
         lambda m, i: seen.append("k lora layer"))
     _assert_same_step(ours, theirs, _ids())
     assert seen == ["k lora layer", "up base"]
-    # layer 1's up_proj runs PEFT's path, so its MLP cannot be fused; layer 0's still is.
-    assert spy == {"lora_linear": 8 + 2, "lora_gated_mlp": 1}
+    # layer 1's up_proj runs PEFT's path, so its MLP cannot be fused; layer 0's still is. A hook on
+    # k_proj itself still runs: the module is called and hands back its part of the q/k/v group.
+    assert spy == {"lora_linear": 2 + 2, "lora_linear_group": 2, "lora_gated_mlp": 1}
+
+
+def test_qkv_group_parts_go_only_to_their_own_input(spy):
+    # q_proj computes k and v along with q for *its* input; k_proj and v_proj called on another
+    # tensor compute their own, and the parts left over stay with the first input.
+    ours, theirs = _models()
+    apply_lora_kernels(ours)
+    attention = ours.base_model.model.model.layers[0].self_attn
+    reference = theirs.base_model.model.model.layers[0].self_attn
+    x, other = torch.randn(2, 5, 48), torch.randn(2, 5, 48)
+    assert_close(attention.q_proj(x), reference.q_proj(x), name="q")
+    assert_close(attention.k_proj(other), reference.k_proj(other), name="k of another input")
+    assert_close(attention.v_proj(x), reference.v_proj(x), name="v from the group")
+    assert spy == {"lora_linear": 1, "lora_linear_group": 1, "lora_gated_mlp": 0}
 
 
 def test_save_and_load_with_peft(tmp_path):
@@ -245,9 +264,9 @@ def test_remove_restores_and_apply_is_idempotent(spy):
     first = apply_lora_kernels(ours)
     assert apply_lora_kernels(ours) == first
     assert remove_lora_kernels(ours) == 14 + 2
-    assert not any("forward" in vars(m) for m in ours.modules())
+    assert not any("forward" in vars(m) or _GROUP in vars(m) for m in ours.modules())
     _assert_same_step(ours, theirs, _ids())
-    assert spy == {"lora_linear": 0, "lora_gated_mlp": 0}
+    assert spy == {"lora_linear": 0, "lora_linear_group": 0, "lora_gated_mlp": 0}
 
 
 def test_logs_one_line(caplog):
@@ -340,7 +359,7 @@ def test_plain_modules_with_bias_and_lookalike_mlp(spy):
     want = torch.autograd.grad(ref, [x, *(p for p in theirs.parameters() if p.requires_grad)], grad)
     for g, w in zip(got, want):
         assert_close(g, w)
-    assert spy == {"lora_linear": 4, "lora_gated_mlp": 0}
+    assert spy == {"lora_linear": 4, "lora_linear_group": 0, "lora_gated_mlp": 0}
 
 
 def test_mlp_recognised_after_its_class_forward_is_patched(monkeypatch, spy):

@@ -4,7 +4,11 @@
 
 * every ``peft.tuners.lora.layer.Linear`` runs :func:`tigon.functional.lora_linear`;
 * every gated MLP (``down(act(gate(x)) * up(x))``, the Llama/Mistral/Qwen/Gemma MLP) whose three
-  projections are such layers runs :func:`tigon.functional.lora_gated_mlp`.
+  projections are such layers runs :func:`tigon.functional.lora_gated_mlp`;
+* every attention whose ``q_proj``, ``k_proj`` and ``v_proj`` are such layers, called on the same
+  hidden states (Hugging Face's attention forwards), computes the three in one
+  :func:`tigon.functional.lora_linear_group` when ``q_proj`` is called; ``k_proj`` and ``v_proj``
+  are still called and hand back their part.
 
 Each call checks that the fused path computes what PEFT would: one active adapter, not merged, not
 disabled, no DoRA or other LoRA variant, no ``lora_bias``, no ``fan_in_fan_out``, dropout 0 (or
@@ -24,6 +28,7 @@ import functools
 import inspect
 import logging
 import types
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -41,6 +46,13 @@ _PREVIOUS = "_tigon_lora_previous_forward"
 _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # How Hugging Face's gated MLPs (LlamaMLP and ~130 others) spell their forward.
 _GATED_MLP_SOURCE = "self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"
+_QKV_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+# How Hugging Face's attention forwards call them: q, k and v, in that order, on one tensor.
+_QKV_SOURCE = tuple(f"self.{name}(hidden_states)" for name in _QKV_PROJECTIONS)
+# On a q_proj: weak references to the k_proj and v_proj computed with it.
+_GROUP = "_tigon_lora_group"
+# On the input of a grouped q_proj call: {k_proj: its output, v_proj: its output} until they take it.
+_GROUP_OUTPUTS = "_tigon_lora_group_outputs"
 
 
 @dataclass(frozen=True)
@@ -50,6 +62,7 @@ class LoraKernels:
     Attributes:
         linears: PEFT LoRA linears now running tigon's path.
         gated_mlps: gated MLPs (three of those linears each) running as one fused op.
+        qkv_groups: attentions whose q/k/v linears run as one op.
         left: LoRA layers left on PEFT's path, counted by reason (for the current adapter
             settings; the patched ones re-check on every call).
     """
@@ -57,12 +70,14 @@ class LoraKernels:
     linears: int
     gated_mlps: int
     left: dict[str, int] = field(default_factory=dict)
+    qkv_groups: int = 0
 
     def __str__(self) -> str:
         total = self.linears + sum(self.left.values())
         line = (
             f"tigon: fused LoRA on {self.linears} of {total} LoRA layers "
-            f"({3 * self.gated_mlps} of them as {self.gated_mlps} gated MLPs)"
+            f"({3 * self.gated_mlps} of them as {self.gated_mlps} gated MLPs"
+            + (f", {3 * self.qkv_groups} as {self.qkv_groups} q/k/v groups)" if self.qkv_groups else ")")
         )
         if self.left:
             reasons = ", ".join(f"{reason}: {n}" for reason, n in sorted(self.left.items()))
@@ -147,10 +162,38 @@ def _previous_forward(module: nn.Module) -> Callable[..., Any]:
 
 
 def _lora_linear_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        outputs = None
+    else:
+        outputs = x.__dict__.get(_GROUP_OUTPUTS)
+    if outputs is not None and self in outputs and not args and not kwargs:
+        out = outputs.pop(self)
+        if not outputs:
+            del x.__dict__[_GROUP_OUTPUTS]
+        return out
     projection = None if args or kwargs else _projection(self, x)
     if projection is None:
         return _previous_forward(self)(x, *args, **kwargs)
+    members = _group_members(self)
+    if members:
+        rest = [_projection(member, x) for member in members]
+        if all(p is not None for p in rest):
+            first, *others = F.lora_linear_group(x, [projection, *rest])
+            x.__dict__[_GROUP_OUTPUTS] = dict(zip(members, others))
+            return first
     return F.lora_linear(x, *projection)
+
+
+def _group_members(layer: nn.Module) -> list[nn.Module]:
+    """The k_proj and v_proj to compute with the q_proj `layer`, if it heads a live group that is
+    still ours (not under torch.compile, whose traced code reads no tensor attributes)."""
+    refs = vars(layer).get(_GROUP)
+    if refs is None or torch.compiler.is_compiling():
+        return []
+    members = [ref() for ref in refs]
+    if any(m is None or _PREVIOUS not in vars(m) for m in members):
+        return []
+    return members
 
 
 def _activation(act_fn: nn.Module) -> str | None:
@@ -179,19 +222,26 @@ def _gated_mlp_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: A
 
 
 @functools.lru_cache(maxsize=None)
-def _forward_is_gated_mlp(cls: type) -> bool:
-    """Whether the class's forward, as written in its source file (so a forward patched in at
-    run time does not hide it), is Hugging Face's gated MLP."""
+def _forward_source(cls: type) -> str:
+    """The source of the class that defines `cls`'s forward, as written in its file (so a forward
+    patched in at run time does not hide it); empty when it cannot be read."""
     for klass in cls.__mro__:
         if klass is nn.Module:
             break
         try:
             source = inspect.getsource(klass)
         except (OSError, TypeError):
-            return False
+            return ""
         if "def forward" in source:
-            return _GATED_MLP_SOURCE in source
-    return False
+            return source
+    return ""
+
+
+def _is_qkv_attention(module: nn.Module, lora_linear: type) -> bool:
+    if not all(type(getattr(module, name, None)) is lora_linear for name in _QKV_PROJECTIONS):
+        return False
+    source = _forward_source(type(module))
+    return all(call in source for call in _QKV_SOURCE)
 
 
 def _is_gated_mlp(module: nn.Module, lora_linear: type, mlp_classes: frozenset[str]) -> bool:
@@ -200,7 +250,7 @@ def _is_gated_mlp(module: nn.Module, lora_linear: type, mlp_classes: frozenset[s
     if not isinstance(getattr(module, "act_fn", None), nn.Module):
         return False
     cls = type(module)
-    return cls.__name__ in mlp_classes or _forward_is_gated_mlp(cls)
+    return cls.__name__ in mlp_classes or _GATED_MLP_SOURCE in _forward_source(cls)
 
 
 def _rebind(module: nn.Module, forward: Callable[..., Any]) -> bool:
@@ -237,7 +287,7 @@ def apply_lora_kernels(
     from peft.tuners.lora.layer import LoraLayer
 
     mlp_classes = frozenset(mlp_classes)
-    linears = gated_mlps = 0
+    linears = gated_mlps = qkv_groups = 0
     left: Counter[str] = Counter()
     for module in model.modules():
         if type(module) is lora_linear:
@@ -254,7 +304,12 @@ def apply_lora_kernels(
             layers = [getattr(module, name) for name in _MLP_PROJECTIONS]
             if _activation(module.act_fn) and all(_active_adapter(layer)[1] is None for layer in layers):
                 gated_mlps += 1
-    summary = LoraKernels(linears, gated_mlps, dict(left))
+        elif _is_qkv_attention(module, lora_linear):
+            q_proj, *members = (getattr(module, name) for name in _QKV_PROJECTIONS)
+            vars(q_proj).setdefault(_GROUP, tuple(weakref.ref(m) for m in members))
+            if all(_active_adapter(getattr(module, name))[1] is None for name in _QKV_PROJECTIONS):
+                qkv_groups += 1
+    summary = LoraKernels(linears, gated_mlps, dict(left), qkv_groups)
     log.info("%s", summary)
     return summary
 
@@ -263,6 +318,7 @@ def remove_lora_kernels(model: nn.Module) -> int:
     """Restore the forwards :func:`apply_lora_kernels` replaced on `model`; returns how many."""
     restored = 0
     for module in model.modules():
+        vars(module).pop(_GROUP, None)
         if _PREVIOUS not in vars(module):
             continue
         previous = vars(module)[_PREVIOUS]
