@@ -171,14 +171,15 @@ def test_sharded_dtensor_head_weight(tmp_path, device):
     _spawn(_dtensor_head_worker, tmp_path, device)
 
 
-def _zero3_losses(patched: bool, device: str) -> list[torch.Tensor]:
+def _zero3_losses(patched: bool, device: str, tied: bool) -> list[torch.Tensor]:
     """This rank's loss at each step of ZeRO-3 training (SGD), every parameter partitioned."""
     import deepspeed
 
     import tigon
+    from tests.patch.tiny import tiny_model
     from tigon import functional
 
-    model = _model("full", 5, device)
+    model = tiny_model("llama", 5, device=device, tie_word_embeddings=tied)
     if patched:
         tigon.patch(model)
     config = {
@@ -206,7 +207,7 @@ def _zero3_losses(patched: bool, device: str) -> list[torch.Tensor]:
     return losses
 
 
-def _zero3_worker(rank: int, store: str, device: str) -> None:
+def _zero3_worker(rank: int, store: str, device: str, tied: bool) -> None:
     import os
 
     from tests.helpers import assert_close
@@ -214,8 +215,8 @@ def _zero3_worker(rank: int, store: str, device: str) -> None:
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(WORLD))  # as a launcher sets them
     _setup(rank, store, device)
     try:
-        want = _zero3_losses(False, device)
-        got = _zero3_losses(True, device)
+        want = _zero3_losses(False, device, tied)
+        got = _zero3_losses(True, device, tied)
         for step, (loss, want_loss) in enumerate(zip(got, want)):
             # Each step's loss follows from the previous steps' reduced gradients and updates.
             assert_close(loss, want_loss, name=f"step {step} loss")
@@ -223,11 +224,12 @@ def _zero3_worker(rank: int, store: str, device: str) -> None:
         dist.destroy_process_group()
 
 
-def test_deepspeed_zero3_fused_loss_matches_unpatched(tmp_path, monkeypatch):
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_deepspeed_zero3_fused_loss_matches_unpatched(tmp_path, monkeypatch, tied):
     """ZeRO-3 partitions the lm_head: the fused loss gathers it for the loss only (read-only) and
     hands its gradient to DeepSpeed's reduce-scatter. Losses over the steps equal those of the
     unpatched model under the same ZeRO-3 engine, so the gradients reduced and applied were the
     same (ZeRO-3's own numbers differ from one unsharded process's by ~5e-4 here, patched or not)."""
     pytest.importorskip("deepspeed")
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    _spawn(_zero3_worker, tmp_path, "cpu")
+    _spawn(_zero3_worker, tmp_path, "cpu", tied)
