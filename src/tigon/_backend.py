@@ -189,8 +189,9 @@ def dispatch(
 # needs are back (from the pack hook that the op's save_for_backward calls). Falling back on those
 # would switch a working kernel off, or run the reference in the middle of a recomputation and save
 # other tensors than the first pass did.
-_NOT_KERNEL_FAILURES: tuple[type[BaseException], ...] = (torch.OutOfMemoryError,) + tuple(
-    cls for cls in (getattr(torch.utils.checkpoint, "_StopRecomputationError", None),) if cls is not None
+_STOP_RECOMPUTATION = getattr(torch.utils.checkpoint, "_StopRecomputationError", None)  # private to torch
+_NOT_KERNEL_FAILURES: tuple[type[BaseException], ...] = (torch.OutOfMemoryError,) + (
+    (_STOP_RECOMPUTATION,) if _STOP_RECOMPUTATION is not None else ()
 )
 
 

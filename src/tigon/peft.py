@@ -162,10 +162,7 @@ def _previous_forward(module: nn.Module) -> Callable[..., Any]:
 
 
 def _lora_linear_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    if torch.compiler.is_compiling():
-        outputs = None
-    else:
-        outputs = x.__dict__.get(_GROUP_OUTPUTS)
+    outputs = None if torch.compiler.is_compiling() else x.__dict__.get(_GROUP_OUTPUTS)
     if outputs is not None and self in outputs and not args and not kwargs:
         out = outputs.pop(self)
         if not outputs:
