@@ -26,7 +26,7 @@ def _torch_ce(target, vocab, **kwargs):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("vocab", [1000, 4099])
+@pytest.mark.parametrize("vocab", [1000, 8197])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
 def test_matches_torch(poison_outputs, device, dtype, vocab, reduction, label_smoothing):
@@ -45,7 +45,7 @@ def test_matches_torch(poison_outputs, device, dtype, vocab, reduction, label_sm
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_z_loss_and_softcap_match_reference(poison_outputs, device, dtype, z_loss_scale, softcap, label_smoothing, reduction):
-    logits, target = _inputs((11,), 4099, dtype, device, scale=4.0)
+    logits, target = _inputs((11,), 8197, dtype, device, scale=4.0)
     options = (IGNORE, reduction, label_smoothing, z_loss_scale, softcap)
     compare_fwd_bwd(
         lambda x: F.cross_entropy(
@@ -114,7 +114,7 @@ def test_logits_used_elsewhere_keep_their_values_and_gradients(poison_outputs, d
 
 
 def test_loss_backward_and_retain_graph(poison_outputs, device):
-    logits, target = _inputs((7,), 4099, torch.float32, device)
+    logits, target = _inputs((7,), 8197, torch.float32, device)
     loss = F.cross_entropy(logits, target, label_smoothing=0.05)
     loss.backward(retain_graph=True)
     first = logits.grad.clone()
@@ -188,7 +188,7 @@ def test_bad_arguments_raise_value_error(call, match):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(2048, 128256), (64, 262144), (37, 4099)])
+@pytest.mark.parametrize("shape", [(2048, 128256), (64, 262144), (37, 8197)])
 @pytest.mark.parametrize("options", [{}, dict(label_smoothing=0.1, z_loss_scale=1e-4, softcap=30.0)])
 def test_bf16_on_gpu(shape, options):
     rows, vocab = shape

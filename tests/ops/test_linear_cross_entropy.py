@@ -34,7 +34,7 @@ def _torch_loss(target, **options):
     return fn
 
 
-@pytest.mark.parametrize("dtype,vocab", [(torch.float32, 4099), (torch.float16, 1000)])
+@pytest.mark.parametrize("dtype,vocab", [(torch.float32, 8197), (torch.float16, 1000)])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("bias", [True, False])
 def test_matches_torch(poison_outputs, device, dtype, vocab, reduction, bias):
@@ -129,8 +129,8 @@ def test_no_grad_computes_no_gradient(device, monkeypatch):
 
 def test_loss_backward_and_retain_graph(poison_outputs, device):
     # grad_output = 1 takes the skip path; a second backward recomputes the consumed gradients.
-    h, w, b, target = _inputs((13,), 16, 4099, torch.float32, device)
-    loss = F.linear_cross_entropy(h, w, target, b, label_smoothing=0.1, max_chunk_bytes=_budget(4099, torch.float32))
+    h, w, b, target = _inputs((13,), 16, 8197, torch.float32, device)
+    loss = F.linear_cross_entropy(h, w, target, b, label_smoothing=0.1, max_chunk_bytes=_budget(8197, torch.float32))
     loss.backward(retain_graph=True)
     first = [p.grad.clone() for p in (h, w, b)]
     loss.backward()
@@ -171,8 +171,8 @@ def test_inside_torch_compile(device):
 def test_chunk_rows():
     assert chunk_rows(128 * 2**20, 128256, torch.bfloat16) == 512  # 523 rows fit: whole 64-row tiles
     assert chunk_rows(2**30, 128256, torch.bfloat16) == 4160
-    assert chunk_rows(10 * 4099 * 4, 4099, torch.float32) == 10
-    assert chunk_rows(1, 4099, torch.float32) == 1  # below one row: one row
+    assert chunk_rows(10 * 8197 * 4, 8197, torch.float32) == 10
+    assert chunk_rows(1, 8197, torch.float32) == 1  # below one row: one row
     assert lce.DEFAULT_MAX_CHUNK_BYTES >= chunk_rows(lce.DEFAULT_MAX_CHUNK_BYTES, 128256, torch.bfloat16) * 128256 * 2
 
 
@@ -200,7 +200,7 @@ def test_bad_arguments_raise_value_error(kwargs, match):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape,bias", [((8192, 4096, 128256), False), ((1000, 1024, 32064), True), ((37, 256, 4099), True)])
+@pytest.mark.parametrize("shape,bias", [((8192, 4096, 128256), False), ((1000, 1024, 32064), True), ((37, 256, 8197), True)])
 def test_bf16_on_gpu(shape, bias):
     rows, hidden, vocab = shape
     h, w, b, target = _inputs((rows,), hidden, vocab, torch.bfloat16, torch.device("cuda"), bias)

@@ -316,3 +316,22 @@ def test_residual_add_fuses_with_the_next_layers_norm(model_type, monkeypatch):
 
     tigon.unpatch(model)
     assert all(forwards.NEXT_NORM not in vars(layer) for layer in model.model.layers)
+
+
+def test_fused_loss_runs_with_the_patched_models_chunk_budget(monkeypatch):
+    from tigon.ops import linear_cross_entropy as lce
+    from tigon.patch import forwards
+
+    model = tiny_model("llama")
+    tigon.patch(model)
+    budgets = []
+    original = lce.chunk_rows
+
+    def spy(max_chunk_bytes, vocab, dtype):
+        budgets.append(max_chunk_bytes)
+        return original(max_chunk_bytes, vocab, dtype)
+
+    monkeypatch.setattr(lce, "chunk_rows", spy)
+    run(model)
+    assert budgets == [forwards.CAUSAL_LM_LOSS_CHUNK_BYTES]
+    assert forwards.CAUSAL_LM_LOSS_CHUNK_BYTES > lce.DEFAULT_MAX_CHUNK_BYTES
