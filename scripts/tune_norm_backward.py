@@ -21,8 +21,8 @@ ARGS = [a for a in sys.argv[1:] if not a.startswith("--")]
 if ARGS:
     SHAPES = [tuple(int(d) for d in a.split("x")) for a in ARGS]
 BANDWIDTH = 4.3e12
-# What tigon/ops/_launch.py picks today, printed after the best ones for comparison.
-CURRENT = {(r, c): (rn.row_block_config(c)[0], rn.row_block_config(c)[2], 2) for r, c in SHAPES}
+# What rms_norm's backward picks today, printed after the best ones for comparison.
+CURRENT = {(r, c): (rn._backward_block_config(c)[0], rn._backward_block_config(c)[2], 2) for r, c in SHAPES}
 
 
 def sweep(module, run_backward, shapes):
@@ -35,7 +35,9 @@ def sweep(module, run_backward, shapes):
         for tile_rows, warps, per_sm in itertools.product([1, 2, 4, 8], [4, 8, 16, 32], [1, 2, 4, 8, 16]):
             if tile_rows * block_cols > 65536 or tile_rows * block_cols < 32 * warps:
                 continue
-            module.row_block_config = lambda n, tr=tile_rows, w=warps: (tr, block_cols, w)
+            # rms_norm's backward has its own tiles; layer_norm's are the forward's.
+            config_name = "_backward_block_config" if hasattr(module, "_backward_block_config") else "row_block_config"
+            setattr(module, config_name, lambda n, tr=tile_rows, w=warps: (tr, block_cols, w))
             module.persistent_programs = lambda nb, dev, p=per_sm: max(1, min(nb, p * 132))
             try:
                 ms = do_bench_cudagraph(lambda: run_backward(x, dy), rep=40)
