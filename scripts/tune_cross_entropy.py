@@ -5,8 +5,6 @@ For the TARGETS.md logits (8192 x 128256, bf16) and for one 512-row chunk of the
 lse), the backward (gradient from the lse), and the forward that also writes the gradient in the
 same pass (into a fresh buffer, and in place), with the bandwidth floor of each.
 
-Then the in-place pass with fewer programs than rows (each walks rows pid, pid + programs, ...).
-
 Usage: PYTHONPATH=src python3 scripts/tune_cross_entropy.py
 """
 
@@ -17,17 +15,16 @@ from tigon.ops import cross_entropy as ce
 
 BANDWIDTH = 4.3e12
 CONFIGS = [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]
-GRAD_PASS_CONFIGS = [(4096, 8), (8192, 16), (8192, 32), (16384, 32)]
 
 
 def ms(fn):
     return do_bench_cudagraph(fn, rep=100)
 
 
-def launch(kernel_args, block, warps, write_grad, grad, rows, scale, x, t, loss, lse, programs=None):
-    ce._ce_fwd_kernel[(programs or rows,)](
+def launch(kernel_args, block, warps, write_grad, grad, rows, scale, x, t, loss, lse):
+    ce._ce_fwd_kernel[(rows,)](
         x, t, loss, lse, grad, scale,
-        rows, x.shape[1], x.stride(0), grad.stride(0), 0,
+        x.shape[1], x.stride(0), grad.stride(0), 0,
         WRITE_GRAD=write_grad, BLOCK=block, num_warps=warps, **kernel_args,
     )
 
@@ -55,16 +52,8 @@ def sweep(rows, vocab=128256):
         in_place = ms(lambda: launch(kernel_args, block, warps, True, x, rows, scale, x, t, loss, lse))
         print(f"  BLOCK {block:5d} warps {warps:2d}: fwd {fwd:.3f}  bwd {bwd:.3f}  fwd+bwd {fwd + bwd:.3f}  "
               f"fused {fused:.3f}  fused in place {in_place:.3f}")
-    # Fewer programs than rows: the rows in flight may stay in L2 between the two reads.
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for block, warps in GRAD_PASS_CONFIGS:
-        times = []
-        for per_sm in (1, 2, 3, 4):
-            t_ = ms(lambda: launch(kernel_args, block, warps, True, x, rows, scale, x, t, loss, lse, per_sm * sms))
-            times.append(f"{per_sm}/SM {t_:.3f}")
-        print(f"  in place, BLOCK {block:5d} warps {warps:2d}: " + "  ".join(times))
 
 
-sweep(1024)
-sweep(512)
 sweep(8192)
+sweep(512)
+sweep(1024)

@@ -40,7 +40,6 @@ TARGET_DTYPES = (torch.int64, torch.int32)
 # the pass that writes the gradient in place takes 0.111 ms (was 0.127).
 MAX_BLOCK = 8192
 ELEMENTS_PER_THREAD = {False: 32, True: 16}
-GRAD_PASS_PROGRAMS_PER_SM: int | None = None
 
 
 @triton.jit
@@ -84,27 +83,6 @@ def _ce_row_grad(
 @triton.jit
 def _ce_fwd_kernel(
     logits_ptr, target_ptr, loss_ptr, lse_ptr, grad_ptr, scale_ptr,
-    n_rows, n_cols, logits_row_stride, grad_row_stride, scale_stride,
-    ignore_index, label_smoothing, z_loss_scale, softcap,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr,
-    WRITE_GRAD: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    # Rows pid, pid + n_programs, ...: with fewer programs than rows, the rows in flight can stay
-    # in L2 between the two reads of a pass that also writes the gradient.
-    for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
-        _ce_fwd_row(
-            logits_ptr, target_ptr, loss_ptr, lse_ptr, grad_ptr, scale_ptr, tl.cast(row, tl.int64),
-            n_cols, logits_row_stride, grad_row_stride, scale_stride,
-            ignore_index, label_smoothing, z_loss_scale, softcap,
-            HAS_SOFTCAP=HAS_SOFTCAP, HAS_SMOOTHING=HAS_SMOOTHING, WRITE_GRAD=WRITE_GRAD, BLOCK=BLOCK,
-        )
-
-
-@triton.jit
-def _ce_fwd_row(
-    logits_ptr, target_ptr, loss_ptr, lse_ptr, grad_ptr, scale_ptr, row,
     n_cols, logits_row_stride, grad_row_stride, scale_stride,
     ignore_index, label_smoothing, z_loss_scale, softcap,
     HAS_SOFTCAP: tl.constexpr,
@@ -112,6 +90,7 @@ def _ce_fwd_row(
     WRITE_GRAD: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    row = tl.program_id(0).to(tl.int64)
     logits_ptr += row * logits_row_stride
     target = tl.load(target_ptr + row)
     valid = target != ignore_index
@@ -278,22 +257,14 @@ def cross_entropy_rows(
     `logits2d` itself (its rows are then overwritten: only for a buffer nobody else reads)."""
     n_rows, n_cols = logits2d.shape
     write_grad = grad is not None
-    _ce_fwd_kernel[(_row_programs(n_rows, logits2d.device, write_grad),)](
+    _ce_fwd_kernel[(n_rows,)](
         logits2d, target1d, loss, lse,
         grad if write_grad else logits2d, scale if write_grad else lse,
-        n_rows, n_cols, logits2d.stride(0), grad.stride(0) if write_grad else 0,
+        n_cols, logits2d.stride(0), grad.stride(0) if write_grad else 0,
         _scale_stride(scale) if write_grad else 0,
         WRITE_GRAD=write_grad,
         **_kernel_options(options, n_cols, write_grad),
     )
-
-
-def _row_programs(n_rows: int, device: torch.device, writes_grad: bool) -> int:
-    """Programs of the forward kernel: one per row, or for a pass that writes the gradient, at most
-    GRAD_PASS_PROGRAMS_PER_SM per multiprocessor (None: one per row)."""
-    if not writes_grad or GRAD_PASS_PROGRAMS_PER_SM is None:
-        return n_rows
-    return max(1, min(n_rows, GRAD_PASS_PROGRAMS_PER_SM * _backend.multiprocessor_count(device)))
 
 
 def _scale_stride(scale: torch.Tensor) -> int:
