@@ -69,3 +69,14 @@ def saved_activation_bytes(module: torch.nn.Module, *args, **kwargs) -> tuple[in
         out = module(*args, **kwargs)
     return sum(storages.values()), out
 
+
+
+def autograd_nodes(out: torch.Tensor) -> set:
+    """Every node of the autograd graph that produced `out`."""
+    seen, stack = set(), [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            stack += [next_node for next_node, _ in node.next_functions]
+    return seen

@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 import tigon.functional as F  # noqa: E402
 from tigon.peft import _GROUP, apply_lora_kernels, remove_lora_kernels  # noqa: E402
-from tests.helpers import assert_close  # noqa: E402
+from tests.helpers import assert_close, autograd_nodes  # noqa: E402
 from tests.ops.test_lora import one_cpu_thread  # noqa: E402,F401 (autouse fixture)
 
 VOCAB = 101
@@ -48,6 +48,15 @@ def _run(model, ids):
     grads = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
     model.zero_grad(set_to_none=True)
     return out.logits.detach(), out.loss.detach(), grads
+
+
+def _cast_parameters(out):
+    """The parameters that reach `out` through an autograd cast node (``.to(dtype)``)."""
+    return {
+        id(next_node.variable)
+        for node in autograd_nodes(out) if type(node).__name__ == "ToCopyBackward0"
+        for next_node, _ in node.next_functions if hasattr(next_node, "variable")
+    }
 
 
 def _assert_same_step(ours, theirs, ids, dtype=torch.float32):
@@ -296,6 +305,10 @@ def test_half_model_with_float32_adapters():
     assert ours.base_model.model.model.layers[0].mlp.up_proj.lora_A["default"].weight.dtype == torch.float32
     assert apply_lora_kernels(ours).linears == 14
     ids = _ids()
+    # The fused ops cast the adapters themselves: no autograd cast node between an adapter and them.
+    assert _cast_parameters(ours(input_ids=ids, labels=ids).loss) == set()
+    adapter = ours.base_model.model.model.layers[0].mlp.up_proj.lora_A["default"].weight
+    assert _cast_parameters(adapter.to(torch.bfloat16).sum()) == {id(adapter)}  # what it would find
     logits, _, grads = _run(ours, ids)
     ref_logits, _, ref_grads = _run(theirs, ids)
     assert logits.dtype == torch.bfloat16

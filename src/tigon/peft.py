@@ -149,10 +149,8 @@ def _projection(layer: nn.Module, x: torch.Tensor) -> LoraProjection | None:
     tensors = (weight, lora_a, lora_b) if bias is None else (weight, lora_a, lora_b, bias)
     if any(t.device != x.device for t in tensors):
         return None
-    if autocast_dtype(x) is None:
-        if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-            return None  # F.linear would refuse it: let PEFT's path raise its own error
-        lora_a, lora_b = lora_a.to(x.dtype), lora_b.to(x.dtype)
+    if autocast_dtype(x) is None and (weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype)):
+        return None  # F.linear would refuse it: let PEFT's path raise its own error
     return LoraProjection(weight, lora_a, lora_b, scaling, bias)
 
 

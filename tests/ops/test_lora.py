@@ -5,7 +5,7 @@ import tigon.ops.lora as lora_module
 from tigon.ops.lora import (
     LoraProjection, lora_linear, lora_linear_group, lora_linear_reference, restore_projections, saved_tensors,
 )
-from tests.helpers import assert_close, compare_fwd_bwd
+from tests.helpers import assert_close, autograd_nodes, compare_fwd_bwd
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -51,6 +51,44 @@ def test_lora_linear_matches_reference(poison_outputs, device, dtype, rank, bias
 def test_any_leading_dims(poison_outputs, device, lead):
     x = torch.randn(*lead, 33, device=device, requires_grad=True)
     _check_linear(x, _projection(33, 20, 4, torch.float32, device, bias=True))
+
+
+def _float32_adapters(projection):
+    return projection._replace(
+        lora_a=projection.lora_a.detach().float().requires_grad_(),
+        lora_b=projection.lora_b.detach().float().requires_grad_(),
+    )
+
+
+def _graph_node_names(out):
+    return {type(node).__name__ for node in autograd_nodes(out)}
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_float32_adapters_on_half_input(poison_outputs, device, grouped):
+    """PEFT keeps adapters in float32 on a half-precision model: the op casts them itself (no cast
+    node in the graph), runs the GEMMs in x's dtype, and returns their gradients in float32."""
+    x = torch.randn(5, 33, dtype=torch.float16, device=device, requires_grad=True)
+    projections = [_float32_adapters(_projection(33, width, 4, torch.float16, device, bias=True)) for width in (20, 9)]
+    if grouped:
+        def ours(x, *t):
+            return lora_linear_group(x, restore_projections(t, [p.scaling for p in projections]))
+
+        def reference(x, *t):
+            return [lora_linear_reference(x, *p) for p in restore_projections(t, [p.scaling for p in projections])]
+
+        compare_fwd_bwd(ours, reference, (x, *saved_tensors(projections)), torch.float16, name="group")
+        out = lora_linear_group(x, projections)[0]
+    else:
+        projections = projections[:1]
+        _check_linear(x, projections[0], torch.float16)
+        out = lora_linear(x, *projections[0])
+    assert out.dtype == torch.float16
+    assert "ToCopyBackward0" not in _graph_node_names(out)
+    for p in projections:
+        p.lora_a.grad = p.lora_b.grad = None
+    out.float().sum().backward()
+    assert projections[0].lora_a.grad.dtype == projections[0].lora_b.grad.dtype == torch.float32
 
 
 def test_rank_256_and_rank_above_width(poison_outputs, device):
@@ -213,7 +251,9 @@ def _bad(**overrides):
         (_bad(bias=torch.randn(4)), r"lora bias must have shape \(5,\)"),
         (_bad(scaling=float("nan")), "scaling must be a finite number"),
         (_bad(scaling=torch.tensor(2.0)), "scaling must be a finite number"),
-        (_bad(lora_b=torch.randn(5, 2).half()), "lora lora_b must have the dtype of x"),
+        (_bad(weight=torch.randn(5, 8).half()), "lora weight must have the dtype of x"),
+        (_bad(bias=torch.randn(5).double()), "lora bias must have the dtype of x"),
+        (_bad(lora_b=torch.ones(5, 2, dtype=torch.int32)), "lora lora_b must be a floating-point"),
         (_bad(weight=torch.randn(5, 8, 1)), "lora weight must be a 2-D matrix"),
         (_bad(x=torch.ones(3, 8, dtype=torch.int64)), "x must be a floating-point"),
         (_bad(lora_a=torch.randn(2, 8, device="meta")), "lora lora_a is on meta"),

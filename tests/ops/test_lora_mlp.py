@@ -4,7 +4,7 @@ import torch
 from tigon.ops.lora import LoraProjection, restore_projections, saved_tensors
 from tigon.ops.lora_mlp import lora_gated_mlp, lora_gated_mlp_reference
 from tests.helpers import compare_fwd_bwd
-from tests.ops.test_lora import _projection, one_cpu_thread  # noqa: F401 (autouse fixture)
+from tests.ops.test_lora import _float32_adapters, _graph_node_names, _projection, one_cpu_thread  # noqa: F401 (autouse fixture)
 
 ACTIVATIONS = ["silu", "gelu_tanh", "gelu"]
 
@@ -47,6 +47,16 @@ def test_bias_and_trainable_base(poison_outputs, device, bias, trainable_base):
     x = torch.randn(2, 9, 40, device=device, requires_grad=True)
     projections = _mlp(40, 72, (4, 6, 2), torch.float32, device, bias=bias, trainable_base=trainable_base)
     _check_mlp(x, projections, "silu")
+
+
+def test_float32_adapters_on_half_input(poison_outputs, device):
+    x = torch.randn(2, 5, 24, dtype=torch.float16, device=device, requires_grad=True)
+    projections = [_float32_adapters(p) for p in _mlp(24, 40, (3, 5, 2), torch.float16, device)]
+    _check_mlp(x, projections, "silu", torch.float16)
+    out = lora_gated_mlp(x, *projections)
+    assert out.dtype == torch.float16 and "ToCopyBackward0" not in _graph_node_names(out)
+    out.float().sum().backward()
+    assert all(t.grad.dtype == torch.float32 for p in projections for t in (p.lora_a, p.lora_b))
 
 
 def test_frozen_input_and_down_adapter(poison_outputs, device):

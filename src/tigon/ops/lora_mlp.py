@@ -24,6 +24,9 @@ from tigon._checks import check_choice, rows_view
 from tigon.ops.glu import ACTIVATIONS, _glu_backward_or_reference, _glu_forward, glu_reference
 from tigon.ops.lora import (
     LoraProjection,
+    adapter_dtypes,
+    adapter_grads_back,
+    adapters_in,
     autocast_dtype,
     cast_for_autocast,
     check_input,
@@ -55,7 +58,9 @@ def lora_gated_mlp_reference(x: torch.Tensor, activation: str, *flat) -> torch.T
 class _LoraGatedMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, activation, *flat):
-        gate_proj, up_proj, down_proj = unflatten_projections(flat)
+        projections = unflatten_projections(flat)
+        ctx.adapter_dtypes = adapter_dtypes(projections)
+        gate_proj, up_proj, down_proj = adapters_in(x.dtype, projections)
         x2d = rows_view(x)
         (gate, up), xa = lora_group_forward(x2d, [gate_proj, up_proj])
         h = _glu_forward(gate, up, activation)
@@ -94,7 +99,7 @@ class _LoraGatedMLPFunction(torch.autograd.Function):
         )
         if grad_x is not None:
             grad_x = grad_x.view(*ctx.lead_shape, x2d.shape[1])
-        return (grad_x, None, *gate_up_grads, *down_grads)
+        return (grad_x, None, *adapter_grads_back(gate_up_grads + down_grads, ctx.adapter_dtypes))
 
 
 def lora_gated_mlp(
@@ -115,9 +120,10 @@ def lora_gated_mlp(
         activation: ``"silu"`` (SwiGLU), ``"gelu_tanh"`` (GeGLU with gelu_pytorch_tanh) or
             ``"gelu"`` (exact erf GeGLU).
 
-    Each projection may have its own rank and scaling, and a bias. All tensors share x's dtype and
-    device; under autocast they are cast to the autocast dtype as ``F.linear`` would be. Base
-    weights get a gradient only if they require one.
+    Each projection may have its own rank and scaling, and a bias. All tensors share x's device;
+    weights and biases share x's dtype, the adapters may have another float dtype (cast inside the
+    op, gradients back in their own dtype). Under autocast everything is cast to the autocast dtype
+    as ``F.linear`` would be. Base weights get a gradient only if they require one.
 
     Returns:
         ``(..., hidden)`` in x's dtype (the autocast dtype under autocast).
