@@ -2,8 +2,9 @@
 what is alive at its memory peak.
 
 Usage (GPU): PYTHONPATH=src python3 scripts/profile_e2e.py [full|lora] [--eager]
-Prints the kernels by total GPU time, grouped by family, and the live allocations at the step's
-peak grouped by the innermost tigon/transformers/peft/torch.optim frame that made them.
+Prints the kernels by total GPU time, grouped by family, where the GPU sits idle between kernels
+(by tenth of the step, and the longest gaps), and the live allocations at the step's peak grouped
+by the innermost tigon/transformers/peft/torch.optim frame that made them.
 """
 
 import argparse
@@ -68,6 +69,33 @@ def family(name: str) -> str:
             return label
     return "other"
 
+
+def idle_gaps(intervals: list[tuple[float, float, str]]) -> list[tuple[float, float, str, str]]:
+    """(start, length, kernel before, kernel after) of every stretch with no kernel running, from
+    (start, end, name) kernel intervals in any order."""
+    gaps, busy_until, last = [], None, ""
+    for start, end, name in sorted(intervals):
+        if busy_until is not None and start > busy_until:
+            gaps.append((busy_until, start - busy_until, last, name))
+        if busy_until is None or end > busy_until:
+            busy_until, last = end, name
+    return gaps
+
+
+# Where the GPU waits (kernel timestamps from the CUDA-only profile, which adds little host time):
+# by tenth of the step, and the longest gaps with the kernels around them.
+spans = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+         if e.device_type == torch.autograd.DeviceType.CUDA]
+if spans:
+    gaps = idle_gaps(spans)
+    first, last_end = min(s[0] for s in spans), max(s[1] for s in spans)
+    tenths = [0.0] * 10
+    for start, length, *_ in gaps:
+        tenths[min(9, int(10 * (start - first) / (last_end - first)))] += length / 1e3
+    print(f"GPU idle {sum(g[1] for g in gaps) / 1e3:.1f} ms of a {(last_end - first) / 1e3:.1f} ms kernel span; "
+          "by tenth of the span (ms): " + " ".join(f"{t:.1f}" for t in tenths))
+    for start, length, before, after in sorted(gaps, key=lambda g: -g[1])[:10]:
+        print(f"  {length / 1e3:6.2f} ms at {(start - first) / 1e3:7.1f} ms, after {before[:45]} before {after[:45]}")
 
 groups = collections.Counter()
 for e in kernels:
