@@ -99,14 +99,13 @@ def saved_tensors(projections: Sequence[LoraProjection]) -> list[torch.Tensor | 
     return [t for p in projections for t in (p.weight, p.lora_a, p.lora_b, p.bias)]
 
 
-def adapters_in(dtype: torch.dtype, projections: Sequence[LoraProjection]) -> list[LoraProjection]:
+def adapters_in(
+    dtype: torch.dtype, projections: Sequence[LoraProjection]
+) -> tuple[list[LoraProjection], list[tuple[torch.dtype, torch.dtype]]]:
     """The projections with their adapters cast to `dtype` (for a Function's forward, where the
-    cast is no autograd node; :func:`adapter_grads_back` returns their gradients)."""
-    return [p._replace(lora_a=p.lora_a.to(dtype), lora_b=p.lora_b.to(dtype)) for p in projections]
-
-
-def adapter_dtypes(projections: Sequence[LoraProjection]) -> list[tuple[torch.dtype, torch.dtype]]:
-    return [(p.lora_a.dtype, p.lora_b.dtype) for p in projections]
+    cast is no autograd node), and the adapters' own dtypes for :func:`adapter_grads_back`."""
+    cast = [p._replace(lora_a=p.lora_a.to(dtype), lora_b=p.lora_b.to(dtype)) for p in projections]
+    return cast, [(p.lora_a.dtype, p.lora_b.dtype) for p in projections]
 
 
 def adapter_grads_back(flat_grads: list, dtypes: Sequence[tuple[torch.dtype, torch.dtype]]) -> list:
@@ -263,9 +262,7 @@ def lora_backward_from_input(
 class _LoraGroupFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, *flat):
-        projections = unflatten_projections(flat)
-        ctx.adapter_dtypes = adapter_dtypes(projections)
-        projections = adapters_in(x.dtype, projections)
+        projections, ctx.adapter_dtypes = adapters_in(x.dtype, unflatten_projections(flat))
         x2d = rows_view(x)
         outs, xa = lora_group_forward(x2d, projections)
         ctx.save_for_backward(x2d, xa, *saved_tensors(projections))

@@ -24,7 +24,6 @@ from tigon._checks import check_choice, rows_view
 from tigon.ops.glu import ACTIVATIONS, _glu_backward_or_reference, _glu_forward, glu_reference
 from tigon.ops.lora import (
     LoraProjection,
-    adapter_dtypes,
     adapter_grads_back,
     adapters_in,
     autocast_dtype,
@@ -58,9 +57,7 @@ def lora_gated_mlp_reference(x: torch.Tensor, activation: str, *flat) -> torch.T
 class _LoraGatedMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, activation, *flat):
-        projections = unflatten_projections(flat)
-        ctx.adapter_dtypes = adapter_dtypes(projections)
-        gate_proj, up_proj, down_proj = adapters_in(x.dtype, projections)
+        (gate_proj, up_proj, down_proj), ctx.adapter_dtypes = adapters_in(x.dtype, unflatten_projections(flat))
         x2d = rows_view(x)
         (gate, up), xa = lora_group_forward(x2d, [gate_proj, up_proj])
         h = _glu_forward(gate, up, activation)
