@@ -105,7 +105,7 @@ def test_class_patch_and_unpatch():
     original = ml.LlamaForCausalLM.forward
     try:
         applied = tigon.patch("llama", offload_activations=True, linear_cross_entropy=False).applied
-        assert applied == ("rms_norm", "rope", "swiglu", "add_rms_norm", "offload_activations")
+        assert applied == ("rms_norm", "rope", "swiglu", "add_rms_norm", "qkv_group", "offload_activations")
         wrapped = ml.LlamaForCausalLM.forward
         assert wrapped is not original
         # Patching again installs the identical function (stable for torch.compile).

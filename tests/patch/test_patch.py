@@ -76,14 +76,25 @@ def test_instance_patch_matches_hf(model_type, monkeypatch, device):
     patched = copy.deepcopy(model)
     want = run(model)
     forbid_hf_code(monkeypatch, family)
+    groups = count_calls(monkeypatch, "linear_group")
     result = tigon.patch(patched)
     expected = {"rms_norm", "rope", "linear_cross_entropy"} | ({family.mlp.switch} if family.mlp else set())
     expected |= {"add_rms_norm"} if family.layer.fuse else set()
+    expected |= {"qkv_group"} if family.attention else set()
     assert expected <= set(result.applied)
     assert result.layers == 2
     got = run(patched)
     assert got[1] is None, "training with labels must not materialise the logits"
+    assert len(groups) == (2 if family.attention else 0)
     assert_same_run(got, want)
+
+
+def count_calls(monkeypatch, op: str) -> list:
+    """A list that grows by one on each call of ``tigon.functional.<op>`` (which still runs)."""
+    calls = []
+    original = getattr(tigon.functional, op)
+    monkeypatch.setattr(tigon.functional, op, lambda *a, **k: calls.append(1) or original(*a, **k))
+    return calls
 
 
 def snapshot(module):
@@ -335,3 +346,30 @@ def test_fused_loss_runs_with_the_patched_models_chunk_budget(monkeypatch):
     run(model)
     assert budgets == [forwards.CAUSAL_LM_LOSS_CHUNK_BYTES]
     assert forwards.CAUSAL_LM_LOSS_CHUNK_BYTES > lce.DEFAULT_MAX_CHUNK_BYTES
+
+
+def test_qkv_group_leaves_projections_with_hooks_or_without_grad_alone(monkeypatch):
+    """The q/k/v group reads the three weights directly, so a hook on one projection (which the
+    group would skip) keeps all three on their own calls; so does a forward without grad, where
+    there is no backward to save adds in. Nothing is left on the projections after a call."""
+    model = tiny_model("llama")
+    want = run(model)
+    groups = count_calls(monkeypatch, "linear_group")
+    tigon.patch(model)
+    attention = model.model.layers[0].self_attn
+    seen = []
+    handle = attention.k_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    assert_same_run(run(model), want)
+    assert len(seen) == 1 and len(groups) == 1  # layer 0 ungrouped, layer 1 grouped
+    handle.remove()
+    with torch.no_grad():
+        model(input_ids=batch()[0])
+    assert len(groups) == 1
+    projections = [getattr(layer.self_attn, n) for layer in model.model.layers for n in ("q_proj", "k_proj", "v_proj")]
+    assert all("forward" not in vars(p) for p in projections)
+    assert_same_run(run(model), want)
+    assert len(groups) == 3
+    assert tigon.patch(model, qkv_group=False).applied.count("qkv_group") == 0
+    assert_same_run(run(model), want)
+    assert len(groups) == 3
+

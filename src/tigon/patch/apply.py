@@ -32,7 +32,7 @@ from tigon.patch.families import FAMILIES, Family
 log = logging.getLogger("tigon")
 
 SWITCHES = (
-    "rms_norm", "rope", "swiglu", "geglu", "layer_norm", "add_rms_norm",
+    "rms_norm", "rope", "swiglu", "geglu", "layer_norm", "add_rms_norm", "qkv_group",
     "linear_cross_entropy", "cross_entropy", "lora",
 )
 
@@ -161,6 +161,11 @@ def _plan(family: Family, module: types.ModuleType, switches: dict[str, bool]) -
     if switches["add_rms_norm"] and family.layer.fuse is not None and layer is not None:
         fused = forwards.decoder_layer_forward(family.layer, family.norm, _original(layer, "forward"))
         plan.append(_Replacement("add_rms_norm", layer, "forward", fused))
+    if switches["qkv_group"] and family.attention is not None:
+        cls = find(family.attention)
+        if cls is not None:
+            grouped = forwards.attention_forward(family.attention, _original(cls, "forward"))
+            plan.append(_Replacement("qkv_group", cls, "forward", grouped))
     mlp_cls = find(family.mlp.cls) if switches["tiled_mlp"] and family.mlp is not None else None
     if mlp_cls is not None:
         _wrap(plan, "tiled_mlp", mlp_cls, tiled.tiled_forward)
@@ -318,6 +323,7 @@ def patch(
     geglu: bool = True,
     layer_norm: bool = True,
     add_rms_norm: bool = True,
+    qkv_group: bool = True,
     linear_cross_entropy: bool = True,
     cross_entropy: bool = False,
     lora: bool = True,
@@ -333,6 +339,9 @@ def patch(
         rms_norm ... lora: one switch per kernel; a switch a family has no use for is ignored.
             `linear_cross_entropy` (loss straight from the hidden states, logits never
             materialised) and `cross_entropy` (loss from materialised logits) are exclusive.
+            `qkv_group` computes an attention's q/k/v projections as one op
+            (:func:`tigon.functional.linear_group`), so that backward accumulates their input
+            gradient in its GEMMs instead of adding three copies.
         offload_activations: under gradient checkpointing, keep each layer's checkpointed hidden
             states in pinned host memory, copied back one layer ahead in backward
             (:mod:`tigon.offload`). Exact; off by default.
@@ -350,7 +359,7 @@ def patch(
     """
     switches = _switches(dict(
         rms_norm=rms_norm, rope=rope, swiglu=swiglu, geglu=geglu, layer_norm=layer_norm,
-        add_rms_norm=add_rms_norm, linear_cross_entropy=linear_cross_entropy,
+        add_rms_norm=add_rms_norm, qkv_group=qkv_group, linear_cross_entropy=linear_cross_entropy,
         cross_entropy=cross_entropy, lora=lora, offload_activations=offload_activations, tiled_mlp=tiled_mlp,
     ))
     if isinstance(target, str):

@@ -104,6 +104,9 @@ class Family:
         layer: the decoder-layer class and its residual structure.
         norm: the RMSNorm class with its rounding.
         mlp: the dense gated MLP, if the family has one (MoE experts keep HF's code).
+        attention: the attention class, if it computes ``self.q_proj(hidden_states)``,
+            ``self.k_proj(hidden_states)`` and ``self.v_proj(hidden_states)`` (Phi-3 packs them
+            into one ``qkv_proj``).
         rope: the rotary-embedding function.
         head: the causal-LM head's extras.
     """
@@ -113,6 +116,7 @@ class Family:
     layer: Layer
     norm: Norm
     mlp: MLP | None
+    attention: str | None
     rope: Rope
     head: Head
 
@@ -134,6 +138,7 @@ def _family(
     *,
     norm: Norm | None = None,
     mlp: MLP | None | object = _DEFAULT,
+    attention: str | None | object = _DEFAULT,
     rope: Rope = Rope(),
     head: Head = Head(),
     **layer,
@@ -144,6 +149,7 @@ def _family(
         layer=Layer(f"{prefix}DecoderLayer", **layer),
         norm=norm or _norm(prefix),
         mlp=MLP(f"{prefix}MLP") if mlp is _DEFAULT else mlp,
+        attention=f"{prefix}Attention" if attention is _DEFAULT else attention,
         rope=rope,
         head=head,
     )
@@ -158,7 +164,7 @@ FAMILIES: dict[str, Family] = {
     # The dense MLP of the layers listed in `mlp_only_layers`; the experts keep HF's code.
     "qwen3_moe": _family("qwen3_moe", "Qwen3Moe", head=MOE_HEAD),
     "phi3": _family(
-        "phi3", "Phi3", mlp=MLP("Phi3MLP", act="activation_fn", packed=True),
+        "phi3", "Phi3", mlp=MLP("Phi3MLP", act="activation_fn", packed=True), attention=None,
         dropout=("resid_attn_dropout", "resid_mlp_dropout"),
     ),
     "gemma": _family("gemma", "Gemma", norm=_norm("Gemma", GEMMA_NORM), mlp=MLP("GemmaMLP", "geglu")),
