@@ -1,7 +1,7 @@
 """Where one end-to-end training step (tigon bench --e2e's model and batch) spends GPU time and
 what is alive at its memory peak.
 
-Usage (GPU): PYTHONPATH=src python3 scripts/profile_e2e.py [full|lora] [--eager]
+Usage (GPU): PYTHONPATH=src python3 scripts/profile_e2e.py [full|lora] [--eager] [--off SWITCH ...]
 Prints the kernels by total GPU time, grouped by family, where the GPU sits idle between kernels
 (by tenth of the step, and the longest gaps), and the live allocations at the step's peak grouped
 by the innermost tigon/transformers/peft/torch.optim frame that made them.
@@ -15,10 +15,13 @@ import torch
 
 import tigon
 from tigon.bench.e2e import LLAMA_1B, build_model
+from tigon.patch import SWITCHES
 
 parser = argparse.ArgumentParser()
 parser.add_argument("mode", choices=("full", "lora"), nargs="?", default="full")
 parser.add_argument("--eager", action="store_true", help="profile the unpatched model")
+parser.add_argument("--off", nargs="+", default=[], choices=SWITCHES,
+                    help="tigon.patch switches to turn off")
 parser.add_argument("--batch", type=int, default=4)
 parser.add_argument("--seq", type=int, default=2048)
 parser.add_argument("--trace", metavar="FILE", help="also write a Chrome trace of one step (CPU + GPU, Python stacks)")
@@ -27,7 +30,7 @@ args = parser.parse_args()
 device = torch.device("cuda")
 model = build_model(args.mode, args.seq, device, shape=LLAMA_1B, lora_rank=16, checkpointing=False)
 if not args.eager:
-    print(tigon.patch(model))
+    print(tigon.patch(model, **dict.fromkeys(args.off, False)))
 model.train()
 optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
 ids = torch.randint(0, LLAMA_1B["vocab_size"], (args.batch, args.seq), device=device)
