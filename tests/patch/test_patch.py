@@ -373,3 +373,56 @@ def test_qkv_group_leaves_projections_with_hooks_or_without_grad_alone(monkeypat
     assert_same_run(run(model), want)
     assert len(groups) == 3
 
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_positions_it_makes_need_no_look_for_packed_sequences(model_type, monkeypatch):
+    """With no attention mask and no position ids, HF's mask code looks for packed sequences in the
+    positions it made (on a GPU, a device-to-host sync that stalls every step). The patched model
+    makes the same positions and tells it there are none without looking, with HF's loss and
+    gradients. Position ids a caller passes (packed sequences here) are still examined."""
+    from transformers import masking_utils
+
+    looked = []
+    real = masking_utils.find_packed_sequence_indices
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda p: looked.append(1) or real(p))
+    ids, _, labels = batch()
+    packed = torch.tensor([list(range(6)) + list(range(7))] * ids.shape[0])
+
+    def step(model, **kwargs):
+        model.train()
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        # No cache, as training is run (a cache's sizes would stand in for the positions).
+        out = model(input_ids=ids, labels=labels, use_cache=False, **kwargs)
+        out.loss.backward()
+        return out.loss.detach(), None, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    model = tiny_model(model_type)
+    want = step(model)
+    assert looked
+    want_packed = step(model, position_ids=packed)
+    looked.clear()
+    tigon.patch(model)
+    assert_same_run(step(model), want)
+    assert not looked
+    assert_same_run(step(model, position_ids=packed), want_packed)
+    assert looked
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma2"])
+def test_training_step_never_waits_for_the_gpu(model_type):
+    """A patched model's forward and backward launch everything without a device-to-host sync
+    (which would stall the host until the GPU caught up, leaving the GPU idle while the host then
+    launches the next kernels): torch raises on any sync in this mode."""
+    model = tiny_model(model_type, device="cuda", dtype=torch.bfloat16)
+    tigon.patch(model)
+    model.train()
+    ids = batch()[0].cuda()
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()  # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -157,6 +157,10 @@ def _plan(family: Family, module: types.ModuleType, switches: dict[str, bool]) -
         fused = loss_switch == "linear_cross_entropy"
         forward = forwards.causal_lm_forward(family.head, fused, original, aux_loss)
         plan.append(_Replacement(loss_switch, causal_lm, "forward", forward))
+        masking = sys.modules.get("transformers.masking_utils")
+        if fused and masking is not None and hasattr(masking, "find_packed_sequence_indices"):
+            finder = forwards.packed_sequence_finder(_original(masking, "find_packed_sequence_indices"))
+            plan.append(_Replacement(loss_switch, masking, "find_packed_sequence_indices", finder))
     layer = find(family.layer.cls)
     if switches["add_rms_norm"] and family.layer.fuse is not None and layer is not None:
         fused = forwards.decoder_layer_forward(family.layer, family.norm, _original(layer, "forward"))

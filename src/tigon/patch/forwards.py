@@ -401,6 +401,34 @@ def _head_weights(lm_head: torch.nn.Module) -> contextlib.AbstractContextManager
 CAUSAL_LM_LOSS_CHUNK_BYTES = 256 * 2**20
 
 
+# Marks position ids that tigon made for a batch of whole sequences (each row 0, 1, 2, ...).
+_WHOLE_SEQUENCES = "_tigon_whole_sequences"
+
+
+def _whole_sequence_positions(tokens: torch.Tensor) -> torch.Tensor:
+    """The positions Hugging Face's decoder would make for `tokens` (ids or embeddings, batch
+    first) with no cache, one row per sequence, marked as such for :func:`packed_sequence_finder`."""
+    batch, length = tokens.shape[:2]
+    positions = torch.arange(length, device=tokens.device).expand(batch, length)
+    setattr(positions, _WHOLE_SEQUENCES, True)
+    return positions
+
+
+@functools.lru_cache(maxsize=None)
+def packed_sequence_finder(original: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
+    """``transformers.masking_utils.find_packed_sequence_indices``, answering None (no packed
+    sequences) for positions tigon made for whole sequences, without the look at the device's data
+    that `original` takes: a device-to-host synchronisation that would stall every training step
+    until the GPU had drained the previous one. Every other tensor gets `original`'s answer."""
+
+    def find_packed_sequence_indices(position_ids: torch.Tensor) -> Any:
+        if not torch.compiler.is_compiling() and getattr(position_ids, _WHOLE_SEQUENCES, False):
+            return None
+        return original(position_ids)
+
+    return find_packed_sequence_indices
+
+
 def _mean_as_hf(loss_sum: torch.Tensor, kwargs: dict) -> torch.Tensor:
     count = kwargs["num_items_in_batch"]
     return loss_sum / (count.to(loss_sum.device) if isinstance(count, torch.Tensor) else count)
@@ -439,6 +467,10 @@ def causal_lm_forward(
         if aux_loss is not None and kwargs.get("output_router_logits") is None:
             kwargs["output_router_logits"] = self.config.output_router_logits
         decoder = getattr(self, self.base_model_prefix)
+        tokens = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
+        no_cache = kwargs.get("past_key_values") is None and kwargs.get("cache") is None
+        if position_ids is None and attention_mask is None and no_cache and tokens is not None:
+            position_ids = _whole_sequence_positions(tokens)
         outputs = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
         hidden = outputs.last_hidden_state
         if logits_to_keep:
