@@ -1,0 +1,123 @@
+"""Host cost (microseconds per call) of tigon's ops and patched layers, on tensors so small that
+the GPU never holds the host up: what each costs the CPU to issue, next to the PyTorch calls it
+replaces. Where a training step's host time exceeds its GPU time (a slow host, a small model) this
+is what sets the step time.
+
+Usage (GPU): PYTHONPATH=src python3 scripts/host_per_op.py
+"""
+
+import statistics
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+import tigon
+from tigon import functional as F
+
+device = torch.device("cuda")
+dtype = torch.bfloat16
+
+
+def host_us(fn, calls: int = 300, repeats: int = 5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    best = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(best)
+
+
+@triton.jit
+def _copy_kernel(src, dst, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
+
+
+class _Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+rows, hidden, inter, kv = 64, 256, 512, 64
+x = torch.randn(rows, hidden, device=device, dtype=dtype, requires_grad=True)
+res = torch.randn(rows, hidden, device=device, dtype=dtype, requires_grad=True)
+w = torch.randn(hidden, device=device, dtype=dtype, requires_grad=True)
+W = torch.randn(hidden, hidden, device=device, dtype=dtype, requires_grad=True)
+Wk = torch.randn(kv, hidden, device=device, dtype=dtype, requires_grad=True)
+Wg, Wu = (torch.randn(inter, hidden, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+Wd = torch.randn(hidden, inter, device=device, dtype=dtype, requires_grad=True)
+q = torch.randn(1, 4, rows, 64, device=device, dtype=dtype, requires_grad=True)
+k = torch.randn(1, 1, rows, 64, device=device, dtype=dtype, requires_grad=True)
+cos, sin = torch.randn(1, rows, 64, device=device, dtype=dtype), torch.randn(1, rows, 64, device=device, dtype=dtype)
+flat, out = torch.randn(4096, device=device), torch.empty(4096, device=device)
+
+cases = {
+    "torch add": lambda: x + res,
+    "torch F.linear": lambda: torch.nn.functional.linear(x, W),
+    "torch 3 x F.linear (q/k/v)": lambda: [torch.nn.functional.linear(x, m) for m in (W, Wk, Wk)],
+    "empty autograd Function": lambda: _Identity.apply(x),
+    "bare Triton launch (4 args)": lambda: _copy_kernel[(4,)](flat, out, 4096, BLOCK=1024),
+    "tigon rms_norm": lambda: F.rms_norm(x, w),
+    "tigon add_rms_norm": lambda: F.add_rms_norm(x, res, w),
+    "tigon rope": lambda: F.rope(q, k, cos, sin),
+    "tigon linear_group (q/k/v)": lambda: F.linear_group(x, [W, Wk, Wk]),
+    "tigon glu_mlp": lambda: F.glu_mlp(x, Wg, Wu, Wd),
+    "torch MLP (3 linears, silu, mul)": lambda: torch.nn.functional.linear(
+        torch.nn.functional.silu(torch.nn.functional.linear(x, Wg)) * torch.nn.functional.linear(x, Wu), Wd),
+}
+for name, fn in cases.items():
+    print(f"{name:<36}{host_us(fn):8.1f} us")
+with torch.no_grad():
+    print(f"{'tigon rms_norm, no grad':<36}{host_us(lambda: F.rms_norm(x, w)):8.1f} us")
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=16, num_attention_heads=4,
+                         num_key_value_heads=1, head_dim=64, vocab_size=1024, use_cache=False)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(device, dtype).train()
+
+
+ids = torch.randint(0, 1024, (1, rows), device=device)
+
+
+def step_host(model, steps: int = 15):
+    """Median host ms of the forward and of the backward (each started on an idle GPU)."""
+    fwd, bwd = [], []
+    for i in range(steps + 2):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        middle = time.perf_counter()
+        loss.backward()
+        end = time.perf_counter()
+        if i >= 2:
+            fwd.append(middle - start)
+            bwd.append(end - middle)
+        model.zero_grad(set_to_none=True)
+    return 1e3 * statistics.median(fwd), 1e3 * statistics.median(bwd)
+
+
+model = tiny_llama()
+print("16-layer tiny Llama, host ms per forward / backward:")
+fwd, bwd = step_host(model)
+print(f"  {'eager':<28}{fwd:7.2f} {bwd:7.2f}")
+for off in (None, "qkv_group", "add_rms_norm", "rope", "swiglu", "rms_norm", "linear_cross_entropy"):
+    kwargs = {} if off is None else {off: False}
+    tigon.patch(model, **kwargs)
+    fwd, bwd = step_host(model)
+    print(f"  {'tigon' + ('' if off is None else ' without ' + off):<28}{fwd:7.2f} {bwd:7.2f}")
+    tigon.unpatch(model)
