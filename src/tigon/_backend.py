@@ -65,7 +65,13 @@ def _env_flag(name: str) -> bool:
 
 def disabled_ops() -> frozenset[str]:
     """The op names listed in TIGON_DISABLE (``all`` stands for every op)."""
-    raw = os.environ.get("TIGON_DISABLE", "")
+    return _parse_op_list(os.environ.get("TIGON_DISABLE", ""))
+
+
+# Every op call asks where it runs, so the answers are cached (the environment is still read on
+# each call): host time per op is what a training step on a fast GPU waits for.
+@functools.lru_cache(maxsize=16)
+def _parse_op_list(raw: str) -> frozenset[str]:
     return frozenset(name.strip() for name in raw.split(",") if name.strip())
 
 
@@ -83,26 +89,39 @@ def multiprocessor_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def why_not_triton(op: str, device: torch.device) -> str | None:
-    """None when `op` can run its Triton kernel on `device`, else the reason it cannot."""
-    disabled = disabled_ops()
-    if op in disabled or "all" in disabled:
-        return "disabled by TIGON_DISABLE"
-    if op in _broken:
-        return _broken[op]
+@functools.lru_cache(maxsize=None)
+def _device_reason(device_type: str, index: int | None, interpret: bool) -> str | None:
     if TRITON_IMPORT_ERROR is not None:
         return TRITON_IMPORT_ERROR
-    if INTERPRET:
+    if interpret:
         return None
-    if device.type != "cuda":
+    if device_type != "cuda":
         return (
-            f"tensors are on {device.type}; Triton kernels need a CUDA GPU "
+            f"tensors are on {device_type}; Triton kernels need a CUDA GPU "
             "(or TRITON_INTERPRET=1 set before importing tigon)"
         )
-    major, minor = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    major, minor = _capability(index)
     if (major, minor) < (8, 0):
         return f"compute capability {major}.{minor} is below 8.0"
     return None
+
+
+def disabled(op: str) -> bool:
+    """Whether TIGON_DISABLE names `op` (or ``all``)."""
+    names = disabled_ops()
+    return bool(names) and (op in names or "all" in names)
+
+
+def why_not_triton(op: str, device: torch.device) -> str | None:
+    """None when `op` can run its Triton kernel on `device`, else the reason it cannot."""
+    if disabled(op):
+        return "disabled by TIGON_DISABLE"
+    if op in _broken:
+        return _broken[op]
+    index = device.index
+    if device.type == "cuda" and index is None:
+        index = torch.cuda.current_device()
+    return _device_reason(device.type, index, INTERPRET)
 
 
 def _warn_once(op: str, message: str) -> None:
@@ -237,3 +256,4 @@ def reset() -> None:
     _warned.clear()
     _broken.clear()
     _debug_seen.clear()
+    _device_reason.cache_clear()

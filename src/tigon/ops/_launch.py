@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from tigon import _backend
 from tigon._backend import triton
 
 
+@functools.lru_cache(maxsize=None)  # called on every launch; a pure function of the width
 def row_block_config(n_cols: int) -> tuple[int, int, int]:
     """(BLOCK_ROWS, BLOCK_COLS, num_warps) for a kernel that holds whole rows in registers.
 

@@ -10,8 +10,8 @@ accumulates into it (``addmm_``: cuBLAS reads dx in its epilogue, which costs no
 compute-bound GEMM), so no add runs. Forward runs the same GEMMs as the separate linears and x is
 saved once, as autograd saves it for them.
 
-Everything is cuBLAS; there is no Triton kernel, so nothing falls back but float64, which runs the
-reference (autograd over the separate linears).
+Everything is cuBLAS, on any device; float64, ``TIGON_DISABLE=linear_group`` and torch.compile run
+the reference (autograd over the separate linears).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 from tigon import _backend
 from tigon._checks import check_device, check_float, rows_view
-from tigon.ops.lora import autocast_dtype, cast_for_autocast, check_input, run_op
+from tigon.ops.lora import autocast_dtype, cast_for_autocast, check_input
 
 LINEAR_GROUP = _backend.register("linear_group")
 
@@ -35,17 +35,15 @@ def linear_group_reference(x: torch.Tensor, *params: torch.Tensor | None) -> tup
 class _LinearGroupFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, *params):
-        weights, biases = params[0::2], params[1::2]
-        x2d = rows_view(x)
-        outs = [torch.nn.functional.linear(x2d, w, b) for w, b in zip(weights, biases)]
-        ctx.save_for_backward(x2d, *weights)
+        weights = params[0::2]
+        ctx.save_for_backward(x, *weights)
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not a zero tensor
-        ctx.lead_shape = x.shape[:-1]
-        return tuple(out.view(*ctx.lead_shape, out.shape[-1]) for out in outs)
+        return tuple(torch.nn.functional.linear(x, w, b) for w, b in zip(weights, params[1::2]))
 
     @staticmethod
     def backward(ctx, *grad_outs):
-        x2d, *weights = ctx.saved_tensors
+        x, *weights = ctx.saved_tensors
+        x2d = rows_view(x)
         needs = ctx.needs_input_grad
         grads = [None if g is None else rows_view(g) for g in grad_outs]
         grad_x = None
@@ -58,7 +56,7 @@ class _LinearGroupFunction(torch.autograd.Function):
                 else:
                     grad_x.addmm_(dy, weight)
             if grad_x is not None:
-                grad_x = grad_x.view(*ctx.lead_shape, x2d.shape[1])
+                grad_x = grad_x.view(x.shape)
         param_grads = []
         for i, dy in enumerate(grads):
             need_weight, need_bias = needs[1 + 2 * i], needs[2 + 2 * i]
@@ -115,6 +113,20 @@ def linear_group(
     dtype = autocast_dtype(x)
     for i, (weight, bias) in enumerate(zip(weights, biases)):
         _check_projection(i, weight, bias, x, autocast=dtype is not None)
-    params = tuple(t for pair in zip(weights, biases) for t in pair)
-    x, params = cast_for_autocast(x, params, dtype)
-    return run_op(LINEAR_GROUP, _LinearGroupFunction.apply, linear_group_reference, x, params, dtype)
+    return run_linear_group(x, tuple(t for pair in zip(weights, biases) for t in pair), dtype)
+
+
+def run_linear_group(x: torch.Tensor, params: tuple, autocast: torch.dtype | None) -> tuple[torch.Tensor, ...]:
+    """:func:`linear_group` on arguments already checked: `params` is ``weight₁, bias₁, …`` and
+    `autocast` the dtype autocast runs a linear in on x's device (None when it is off).
+
+    Plain torch on any device, so there is no Triton dispatch: this op's host time is most of its
+    cost (it replaces three F.linear calls), and a training step on a fast GPU waits for the host.
+    """
+    if x.numel() == 0 or x.dtype == torch.float64 or torch.compiler.is_compiling() or _backend.disabled(LINEAR_GROUP):
+        return linear_group_reference(x, *params)
+    if autocast is None:
+        return _LinearGroupFunction.apply(x, *params)
+    x, params = cast_for_autocast(x, params, autocast)
+    with torch.autocast(x.device.type, enabled=False):
+        return _LinearGroupFunction.apply(x, *params)

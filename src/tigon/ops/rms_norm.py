@@ -172,21 +172,21 @@ def _output_dtype(x: torch.Tensor, weight: torch.Tensor, casting: str) -> torch.
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, eps, offset, casting):
-        shape = x.shape
         x2d = rows_view(x)
         n_rows, n_cols = x2d.shape
-        out = torch.empty((n_rows, n_cols), dtype=_output_dtype(x, weight, casting), device=x.device)
+        # Outputs are allocated in x's shape (no views to make of them): contiguous, row stride n_cols.
+        out = torch.empty(x.shape, dtype=_output_dtype(x, weight, casting), device=x.device)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         if residual is not None:
             residual2d = rows_view(residual)
-            total = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+            total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         else:
             residual2d = total = x2d  # unused by the kernel; any pointer will do
         block_rows, block_cols, num_warps = row_block_config(n_cols)
         _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_rows),)](
             x2d, residual2d, weight, out, total, rstd,
             n_rows, n_cols,
-            x2d.stride(0), residual2d.stride(0), out.stride(0), total.stride(0),
+            x2d.stride(0), residual2d.stride(0), n_cols, n_cols if residual is not None else x2d.stride(0),
             eps, offset,
             CASTING=casting,
             HAS_RESIDUAL=residual is not None,
@@ -196,15 +196,13 @@ class _RMSNormFunction(torch.autograd.Function):
         )
         # Backward needs the normalised row's input: the sum when there is a residual.
         ctx.save_for_backward(total if residual is not None else x2d, weight, rstd)
-        ctx.config = (eps, offset, casting, shape, residual is not None)
-        out = out.view(shape)
-        if residual is None:
-            return out, None
-        return out, total.view(shape)
+        ctx.config = (eps, offset, casting, x.shape, residual is not None)
+        return out, (total if residual is not None else None)
 
     @staticmethod
     def backward(ctx, grad_out, grad_sum):
-        x2d, weight, rstd = ctx.saved_tensors
+        source, weight, rstd = ctx.saved_tensors
+        x2d = rows_view(source)
         eps, offset, casting, shape, has_residual = ctx.config
         try:
             grad_x, grad_weight = _rms_norm_backward(

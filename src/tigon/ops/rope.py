@@ -19,6 +19,8 @@ q/k is saved: backward needs only cos and sin.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from tigon import _backend
@@ -166,6 +168,21 @@ def _cos_strides(t: torch.Tensor) -> tuple[int, int]:
     return t.stride(0), t.stride(1)
 
 
+@functools.lru_cache(maxsize=None)  # called on every launch: host time is part of a step's cost
+def _launch_config(half: int, head_dim: int, n_tokens: int, n_q_heads: int, n_k_heads: int) -> tuple[int, ...]:
+    """(BLOCK_HALF, BLOCK_PASS, BLOCK_Q_HEADS, BLOCK_K_HEADS, BLOCK_TOKENS, token blocks, num_warps)."""
+    block_half = triton.next_power_of_2(half)
+    max_heads = max(1, TILE_ELEMENTS // block_half)
+    block_q_heads = min(triton.next_power_of_2(max(n_q_heads, 1)), max_heads)
+    block_k_heads = min(triton.next_power_of_2(max(n_k_heads, 1)), max_heads)
+    # Few heads or narrow heads: take several tokens per program so each moves a full tile.
+    block_tokens = min(triton.next_power_of_2(n_tokens), max(1, max_heads // max(block_q_heads, block_k_heads)))
+    num_warps = max(1, min(8, block_tokens * max(block_q_heads, block_k_heads) * block_half // 512))
+    pass_dims = head_dim - 2 * half
+    block_pass = triton.next_power_of_2(pass_dims) if pass_dims else 0
+    return block_half, block_pass, block_q_heads, block_k_heads, block_tokens, triton.cdiv(n_tokens, block_tokens), num_warps
+
+
 def _launch(q, k, cos, sin, q_out, k_out, interleaved, backward):
     """Rotate q into q_out and k into k_out (either pair may be None: skipped) in one launch."""
     x = q if q is not None else k
@@ -176,15 +193,9 @@ def _launch(q, k, cos, sin, q_out, k_out, interleaved, backward):
     # A skipped tensor gets zero heads; its pointer and strides are never used.
     q, q_out = (q, q_out) if q is not None else (k, k_out)
     k, k_out = (k, k_out) if k is not None else (q, q_out)
-    block_half = triton.next_power_of_2(half)
-    max_heads = max(1, TILE_ELEMENTS // block_half)
-    block_q_heads = min(triton.next_power_of_2(max(n_q_heads, 1)), max_heads)
-    block_k_heads = min(triton.next_power_of_2(max(n_k_heads, 1)), max_heads)
-    # Few heads or narrow heads: take several tokens per program so each moves a full tile.
-    block_tokens = min(triton.next_power_of_2(n_tokens), max(1, max_heads // max(block_q_heads, block_k_heads)))
-    n_token_blocks = triton.cdiv(n_tokens, block_tokens)
-    num_warps = max(1, min(8, block_tokens * max(block_q_heads, block_k_heads) * block_half // 512))
-    pass_dims = head_dim - 2 * half
+    block_half, block_pass, block_q_heads, block_k_heads, block_tokens, n_token_blocks, num_warps = _launch_config(
+        half, head_dim, n_tokens, n_q_heads, n_k_heads
+    )
     _rope_kernel[(batch * n_token_blocks,)](
         q, k, cos, sin, q_out, k_out,
         n_tokens, n_token_blocks, n_q_heads, n_k_heads,
@@ -201,7 +212,7 @@ def _launch(q, k, cos, sin, q_out, k_out, interleaved, backward):
         BLOCK_Q_HEADS=block_q_heads,
         BLOCK_K_HEADS=block_k_heads,
         BLOCK_HALF=block_half,
-        BLOCK_PASS=triton.next_power_of_2(pass_dims) if pass_dims else 0,
+        BLOCK_PASS=block_pass,
         num_warps=num_warps,
     )
 

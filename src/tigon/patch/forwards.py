@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from tigon import functional as F
+from tigon.ops.linear_group import run_linear_group
 from tigon.ops.lora import autocast_dtype
 from tigon.ops.rms_norm import NormedInput
 from tigon.patch.families import MLP, Head, Layer, Norm, Rope
@@ -224,7 +225,7 @@ def _plain(linear: torch.nn.Module) -> bool:
         type(linear) is torch.nn.Linear
         and not linear._forward_hooks
         and not linear._forward_pre_hooks
-        and not hasattr(linear, "_hf_hook")
+        and "_hf_hook" not in vars(linear)  # (hasattr on a module costs an AttributeError)
     )
 
 
@@ -275,49 +276,47 @@ def _group_output(module: torch.nn.Module, x: torch.Tensor, out: torch.Tensor, i
     return torch.nn.Linear.forward(module, input)
 
 
-@contextlib.contextmanager
-def _grouped_qkv(attention: torch.nn.Module, hidden_states: Any) -> Iterator[None]:
+def _group_qkv(attention: torch.nn.Module, hidden_states: Any) -> tuple[torch.nn.Module, ...]:
     """Compute the attention's q, k and v projections of `hidden_states` as one
     :func:`tigon.functional.linear_group` (their input gradient accumulated in their backward
-    GEMMs, not summed by autograd) and make each projection's call on that tensor return its part.
+    GEMMs, not summed by autograd) and make each projection's call on that tensor return its part,
+    until the caller pops the ``forward`` this sets on them; returns the projections so set.
 
     Only for plain linears that calling would run nothing more (no hooks, accelerate or ZeRO-3
     wrapping, nothing set on the instance), in `hidden_states`' dtype (or under autocast) and on its
     device, when a backward can follow; otherwise the projections run as they are."""
-    projections = [getattr(attention, name, None) for name in _QKV_PROJECTIONS]
-    grouped = (
-        isinstance(hidden_states, torch.Tensor)
-        and hidden_states.is_floating_point()
-        and torch.is_grad_enabled()
-        and not torch.compiler.is_compiling()
-        and all(_plain(p) and "forward" not in vars(p) and not _zero3_partitioned(p.weight) for p in projections)
-    )
-    if grouped:
-        tensors = [t for p in projections for t in (p.weight, p.bias) if t is not None]
-        same_dtype = all(t.dtype == hidden_states.dtype for t in tensors)
-        grouped = all(t.device == hidden_states.device for t in tensors) and (same_dtype or autocast_dtype(hidden_states) is not None)
-    if not grouped:
-        yield
-        return
-    outs = F.linear_group(hidden_states, [p.weight for p in projections], [p.bias for p in projections])
+    if not (isinstance(hidden_states, torch.Tensor) and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+        return ()
+    projections = tuple(getattr(attention, name, None) for name in _QKV_PROJECTIONS)
+    if not all(_plain(p) and "forward" not in vars(p) for p in projections):
+        return ()
+    params = tuple(t for p in projections for t in (p.weight, p.bias))
+    dtype, device = hidden_states.dtype, hidden_states.device
+    autocast = autocast_dtype(hidden_states)
+    for t in params:
+        if t is not None and (t.device != device or (t.dtype != dtype and autocast is None) or _zero3_partitioned(t)):
+            return ()
+    if not hidden_states.is_floating_point():
+        return ()
+    outs = run_linear_group(hidden_states, params, autocast)
     for projection, out in zip(projections, outs):
         vars(projection)["forward"] = functools.partial(_group_output, projection, hidden_states, out)
-    try:
-        yield
-    finally:
-        for projection in projections:
-            vars(projection).pop("forward", None)
+    return projections
 
 
 @functools.lru_cache(maxsize=None)
 def attention_forward(cls: str, original: Callable[..., Any]) -> Callable[..., Any]:
     """Forward for an HF attention whose q/k/v projections read the same `hidden_states`: runs
-    `original` with the three computed as one group (see :func:`_grouped_qkv`)."""
+    `original` with the three computed as one group (see :func:`_group_qkv`)."""
 
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else (args[0] if args else None)
-        with _grouped_qkv(self, hidden_states):
+        grouped = _group_qkv(self, hidden_states)
+        try:
             return original(self, *args, **kwargs)
+        finally:
+            for projection in grouped:
+                vars(projection).pop("forward", None)
 
     forward.__qualname__ = f"tigon_{cls}.forward"
     return forward
