@@ -24,6 +24,7 @@ parser.add_argument("--batch", type=int, default=4)
 parser.add_argument("--seq", type=int, default=2048)
 parser.add_argument("--steps", type=int, default=6)
 parser.add_argument("--profile", type=int, default=0, metavar="N")
+parser.add_argument("--dump", metavar="DIR", help="also write each forward's profile (pstats) here")
 args = parser.parse_args()
 device = torch.device("cuda")
 
@@ -60,6 +61,8 @@ def measure(impl: str) -> None:
         profiler.disable()
         loss.backward()
         torch.cuda.synchronize()
+        if args.dump:
+            profiler.dump_stats(f"{args.dump}/forward_{args.mode}_{impl}.pstats")
         print(f"-- {impl} forward, by own time")
         pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
     tigon.unpatch(model)
