@@ -1,6 +1,6 @@
-"""Host cost (microseconds per call) of tigon's ops and patched layers, on tensors so small that
-the GPU never holds the host up: what each costs the CPU to issue, next to the PyTorch calls it
-replaces. Where a training step's host time exceeds its GPU time (a slow host, a small model) this
+"""Host cost (microseconds per call) of tigon's ops, each call issued on an idle GPU so that a full
+launch queue never holds the host up: what each costs the CPU to issue, next to the PyTorch calls
+it replaces (scripts/host_time.py does the same for a whole training step). Where a training step's host time exceeds its GPU time (a slow host, a small model) this
 is what sets the step time.
 
 Usage (GPU): PYTHONPATH=src python3 scripts/host_per_op.py
@@ -13,7 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-import tigon
 from tigon import functional as F
 
 device = torch.device("cuda")
@@ -86,45 +85,3 @@ for name, fn in cases.items():
 with torch.no_grad():
     print(f"{'tigon rms_norm, no grad':<36}{host_us(lambda: F.rms_norm(x, w)):8.1f} us")
 
-
-def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=16, num_attention_heads=4,
-                         num_key_value_heads=1, head_dim=64, vocab_size=1024, use_cache=False)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).to(device, dtype).train()
-
-
-ids = torch.randint(0, 1024, (1, rows), device=device)
-
-
-def step_host(model, steps: int = 15):
-    """Median host ms of the forward and of the backward (each started on an idle GPU)."""
-    fwd, bwd = [], []
-    for i in range(steps + 2):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
-        middle = time.perf_counter()
-        loss.backward()
-        end = time.perf_counter()
-        if i >= 2:
-            fwd.append(middle - start)
-            bwd.append(end - middle)
-        model.zero_grad(set_to_none=True)
-    return 1e3 * statistics.median(fwd), 1e3 * statistics.median(bwd)
-
-
-if REAL:
-    sys.exit()
-model = tiny_llama()
-print("16-layer tiny Llama, host ms per forward / backward:")
-fwd, bwd = step_host(model)
-print(f"  {'eager':<28}{fwd:7.2f} {bwd:7.2f}")
-for off in (None, "qkv_group", "add_rms_norm", "rope", "swiglu", "rms_norm", "linear_cross_entropy"):
-    kwargs = {} if off is None else {off: False}
-    tigon.patch(model, **kwargs)
-    fwd, bwd = step_host(model)
-    print(f"  {'tigon' + ('' if off is None else ' without ' + off):<28}{fwd:7.2f} {bwd:7.2f}")
-    tigon.unpatch(model)
