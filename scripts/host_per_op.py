@@ -7,6 +7,7 @@ Usage (GPU): PYTHONPATH=src python3 scripts/host_per_op.py
 """
 
 import statistics
+import sys
 import time
 
 import torch
@@ -47,8 +48,6 @@ class _Identity(torch.autograd.Function):
     def backward(ctx, grad):
         return grad
 
-
-import sys
 
 # Tiny shapes by default; "real" gives tigon bench --e2e's (Llama-3.2-1B, 4 x 2048 tokens).
 REAL = sys.argv[1:] == ["real"]
