@@ -390,22 +390,24 @@ def test_positions_it_makes_need_no_look_for_packed_sequences(model_type, monkey
     ids, _, labels = batch()
     packed = torch.tensor([list(range(6)) + list(range(7))] * ids.shape[0])
 
-    def step(model, **kwargs):
+    def step(model, embeds=False, **kwargs):
         model.train()
         model.zero_grad(set_to_none=True)
         torch.manual_seed(0)
+        tokens = {"inputs_embeds": model.get_input_embeddings()(ids)} if embeds else {"input_ids": ids}
         # No cache, as training is run (a cache's sizes would stand in for the positions).
-        out = model(input_ids=ids, labels=labels, use_cache=False, **kwargs)
+        out = model(**tokens, labels=labels, use_cache=False, **kwargs)
         out.loss.backward()
         return out.loss.detach(), None, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
     model = tiny_model(model_type)
-    want = step(model)
+    want, want_embeds = step(model), step(model, embeds=True)
     assert looked
     want_packed = step(model, position_ids=packed)
     looked.clear()
     tigon.patch(model)
     assert_same_run(step(model), want)
+    assert_same_run(step(model, embeds=True), want_embeds)
     assert not looked
     assert_same_run(step(model, position_ids=packed), want_packed)
     assert looked
