@@ -9,6 +9,14 @@ def test_env_lists_every_op(capsys):
     for op in ("rms_norm", "add_rms_norm", "layer_norm"):
         assert op in out
     assert "torch" in out and "triton" in out
+    # linear_group has no Triton kernel: its fused backward runs wherever torch does.
+    assert "linear_group           torch (no Triton kernel needed)" in out
+
+
+def test_env_reports_a_disabled_torch_op(monkeypatch, capsys):
+    monkeypatch.setenv("TIGON_DISABLE", "linear_group")
+    assert main(["env"]) == 0
+    assert "linear_group           reference: disabled by TIGON_DISABLE" in capsys.readouterr().out
 
 
 def test_bench_writes_json_and_plot(tmp_path, capsys):

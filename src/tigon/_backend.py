@@ -47,15 +47,20 @@ except ImportError as err:  # macOS, Windows, or a broken install: every op runs
 
 # Ops that exist, filled in by each op module so `tigon env` can report on all of them.
 OPS: list[str] = []
+# Those among them with no Triton kernel: plain torch on any device (TIGON_DISABLE still applies).
+TORCH_OPS: set[str] = set()
 _warned: set[str] = set()
 _broken: dict[str, str] = {}
 _debug_seen: set[tuple] = set()
 
 
-def register(op: str) -> str:
-    """Record an op name for `tigon env` and TIGON_DISABLE; returns the name."""
+def register(op: str, *, triton: bool = True) -> str:
+    """Record an op name for `tigon env` and TIGON_DISABLE (`triton`: whether it has a Triton
+    kernel, or is plain torch that runs on any device); returns the name."""
     if op not in OPS:
         OPS.append(op)
+    if not triton:
+        TORCH_OPS.add(op)
     return op
 
 

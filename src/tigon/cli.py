@@ -44,8 +44,12 @@ def _cmd_env(args: argparse.Namespace) -> int:
         print("mode       TRITON_INTERPRET=1: kernels run in Triton's CPU interpreter (slow; for tests)")
     print(f"\nops on {device}:")
     for op in _backend.OPS:
-        reason = _backend.why_not_triton(op, device)
-        print(f"  {op:<22} {'triton' if reason is None else 'reference: ' + reason}")
+        if op in _backend.TORCH_OPS:
+            where = "reference: disabled by TIGON_DISABLE" if _backend.disabled(op) else "torch (no Triton kernel needed)"
+        else:
+            reason = _backend.why_not_triton(op, device)
+            where = "triton" if reason is None else "reference: " + reason
+        print(f"  {op:<22} {where}")
     return 0
 
 

@@ -24,7 +24,7 @@ from tigon import _backend
 from tigon._checks import check_device, check_float, rows_view
 from tigon.ops.lora import autocast_dtype, cast_for_autocast, check_input
 
-LINEAR_GROUP = _backend.register("linear_group")
+LINEAR_GROUP = _backend.register("linear_group", triton=False)
 
 
 def linear_group_reference(x: torch.Tensor, *params: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
