@@ -386,7 +386,8 @@ def test_positions_it_makes_need_no_look_for_packed_sequences(model_type, monkey
 
     looked = []
     real = masking_utils.find_packed_sequence_indices
-    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda p: looked.append(1) or real(p))
+    spy = lambda p: looked.append(1) or real(p)  # noqa: E731
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", spy)
     ids, _, labels = batch()
     packed = torch.tensor([list(range(6)) + list(range(7))] * ids.shape[0])
 
@@ -411,6 +412,9 @@ def test_positions_it_makes_need_no_look_for_packed_sequences(model_type, monkey
     assert not looked
     assert_same_run(step(model, position_ids=packed), want_packed)
     assert looked
+    assert masking_utils.find_packed_sequence_indices is not spy
+    tigon.unpatch(model)
+    assert masking_utils.find_packed_sequence_indices is spy
 
 
 @pytest.mark.gpu
