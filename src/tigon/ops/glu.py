@@ -351,9 +351,7 @@ class _GLUMLPFunction(torch.autograd.Function):
         grad_down_bias = grad_out2d.sum(0) if needs[6] else None
         grad_x = None
         if needs[0]:
-            # In place on the first product: out-of-place addmm would copy it into a new tensor first
-            # (a DtoD copy of tokens x hidden per layer in a profile of the step).
-            grad_x = grad_gate.matmul(gate_weight).addmm_(grad_up, up_weight).view(x.shape)
+            grad_x = torch.addmm(grad_gate.matmul(gate_weight), grad_up, up_weight).view(x.shape)
         x2d = x.reshape(-1, x.shape[-1])
         grad_gate_weight = grad_gate.t().matmul(x2d) if needs[1] else None
         grad_up_weight = grad_up.t().matmul(x2d) if needs[2] else None
