@@ -37,7 +37,9 @@ import torch
 from torch import nn
 
 from tigon import functional as F
+from tigon._checks import has_hooks
 from tigon.ops.lora import LoraProjection, autocast_dtype
+from tigon.patch.families import QKV_PROJECTIONS
 
 log = logging.getLogger("tigon")
 
@@ -46,9 +48,8 @@ _PREVIOUS = "_tigon_lora_previous_forward"
 _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # How Hugging Face's gated MLPs (LlamaMLP and ~130 others) spell their forward.
 _GATED_MLP_SOURCE = "self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"
-_QKV_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 # How Hugging Face's attention forwards call them: q, k and v, in that order, on one tensor.
-_QKV_SOURCE = tuple(f"self.{name}(hidden_states)" for name in _QKV_PROJECTIONS)
+_QKV_SOURCE = tuple(f"self.{name}(hidden_states)" for name in QKV_PROJECTIONS)
 # On a q_proj: weak references to the k_proj and v_proj computed with it.
 _GROUP = "_tigon_lora_group"
 # On the input of a grouped q_proj call: {k_proj: its output, v_proj: its output} until they take it.
@@ -91,18 +92,6 @@ def _lora_linear_class() -> type:
     return Linear
 
 
-def _has_hooks(module: nn.Module, own_forward: Callable[..., Any] | None = None) -> bool:
-    """True when calling `module` would do more than its class's forward (hooks, or a forward
-    set on the instance, as accelerate's wrapper is), which a fused path that never calls it would
-    skip. `own_forward` is a rebound forward that does not count (tigon's own)."""
-    forward = vars(module).get("forward")
-    return bool(
-        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-        or getattr(module, "_backward_pre_hooks", None)
-        or (forward is not None and getattr(forward, "__func__", None) is not own_forward)
-    )
-
-
 def _dropout_is_identity(dropout: nn.Module) -> bool:
     if type(dropout) is nn.Identity:
         return True
@@ -130,7 +119,7 @@ def _active_adapter(layer: nn.Module) -> tuple[str | None, str | None]:
     base = layer.get_base_layer()
     if type(base) is not nn.Linear:
         return None, f"base layer is {type(base).__name__}, not nn.Linear"
-    if any(_has_hooks(m) for m in (base, layer.lora_A[name], layer.lora_B[name])):
+    if any(has_hooks(m) for m in (base, layer.lora_A[name], layer.lora_B[name])):
         return None, "hooks on the base or adapter modules"
     return name, None
 
@@ -207,9 +196,9 @@ def _activation(act_fn: nn.Module) -> str | None:
 
 def _gated_mlp_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     activation = _activation(self.act_fn)
-    if activation is not None and not args and not kwargs and not _has_hooks(self.act_fn):
+    if activation is not None and not args and not kwargs and not has_hooks(self.act_fn):
         layers = [getattr(self, name) for name in _MLP_PROJECTIONS]
-        if not any(_has_hooks(layer, _lora_linear_forward) for layer in layers):
+        if not any(has_hooks(layer, _lora_linear_forward) for layer in layers):
             projections = [_projection(layer, x) for layer in layers]
             if all(p is not None for p in projections):
                 return F.lora_gated_mlp(x, *projections, activation=activation)
@@ -233,7 +222,7 @@ def _forward_source(cls: type) -> str:
 
 
 def _is_qkv_attention(module: nn.Module, lora_linear: type) -> bool:
-    if not all(type(getattr(module, name, None)) is lora_linear for name in _QKV_PROJECTIONS):
+    if not all(type(getattr(module, name, None)) is lora_linear for name in QKV_PROJECTIONS):
         return False
     source = _forward_source(type(module))
     return all(call in source for call in _QKV_SOURCE)
@@ -300,9 +289,9 @@ def apply_lora_kernels(
             if _activation(module.act_fn) and all(_active_adapter(layer)[1] is None for layer in layers):
                 gated_mlps += 1
         elif _is_qkv_attention(module, lora_linear):
-            q_proj, *members = (getattr(module, name) for name in _QKV_PROJECTIONS)
+            q_proj, *members = (getattr(module, name) for name in QKV_PROJECTIONS)
             vars(q_proj).setdefault(_GROUP, tuple(weakref.ref(m) for m in members))
-            if all(_active_adapter(getattr(module, name))[1] is None for name in _QKV_PROJECTIONS):
+            if all(_active_adapter(getattr(module, name))[1] is None for name in QKV_PROJECTIONS):
                 qkv_groups += 1
     summary = LoraKernels(linears, gated_mlps, dict(left), qkv_groups)
     log.info("%s", summary)

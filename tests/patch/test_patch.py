@@ -371,9 +371,16 @@ def test_qkv_group_leaves_projections_with_hooks_or_without_grad_alone(monkeypat
     assert all("forward" not in vars(p) for p in projections)
     assert_same_run(run(model), want)
     assert len(groups) == 3
+
+    # A module backward hook too: under the group its input would not be what the output came from.
+    grads_seen = []
+    handle = model.model.layers[1].self_attn.v_proj.register_full_backward_hook(lambda m, gi, go: grads_seen.append(1))
+    assert_same_run(run(model), want)
+    assert len(grads_seen) == 1 and len(groups) == 4  # layer 0 grouped, layer 1 not
+    handle.remove()
     assert tigon.patch(model, qkv_group=False).applied.count("qkv_group") == 0
     assert_same_run(run(model), want)
-    assert len(groups) == 3
+    assert len(groups) == 4
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))

@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+# The projections of an attention's `Family.attention` class, called in this order on one tensor.
+QKV_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+
+
 @dataclass(frozen=True)
 class Norm:
     """An RMSNorm class and how its arithmetic rounds (see :func:`tigon.functional.rms_norm`)."""

@@ -17,10 +17,11 @@ from typing import Any, Callable, Iterator
 import torch
 
 from tigon import functional as F
+from tigon._checks import has_hooks
 from tigon.ops.linear_group import run_linear_group
 from tigon.ops.lora import autocast_dtype
 from tigon.ops.rms_norm import NormedInput
-from tigon.patch.families import MLP, Head, Layer, Norm, Rope
+from tigon.patch.families import MLP, QKV_PROJECTIONS, Head, Layer, Norm, Rope
 
 
 @functools.lru_cache(maxsize=None)
@@ -219,14 +220,9 @@ def _glu(activation: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def _plain(linear: torch.nn.Module) -> bool:
-    """An nn.Linear whose weights the fused MLP may read directly: not a LoRA or quantised wrapper,
-    and no hooks (accelerate's offload hooks among them) that calling it would run."""
-    return (
-        type(linear) is torch.nn.Linear
-        and not linear._forward_hooks
-        and not linear._forward_pre_hooks
-        and "_hf_hook" not in vars(linear)  # (hasattr on a module costs an AttributeError)
-    )
+    """An nn.Linear whose weights a fused op may read directly: not a LoRA or quantised wrapper,
+    and nothing (hooks, accelerate's offload wrapper) that calling it would run."""
+    return type(linear) is torch.nn.Linear and not has_hooks(linear)
 
 
 @functools.lru_cache(maxsize=None)
@@ -266,9 +262,6 @@ def mlp_forward(mlp: MLP, original: Callable[..., torch.Tensor]) -> Callable[...
     return forward
 
 
-_QKV_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
-
-
 def _group_output(module: torch.nn.Module, x: torch.Tensor, out: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
     """A q/k/v projection's forward while its attention runs: `out`, computed for `x` in the group."""
     if input is x:
@@ -283,12 +276,14 @@ def _group_qkv(attention: torch.nn.Module, hidden_states: Any) -> tuple[torch.nn
     until the caller pops the ``forward`` this sets on them; returns the projections so set.
 
     Only for plain linears that calling would run nothing more (no hooks, accelerate or ZeRO-3
-    wrapping, nothing set on the instance), in `hidden_states`' dtype (or under autocast) and on its
+    wrapping, no forward set on the instance), in `hidden_states`' dtype (or under autocast) and on its
     device, when a backward can follow; otherwise the projections run as they are."""
-    if not (isinstance(hidden_states, torch.Tensor) and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+    if not (isinstance(hidden_states, torch.Tensor) and hidden_states.is_floating_point() and torch.is_grad_enabled()):
         return ()
-    projections = tuple(getattr(attention, name, None) for name in _QKV_PROJECTIONS)
-    if not all(_plain(p) and "forward" not in vars(p) for p in projections):
+    if torch.compiler.is_compiling():
+        return ()
+    projections = tuple(getattr(attention, name, None) for name in QKV_PROJECTIONS)
+    if not all(_plain(p) for p in projections):
         return ()
     params = tuple(t for p in projections for t in (p.weight, p.bias))
     dtype, device = hidden_states.dtype, hidden_states.device
@@ -296,8 +291,6 @@ def _group_qkv(attention: torch.nn.Module, hidden_states: Any) -> tuple[torch.nn
     for t in params:
         if t is not None and (t.device != device or (t.dtype != dtype and autocast is None) or _zero3_partitioned(t)):
             return ()
-    if not hidden_states.is_floating_point():
-        return ()
     outs = run_linear_group(hidden_states, params, autocast)
     for projection, out in zip(projections, outs):
         vars(projection)["forward"] = functools.partial(_group_output, projection, hidden_states, out)
