@@ -3,7 +3,7 @@ expected, before any kernel runs."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Collection
 
 import torch
 
@@ -38,8 +38,7 @@ def check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
         raise ValueError(f"{name} is on {t.device}, expected {device} like the input")
 
 
-def check_choice(name: str, value: object, choices: Iterable[object]) -> None:
-    choices = tuple(choices)
+def check_choice(name: str, value: object, choices: Collection[object]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
 

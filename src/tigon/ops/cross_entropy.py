@@ -28,6 +28,7 @@ import torch
 from tigon import _backend
 from tigon._backend import tl, triton
 from tigon._checks import KERNEL_DTYPES, check_choice, check_device, check_float, rows_view
+from tigon.ops._launch import next_power_of_2
 
 CROSS_ENTROPY = _backend.register("cross_entropy")
 
@@ -225,7 +226,7 @@ def cross_entropy_reference(
 def vocab_block_config(n_cols: int, writes_grad: bool) -> tuple[int, int]:
     """(BLOCK, num_warps) for a kernel that walks a row of `n_cols` logits block by block, and
     writes the row's gradient too if `writes_grad`."""
-    block = min(MAX_BLOCK, triton.next_power_of_2(n_cols))
+    block = min(MAX_BLOCK, next_power_of_2(n_cols))
     return block, max(1, min(16, block // (32 * ELEMENTS_PER_THREAD[writes_grad])))
 
 

@@ -12,7 +12,7 @@ import torch
 
 from tigon import _backend
 from tigon._backend import tl, triton
-from tigon.ops._launch import persistent_programs, row_block_config
+from tigon.ops._launch import cdiv, persistent_programs, row_block_config
 from tigon._checks import KERNEL_DTYPES, check_eps, check_float, check_vector, rows_view
 
 LAYER_NORM = _backend.register("layer_norm")
@@ -121,7 +121,7 @@ class _LayerNormFunction(torch.autograd.Function):
         mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         block_rows, block_cols, num_warps = row_block_config(n_cols)
-        _layer_norm_fwd_kernel[(triton.cdiv(n_rows, block_rows),)](
+        _layer_norm_fwd_kernel[(cdiv(n_rows, block_rows),)](
             x2d, weight if weight is not None else x2d, bias if bias is not None else x2d, out, mean, rstd,
             n_rows, n_cols, x2d.stride(0), out.stride(0), eps,
             HAS_WEIGHT=weight is not None,
@@ -157,7 +157,7 @@ def _layer_norm_backward(grad_out, x2d, weight, mean, rstd, needs_weight, needs_
     grad_out2d = rows_view(grad_out)
     grad_x = torch.empty_like(x2d)
     block_rows, block_cols, num_warps = row_block_config(n_cols)
-    n_programs = persistent_programs(triton.cdiv(n_rows, block_rows), x2d.device)
+    n_programs = persistent_programs(cdiv(n_rows, block_rows), x2d.device)
     partial = lambda needed: (  # noqa: E731
         torch.empty((n_programs, n_cols), dtype=torch.float32, device=x2d.device) if needed else rstd
     )

@@ -31,6 +31,7 @@ import torch
 from tigon import _backend
 from tigon._backend import tl, triton
 from tigon._checks import KERNEL_DTYPES, check_device, check_float, check_vector, rows_view
+from tigon.ops._launch import cdiv
 from tigon.ops.cross_entropy import (
     LossOptions,
     check_loss_options,
@@ -139,7 +140,7 @@ def _chunked_loss_and_grads(
 
 
 def _scale_in_place(t: torch.Tensor, scale: torch.Tensor) -> None:
-    n_blocks = triton.cdiv(t.numel(), SCALE_BLOCK)
+    n_blocks = cdiv(t.numel(), SCALE_BLOCK)
     programs = max(1, min(n_blocks, 8 * _backend.multiprocessor_count(t.device)))
     _scale_in_place_kernel[(programs,)](t, scale, t.numel(), BLOCK=SCALE_BLOCK, num_warps=8)
 

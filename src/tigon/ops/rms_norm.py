@@ -21,7 +21,7 @@ import torch
 
 from tigon import _backend
 from tigon._backend import tl, triton
-from tigon.ops._launch import persistent_programs, row_block_config
+from tigon.ops._launch import cdiv, persistent_programs, row_block_config
 from tigon._checks import KERNEL_DTYPES, check_choice, check_eps, check_float, check_vector, rows_view
 
 RMS_NORM = _backend.register("rms_norm")
@@ -183,7 +183,7 @@ class _RMSNormFunction(torch.autograd.Function):
         else:
             residual2d = total = x2d  # unused by the kernel; any pointer will do
         block_rows, block_cols, num_warps = row_block_config(n_cols)
-        _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_rows),)](
+        _rms_norm_fwd_kernel[(cdiv(n_rows, block_rows),)](
             x2d, residual2d, weight, out, total, rstd,
             n_rows, n_cols,
             x2d.stride(0), residual2d.stride(0), n_cols, n_cols if residual is not None else x2d.stride(0),
@@ -237,7 +237,7 @@ def _rms_norm_backward(grad_out, grad_sum, x2d, weight, rstd, offset, casting, c
     grad_sum2d = rows_view(grad_sum) if grad_sum is not None else grad_out2d
     grad_x = torch.empty_like(x2d)
     block_rows, block_cols, num_warps = _backward_block_config(n_cols)
-    n_programs = persistent_programs(triton.cdiv(n_rows, block_rows), x2d.device)
+    n_programs = persistent_programs(cdiv(n_rows, block_rows), x2d.device)
     grad_weight_partial = (
         torch.empty((n_programs, n_cols), dtype=torch.float32, device=x2d.device)
         if compute_grad_weight

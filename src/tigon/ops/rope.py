@@ -26,6 +26,7 @@ import torch
 from tigon import _backend
 from tigon._backend import tl, triton
 from tigon._checks import KERNEL_DTYPES, check_device, check_float
+from tigon.ops._launch import cdiv, next_power_of_2
 
 ROPE = _backend.register("rope")
 
@@ -171,16 +172,16 @@ def _cos_strides(t: torch.Tensor) -> tuple[int, int]:
 @functools.lru_cache(maxsize=None)  # called on every launch: host time is part of a step's cost
 def _launch_config(half: int, head_dim: int, n_tokens: int, n_q_heads: int, n_k_heads: int) -> tuple[int, ...]:
     """(BLOCK_HALF, BLOCK_PASS, BLOCK_Q_HEADS, BLOCK_K_HEADS, BLOCK_TOKENS, token blocks, num_warps)."""
-    block_half = triton.next_power_of_2(half)
+    block_half = next_power_of_2(half)
     max_heads = max(1, TILE_ELEMENTS // block_half)
-    block_q_heads = min(triton.next_power_of_2(max(n_q_heads, 1)), max_heads)
-    block_k_heads = min(triton.next_power_of_2(max(n_k_heads, 1)), max_heads)
+    block_q_heads = min(next_power_of_2(max(n_q_heads, 1)), max_heads)
+    block_k_heads = min(next_power_of_2(max(n_k_heads, 1)), max_heads)
     # Few heads or narrow heads: take several tokens per program so each moves a full tile.
-    block_tokens = min(triton.next_power_of_2(n_tokens), max(1, max_heads // max(block_q_heads, block_k_heads)))
+    block_tokens = min(next_power_of_2(n_tokens), max(1, max_heads // max(block_q_heads, block_k_heads)))
     num_warps = max(1, min(8, block_tokens * max(block_q_heads, block_k_heads) * block_half // 512))
     pass_dims = head_dim - 2 * half
-    block_pass = triton.next_power_of_2(pass_dims) if pass_dims else 0
-    return block_half, block_pass, block_q_heads, block_k_heads, block_tokens, triton.cdiv(n_tokens, block_tokens), num_warps
+    block_pass = next_power_of_2(pass_dims) if pass_dims else 0
+    return block_half, block_pass, block_q_heads, block_k_heads, block_tokens, cdiv(n_tokens, block_tokens), num_warps
 
 
 def _launch(q, k, cos, sin, q_out, k_out, interleaved, backward):
@@ -276,12 +277,16 @@ def _check(q, k, cos, sin, interleaved) -> str | None:
     for name, t in (("cos", cos), ("sin", sin)):
         check_float(name, t)
         check_device(name, t, q.device)
-        rot = t.shape[-1] if t.dim() else 0
-        shapes = f"({n_tokens}, R) or ({batch} or 1, {n_tokens}, R) with R even and 2 <= R <= {head_dim}"
-        if t.dim() not in (2, 3) or t.shape[-2] != n_tokens or rot % 2 or not 2 <= rot <= head_dim:
-            raise ValueError(f"{name} must have shape {shapes}, got {tuple(t.shape)}")
-        if t.dim() == 3 and t.shape[0] not in (1, batch):
-            raise ValueError(f"{name} must have shape {shapes}, got {tuple(t.shape)}")
+        dims = t.dim()
+        rot = t.shape[-1] if dims else 0
+        if (
+            dims not in (2, 3) or t.shape[-2] != n_tokens or rot % 2 or not 2 <= rot <= head_dim
+            or (dims == 3 and t.shape[0] not in (1, batch))
+        ):
+            raise ValueError(
+                f"{name} must have shape ({n_tokens}, R) or ({batch} or 1, {n_tokens}, R) with R even and "
+                f"2 <= R <= {head_dim}, got {tuple(t.shape)}"
+            )
     if sin.shape != cos.shape:
         raise ValueError(f"sin must have the shape of cos {tuple(cos.shape)}, got {tuple(sin.shape)}")
     if sin.dtype != cos.dtype:

@@ -43,11 +43,10 @@ def rms_norm_forward(norm: Norm) -> Callable[[torch.nn.Module, torch.Tensor], to
 def _add_norm(norm: Norm, module: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor):
     """``(module(residual + x), residual + x)`` in one kernel; the sum is formed in the dtype
     ``residual + x`` would have, so the result is the unfused one."""
-    dtype = torch.promote_types(x.dtype, residual.dtype)
-    return F.add_rms_norm(
-        x.to(dtype), residual.to(dtype), module.weight, getattr(module, norm.eps),
-        offset=norm.offset, casting=norm.casting,
-    )
+    if x.dtype != residual.dtype:
+        dtype = torch.promote_types(x.dtype, residual.dtype)
+        x, residual = x.to(dtype), residual.to(dtype)
+    return F.add_rms_norm(x, residual, module.weight, getattr(module, norm.eps), offset=norm.offset, casting=norm.casting)
 
 
 # (normed tensor, NormedInput) while a fused decoder layer calls its MLP on the output of its
