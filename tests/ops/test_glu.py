@@ -135,6 +135,21 @@ def test_glu_mlp_matches_reference(poison_outputs, device, dtype, activation, bi
     )
 
 
+def test_glu_mlp_input_gradient_accumulates_in_place(device, monkeypatch):
+    """dx = dgate Wg + dup Wu: the second GEMM accumulates into the first's output; an
+    out-of-place addmm would first copy that tokens x hidden tensor."""
+    x, weights, _ = _mlp_args((6,), 16, 24, torch.float32, device, False)
+    expected = torch.autograd.grad(glu_mlp_reference(x, *weights).sum(), x)[0]
+    out = F.glu_mlp(x, *weights)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("out-of-place addmm in glu_mlp's backward")
+
+    monkeypatch.setattr(torch, "addmm", forbidden)
+    out.sum().backward()
+    assert_close(x.grad, expected, torch.float32, name="dx")
+
+
 def test_glu_mlp_frozen_weights_and_input(device):
     x, (wg, wu, wd), _ = _mlp_args((5,), 16, 24, torch.float32, device, False)
     wd.requires_grad_(False)

@@ -23,6 +23,7 @@ import torch.nn.functional as torch_f
 from tigon import _backend
 from tigon._backend import tl, triton
 from tigon._checks import KERNEL_DTYPES, check_choice, check_device, check_float, check_vector, rows_view
+from tigon.ops._launch import cdiv
 from tigon.ops.rms_norm import NormedInput
 
 SWIGLU = _backend.register("swiglu")
@@ -161,7 +162,7 @@ def _row_views(*tensors: torch.Tensor) -> list[torch.Tensor]:
 
 def _grid(rows2d: torch.Tensor) -> tuple[int, int]:
     n_rows, n_cols = rows2d.shape
-    n_col_blocks = triton.cdiv(n_cols, BLOCK_SIZE)
+    n_col_blocks = cdiv(n_cols, BLOCK_SIZE)
     return n_rows * n_col_blocks, n_col_blocks
 
 
@@ -306,7 +307,7 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> to
     Returns:
         A contiguous tensor of `gate`'s shape and dtype.
     """
-    check_choice("approximate", approximate, tuple(APPROXIMATIONS))
+    check_choice("approximate", approximate, APPROXIMATIONS)
     unsupported = _check_pair(gate, up)
     if gate.numel() == 0:
         return geglu_reference(gate, up, approximate)
@@ -351,7 +352,12 @@ class _GLUMLPFunction(torch.autograd.Function):
         grad_down_bias = grad_out2d.sum(0) if needs[6] else None
         grad_x = None
         if needs[0]:
-            grad_x = torch.addmm(grad_gate.matmul(gate_weight), grad_up, up_weight).view(x.shape)
+            # In place on the first product: an out-of-place addmm would copy it (tokens x hidden per
+            # layer) first. Autocast does not cast an in-place op's operands, so the weight is cast
+            # to the product's dtype here (a no-op without autocast).
+            grad_x = grad_gate.matmul(gate_weight)
+            grad_x.addmm_(grad_up, up_weight.to(grad_x.dtype))
+            grad_x = grad_x.view(x.shape)
         x2d = x.reshape(-1, x.shape[-1])
         grad_gate_weight = grad_gate.t().matmul(x2d) if needs[1] else None
         grad_up_weight = grad_up.t().matmul(x2d) if needs[2] else None
@@ -377,19 +383,18 @@ def _check_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_
             f"got {tuple(gate_weight.shape)}"
         )
     intermediate = gate_weight.shape[0]
-    expected = [
+    for name, t, shape in (
         ("gate_weight", gate_weight, (intermediate, hidden)),
         ("up_weight", up_weight, (intermediate, hidden)),
         ("down_weight", down_weight, (hidden, intermediate)),
         ("gate_bias", gate_bias, (intermediate,)),
         ("up_bias", up_bias, (intermediate,)),
         ("down_bias", down_bias, (hidden,)),
-    ]
-    for name, t, shape in expected:
+    ):
         if t is None and name.endswith("bias"):
             continue
         check_float(name, t)
-        if tuple(t.shape) != shape:
+        if t.shape != shape:
             raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
         check_device(name, t, x.device)
     dtypes = {x.dtype, gate_weight.dtype, up_weight.dtype, down_weight.dtype}
