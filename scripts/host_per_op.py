@@ -3,11 +3,15 @@ launch queue never holds the host up: what each costs the CPU to issue, next to 
 it replaces (scripts/host_time.py does the same for a whole training step). Where a training step's host time exceeds its GPU time (a slow host, a small model) this
 is what sets the step time.
 
-Usage (GPU): PYTHONPATH=src python3 scripts/host_per_op.py
+Usage (GPU): PYTHONPATH=src python3 scripts/host_per_op.py [real] [--profile SUBSTRING ...]
+--profile also prints, for each case whose name contains a SUBSTRING, the Python functions with the
+most own time over 200 calls.
 """
 
+import argparse
+import cProfile
+import pstats
 import statistics
-import sys
 import time
 
 import torch
@@ -50,7 +54,11 @@ class _Identity(torch.autograd.Function):
 
 
 # Tiny shapes by default; "real" gives tigon bench --e2e's (Llama-3.2-1B, 4 x 2048 tokens).
-REAL = sys.argv[1:] == ["real"]
+parser = argparse.ArgumentParser()
+parser.add_argument("shapes", nargs="?", choices=("tiny", "real"), default="tiny")
+parser.add_argument("--profile", nargs="+", default=[], metavar="SUBSTRING")
+args = parser.parse_args()
+REAL = args.shapes == "real"
 rows, hidden, inter, kv = (8192, 2048, 8192, 512) if REAL else (64, 256, 512, 64)
 x = torch.randn(rows, hidden, device=device, dtype=dtype, requires_grad=True)
 res = torch.randn(rows, hidden, device=device, dtype=dtype, requires_grad=True)
@@ -83,4 +91,15 @@ for name, fn in cases.items():
     print(f"{name:<36}{host_us(fn):8.1f} us")
 with torch.no_grad():
     print(f"{'tigon rms_norm, no grad':<36}{host_us(lambda: F.rms_norm(x, w)):8.1f} us")
+for name, fn in cases.items():
+    if not any(part in name for part in args.profile):
+        continue
+    profiler = cProfile.Profile()
+    for _ in range(200):
+        torch.cuda.synchronize()
+        profiler.enable()
+        fn()
+        profiler.disable()
+    print(f"-- {name}: 200 calls, by own time")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
 
