@@ -34,3 +34,16 @@ def test_e2e_runs_both_modes_and_reports_matching_losses(tmp_path):
 
     assert "tigon" not in modeling_llama.apply_rotary_pos_emb.__qualname__
     tigon.unpatch()
+
+
+def test_e2e_cadences_train_alike():
+    """Synchronising around each step changes what is timed, not what is trained."""
+    runs = [
+        run_e2e(modes=["full"], impls=["tigon"], batch=1, seq=8, steps=2, warmup=1, shape=TINY,
+                device=torch.device("cpu"), sync_steps=sync, log=lambda line: None)[0]
+        for sync in (False, True)
+    ]
+    for record in runs:
+        assert "error" not in record, record.get("error")
+        assert record["tokens_per_s"] > 0 and len(record["losses"]) == 3
+    assert runs[0]["losses"] == runs[1]["losses"]

@@ -9,8 +9,10 @@ SDPA attention, trained by AdamW on random tokens:
 
 Each (mode, implementation) gets a fresh model from the same seed and the same batches, so the
 per-step losses are comparable: they are reported next to eager's. Throughput is tokens per
-second over the timed steps (after warm-up steps, which also absorb torch.compile's compilation);
-peak is ``torch.cuda.max_memory_allocated()`` over the whole run from building the model on, in
+second over the timed steps (after warm-up steps, which also absorb torch.compile's compilation),
+at the cadence of the HF Trainer between logging steps: each step's loss is read after its
+backward, so the next step's forward is issued while the GPU runs the optimizer (``--sync-steps``: none of that
+overlap, each step timed alone). Peak is ``torch.cuda.max_memory_allocated()`` over the whole run from building the model on, in
 GiB (weights, gradients and optimizer state included, as in TARGETS.md).
 
 ``tigon bench --e2e`` runs the defaults; ``python -m tigon.bench.e2e --help`` lists the knobs
@@ -87,28 +89,52 @@ def current_cuda_device(bench: str) -> torch.device:
 
 
 def timed_steps(
-    model: torch.nn.Module, step_model: Callable[..., Any], vocab: int, batch: int, seq: int, warmup: int, steps: int
+    model: torch.nn.Module,
+    step_model: Callable[..., Any],
+    vocab: int,
+    batch: int,
+    seq: int,
+    warmup: int,
+    steps: int,
+    *,
+    sync_steps: bool = False,
 ) -> tuple[list[float], list[float]]:
     """`warmup + steps` AdamW steps of `step_model` on random tokens (the same tokens for every
-    case); returns the seconds of the timed steps and the loss of every step."""
+    case); returns the seconds of the timed steps and the loss of every step.
+
+    Each step's loss is read after its backward, where the Hugging Face Trainer reads it (its
+    per-step NaN/inf check; between logging steps it reads nothing else): the host waits there for
+    the GPU, then issues the optimizer step and the next forward while the GPU runs that step. A
+    step's time runs from one loss read to the next, so it holds one forward + backward and the
+    previous step's optimizer update. `sync_steps` instead synchronises before and after every step
+    and times each alone: stricter, as no host work of one step overlaps GPU work of another.
+    """
     device = next(model.parameters()).device
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=device.type == "cuda"
     )
     gen = torch.Generator(device).manual_seed(1234)
     times, losses = [], []
+    _sync(device)
+    last_read = time.perf_counter()
     for i in range(warmup + steps):
         ids = torch.randint(0, vocab, (batch, seq), device=device, generator=gen)
-        _sync(device)
-        start = time.perf_counter()
+        if sync_steps:
+            _sync(device)
+            last_read = time.perf_counter()
         loss = step_model(input_ids=ids, labels=ids).loss
         loss.backward()
+        losses.append(loss.item())
+        read = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        _sync(device)
+        if sync_steps:
+            _sync(device)
+            read = time.perf_counter()
         if i >= warmup:
-            times.append(time.perf_counter() - start)
-        losses.append(loss.item())
+            times.append(read - last_read)
+        last_read = read
+    _sync(device)
     return times, losses
 
 
@@ -124,6 +150,7 @@ def run_case(
     shape: dict = LLAMA_1B,
     lora_rank: int = 16,
     checkpointing: bool = False,
+    sync_steps: bool = False,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Train one model for `warmup` + `steps` AdamW steps; throughput, peak memory (CUDA only)
@@ -137,7 +164,9 @@ def run_case(
             log(record["applied"])
         step_model = torch.compile(model) if impl.endswith("compile") else model
         model.train()
-        times, losses = timed_steps(model, step_model, shape["vocab_size"], batch, seq, warmup, steps)
+        times, losses = timed_steps(
+            model, step_model, shape["vocab_size"], batch, seq, warmup, steps, sync_steps=sync_steps
+        )
         record.update(
             tokens_per_s=batch * seq * len(times) / sum(times),
             step_ms=1e3 * statistics.median(times),
@@ -190,6 +219,7 @@ def run_e2e(
     warmup: int = 3,
     lora_rank: int = 16,
     checkpointing: bool = False,
+    sync_steps: bool = False,
     out_dir: Path | None = None,
     log: Callable[[str], None] = print,
     shape: dict = LLAMA_1B,
@@ -208,13 +238,14 @@ def run_e2e(
 
     env["transformers"] = transformers.__version__
     log(f"tigon e2e bench on {env['device']} (torch {env['torch']}, triton {env['triton']}, "
-        f"transformers {env['transformers']}): batch {batch} x {seq} tokens, {steps} timed steps after {warmup}")
+        f"transformers {env['transformers']}): batch {batch} x {seq} tokens, {steps} timed steps after {warmup}, "
+        + ("synchronised around each step" if sync_steps else "each loss read after its backward, as the HF Trainer does"))
     records = []
     for mode in modes:
         for impl in impls:
             records.append(run_case(
                 mode, impl, device, batch=batch, seq=seq, steps=steps, warmup=warmup, shape=shape,
-                lora_rank=lora_rank, checkpointing=checkpointing, log=log,
+                lora_rank=lora_rank, checkpointing=checkpointing, sync_steps=sync_steps, log=log,
             ))
             compare(records)
             log(format_table(records[-1:]))
@@ -222,7 +253,8 @@ def run_e2e(
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         settings = dict(
-            batch=batch, seq=seq, steps=steps, warmup=warmup, lora_rank=lora_rank, checkpointing=checkpointing, shape=shape
+            batch=batch, seq=seq, steps=steps, warmup=warmup, lora_rank=lora_rank, checkpointing=checkpointing,
+            sync_steps=sync_steps, shape=shape,
         )
         (out_dir / "e2e.json").write_text(json.dumps({"environment": env, "settings": settings, "results": records}, indent=1))
         log(f"wrote {out_dir / 'e2e.json'}")
@@ -239,11 +271,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing (long context)")
+    parser.add_argument("--sync-steps", action="store_true",
+                        help="synchronise around every step instead of reading each loss after its backward")
     parser.add_argument("--out", metavar="DIR", help="write e2e.json here")
     args = parser.parse_args(argv)
     records = run_e2e(
         args.modes, args.impls, batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup,
-        lora_rank=args.lora_rank, checkpointing=args.checkpointing, out_dir=Path(args.out) if args.out else None,
+        lora_rank=args.lora_rank, checkpointing=args.checkpointing, sync_steps=args.sync_steps, out_dir=Path(args.out) if args.out else None,
     )
     return 1 if any("error" in r for r in records) else 0
 
