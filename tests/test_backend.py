@@ -61,6 +61,24 @@ def test_tigon_disable_of_other_op_keeps_kernel(monkeypatch, spy_kernel):
     assert len(spy_kernel) == 1
 
 
+def test_switches_follow_the_environment_call_by_call(monkeypatch, spy_kernel):
+    """The fast read of TIGON_* sees every change made through os.environ, unset included."""
+    assert _backend._FAST_ENVIRON, "CPython's os.environ keeps its values in a dict, _data"
+    monkeypatch.delenv("TIGON_DISABLE", raising=False)
+    assert _backend._env("TIGON_DISABLE") == ""
+    F.rms_norm(*_inputs())
+    monkeypatch.setenv("TIGON_DISABLE", "rms_norm")
+    assert _backend._env("TIGON_DISABLE") == "rms_norm"
+    F.rms_norm(*_inputs())
+    monkeypatch.delenv("TIGON_DISABLE")
+    F.rms_norm(*_inputs())
+    assert len(spy_kernel) == 2
+    monkeypatch.setenv("TIGON_DEBUG", "yes")
+    assert _backend._env_flag("TIGON_DEBUG")
+    monkeypatch.setenv("TIGON_DEBUG", "off")
+    assert not _backend._env_flag("TIGON_DEBUG")
+
+
 def _broken_kernel(*args, **kwargs):
     raise RuntimeError("simulated compile failure")
 
