@@ -11,9 +11,10 @@ Each (mode, implementation) gets a fresh model from the same seed and the same b
 per-step losses are comparable: they are reported next to eager's. Throughput is tokens per
 second over the timed steps (after warm-up steps, which also absorb torch.compile's compilation),
 at the cadence of the HF Trainer between logging steps: each step's loss is read after its
-backward, so the next step's forward is issued while the GPU runs the optimizer (``--sync-steps``: none of that
-overlap, each step timed alone). Peak is ``torch.cuda.max_memory_allocated()`` over the whole run from building the model on, in
-GiB (weights, gradients and optimizer state included, as in TARGETS.md).
+backward, so the next step's forward is issued while the GPU runs the optimizer
+(``--sync-steps``: none of that overlap, each step timed alone). Peak is
+``torch.cuda.max_memory_allocated()`` over the whole run from building the model on, in GiB
+(weights, gradients and optimizer state included, as in TARGETS.md).
 
 ``tigon bench --e2e`` runs the defaults; ``python -m tigon.bench.e2e --help`` lists the knobs
 (long-context runs: ``--modes lora --batch 1 --seq 65536 --checkpointing``).
@@ -237,9 +238,9 @@ def run_e2e(
     import transformers
 
     env["transformers"] = transformers.__version__
+    cadence = "synchronised around each step" if sync_steps else "each loss read after its backward, as the HF Trainer does"
     log(f"tigon e2e bench on {env['device']} (torch {env['torch']}, triton {env['triton']}, "
-        f"transformers {env['transformers']}): batch {batch} x {seq} tokens, {steps} timed steps after {warmup}, "
-        + ("synchronised around each step" if sync_steps else "each loss read after its backward, as the HF Trainer does"))
+        f"transformers {env['transformers']}): batch {batch} x {seq} tokens, {steps} timed steps after {warmup}, {cadence}")
     records = []
     for mode in modes:
         for impl in impls:
@@ -277,7 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     records = run_e2e(
         args.modes, args.impls, batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup,
-        lora_rank=args.lora_rank, checkpointing=args.checkpointing, sync_steps=args.sync_steps, out_dir=Path(args.out) if args.out else None,
+        lora_rank=args.lora_rank, checkpointing=args.checkpointing, sync_steps=args.sync_steps,
+        out_dir=Path(args.out) if args.out else None,
     )
     return 1 if any("error" in r for r in records) else 0
 
