@@ -2,7 +2,7 @@
 # One device-machine call: gpu-marked tests, op benchmarks at the TARGETS.md shapes, the linear-CE
 # chunk-budget sweep and the end-to-end benchmark. Everything lands in $OUT/results.tar.gz (the
 # device tool returns at most 8 files) plus the text logs.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|ops|norms|rope|sweep|e2e|sft ...]
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|ops|norms|rope|sweep|e2e|sft|profile|headstart|maxctx ...]
 # GPU_TESTS narrows the tests stage (pytest arguments); E2E_TIMEOUT bounds the e2e stage; MC_ARGS
 # are the maxctx stage's arguments to tigon.bench.max_context (its results merge into those already
 # recorded in docs/bench/max_context.json); PROFILE_ARGS are scripts/profile_e2e.py's.
@@ -35,6 +35,8 @@ for stage in "${stages[@]}"; do
     profile) timeout 300 python3 scripts/profile_e2e.py ${PROFILE_ARGS:-full} --trace "$RES/step_trace.json" > "$RES/profile.txt" 2>&1
            gzip -f "$RES/step_trace.json"
            cat "$RES/profile.txt" | tail -70 ;;
+    headstart) timeout 300 python3 scripts/head_start.py full > "$RES/head_start.txt" 2>&1
+           cat "$RES/head_start.txt" ;;
     maxctx) mkdir -p "$RES/mc" && cp -n docs/bench/max_context.json "$RES/mc/" 2>/dev/null
            timeout ${MC_TIMEOUT:-540} python3 -m tigon.bench.max_context ${MC_ARGS:-} --out "$RES/mc" >> "$RES/mc.txt" 2>&1
            tail -20 "$RES/mc.txt" ;;
