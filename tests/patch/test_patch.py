@@ -331,6 +331,30 @@ def test_residual_add_fuses_with_the_next_layers_norm(model_type, monkeypatch):
     assert all(forwards.NEXT_NORM not in vars(layer) for layer in model.model.layers)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_hooks_on_the_norm_a_fused_layer_reads_still_run(model_type):
+    """The fused add reads the post-attention (Gemma 2: pre-feedforward) norm's weight without
+    calling the module: a hook on that norm sends its layer to the original forward, where the
+    module call runs the hook; the numbers stay HF's."""
+    model = tiny_model(model_type)
+    want = run(model)
+    tigon.patch(model)
+    norm = getattr(model.model.layers[1], "pre_feedforward_layernorm" if model_type == "gemma2" else "post_attention_layernorm")
+    seen, grads_seen = [], []
+    handles = [
+        norm.register_forward_hook(lambda m, i, o: seen.append(o.shape)),
+        norm.register_full_backward_hook(lambda m, gi, go: grads_seen.append(go[0].shape)),
+    ]
+    try:
+        got = run(model)
+    finally:
+        for handle in handles:
+            handle.remove()
+        tigon.unpatch(model)
+    assert len(seen) == 1 and len(grads_seen) == 1
+    assert_same_run(got, want)
+
+
 def test_fused_loss_runs_with_the_patched_models_chunk_budget(monkeypatch):
     from tigon.ops import linear_cross_entropy as lce
     from tigon.patch import forwards

@@ -92,7 +92,7 @@ def _take_normed(x: torch.Tensor, norm_module: torch.nn.Module | None) -> torch.
     return left[1] if left is not None and left[0] is norm_module else None
 
 
-def _next_norm(layer: torch.nn.Module, residual: torch.Tensor) -> torch.nn.Module | None:
+def _next_norm(layer: torch.nn.Module, residual: torch.Tensor, norm_forward: Callable[..., Any]) -> torch.nn.Module | None:
     """The norm `layer`'s output goes through next, if its add can be fused with it here: not under
     gradient checkpointing (the recomputed layer must save what the first pass saved), nor into a
     module whose hooks or ZeRO-3 partitioning a direct read would skip, nor across devices, nor in
@@ -109,9 +109,7 @@ def _next_norm(layer: torch.nn.Module, residual: torch.Tensor) -> torch.nn.Modul
     norm_module = ref()
     if (
         norm_module is None
-        or norm_module._forward_hooks
-        or norm_module._forward_pre_hooks
-        or hasattr(norm_module, "_hf_hook")
+        or has_hooks(norm_module, own_forward=norm_forward)
         or _zero3_partitioned(norm_module.weight)
         or norm_module.weight.device != residual.device
     ):
@@ -135,6 +133,7 @@ def decoder_layer_forward(layer: Layer, norm: Norm, original: Callable[..., torc
     partitioned weight of the norm that the fused add reads without calling its module.
     """
     fused_norm = "pre_feedforward_layernorm" if layer.fuse == "sandwich" else "post_attention_layernorm"
+    norm_forward = rms_norm_forward(norm)  # the norms' own forward when tigon patched them: not a hook
 
     def branch(self: torch.nn.Module, out: torch.Tensor, index: int) -> torch.Tensor:
         if layer.dropout is not None:
@@ -152,7 +151,10 @@ def decoder_layer_forward(layer: Layer, norm: Norm, original: Callable[..., torc
 
     def fused(self: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         normed = _take_normed(hidden_states, self.input_layernorm)
-        if args or _zero3_partitioned(getattr(self, fused_norm).weight):
+        norm_module = getattr(self, fused_norm)
+        # The fused add reads the norm's weight without calling it: a norm with hooks (or a forward
+        # of its own) runs in the original layer, as a module call.
+        if args or _zero3_partitioned(norm_module.weight) or has_hooks(norm_module, own_forward=norm_forward):
             return inner(self, hidden_states, *args, **kwargs)
         residual = hidden_states
         if normed is None:
@@ -171,7 +173,7 @@ def decoder_layer_forward(layer: Layer, norm: Norm, original: Callable[..., torc
             with _mlp_input_from_norm(norm, self.post_attention_layernorm, hidden_states, residual):
                 hidden_states = self.mlp(hidden_states)
         out = branch(self, hidden_states, 1)
-        next_norm = _next_norm(self, residual)
+        next_norm = _next_norm(self, residual, norm_forward)
         if next_norm is None:
             return residual + out
         normed, total = _add_norm(norm, next_norm, out, residual)
