@@ -16,6 +16,7 @@ the same pass that computes the gradients of `gate` and `up`.
 from __future__ import annotations
 
 import functools
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as torch_f
@@ -318,15 +319,71 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> to
     )
 
 
+def glu_mlp_forward(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation):
+    """The gated MLP outside autograd: ``(out, gate, up)``; gate and up are what
+    :func:`glu_mlp_backward` takes."""
+    gate = torch_f.linear(x, gate_weight, gate_bias)
+    up = torch_f.linear(x, up_weight, up_bias)
+    return torch_f.linear(_glu_forward(gate, up, activation), down_weight, down_bias), gate, up
+
+
+def glu_mlp_backward(
+    op: str,
+    grad_out: torch.Tensor,
+    input_rows: Callable[[], torch.Tensor],
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    gate_weight: torch.Tensor,
+    up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    activation: str,
+    needs: Sequence[bool],
+) -> list[torch.Tensor | None]:
+    """Gradients of the gated MLP for `needs` = (x, gate_weight, up_weight, down_weight,
+    gate_bias, up_bias, down_bias), in that order (None where not needed; dx as 2-D rows).
+
+    `gate` and `up` are the forward's, and are overwritten (they are the op's own intermediates);
+    `input_rows()` gives the MLP's input as 2-D rows, asked for only if a weight gradient needs it.
+    `op` names the op whose kernel falls back if the GLU backward kernel fails.
+    """
+    grad_out2d = grad_out.reshape(-1, grad_out.shape[-1])
+    grad_h = torch.matmul(grad_out2d, down_weight)
+    # grad_h, gate and up are ours alone: the gradients and the recomputed down_proj input
+    # (needed only for the down weight's gradient) overwrite them.
+    grad_gate, grad_up, product = _glu_backward_or_reference(
+        op, grad_h, gate.reshape(grad_h.shape), up.reshape(grad_h.shape), activation,
+        store_product=needs[3], in_place=True,
+    )
+    grads: list[torch.Tensor | None] = [None] * 7
+    if needs[3]:
+        grads[3] = grad_out2d.t().matmul(product)
+    del product
+    if needs[6]:
+        grads[6] = grad_out2d.sum(0)
+    if needs[0]:
+        # In place on the first product: an out-of-place addmm would copy it (tokens x hidden per
+        # layer) first. Autocast does not cast an in-place op's operands, so the weight is cast
+        # to the product's dtype here (a no-op without autocast).
+        grads[0] = grad_gate.matmul(gate_weight)
+        grads[0].addmm_(grad_up, up_weight.to(grads[0].dtype))
+    if needs[1] or needs[2]:
+        x2d = input_rows()
+        grads[1] = grad_gate.t().matmul(x2d) if needs[1] else None
+        grads[2] = grad_up.t().matmul(x2d) if needs[2] else None
+    if needs[4]:
+        grads[4] = grad_gate.sum(0)
+    if needs[5]:
+        grads[5] = grad_up.sum(0)
+    return grads
+
+
 class _GLUMLPFunction(torch.autograd.Function):
     # custom_fwd/custom_bwd: under autocast the backward's matmuls run in the forward's precision.
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation,
                 norm_source, norm_weight, norm_config):
-        gate = torch_f.linear(x, gate_weight, gate_bias)
-        up = torch_f.linear(x, up_weight, up_bias)
-        out = torch_f.linear(_glu_forward(gate, up, activation), down_weight, down_bias)
+        out, gate, up = glu_mlp_forward(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation)
         # With a norm source, x itself is not kept: backward renormalises the source.
         kept = (norm_source, norm_weight) if norm_source is not None else (x,)
         ctx.save_for_backward(gate, up, gate_weight, up_weight, down_weight, *kept)
@@ -337,36 +394,18 @@ class _GLUMLPFunction(torch.autograd.Function):
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad_out):
         gate, up, gate_weight, up_weight, down_weight, *kept = ctx.saved_tensors
-        x = NormedInput(*kept, *ctx.norm_config).recompute() if ctx.norm_config is not None else kept[0]
-        needs = ctx.needs_input_grad
-        grad_out2d = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_h = torch.matmul(grad_out2d, down_weight)
-        # grad_h, gate and up are ours alone: the gradients and the recomputed down_proj input
-        # (needed only for the down weight's gradient) overwrite them.
-        grad_gate, grad_up, product = _glu_backward_or_reference(
-            GLU_MLP, grad_h, gate.reshape(grad_h.shape), up.reshape(grad_h.shape), ctx.activation,
-            store_product=needs[3], in_place=True,
+
+        def input_rows() -> torch.Tensor:
+            x = NormedInput(*kept, *ctx.norm_config).recompute() if ctx.norm_config is not None else kept[0]
+            return x.reshape(-1, x.shape[-1])
+
+        grads = glu_mlp_backward(
+            GLU_MLP, grad_out, input_rows, gate, up, gate_weight, up_weight, down_weight, ctx.activation,
+            ctx.needs_input_grad[:7],
         )
-        grad_down_weight = grad_out2d.t().matmul(product) if needs[3] else None
-        del product
-        grad_down_bias = grad_out2d.sum(0) if needs[6] else None
-        grad_x = None
-        if needs[0]:
-            # In place on the first product: an out-of-place addmm would copy it (tokens x hidden per
-            # layer) first. Autocast does not cast an in-place op's operands, so the weight is cast
-            # to the product's dtype here (a no-op without autocast).
-            grad_x = grad_gate.matmul(gate_weight)
-            grad_x.addmm_(grad_up, up_weight.to(grad_x.dtype))
-            grad_x = grad_x.view(x.shape)
-        x2d = x.reshape(-1, x.shape[-1])
-        grad_gate_weight = grad_gate.t().matmul(x2d) if needs[1] else None
-        grad_up_weight = grad_up.t().matmul(x2d) if needs[2] else None
-        grad_gate_bias = grad_gate.sum(0) if needs[4] else None
-        grad_up_bias = grad_up.sum(0) if needs[5] else None
-        return (
-            grad_x, grad_gate_weight, grad_up_weight, grad_down_weight,
-            grad_gate_bias, grad_up_bias, grad_down_bias, None, None, None, None,
-        )
+        if grads[0] is not None:
+            grads[0] = grads[0].view(*grad_out.shape[:-1], grads[0].shape[-1])
+        return (*grads, None, None, None, None)
 
 
 def _check_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation) -> str | None:

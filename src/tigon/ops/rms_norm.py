@@ -169,35 +169,45 @@ def _output_dtype(x: torch.Tensor, weight: torch.Tensor, casting: str) -> torch.
     return x.dtype if casting == "gemma" else torch.promote_types(x.dtype, weight.dtype)
 
 
+def rms_norm_rows(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, offset: float, casting: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward kernel outside autograd: ``(normed, source, rstd)``, where `source` is the
+    normalised input (the sum ``x + residual`` when there is a residual, else `x` as 2-D rows)
+    and `rstd` one fp32 value per row: what :func:`rms_norm_backward` takes."""
+    x2d = rows_view(x)
+    n_rows, n_cols = x2d.shape
+    # Outputs are allocated in x's shape (no views to make of them): contiguous, row stride n_cols.
+    out = torch.empty(x.shape, dtype=_output_dtype(x, weight, casting), device=x.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    if residual is not None:
+        residual2d = rows_view(residual)
+        total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    else:
+        residual2d = total = x2d  # unused by the kernel; any pointer will do
+    block_rows, block_cols, num_warps = row_block_config(n_cols)
+    _rms_norm_fwd_kernel[(cdiv(n_rows, block_rows),)](
+        x2d, residual2d, weight, out, total, rstd,
+        n_rows, n_cols,
+        x2d.stride(0), residual2d.stride(0), n_cols, n_cols if residual is not None else x2d.stride(0),
+        eps, offset,
+        CASTING=casting,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK_ROWS=block_rows,
+        BLOCK_COLS=block_cols,
+        num_warps=num_warps,
+    )
+    return out, total, rstd
+
+
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, eps, offset, casting):
-        x2d = rows_view(x)
-        n_rows, n_cols = x2d.shape
-        # Outputs are allocated in x's shape (no views to make of them): contiguous, row stride n_cols.
-        out = torch.empty(x.shape, dtype=_output_dtype(x, weight, casting), device=x.device)
-        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        if residual is not None:
-            residual2d = rows_view(residual)
-            total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        else:
-            residual2d = total = x2d  # unused by the kernel; any pointer will do
-        block_rows, block_cols, num_warps = row_block_config(n_cols)
-        _rms_norm_fwd_kernel[(cdiv(n_rows, block_rows),)](
-            x2d, residual2d, weight, out, total, rstd,
-            n_rows, n_cols,
-            x2d.stride(0), residual2d.stride(0), n_cols, n_cols if residual is not None else x2d.stride(0),
-            eps, offset,
-            CASTING=casting,
-            HAS_RESIDUAL=residual is not None,
-            BLOCK_ROWS=block_rows,
-            BLOCK_COLS=block_cols,
-            num_warps=num_warps,
-        )
+        out, source, rstd = rms_norm_rows(x, residual, weight, eps, offset, casting)
         # Backward needs the normalised row's input: the sum when there is a residual.
-        ctx.save_for_backward(total if residual is not None else x2d, weight, rstd)
+        ctx.save_for_backward(source, weight, rstd)
         ctx.config = (eps, offset, casting, x.shape, residual is not None)
-        return out, (total if residual is not None else None)
+        return out, (source if residual is not None else None)
 
     @staticmethod
     def backward(ctx, grad_out, grad_sum):
@@ -205,7 +215,7 @@ class _RMSNormFunction(torch.autograd.Function):
         x2d = rows_view(source)
         eps, offset, casting, shape, has_residual = ctx.config
         try:
-            grad_x, grad_weight = _rms_norm_backward(
+            grad_x, grad_weight = rms_norm_backward(
                 grad_out, grad_sum, x2d, weight, rstd, offset, casting, ctx.needs_input_grad[2]
             )
         except Exception as err:
@@ -231,7 +241,9 @@ def _backward_block_config(n_cols: int) -> tuple[int, int, int]:
     return max(1, 8192 // block_cols), block_cols, 4
 
 
-def _rms_norm_backward(grad_out, grad_sum, x2d, weight, rstd, offset, casting, compute_grad_weight):
+def rms_norm_backward(grad_out, grad_sum, x2d, weight, rstd, offset, casting, compute_grad_weight):
+    """(dx, dweight or None) by the backward kernel, from the rows `x2d` the forward normalised and
+    their `rstd`; `grad_sum` (or None) is the gradient reaching the sum ``x + residual`` directly."""
     n_rows, n_cols = x2d.shape
     grad_out2d = rows_view(grad_out)
     grad_sum2d = rows_view(grad_sum) if grad_sum is not None else grad_out2d
