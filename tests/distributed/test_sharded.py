@@ -97,8 +97,9 @@ def _fsdp2_worker(rank: int, store: str, device: str, tuner: str) -> None:
         for layer in base.model.layers:
             fully_shard(layer)
         fully_shard(model)  # the embeddings, final norm and lm_head form the root's group
-        # The fused MLP reads its projections' weights without calling them: count that it ran.
-        mlp_name = "lora_gated_mlp" if tuner == "lora" else "glu_mlp"
+        # The fused MLP reads its projections' weights without calling them: count that it ran (a
+        # plain one in one op with the add + RMSNorm before it).
+        mlp_name = "lora_gated_mlp" if tuner == "lora" else "add_rms_norm_glu_mlp"
         fused_mlp, mlp_calls = getattr(functional, mlp_name), []
         setattr(functional, mlp_name, lambda *a, **k: mlp_calls.append(1) or fused_mlp(*a, **k))
         trained = [param for param in model.parameters() if param.requires_grad]
@@ -110,7 +111,6 @@ def _fsdp2_worker(rank: int, store: str, device: str, tuner: str) -> None:
             assert out.logits is None, "the fused loss did not run"
             assert len(mlp_calls) == len(base.model.layers) * (step + 1), f"{mlp_name} ran {len(mlp_calls)} times"
             out.loss.backward()
-            pass
             grads = {name: param.grad for name, param in model.named_parameters() if param.requires_grad}
             assert grads.keys() == want_grads.keys()
             for name, grad in grads.items():

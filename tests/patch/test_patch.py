@@ -262,7 +262,8 @@ def test_generate_as_hf():
 @pytest.mark.parametrize("model_type", ["llama", "gemma2"])
 def test_fused_layer_mlp_keeps_the_residual_sum_not_the_normed_input(model_type, monkeypatch):
     """The MLP after the fused add + RMSNorm saves the sum the norm keeps anyway, not its normed
-    output: one tokens x hidden tensor less per layer, and the same loss and gradients."""
+    output: one tokens x hidden tensor less per layer, and the same loss and gradients. So it does
+    as one op with the add + RMSNorm, and as a module of its own (an MLP with a hook)."""
     from tigon.patch import forwards
 
     model = tiny_model(model_type)
@@ -275,31 +276,41 @@ def test_fused_layer_mlp_keeps_the_residual_sum_not_the_normed_input(model_type,
         out.loss.backward()
         return kept, out.loss, {n: p.grad.clone() for n, p in model.named_parameters()}
 
+    hooks = []
     try:
-        kept, loss, grads = saved_bytes_loss_and_grads()
+        joined = saved_bytes_loss_and_grads()
+        ran = []
+        hooks = [layer.mlp.register_forward_hook(lambda m, i, o: ran.append(1)) for layer in model.model.layers]
+        alone = saved_bytes_loss_and_grads()
+        assert len(ran) == model.config.num_hidden_layers  # an MLP with a hook runs as its module
         monkeypatch.setattr(forwards, "_normed_input", lambda x: None)
-        kept_unfused, want_loss, want_grads = saved_bytes_loss_and_grads()
+        unfused = saved_bytes_loss_and_grads()
     finally:
+        for hook in hooks:
+            hook.remove()
         tigon.unpatch(model)
     config = model.config
-    assert kept_unfused - kept == config.num_hidden_layers * ids.numel() * config.hidden_size * 4
-    assert torch.equal(loss, want_loss)
-    for name, grad in want_grads.items():
-        assert torch.equal(grads[name], grad), name
+    assert joined[0] == alone[0]
+    assert unfused[0] - alone[0] == config.num_hidden_layers * ids.numel() * config.hidden_size * 4
+    for kept, loss, grads in (joined, alone):
+        assert torch.equal(loss, unfused[1])
+        for name, grad in unfused[2].items():
+            assert torch.equal(grads[name], grad), name
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma2", "phi3", "granite"])
 def test_residual_add_fuses_with_the_next_layers_norm(model_type, monkeypatch):
     """Instance patching links each decoder layer to the norm after it: every residual add then
-    runs with the following norm in one kernel (the last one with the final norm), the only RMSNorms
-    run alone are the first layer's input norm (and Gemma 2's sublayer-output norms), and loss,
-    logits and gradients are those of the unpatched model."""
+    runs with the following norm in one kernel (the last one with the final norm), the add inside
+    each layer runs with its norm and the MLP as one op, the only RMSNorms run alone are the first
+    layer's input norm (and Gemma 2's sublayer-output norms), and loss, logits and gradients are
+    those of the unpatched model."""
     from tigon import functional
     from tigon.patch import forwards
 
     model = tiny_model(model_type)
     want = run(model)
-    calls = {"add_rms_norm": 0, "rms_norm": 0}
+    calls = {"add_rms_norm": 0, "add_rms_norm_glu_mlp": 0, "rms_norm": 0}
     for name in calls:
         original = getattr(functional, name)
         monkeypatch.setattr(
@@ -310,22 +321,23 @@ def test_residual_add_fuses_with_the_next_layers_norm(model_type, monkeypatch):
     assert all(isinstance(getattr(layer, forwards.NEXT_NORM, None)(), torch.nn.Module) for layer in model.model.layers)
     got = run(model)
     alone = 1 + (2 * layers if model_type == "gemma2" else 0)
-    assert calls == {"add_rms_norm": 2 * layers, "rms_norm": alone}
+    assert calls == {"add_rms_norm": layers, "add_rms_norm_glu_mlp": layers, "rms_norm": alone}
     assert_same_run(got, want)
 
     # A hook on a norm keeps its module call: that norm runs alone, and the hook sees its output.
     seen = []
     model.model.layers[1].input_layernorm.register_forward_hook(lambda m, i, o: seen.append(o.shape))
-    calls.update(add_rms_norm=0, rms_norm=0)
+    calls.update(add_rms_norm=0, add_rms_norm_glu_mlp=0, rms_norm=0)
     assert_same_run(run(model), want)
-    assert len(seen) == 1 and calls["add_rms_norm"] == 2 * layers - 1
+    assert len(seen) == 1 and calls["add_rms_norm"] == layers - 1
 
     # Under gradient checkpointing a layer's recomputation must save what its first pass saved:
     # only the adds inside the layers fuse.
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    calls.update(add_rms_norm=0, rms_norm=0)
+    calls.update(add_rms_norm=0, add_rms_norm_glu_mlp=0, rms_norm=0)
     assert_same_run(run(model), want)
-    assert calls["add_rms_norm"] == 2 * layers  # first pass and recomputation, one add each
+    # First pass and recomputation, one add each.
+    assert calls["add_rms_norm_glu_mlp"] == 2 * layers and calls["add_rms_norm"] == 0
 
     tigon.unpatch(model)
     assert all(forwards.NEXT_NORM not in vars(layer) for layer in model.model.layers)

@@ -34,13 +34,14 @@ def _train(tmp_path, *, patched: bool, lora: bool, monkeypatch) -> tuple[list[fl
         torch.manual_seed(0)  # the adapters' initial A matrices, the same in both runs
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
     calls = [0]
-    fused = tigon.functional.add_rms_norm
+    for name in ("add_rms_norm", "add_rms_norm_glu_mlp"):
+        fused = getattr(tigon.functional, name)
 
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return fused(*args, **kwargs)
+        def counted(*args, _fused=fused, **kwargs):
+            calls[0] += 1
+            return _fused(*args, **kwargs)
 
-    monkeypatch.setattr(tigon.functional, "add_rms_norm", counted)
+        monkeypatch.setattr(tigon.functional, name, counted)
     if patched:
         tigon.patch(model)
     args = SFTConfig(

@@ -144,11 +144,12 @@ def _plan(family: Family, module: types.ModuleType, switches: dict[str, bool]) -
     if switches["rope"] and find(family.rope.function) is not None:
         original = _original(module, family.rope.function)
         plan.append(_Replacement("rope", module, family.rope.function, forwards.rope_function(family.rope, original)))
+    patched_mlp = None
     if family.mlp is not None and switches[family.mlp.switch]:
         cls = find(family.mlp.cls)
         if cls is not None:
-            fused = forwards.mlp_forward(family.mlp, _original(cls, "forward"))
-            plan.append(_Replacement(family.mlp.switch, cls, "forward", fused))
+            patched_mlp = forwards.mlp_forward(family.mlp, _original(cls, "forward"))
+            plan.append(_Replacement(family.mlp.switch, cls, "forward", patched_mlp))
     loss_switch = next((name for name in ("linear_cross_entropy", "cross_entropy") if switches[name]), None)
     causal_lm = find(family.causal_lm)
     aux_loss = find(family.head.aux_loss) if family.head.aux_loss else None
@@ -163,7 +164,13 @@ def _plan(family: Family, module: types.ModuleType, switches: dict[str, bool]) -
             plan.append(_Replacement(loss_switch, masking, "find_packed_sequence_indices", finder))
     layer = find(family.layer.cls)
     if switches["add_rms_norm"] and family.layer.fuse is not None and layer is not None:
-        fused = forwards.decoder_layer_forward(family.layer, family.norm, _original(layer, "forward"))
+        # The layer runs its MLP in one op with the add + RMSNorm before it only where that MLP runs
+        # tigon's own forward (not under tiled_mlp, which wraps it).
+        joins_mlp = patched_mlp is not None and not switches["tiled_mlp"]
+        fused = forwards.decoder_layer_forward(
+            family.layer, family.norm, _original(layer, "forward"),
+            family.mlp if joins_mlp else None, patched_mlp if joins_mlp else None,
+        )
         plan.append(_Replacement("add_rms_norm", layer, "forward", fused))
     if switches["qkv_group"] and family.attention is not None:
         cls = find(family.attention)

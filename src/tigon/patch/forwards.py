@@ -16,11 +16,13 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from tigon import _backend
 from tigon import functional as F
 from tigon._checks import has_hooks
+from tigon.ops.glu import GLU_MLP
 from tigon.ops.linear_group import run_linear_group
 from tigon.ops.lora import autocast_dtype
-from tigon.ops.rms_norm import NormedInput
+from tigon.ops.rms_norm import ADD_RMS_NORM, NormedInput
 from tigon.patch.families import MLP, QKV_PROJECTIONS, Head, Layer, Norm, Rope
 
 
@@ -47,6 +49,19 @@ def _add_norm(norm: Norm, module: torch.nn.Module, x: torch.Tensor, residual: to
         dtype = torch.promote_types(x.dtype, residual.dtype)
         x, residual = x.to(dtype), residual.to(dtype)
     return F.add_rms_norm(x, residual, module.weight, getattr(module, norm.eps), offset=norm.offset, casting=norm.casting)
+
+
+def _add_norm_mlp(
+    norm: Norm, module: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor, weights: tuple, activation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mlp(module(residual + x)), residual + x)`` as one op, the sum formed as in :func:`_add_norm`."""
+    if x.dtype != residual.dtype:
+        dtype = torch.promote_types(x.dtype, residual.dtype)
+        x, residual = x.to(dtype), residual.to(dtype)
+    return F.add_rms_norm_glu_mlp(
+        x, residual, module.weight, getattr(module, norm.eps), *weights,
+        offset=norm.offset, casting=norm.casting, activation=activation,
+    )
 
 
 # (normed tensor, NormedInput) while a fused decoder layer calls its MLP on the output of its
@@ -124,13 +139,23 @@ def _zero3_partitioned(param: torch.Tensor) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def decoder_layer_forward(layer: Layer, norm: Norm, original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+def decoder_layer_forward(
+    layer: Layer,
+    norm: Norm,
+    original: Callable[..., torch.Tensor],
+    mlp: MLP | None = None,
+    patched_mlp_forward: Callable[..., torch.Tensor] | None = None,
+) -> Callable[..., torch.Tensor]:
     """Forward for an HF decoder layer with its residual add and following RMSNorm fused.
 
     The same module calls in the same order as `original`, so outputs, hooks and gradient
     checkpointing are unchanged. Every argument but the hidden states reaches the attention as HF
     passes it, by keyword; a positional one sends the call to `original`, and so does a ZeRO-3
     partitioned weight of the norm that the fused add reads without calling its module.
+
+    With `mlp` (the family's gated MLP, whose modules run `patched_mlp_forward`), a plain-linear MLP
+    with nothing but that forward to run goes into the same op as the add + RMSNorm before it
+    (:func:`tigon.functional.add_rms_norm_glu_mlp`): the same kernels, less host time per layer.
     """
     fused_norm = "pre_feedforward_layernorm" if layer.fuse == "sandwich" else "post_attention_layernorm"
     norm_forward = rms_norm_forward(norm)  # the norms' own forward when tigon patched them: not a hook
@@ -149,6 +174,20 @@ def decoder_layer_forward(layer: Layer, norm: Norm, original: Callable[..., torc
     wrapped_by_hf = getattr(original, "__code__", None) is not None and original.__code__.co_name == "forward_with_checkpointing"
     inner = original.__wrapped__ if checkpoints_in_forward and wrapped_by_hf else original
 
+    def _fusable_mlp(module: torch.nn.Module) -> tuple[tuple | None, str | None]:
+        """(weights, activation) of the layer's MLP if it can join the add + RMSNorm before it."""
+        if (
+            mlp is None
+            or type(module).__name__ != mlp.cls  # a mixture-of-experts block in the MLP's place
+            or has_hooks(module, own_forward=patched_mlp_forward)
+            or _backend.disabled(ADD_RMS_NORM)
+            or _backend.disabled(GLU_MLP)
+        ):
+            return None, None
+        activation = _mlp_activation(mlp, module)
+        weights = _glu_mlp_weights(mlp, module) if activation is not None else None
+        return weights, activation
+
     def fused(self: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         normed = _take_normed(hidden_states, self.input_layernorm)
         norm_module = getattr(self, fused_norm)
@@ -161,17 +200,18 @@ def decoder_layer_forward(layer: Layer, norm: Norm, original: Callable[..., torc
             normed = self.input_layernorm(hidden_states)
         hidden_states, _ = self.self_attn(hidden_states=normed, **kwargs)
         if layer.fuse == "sandwich":
-            hidden_states, residual = _add_norm(
-                norm, self.pre_feedforward_layernorm, self.post_attention_layernorm(hidden_states), residual
-            )
-            with _mlp_input_from_norm(norm, self.pre_feedforward_layernorm, hidden_states, residual):
-                hidden_states = self.post_feedforward_layernorm(self.mlp(hidden_states))
+            hidden_states = self.post_attention_layernorm(hidden_states)
         else:
-            hidden_states, residual = _add_norm(
-                norm, self.post_attention_layernorm, branch(self, hidden_states, 0), residual
-            )
-            with _mlp_input_from_norm(norm, self.post_attention_layernorm, hidden_states, residual):
+            hidden_states = branch(self, hidden_states, 0)
+        weights, activation = _fusable_mlp(self.mlp)
+        if weights is not None:
+            hidden_states, residual = _add_norm_mlp(norm, norm_module, hidden_states, residual, weights, activation)
+        else:
+            hidden_states, residual = _add_norm(norm, norm_module, hidden_states, residual)
+            with _mlp_input_from_norm(norm, norm_module, hidden_states, residual):
                 hidden_states = self.mlp(hidden_states)
+        if layer.fuse == "sandwich":
+            hidden_states = self.post_feedforward_layernorm(hidden_states)
         out = branch(self, hidden_states, 1)
         next_norm = _next_norm(self, residual, norm_forward)
         if next_norm is None:
@@ -202,6 +242,7 @@ def _hf_checkpoints_in_forward() -> bool:
 GLU_ACTIVATIONS = {"swiglu": ("silu",), "geglu": ("gelu_tanh", "gelu")}
 
 
+@functools.lru_cache(maxsize=None)
 def _activation_names() -> dict[type, str]:
     """HF activation module classes that compute exactly one of the ops' activations."""
     from transformers import activations
@@ -226,38 +267,48 @@ def _plain(linear: torch.nn.Module) -> bool:
     return type(linear) is torch.nn.Linear and not has_hooks(linear)
 
 
+def _mlp_activation(mlp: MLP, module: torch.nn.Module) -> str | None:
+    """The op's name for `module`'s activation when it is one of `mlp.switch`'s, else None."""
+    activation = _activation_names().get(type(getattr(module, mlp.act)))
+    return activation if activation in GLU_ACTIVATIONS[mlp.switch] else None
+
+
+def _glu_mlp_weights(mlp: MLP, module: torch.nn.Module) -> tuple | None:
+    """(gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias) of a gated MLP whose
+    projections are plain linears, which glu_mlp may read directly; None otherwise."""
+    down = module.down_proj
+    if mlp.packed:
+        gate_up = module.gate_up_proj
+        if not (_plain(gate_up) and _plain(down)):
+            return None
+        gate_w, up_w = gate_up.weight.chunk(2, dim=0)
+        gate_b, up_b = (None, None) if gate_up.bias is None else gate_up.bias.chunk(2)
+        return gate_w, up_w, down.weight, gate_b, up_b, down.bias
+    gate_proj, up_proj = module.gate_proj, module.up_proj
+    if not (_plain(gate_proj) and _plain(up_proj) and _plain(down)):
+        return None
+    return gate_proj.weight, up_proj.weight, down.weight, gate_proj.bias, up_proj.bias, down.bias
+
+
 @functools.lru_cache(maxsize=None)
 def mlp_forward(mlp: MLP, original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """Forward for an HF gated MLP: :func:`tigon.functional.glu_mlp` when its projections are
     plain linears (saves less for backward), else the projections' own forwards (LoRA, quantised)
     around :func:`tigon.functional.swiglu` / :func:`~tigon.functional.geglu`. A module whose
     activation is not one of `mlp.switch`'s runs `original`."""
-    names = _activation_names()
-    allowed = GLU_ACTIVATIONS[mlp.switch]
 
     def forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        activation = names.get(type(getattr(self, mlp.act)))
-        if activation not in allowed:
+        activation = _mlp_activation(mlp, self)
+        if activation is None:
             return original(self, x)
-        down = self.down_proj
+        weights = _glu_mlp_weights(mlp, self)
+        if weights is not None:
+            return F.glu_mlp(x, *weights, activation=activation, normed_input=_normed_input(x))
         if mlp.packed:
-            gate_up = self.gate_up_proj
-            if _plain(gate_up) and _plain(down):
-                gate_w, up_w = gate_up.weight.chunk(2, dim=0)
-                gate_b, up_b = (None, None) if gate_up.bias is None else gate_up.bias.chunk(2)
-                return F.glu_mlp(
-                    x, gate_w, up_w, down.weight, gate_b, up_b, down.bias,
-                    activation=activation, normed_input=_normed_input(x),
-                )
-            gate, up = gate_up(x).chunk(2, dim=-1)
-            return down(_glu(activation, gate, up))
-        gate_proj, up_proj = self.gate_proj, self.up_proj
-        if _plain(gate_proj) and _plain(up_proj) and _plain(down):
-            return F.glu_mlp(
-                x, gate_proj.weight, up_proj.weight, down.weight, gate_proj.bias, up_proj.bias, down.bias,
-                activation=activation, normed_input=_normed_input(x),
-            )
-        return down(_glu(activation, gate_proj(x), up_proj(x)))
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(_glu(activation, gate, up))
 
     forward.__qualname__ = f"tigon_{mlp.cls}.forward"
     return forward

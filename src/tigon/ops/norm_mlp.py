@@ -1,0 +1,142 @@
+"""Residual add + RMSNorm, then the gated MLP, as one autograd op:
+
+    add_rms_norm_glu_mlp(x, r, w, ...) = (glu_mlp(rms_norm(x + r, w), ...), x + r)
+
+the second half of a pre-norm decoder layer (Llama's ``post_attention_layernorm`` and MLP). It runs
+the kernels of :func:`tigon.ops.rms_norm.add_rms_norm` and :func:`tigon.ops.glu.glu_mlp`, so the
+numbers are theirs; as one op it costs the host one autograd Function, one dispatch and one set of
+checks instead of two, and the MLP's input is recomputed in backward by a bare kernel launch. A
+training step on a fast GPU waits for the host to issue each layer, so this is time on the step.
+
+Saved for backward: the sum ``x + r`` (the residual stream, kept anyway), one fp32 rstd per row,
+and the MLP's gate and up projections; the normed input is recomputed from the sum (the same
+kernel on the same rows, so bit for bit the forward's).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tigon import _backend
+from tigon._checks import rows_view
+from tigon.ops.glu import GLU_MLP, _check_mlp, glu_mlp_backward, glu_mlp_forward, glu_mlp_reference
+from tigon.ops.rms_norm import (
+    ADD_RMS_NORM, _check as _check_norm, add_rms_norm_reference, rms_norm_backward, rms_norm_rows,
+)
+
+ADD_RMS_NORM_GLU_MLP = _backend.register("add_rms_norm_glu_mlp")
+
+
+def add_rms_norm_glu_mlp_reference(
+    x, residual, norm_weight, eps, gate_weight, up_weight, down_weight, gate_bias=None, up_bias=None, down_bias=None,
+    offset=0.0, casting="llama", activation="silu",
+):
+    """The two ops' references, one after the other: the test oracle and the fallback."""
+    normed, total = add_rms_norm_reference(x, residual, norm_weight, eps, offset, casting)
+    return glu_mlp_reference(normed, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation), total
+
+
+class _AddNormGLUMLPFunction(torch.autograd.Function):
+    # custom_fwd/custom_bwd: under autocast the backward's matmuls run in the forward's precision.
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, x, residual, norm_weight, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias,
+                eps, offset, casting, activation):
+        normed, total, rstd = rms_norm_rows(x, residual, norm_weight, eps, offset, casting)
+        out, gate, up = glu_mlp_forward(normed, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation)
+        ctx.save_for_backward(
+            total, rstd, norm_weight, gate, up, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias
+        )
+        ctx.config = (eps, offset, casting, activation)
+        return out, total
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, grad_out, grad_total):
+        total, rstd, norm_weight, gate, up, gate_weight, up_weight, down_weight, *biases = ctx.saved_tensors
+        eps, offset, casting, activation = ctx.config
+        needs = ctx.needs_input_grad
+        need_normed = any(needs[:3])  # the MLP's input gradient feeds x's, the residual's and the norm weight's
+        total2d = rows_view(total)
+        try:
+            def normed_rows() -> torch.Tensor:
+                return rms_norm_rows(total2d, None, norm_weight, eps, offset, casting)[0]
+
+            mlp_grads = glu_mlp_backward(
+                ADD_RMS_NORM_GLU_MLP, grad_out, normed_rows, gate, up, gate_weight, up_weight, down_weight,
+                activation, (need_normed, *needs[3:9]),
+            )
+            grad_sum = grad_norm_weight = None
+            if need_normed:
+                grad_sum, grad_norm_weight = rms_norm_backward(
+                    mlp_grads[0], grad_total, total2d, norm_weight, rstd, offset, casting, needs[2]
+                )
+                grad_sum = grad_sum.view(total.shape)
+            param_grads = mlp_grads[1:]
+        except Exception as err:
+            # x and the residual enter only through their sum, so (sum, 0) stands in for them.
+            def reference(x, r, w, gw, uw, dw, gb, ub, db):
+                return add_rms_norm_glu_mlp_reference(x, r, w, eps, gw, uw, dw, gb, ub, db, offset, casting, activation)
+
+            at = (total, torch.zeros_like(total), norm_weight, gate_weight, up_weight, down_weight, *biases)
+            grads = _backend.reference_backward(ADD_RMS_NORM_GLU_MLP, err, reference, at, (grad_out, grad_total))
+            grad_sum, _, grad_norm_weight, *param_grads = grads
+        return (
+            grad_sum if needs[0] else None, grad_sum if needs[1] else None, grad_norm_weight if needs[2] else None,
+            *(g if need else None for g, need in zip(param_grads, needs[3:9])), None, None, None, None,
+        )
+
+
+def _kernel(x, residual, norm_weight, eps, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias,
+            offset, casting, activation):
+    return _AddNormGLUMLPFunction.apply(
+        x, residual, norm_weight, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias,
+        float(eps), float(offset), casting, activation,
+    )
+
+
+def add_rms_norm_glu_mlp(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_weight: torch.Tensor,
+    up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    gate_bias: torch.Tensor | None = None,
+    up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    *,
+    offset: float = 0.0,
+    casting: str = "llama",
+    activation: str = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add + RMSNorm, then the gated MLP on the normed sum, as one op: returns
+    ``(glu_mlp(rms_norm(x + residual)), x + residual)``.
+
+    Args:
+        x, residual: ``(..., hidden)``, same shape and dtype (float16/bfloat16/float32; float64
+            runs the reference).
+        norm_weight, eps, offset, casting: the RMSNorm's, as for :func:`tigon.ops.rms_norm.rms_norm`.
+        gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation: the gated
+            MLP's, as for :func:`tigon.ops.glu.glu_mlp`.
+
+    Returns:
+        The MLP's output ``(..., hidden)`` and the sum (the residual stream after the add). Works
+        under autocast.
+
+    The kernels are those of add_rms_norm and glu_mlp: ``TIGON_DISABLE`` naming either (or this op)
+    runs the PyTorch reference.
+    """
+    args = (x, residual, norm_weight, eps, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
+    unsupported = _check_norm(x, norm_weight, eps, casting, residual) or _check_mlp(
+        x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation
+    )
+    if x.numel() == 0:
+        return add_rms_norm_glu_mlp_reference(*args, offset, casting, activation)
+    if unsupported is None and (_backend.disabled(ADD_RMS_NORM) or _backend.disabled(GLU_MLP)):
+        unsupported = "disabled by TIGON_DISABLE (add_rms_norm or glu_mlp)"
+    return _backend.dispatch(
+        ADD_RMS_NORM_GLU_MLP, _kernel, add_rms_norm_glu_mlp_reference, *args, offset, casting, activation,
+        device=x.device, unsupported=unsupported,
+    )
