@@ -16,13 +16,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from tigon import _backend
 from tigon import functional as F
 from tigon._checks import has_hooks
-from tigon.ops.glu import GLU_MLP
 from tigon.ops.linear_group import run_linear_group
 from tigon.ops.lora import autocast_dtype
-from tigon.ops.rms_norm import ADD_RMS_NORM, NormedInput
+from tigon.ops.rms_norm import NormedInput
 from tigon.patch.families import MLP, QKV_PROJECTIONS, Head, Layer, Norm, Rope
 
 
@@ -42,22 +40,25 @@ def rms_norm_forward(norm: Norm) -> Callable[[torch.nn.Module, torch.Tensor], to
     return forward
 
 
+def _summands(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` and `residual` in the dtype ``residual + x`` would have, so a fused sum is the unfused one."""
+    if x.dtype == residual.dtype:
+        return x, residual
+    dtype = torch.promote_types(x.dtype, residual.dtype)
+    return x.to(dtype), residual.to(dtype)
+
+
 def _add_norm(norm: Norm, module: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor):
-    """``(module(residual + x), residual + x)`` in one kernel; the sum is formed in the dtype
-    ``residual + x`` would have, so the result is the unfused one."""
-    if x.dtype != residual.dtype:
-        dtype = torch.promote_types(x.dtype, residual.dtype)
-        x, residual = x.to(dtype), residual.to(dtype)
+    """``(module(residual + x), residual + x)`` in one kernel."""
+    x, residual = _summands(x, residual)
     return F.add_rms_norm(x, residual, module.weight, getattr(module, norm.eps), offset=norm.offset, casting=norm.casting)
 
 
 def _add_norm_mlp(
     norm: Norm, module: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor, weights: tuple, activation: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(mlp(module(residual + x)), residual + x)`` as one op, the sum formed as in :func:`_add_norm`."""
-    if x.dtype != residual.dtype:
-        dtype = torch.promote_types(x.dtype, residual.dtype)
-        x, residual = x.to(dtype), residual.to(dtype)
+    """``(mlp(module(residual + x)), residual + x)`` as one op."""
+    x, residual = _summands(x, residual)
     return F.add_rms_norm_glu_mlp(
         x, residual, module.weight, getattr(module, norm.eps), *weights,
         offset=norm.offset, casting=norm.casting, activation=activation,
@@ -180,8 +181,6 @@ def decoder_layer_forward(
             mlp is None
             or type(module).__name__ != mlp.cls  # a mixture-of-experts block in the MLP's place
             or has_hooks(module, own_forward=patched_mlp_forward)
-            or _backend.disabled(ADD_RMS_NORM)
-            or _backend.disabled(GLU_MLP)
         ):
             return None, None
         activation = _mlp_activation(mlp, module)
