@@ -1,7 +1,7 @@
 """Where one end-to-end training step (tigon bench --e2e's model and batch) spends GPU time and
 what is alive at its memory peak.
 
-Usage (GPU): PYTHONPATH=src python3 scripts/profile_e2e.py [full|lora] [--eager] [--off SWITCH ...]
+Usage (GPU): PYTHONPATH=src python3 scripts/profile_e2e.py [full|lora] [--eager] [--off SWITCH ...] [--ops]
 Prints the kernels by total GPU time, grouped by family, where the GPU sits idle between kernels
 (by tenth of the step, and the longest gaps), and the live allocations at the step's peak grouped
 by the innermost tigon/transformers/peft/torch.optim frame that made them.
@@ -25,6 +25,8 @@ parser.add_argument("--off", nargs="+", default=[], choices=SWITCHES,
 parser.add_argument("--batch", type=int, default=4)
 parser.add_argument("--seq", type=int, default=2048)
 parser.add_argument("--trace", metavar="FILE", help="also write a Chrome trace of one step (CPU + GPU, Python stacks)")
+parser.add_argument("--ops", action="store_true",
+                    help="also list the aten ops by GPU time with their input shapes (which GEMM is which)")
 args = parser.parse_args()
 
 device = torch.device("cuda")
@@ -108,6 +110,17 @@ for name, ms in groups.most_common():
 print("top kernels:")
 for e in sorted(kernels, key=lambda e: -e.device_time_total)[:25]:
     print(f"  {e.device_time_total / 1e3:8.2f} ms x{e.count:<4} {e.key[:110]}")
+
+if args.ops:
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
+        step()
+        torch.cuda.synchronize()
+    print("aten ops by their own GPU time, with input shapes:")
+    ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.self_device_time_total > 0]
+    for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:30]:
+        per_call = e.self_device_time_total / e.count
+        print(f"  {e.self_device_time_total / 1e3:8.2f} ms x{e.count:<4} {per_call:8.1f} us  {e.key:<28} {e.input_shapes}")
 
 if args.trace:
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
