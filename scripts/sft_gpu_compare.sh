@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `tigon sft` with kernels on vs --no-kernels on the TARGETS.md Llama shape (random weights, the
 # built-in tokenizer, rows of exactly 2048 tokens, batch 4), full and LoRA. Device machine, repo root.
+# PREP_ONLY=1 writes the model and data to $WORK and stops.
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-out}
@@ -23,6 +24,7 @@ with open(f"{work}/text.jsonl", "w") as f:
     for _ in range(400):
         f.write(json.dumps({"text": " ".join(rng.choices(words, k=2000))}) + "\n")
 PY
+[ "${PREP_ONLY:-0}" = 1 ] && exit 0  # only the model and data (for scripts/profile_sft.py)
 for tuner in full lora; do
   for kernels in --no-kernels --kernels; do
     name="sft-$tuner$kernels"

@@ -1,0 +1,111 @@
+"""Where a `tigon sft` step spends its time: wall time per step, the GPU's kernels and idle
+stretches over two steps, and every device-to-host synchronisation in one step with the Python
+line that made it (GPU only).
+
+Usage: PYTHONPATH=src python3 scripts/profile_sft.py [tigon sft options...]
+e.g. after scripts/sft_gpu_compare.sh has written its model and data to /tmp/sft-compare:
+    python3 scripts/profile_sft.py --model /tmp/sft-compare/model --dataset /tmp/sft-compare/text.jsonl \
+        --tuner lora --dtype bf16 --max-length 2048 --batch-size 4 --max-steps 14 --save-steps 0 \
+        --samples 0 --overwrite --output-dir /tmp/sft-profile
+"""
+
+import collections
+import statistics
+import sys
+import time
+import traceback
+import warnings
+
+import torch
+from transformers import TrainerCallback
+
+from tigon import cli
+from tigon.train import run
+
+PROFILED, SYNC_CHECKED = (8, 9), 11
+
+
+class StepProfiler(TrainerCallback):
+    def __init__(self):
+        self.starts: list[float] = []
+        self.prof = None
+        self.syncs: collections.Counter = collections.Counter()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.starts.append(time.perf_counter())
+        step = state.global_step
+        if step == PROFILED[0]:
+            torch.cuda.synchronize()
+            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            self.prof.__enter__()
+        if step == SYNC_CHECKED:
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        step = state.global_step  # already advanced past the step that ended
+        if step == PROFILED[1] + 1:
+            torch.cuda.synchronize()
+            self.prof.__exit__(None, None, None)
+            report_profile(self.prof, len(PROFILED))
+        if step == SYNC_CHECKED + 1:
+            torch.cuda.set_sync_debug_mode("default")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        steps = [b - a for a, b in zip(self.starts, self.starts[1:])][3:]
+        if steps:
+            print(f"step wall time after 3 warm-up steps: median {1e3 * statistics.median(steps):.1f} ms, "
+                  f"min {1e3 * min(steps):.1f}, max {1e3 * max(steps):.1f} ({len(steps)} steps)")
+        print(f"device-to-host synchronisations in step {SYNC_CHECKED}:")
+        for where, n in self.syncs.most_common(20):
+            print(f"  x{n} {where}")
+
+
+def report_profile(prof, steps: int) -> None:
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in kernels)
+    if not spans:
+        print("no kernels profiled")
+        return
+    busy, busy_until, idle = 0.0, None, []
+    for start, end, name in spans:
+        if busy_until is not None and start > busy_until:
+            idle.append((start - busy_until, name))
+        if busy_until is None or end > busy_until:
+            busy += end - max(start, busy_until or start)
+            busy_until = end
+    span = spans[-1][1] - spans[0][0]
+    print(f"profiled {steps} steps: kernel span {span / 1e3 / steps:.1f} ms per step, GPU busy "
+          f"{busy / 1e3 / steps:.1f} ms, idle {sum(i[0] for i in idle) / 1e3 / steps:.1f} ms per step")
+    for length, after in sorted(idle, reverse=True)[:8]:
+        print(f"  idle {length / 1e3:6.2f} ms before {after[:70]}")
+    totals = collections.Counter()
+    counts = collections.Counter()
+    for e in kernels:
+        totals[e.name] += e.time_range.elapsed_us() / steps
+        counts[e.name] += 1
+    for name, us in totals.most_common(15):
+        print(f"  {us / 1e3:7.2f} ms x{counts[name] // steps:<4} {name[:100]}")
+
+
+profiler = StepProfiler()
+
+
+def record_sync(message, category, filename, lineno, file=None, line=None):
+    if "synchronizing" not in str(message):
+        return
+    frames = [f for f in traceback.extract_stack()[:-1] if "/warnings.py" not in f.filename]
+    where = " <- ".join(f"{f.filename.split('site-packages/')[-1].split('/src/')[-1]}:{f.lineno}" for f in frames[-4:][::-1])
+    profiler.syncs[where] += 1
+
+
+warnings.showwarning = record_sync
+warnings.simplefilter("always")
+base_init = run.AtomicTrainer.__init__
+
+
+def init_with_profiler(self, *args, callbacks=None, **kwargs):
+    base_init(self, *args, callbacks=[*(callbacks or []), profiler], **kwargs)
+
+
+run.AtomicTrainer.__init__ = init_with_profiler
+sys.exit(cli.main(["sft", *sys.argv[1:]]))
