@@ -1,6 +1,6 @@
-"""Where a `tigon sft` step spends its time: wall time per step, the GPU's kernels and idle
-stretches over two steps, and every device-to-host synchronisation in one step with the Python
-line that made it (GPU only).
+"""Where a `tigon sft` step spends its time: wall time per step, the host's Python by function
+over five steps (cProfile), the GPU's kernels and idle stretches over two steps, and every
+device-to-host synchronisation in one step with the Python line that made it (GPU only).
 
 Usage: PYTHONPATH=src python3 scripts/profile_sft.py [tigon sft options...]
 e.g. after scripts/sft_gpu_compare.sh has written its model and data to /tmp/sft-compare:
@@ -10,6 +10,8 @@ e.g. after scripts/sft_gpu_compare.sh has written its model and data to /tmp/sft
 """
 
 import collections
+import cProfile
+import pstats
 import statistics
 import sys
 import time
@@ -22,7 +24,7 @@ from transformers import TrainerCallback
 from tigon import cli
 from tigon.train import run
 
-PROFILED, SYNC_CHECKED = (8, 9), 11
+HOST_PROFILED, PROFILED, SYNC_CHECKED = (3, 7), (8, 9), 11
 
 
 class StepProfiler(TrainerCallback):
@@ -30,10 +32,13 @@ class StepProfiler(TrainerCallback):
         self.starts: list[float] = []
         self.prof = None
         self.syncs: collections.Counter = collections.Counter()
+        self.host = cProfile.Profile()
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.starts.append(time.perf_counter())
         step = state.global_step
+        if step == HOST_PROFILED[0]:
+            self.host.enable()
         if step == PROFILED[0]:
             torch.cuda.synchronize()
             self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
@@ -43,6 +48,13 @@ class StepProfiler(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         step = state.global_step  # already advanced past the step that ended
+        if step == HOST_PROFILED[1] + 1:
+            self.host.disable()
+            steps = HOST_PROFILED[1] - HOST_PROFILED[0] + 1
+            print(f"host Python over {steps} steps (cProfile; its own overhead inflates the model's many small calls):")
+            stats = pstats.Stats(self.host)
+            stats.sort_stats("cumulative").print_stats(45)
+            stats.sort_stats("tottime").print_stats(20)
         if step == PROFILED[1] + 1:
             torch.cuda.synchronize()
             self.prof.__exit__(None, None, None)
