@@ -43,8 +43,6 @@ class StepProfiler(TrainerCallback):
             torch.cuda.synchronize()
             self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
             self.prof.__enter__()
-        if step == SYNC_CHECKED:
-            torch.cuda.set_sync_debug_mode("warn")
 
     def on_step_end(self, args, state, control, **kwargs):
         step = state.global_step  # already advanced past the step that ended
@@ -59,6 +57,8 @@ class StepProfiler(TrainerCallback):
             torch.cuda.synchronize()
             self.prof.__exit__(None, None, None)
             report_profile(self.prof, len(PROFILED))
+        if step == SYNC_CHECKED:  # from here: this step's log, the next batch, the next step
+            torch.cuda.set_sync_debug_mode("warn")
         if step == SYNC_CHECKED + 1:
             torch.cuda.set_sync_debug_mode("default")
 
@@ -67,7 +67,7 @@ class StepProfiler(TrainerCallback):
         if steps:
             print(f"step wall time after 3 warm-up steps: median {1e3 * statistics.median(steps):.1f} ms, "
                   f"min {1e3 * min(steps):.1f}, max {1e3 * max(steps):.1f} ({len(steps)} steps)")
-        print(f"device-to-host synchronisations in step {SYNC_CHECKED}:")
+        print(f"device-to-host synchronisations from the end of step {SYNC_CHECKED} to the end of the next:")
         for where, n in self.syncs.most_common(20):
             print(f"  x{n} {where}")
 

@@ -3,7 +3,7 @@ import random
 import pytest
 import torch
 
-from tigon.train.batching import Collator, pack
+from tigon.train.batching import NUM_TOKENS, Collator, pack
 from tigon.train.template import IGNORE
 
 PAD = 0
@@ -44,10 +44,12 @@ def test_pack_keeps_every_sample_whole_with_positions_from_zero():
 
 def test_collator_pads_unpacked_rows_with_a_mask():
     rng = random.Random()
-    rows = examples(rng, 5, 17)
+    rows = examples(rng, 5, 17) + examples(rng, 1, 1)  # at least one row shorter than the longest
+    rng.shuffle(rows)
     batch = Collator(PAD)(rows)
     width = max(len(r["input_ids"]) for r in rows)
-    assert set(batch) == {"input_ids", "labels", "attention_mask"}
+    assert set(batch) == {"input_ids", "labels", "attention_mask", NUM_TOKENS}
+    assert batch[NUM_TOKENS] == sum(len(r["input_ids"]) for r in rows)
     for i, r in enumerate(rows):
         n = len(r["input_ids"])
         assert batch["input_ids"][i].tolist() == r["input_ids"] + [PAD] * (width - n)
@@ -55,12 +57,26 @@ def test_collator_pads_unpacked_rows_with_a_mask():
         assert batch["attention_mask"][i].tolist() == [1] * n + [0] * (width - n)
 
 
+def test_collator_leaves_out_an_all_ones_mask():
+    """Rows of one length need no mask: the model runs plain causal attention, as it would with
+    an all-ones mask, without checking that mask on the device."""
+    rng = random.Random()
+    length = rng.randint(1, 20)
+    rows = [{"input_ids": [rng.randrange(1, 1000) for _ in range(length)], "labels": [IGNORE] * length}
+            for _ in range(rng.randint(1, 5))]
+    batch = Collator(PAD)(rows)
+    assert set(batch) == {"input_ids", "labels", NUM_TOKENS}
+    assert batch[NUM_TOKENS] == batch["input_ids"].numel()
+    assert batch["input_ids"].tolist() == [r["input_ids"] for r in rows]
+
+
 def test_collator_pads_packed_rows_as_one_more_sample():
     rng = random.Random()
     rows = pack(examples(rng, 9, 12), 30, seed=0)
     batch = Collator(PAD)(rows)
     width = max(len(r["input_ids"]) for r in rows)
-    assert set(batch) == {"input_ids", "labels", "position_ids"}
+    assert set(batch) == {"input_ids", "labels", "position_ids", NUM_TOKENS}
+    assert batch[NUM_TOKENS] == sum(len(r["input_ids"]) for r in rows)
     for i, r in enumerate(rows):
         n = len(r["input_ids"])
         assert batch["position_ids"][i].tolist() == r["position_ids"] + list(range(width - n))
@@ -82,7 +98,7 @@ def test_packed_rows_match_samples_run_alone(attn):
     rows = pack(examples(rng, 11, 13, vocab=97), 29, seed=1)
     batch = Collator(PAD)(rows)
     with torch.no_grad():
-        packed = model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits
+        packed = model(**{k: v for k, v in batch.items() if k not in ("labels", NUM_TOKENS)}, use_cache=False).logits
         for i, row in enumerate(rows):
             start = 0
             for seg in segments(row):

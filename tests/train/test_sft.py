@@ -238,3 +238,46 @@ def test_samples_are_skipped_when_the_model_will_be_sharded(monkeypatch):
     assert _sharded(SimpleNamespace(fsdp="full_shard", deepspeed=None))
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     assert _sharded(plain)
+
+
+@pytest.mark.gpu
+def test_gpu_steps_never_wait_for_the_device(tmp_path, monkeypatch):
+    """Between logs, nothing in a `tigon sft` step (token counting, the loss's NaN check, the next
+    batch's copy, the patched model) reads the GPU back, so the host runs ahead of it. Rows longer
+    than --max-length: every batch is unpadded, as in the benchmark."""
+    from transformers import TrainerCallback
+
+    from tigon.train import run
+
+    rows = load_samples([str(tiny.BUNDLED_DATASET)], seed=0)
+    tokenizer = tiny.build_tokenizer(rows)
+    tiny.build_model(tokenizer, 0, hidden_size=256, intermediate_size=704, num_hidden_layers=2).save_pretrained(
+        tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    words = " ".join(m["content"] for s in rows for m in s.messages).split()
+    rng = random.Random(0)
+    (tmp_path / "text.jsonl").write_text("".join(json.dumps({"text": " ".join(rng.choices(words, k=400))}) + "\n"
+                                                 for _ in range(64)))
+
+    class StrictSteps(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 2:  # after the warm-up steps (compilation, first allocations)
+                torch.cuda.set_sync_debug_mode("error")
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == args.max_steps:  # before the final log reads the loss
+                torch.cuda.set_sync_debug_mode("default")
+
+    class Trainer(run.TigonTrainer):
+        def __init__(self, *args, callbacks=(), **kwargs):
+            super().__init__(*args, callbacks=[*callbacks, StrictSteps()], **kwargs)
+
+    monkeypatch.setattr(run, "TigonTrainer", Trainer)
+    try:
+        for tuner in ("full", "lora"):
+            assert main(["sft", "--model", str(tmp_path / "m"), "--dataset", str(tmp_path / "text.jsonl"),
+                         "--tuner", tuner, "--dtype", "bf16", "--max-length", "128", "--batch-size", "4",
+                         "--max-steps", "6", "--logging-steps", "100", "--save-steps", "0", "--samples", "0",
+                         "--output-dir", str(tmp_path / tuner)]) == 0
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

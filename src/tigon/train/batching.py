@@ -52,26 +52,36 @@ def pack(examples: list[dict[str, list[int]]], max_length: int, seed: int) -> li
     return rows
 
 
+NUM_TOKENS = "num_tokens"
+
+
 class Collator:
-    """Right-pads a batch to its longest row. Unpacked rows get an attention mask; packed rows get
-    their padding as one more "sample" (positions from 0, no labels), which their block mask
-    already keeps apart, so they need none."""
+    """Right-pads a batch to its longest row. Unpacked rows get an attention mask when any of them
+    is padded (without one the model runs plain causal attention and skips checking an all-ones
+    mask on the device, which waits for the GPU); packed rows get their padding as one more
+    "sample" (positions from 0, no labels), which their block mask already keeps apart, so they
+    need none. ``batch[NUM_TOKENS]`` is the batch's count of real (unpadded) tokens as a Python
+    int, for counting tokens without reading the device (`tigon.train.trainer` takes it out
+    before the model sees the batch)."""
 
     def __init__(self, pad_token_id: int):
         self.pad_token_id = pad_token_id
 
-    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        width = max(len(f["input_ids"]) for f in features)
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        lengths = [len(f["input_ids"]) for f in features]
+        width = max(lengths)
         packed = "position_ids" in features[0]
         batch: dict[str, list[list[int]]] = {"input_ids": [], "labels": []}
-        batch["position_ids" if packed else "attention_mask"] = []
-        for f in features:
-            n = len(f["input_ids"])
+        if packed:
+            batch["position_ids"] = []
+        elif min(lengths) < width:
+            batch["attention_mask"] = []
+        for f, n in zip(features, lengths):
             pad = width - n
             batch["input_ids"].append(f["input_ids"] + [self.pad_token_id] * pad)
             batch["labels"].append(f["labels"] + [IGNORE] * pad)
             if packed:
                 batch["position_ids"].append(f["position_ids"] + list(range(pad)))
-            else:
+            elif "attention_mask" in batch:
                 batch["attention_mask"].append([1] * n + [0] * pad)
-        return {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
+        return {**{k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}, NUM_TOKENS: sum(lengths)}

@@ -18,7 +18,7 @@ import torch
 from tigon.train import tiny
 from tigon.train.batching import Collator, TokenDataset, pack
 from tigon.train.callbacks import METRICS_FILE, PLOT_FILE, Reporter, read_metrics
-from tigon.train.checkpoint import (STAGING_PREFIX, AtomicTrainer, list_checkpoints, publish, resume_checkpoint,
+from tigon.train.checkpoint import (STAGING_PREFIX, list_checkpoints, publish, resume_checkpoint,
                                     staging_dir)
 from tigon.train.config import SFTConfig, SFTError, resolve
 from tigon.train.data import Sample, load_samples
@@ -26,6 +26,7 @@ from tigon.train.infer import generate
 from tigon.train.modeling import (add_lora, apply_kernels, count_parameters, flops_per_token, load_model,
                                   load_tokenizer, pick_dtype, quiet_transformers)
 from tigon.train.template import encode_all, ensure_chat_template
+from tigon.train.trainer import TigonTrainer
 
 log = logging.getLogger("tigon.train")
 
@@ -109,7 +110,7 @@ def _training_arguments(cfg: SFTConfig, output_dir: Path, dtype: torch.dtype, ha
     from transformers import TrainingArguments
 
     steps = cfg.save_steps or None
-    return TrainingArguments(
+    args = TrainingArguments(
         output_dir=str(output_dir),
         per_device_train_batch_size=cfg.batch_size,
         per_device_eval_batch_size=cfg.batch_size,
@@ -132,11 +133,18 @@ def _training_arguments(cfg: SFTConfig, output_dir: Path, dtype: torch.dtype, ha
         use_cpu=not torch.cuda.is_available() and not torch.backends.mps.is_available(),
         seed=cfg.seed,
         data_seed=cfg.seed,
-        include_num_input_tokens_seen="non_padding",
+        # Between logs the step loop never waits for the GPU (see tigon.train.trainer): a NaN
+        # loss is logged as NaN rather than filtered out, and batches go to the GPU asynchronously.
+        logging_nan_inf_filter=False,
+        accelerator_config={"non_blocking": torch.cuda.is_available()},
         remove_unused_columns=False,
         report_to="none",
         disable_tqdm=True,  # tigon's Reporter draws the bar
     )
+    # One process counts its tokens on the host (TigonTrainer); several need the Trainer's
+    # count, which gathers every process's on the device.
+    args.include_num_input_tokens_seen = "non_padding" if args.world_size > 1 else "no"
+    return args
 
 
 def _peak_flops(device: torch.device, dtype: torch.dtype) -> float:
@@ -231,7 +239,7 @@ def _run(cfg: SFTConfig, given: set[str]) -> Path:
     mean_row = train_data.num_tokens() / len(train_data)
     reporter = Reporter(output_dir, flops_per_token(model, mean_row), _peak_flops(args.device, dtype),
                         args.world_size)
-    trainer = AtomicTrainer(model=model, args=args, train_dataset=train_data, eval_dataset=eval_data,
+    trainer = TigonTrainer(model=model, args=args, train_dataset=train_data, eval_dataset=eval_data,
                             data_collator=Collator(tokenizer.pad_token_id), processing_class=tokenizer,
                             callbacks=[reporter], save_limit=cfg.save_limit)
     trainer.remove_callback(PrinterCallback)

@@ -1,0 +1,72 @@
+"""TigonTrainer: tokens counted on the host, the collator's count kept from the model, and the
+FLOP count cached, each equal to what the Trainer computes itself."""
+
+import math
+import random
+
+import pytest
+import torch
+from transformers import Trainer, TrainingArguments
+
+from tigon.train import tiny
+from tigon.train.batching import Collator, TokenDataset
+from tigon.train.data import load_samples
+from tigon.train.trainer import TigonTrainer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny.build_tokenizer(load_samples([str(tiny.BUNDLED_DATASET)], seed=0))
+
+
+def rows(tokenizer, n, rng):
+    """Rows of random lengths (so most batches are padded) without the pad token in them."""
+    out = []
+    for _ in range(n):
+        ids = [rng.choice([i for i in range(5, 60) if i != tokenizer.pad_token_id]) for _ in range(rng.randint(3, 24))]
+        out.append({"input_ids": ids, "labels": list(ids)})
+    return TokenDataset(out)
+
+
+def trainer(tokenizer, tmp_path, data, count: str) -> TigonTrainer:
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, per_device_eval_batch_size=4,
+                             num_train_epochs=1, learning_rate=1e-3, logging_steps=1, save_strategy="no",
+                             report_to="none", use_cpu=True, remove_unused_columns=False, disable_tqdm=True,
+                             include_num_input_tokens_seen=count, seed=0, data_seed=0)
+    return TigonTrainer(model=tiny.build_model(tokenizer, 0), args=args, train_dataset=data, eval_dataset=data,
+                        data_collator=Collator(tokenizer.pad_token_id), processing_class=tokenizer)
+
+
+def test_host_token_count_equals_the_trainers(tokenizer, tmp_path):
+    data = rows(tokenizer, 4 * random.randint(2, 4), random.Random())
+    on_host = trainer(tokenizer, tmp_path / "host", data, "no")
+    on_host.train()
+    assert on_host.state.num_input_tokens_seen == data.num_tokens()  # every row once
+    by_trainer = trainer(tokenizer, tmp_path / "trainer", data, "non_padding")
+    by_trainer.train()
+    assert by_trainer.state.num_input_tokens_seen == data.num_tokens()
+    assert math.isfinite(on_host.evaluate()["eval_loss"])  # the count never reaches the model
+
+
+def test_flop_count_is_cached_and_equals_the_trainers(tokenizer, tmp_path, monkeypatch):
+    data = rows(tokenizer, 8, random.Random())
+    t = trainer(tokenizer, tmp_path, data, "no")
+    collate = Collator(tokenizer.pad_token_id)
+    batches = [collate([data[i] for i in range(k)]) for k in (3, 8, 5)]
+    expected = [Trainer.floating_point_ops(t, b) for b in batches]
+    assert expected[0] > 0
+    assert t.floating_point_ops(batches[0]) == pytest.approx(expected[0])
+    monkeypatch.setattr(type(t.model), "num_parameters", lambda *a, **k: pytest.fail("parameters counted again"))
+    for batch, flops in zip(batches[1:], expected[1:]):
+        assert t.floating_point_ops(batch) == pytest.approx(flops)
+
+
+def test_training_step_takes_the_count_out_of_the_batch(tokenizer, tmp_path, monkeypatch):
+    seen = []
+    t = trainer(tokenizer, tmp_path, rows(tokenizer, 4, random.Random()), "no")
+    monkeypatch.setattr(Trainer, "training_step", lambda self, model, inputs, *a, **k: seen.append(set(inputs))
+                        or torch.zeros(()))
+    batch = Collator(tokenizer.pad_token_id)([{"input_ids": [7, 8, 9], "labels": [7, 8, 9]}] * 2)
+    t.training_step(t.model, batch)
+    assert seen == [{"input_ids", "labels"}]
+    assert t.state.num_input_tokens_seen == 6
