@@ -112,12 +112,14 @@ def record_sync(message, category, filename, lineno, file=None, line=None):
 
 warnings.showwarning = record_sync
 warnings.simplefilter("always")
-base_init = run.AtomicTrainer.__init__
+# The Trainer class run_sft builds (AtomicTrainer before TigonTrainer existed: A/B of older trees).
+trainer_name = "TigonTrainer" if hasattr(run, "TigonTrainer") else "AtomicTrainer"
 
 
-def init_with_profiler(self, *args, callbacks=None, **kwargs):
-    base_init(self, *args, callbacks=[*(callbacks or []), profiler], **kwargs)
+class ProfiledTrainer(getattr(run, trainer_name)):
+    def __init__(self, *args, callbacks=None, **kwargs):
+        super().__init__(*args, callbacks=[*(callbacks or []), profiler], **kwargs)
 
 
-run.AtomicTrainer.__init__ = init_with_profiler
+setattr(run, trainer_name, ProfiledTrainer)
 sys.exit(cli.main(["sft", *sys.argv[1:]]))
