@@ -5,7 +5,7 @@ device-to-host synchronisation in one step with the Python line that made it (GP
 Usage: PYTHONPATH=src python3 scripts/profile_sft.py [tigon sft options...]
 e.g. after scripts/sft_gpu_compare.sh has written its model and data to /tmp/sft-compare:
     python3 scripts/profile_sft.py --model /tmp/sft-compare/model --dataset /tmp/sft-compare/text.jsonl \
-        --tuner lora --dtype bf16 --max-length 2048 --batch-size 4 --max-steps 14 --save-steps 0 \
+        --tuner lora --dtype bf16 --max-length 2048 --batch-size 4 --max-steps 24 --save-steps 0 \
         --samples 0 --overwrite --output-dir /tmp/sft-profile
 """
 
@@ -63,9 +63,10 @@ class StepProfiler(TrainerCallback):
             torch.cuda.set_sync_debug_mode("default")
 
     def on_train_end(self, args, state, control, **kwargs):
-        steps = [b - a for a, b in zip(self.starts, self.starts[1:])][3:]
+        # Steps after the instrumented ones (the profilers slow the host): run --max-steps 24 or more.
+        steps = [b - a for a, b in zip(self.starts, self.starts[1:])][SYNC_CHECKED + 2:]
         if steps:
-            print(f"step wall time after 3 warm-up steps: median {1e3 * statistics.median(steps):.1f} ms, "
+            print(f"step wall time after step {SYNC_CHECKED + 1}: median {1e3 * statistics.median(steps):.1f} ms, "
                   f"min {1e3 * min(steps):.1f}, max {1e3 * max(steps):.1f} ({len(steps)} steps)")
         print(f"device-to-host synchronisations from the end of step {SYNC_CHECKED} to the end of the next:")
         for where, n in self.syncs.most_common(20):
