@@ -219,6 +219,27 @@ def test_autocast_casts_like_f_linear(device):
         assert t.grad is not None and t.grad.dtype == torch.float32
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+def test_autocast_leaves_float32_adapters_to_the_op(device, grouped):
+    """Under autocast, with x and the weights already in its dtype (a bf16 model under the HF
+    Trainer's bf16 autocast) and float32 adapters (PEFT's default): no cast node in the graph (the
+    op casts the adapters itself), and the same output and gradients as without autocast."""
+    x = torch.randn(7, 24, dtype=torch.bfloat16, device=device, requires_grad=True)
+    projections = [_float32_adapters(_projection(24, width, 4, torch.bfloat16, device, bias=True)) for width in (16, 8)]
+
+    def run():
+        return lora_linear_group(x, projections) if grouped else (lora_linear(x, *projections[0]),)
+
+    plain = run()
+    plain_grads = torch.autograd.grad([o.float().sum() for o in plain], [x, projections[0].lora_a, projections[0].lora_b])
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        outs = run()
+    assert not any("ToCopyBackward0" in _graph_node_names(o) for o in outs)
+    grads = torch.autograd.grad([o.float().sum() for o in outs], [x, projections[0].lora_a, projections[0].lora_b])
+    for ours, expected in zip((*outs, *grads), (*plain, *plain_grads)):
+        assert ours.dtype == expected.dtype and torch.equal(ours, expected)
+
+
 def test_tigon_disable_runs_the_reference(device, monkeypatch):
     monkeypatch.setenv("TIGON_DISABLE", "lora_linear")
     calls = []

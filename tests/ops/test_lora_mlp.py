@@ -105,6 +105,21 @@ def test_autocast(device):
     assert x.grad.dtype == torch.float32 and projections[2].lora_b.grad.dtype == torch.float32
 
 
+def test_autocast_leaves_float32_adapters_to_the_op(device):
+    """As for lora_linear: no cast node for float32 adapters under autocast, results unchanged."""
+    x = torch.randn(5, 32, dtype=torch.bfloat16, device=device, requires_grad=True)
+    projections = [_float32_adapters(p) for p in _mlp(32, 48, (4, 2, 4), torch.bfloat16, device)]
+    adapters = [t for p in projections for t in (p.lora_a, p.lora_b)]
+    plain = lora_gated_mlp(x, *projections)
+    plain_grads = torch.autograd.grad(plain.float().sum(), [x, *adapters])
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        out = lora_gated_mlp(x, *projections)
+    assert "ToCopyBackward0" not in _graph_node_names(out)
+    assert torch.equal(out, plain)
+    for ours, expected in zip(torch.autograd.grad(out.float().sum(), [x, *adapters]), plain_grads):
+        assert ours.dtype == expected.dtype and torch.equal(ours, expected)
+
+
 @pytest.mark.parametrize(
     "make,match",
     [

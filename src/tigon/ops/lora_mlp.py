@@ -27,16 +27,15 @@ from tigon.ops.lora import (
     adapter_grads_back,
     adapters_in,
     autocast_dtype,
-    cast_for_autocast,
     check_input,
     check_projection,
-    flatten_projections,
     lora_backward_from_input,
     lora_backward_without_input,
     lora_forward,
     lora_group_backward,
     lora_group_forward,
     lora_linear_reference,
+    projections_for_autocast,
     restore_projections,
     run_op,
     saved_tensors,
@@ -119,8 +118,8 @@ def lora_gated_mlp(
 
     Each projection may have its own rank and scaling, and a bias. All tensors share x's device;
     weights and biases share x's dtype, the adapters may have another float dtype (cast inside the
-    op, gradients back in their own dtype). Under autocast everything is cast to the autocast dtype
-    as ``F.linear`` would be. Base weights get a gradient only if they require one.
+    op, gradients back in their own dtype). Under autocast everything is computed in the autocast
+    dtype as ``F.linear`` would compute it. Base weights get a gradient only if they require one.
 
     Returns:
         ``(..., hidden)`` in x's dtype (the autocast dtype under autocast).
@@ -140,7 +139,7 @@ def lora_gated_mlp(
             f"down weight must have shape ({x.shape[-1]}, {intermediate}) to return x's width, "
             f"got {tuple(down.weight.shape)}"
         )
-    x, flat = cast_for_autocast(x, flatten_projections([gate, up, down]), dtype)
+    x, flat = projections_for_autocast(x, [gate, up, down], dtype)
     return run_op(
         LORA_GATED_MLP, lambda x, *flat: _LoraGatedMLPFunction.apply(x, activation, *flat),
         lambda x, *flat: lora_gated_mlp_reference(x, activation, *flat), x, flat, dtype,
