@@ -33,8 +33,10 @@ def trainer(tokenizer, tmp_path, data, count: str) -> TigonTrainer:
                              num_train_epochs=1, learning_rate=1e-3, logging_steps=1, save_strategy="no",
                              report_to="none", use_cpu=True, remove_unused_columns=False, disable_tqdm=True,
                              include_num_input_tokens_seen=count, seed=0, data_seed=0)
-    return TigonTrainer(model=tiny.build_model(tokenizer, 0), args=args, train_dataset=data, eval_dataset=data,
-                        data_collator=Collator(tokenizer.pad_token_id), processing_class=tokenizer)
+    t = TigonTrainer(model=tiny.build_model(tokenizer, 0), args=args, train_dataset=data, eval_dataset=data,
+                     data_collator=Collator(tokenizer.pad_token_id), processing_class=tokenizer)
+    t.current_gradient_accumulation_steps = 1  # set by train(); these tests also call training_step alone
+    return t
 
 
 def test_host_token_count_equals_the_trainers(tokenizer, tmp_path):
@@ -70,3 +72,32 @@ def test_training_step_takes_the_count_out_of_the_batch(tokenizer, tmp_path, mon
     t.training_step(t.model, batch)
     assert seen == [{"input_ids", "labels"}]
     assert t.state.num_input_tokens_seen == 6
+
+
+def test_training_mode_is_set_only_when_the_model_is_not_in_it(tokenizer, tmp_path, monkeypatch):
+    t = trainer(tokenizer, tmp_path, rows(tokenizer, 4, random.Random()), "no")
+    walks = []
+    real_train = torch.nn.Module.train
+    monkeypatch.setattr(torch.nn.Module, "train", lambda self, mode=True: walks.append(mode) or real_train(self, mode))
+    batch = Collator(tokenizer.pad_token_id)([{"input_ids": [7, 8, 9], "labels": [7, 8, 9]}] * 2)
+    t.model.eval()
+    walks.clear()
+    t.training_step(t.model, dict(batch))
+    assert walks and walks[0] is True and t.model.training
+    assert all(m.training for m in t.model.modules())
+    walks.clear()
+    t.training_step(t.model, dict(batch))
+    assert walks == [] and "train" not in vars(t.model)  # already training: no walk, nothing left behind
+
+
+def test_clipping_uses_the_trainable_parameters_once_collected(tokenizer, tmp_path, monkeypatch):
+    t = trainer(tokenizer, tmp_path, rows(tokenizer, 4, random.Random()), "no")
+    t.create_optimizer_and_scheduler(num_training_steps=1)
+    t.model.model.embed_tokens.weight.requires_grad_(False)  # a frozen parameter, as under LoRA
+    batch = Collator(tokenizer.pad_token_id)([{"input_ids": [7, 8, 9, 10], "labels": [7, 8, 9, 10]}] * 3)
+    t.training_step(t.model, dict(batch))
+    grads = [p.grad.clone() for p in t.model.parameters() if p.grad is not None]
+    expected = torch.nn.utils.get_total_norm(grads)
+    assert float(t._clip_grad_norm(t.model)) == pytest.approx(float(expected), rel=1e-6)
+    monkeypatch.setattr(type(t.model), "parameters", lambda *a, **k: pytest.fail("parameters walked again"))
+    t._clip_grad_norm(t.model)
