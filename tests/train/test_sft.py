@@ -281,3 +281,30 @@ def test_gpu_steps_never_wait_for_the_device(tmp_path, monkeypatch):
                          "--output-dir", str(tmp_path / tuner)]) == 0
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_lora_on_a_loaded_model_trains_every_module_in_training_mode(tmp_path, monkeypatch):
+    """from_pretrained returns a model in eval mode and PEFT wraps it in a root in training mode:
+    the first step must still switch every module (dropout, the fused loss's training path)."""
+    from transformers import TrainerCallback
+
+    from tigon.train import run
+
+    tokenizer = tiny.build_tokenizer(load_samples([str(tiny.BUNDLED_DATASET)], seed=0))
+    tiny.build_model(tokenizer, 0, hidden_size=64, intermediate_size=128, num_hidden_layers=2).save_pretrained(
+        tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    modes = []
+
+    class Modes(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            modes.append(all(m.training for m in model.modules()))
+
+    class Trainer(run.TigonTrainer):
+        def __init__(self, *args, callbacks=(), **kwargs):
+            super().__init__(*args, callbacks=[*callbacks, Modes()], **kwargs)
+
+    monkeypatch.setattr(run, "TigonTrainer", Trainer)
+    sft("--model", str(tmp_path / "m"), "--tuner", "lora", "--max-steps", "3", "--save-steps", "0",
+        "--output-dir", str(tmp_path / "out"))
+    assert modes == [True, True, True]

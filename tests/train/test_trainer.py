@@ -81,13 +81,16 @@ def test_training_mode_is_set_only_when_the_model_is_not_in_it(tokenizer, tmp_pa
     monkeypatch.setattr(torch.nn.Module, "train", lambda self, mode=True: walks.append(mode) or real_train(self, mode))
     batch = Collator(tokenizer.pad_token_id)([{"input_ids": [7, 8, 9], "labels": [7, 8, 9]}] * 2)
     t.model.eval()
+    t.model.training = True  # as PEFT leaves it: a root in training mode around modules in eval mode
     walks.clear()
     t.training_step(t.model, dict(batch))
-    assert walks and walks[0] is True and t.model.training
-    assert all(m.training for m in t.model.modules())
+    assert walks and walks[0] is True and all(m.training for m in t.model.modules())
     walks.clear()
     t.training_step(t.model, dict(batch))
     assert walks == [] and "train" not in vars(t.model)  # already training: no walk, nothing left behind
+    t.model.eval()  # as evaluation and sample generation do
+    t.training_step(t.model, dict(batch))
+    assert walks and all(m.training for m in t.model.modules())
 
 
 def test_clipping_uses_the_trainable_parameters_once_collected(tokenizer, tmp_path, monkeypatch):
