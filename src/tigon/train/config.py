@@ -70,7 +70,7 @@ class SFTConfig:
     kernels: bool = _opt(True, "swap in tigon's fused kernels (tigon.patch)")
     kernels_off: list[str] = _opt([], "kernels to leave out, e.g. rope,swiglu (see tigon.patch)",
                                   metavar="OP,OP")
-    logging_steps: int = _opt(1, "log loss/lr/speed every N steps")
+    logging_steps: int = _opt(1, "log loss/lr/speed every N steps (each log waits for the GPU to catch up)")
     samples: int = _opt(3, "prompts from the data answered before and after training (0: none)")
     max_new_tokens: int = _opt(48, "length of those sample answers")
 
