@@ -91,6 +91,14 @@ def test_training_mode_is_set_only_when_the_model_is_not_in_it(tokenizer, tmp_pa
     t.model.eval()  # as evaluation and sample generation do
     t.training_step(t.model, dict(batch))
     assert walks and all(m.training for m in t.model.modules())
+    # Under a wrapper (DDP, DataParallel) evaluation switches the model inside, not the wrapper:
+    # every step walks.
+    wrapper = torch.nn.DataParallel(t.model)
+    t.training_step(wrapper, dict(batch))
+    t.model.eval()
+    walks.clear()
+    t.training_step(wrapper, dict(batch))
+    assert walks and all(m.training for m in t.model.modules())
 
 
 def test_clipping_uses_the_trainable_parameters_once_collected(tokenizer, tmp_path, monkeypatch):

@@ -41,14 +41,17 @@ class TigonTrainer(AtomicTrainer):
         tokens = inputs.pop(NUM_TOKENS, 0)
         if self.args.include_num_input_tokens_seen in ("no", False):
             self.state.num_input_tokens_seen += tokens
-        if self._in_training_mode is not model or not model.training or "train" in vars(model):
+        if (self._in_training_mode is not model or model is not self.model or not model.training
+                or "train" in vars(model)):
             # The root's flag alone says nothing of its modules (PEFT wraps an eval-mode model in
             # a root in training mode): walk them all once, as the Trainer does in every step.
+            # A wrapper (DDP, DataParallel) is walked every step: evaluation switches the model
+            # inside it, not the wrapper.
             self._in_training_mode = model
             return super().training_step(model, inputs, *args, **kwargs)
         # The Trainer calls model.train() in every step, a walk over every module (1337 for LoRA
         # on a 16-layer Llama: ~4-8 ms of host time per step). Every module is in training mode
-        # since the last walk: evaluation and sample generation, which leave it, switch the root.
+        # since the last walk: evaluation and sample generation, which leave it, switch this root.
         model.train = lambda mode=True: model if mode else type(model).train(model, mode)
         try:
             return super().training_step(model, inputs, *args, **kwargs)
