@@ -39,7 +39,7 @@ class TigonTrainer(AtomicTrainer):
 
     def training_step(self, model, inputs: dict[str, Any], *args, **kwargs):
         tokens = inputs.pop(NUM_TOKENS, 0)
-        if self.args.include_num_input_tokens_seen in ("no", False):
+        if self.args.include_num_input_tokens_seen == "no":
             self.state.num_input_tokens_seen += tokens
         if (self._in_training_mode is not model or model is not self.model or not model.training
                 or "train" in vars(model)):
