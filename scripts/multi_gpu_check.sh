@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# tigon on two GPUs of one host (device kind nvidia-h200-x2), repo root: the tests that need two
+# GPUs, then `tigon sft` as README's Multi-GPU section launches it (torchrun = DDP, accelerate launch
+# with examples/accelerate/fsdp2.yaml = FSDP2), LoRA and full fine-tuning of the TARGETS.md Llama,
+# kernels on and --no-kernels with the same data order: their per-step losses must agree.
+set -uo pipefail
+export PYTHONPATH=src PYTHONUNBUFFERED=1 TIGON_STRICT=1
+OUT=${OUT:-gpu-out}
+STEPS=${STEPS:-12}
+mkdir -p "$OUT"
+nvidia-smi -L
+python3 -c 'import torch, accelerate; print("torch", torch.__version__, "accelerate", accelerate.__version__, "gpus", torch.cuda.device_count())'
+
+timeout 240 python3 -m pytest -q -m gpu tests/distributed -p no:cacheprovider > "$OUT/tests-distributed.log" 2>&1
+echo "tests/distributed on GPUs: $(tail -1 "$OUT/tests-distributed.log")"
+
+PREP_ONLY=1 bash scripts/sft_gpu_compare.sh > /dev/null 2>&1  # the 1.2B Llama and data in /tmp/sft-compare
+common=(--model /tmp/sft-compare/model --dataset /tmp/sft-compare/text.jsonl --dtype bf16 --max-length 2048
+        --batch-size 4 --max-steps "$STEPS" --save-steps 0 --samples 0 --overwrite)
+for launcher in ddp fsdp2; do
+  case $launcher in
+    ddp) launch=(torchrun --nproc_per_node 2 -m tigon.cli sft) ;;
+    fsdp2) launch=(accelerate launch --config_file examples/accelerate/fsdp2.yaml -m tigon.cli sft) ;;
+  esac
+  for tuner in lora full; do
+    for kernels in --kernels --no-kernels; do
+      name="$launcher-$tuner$kernels"
+      timeout 240 "${launch[@]}" "${common[@]}" --tuner $tuner --output-dir "/tmp/$name" $kernels > "$OUT/$name.log" 2>&1
+      echo "$name: rc $? $(grep -E '^done:|tigon: applied|fused LoRA' "$OUT/$name.log" | tr '\n' ' ')"
+      cp "/tmp/$name/metrics.jsonl" "$OUT/$name.metrics.jsonl" 2>/dev/null
+    done
+  done
+done
+
+python3 - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+def losses(name):
+    path = out / f"{name}.metrics.jsonl"
+    if not path.exists():
+        return None
+    return [row["loss"] for row in map(json.loads, path.read_text().splitlines()) if "loss" in row]
+for launcher in ("ddp", "fsdp2"):
+    for tuner in ("lora", "full"):
+        on, off = losses(f"{launcher}-{tuner}--kernels"), losses(f"{launcher}-{tuner}--no-kernels")
+        if not on or not off:
+            print(f"{launcher} {tuner}: missing metrics (kernels {on is not None}, no-kernels {off is not None})")
+            continue
+        diff = max(abs(a - b) for a, b in zip(on, off))
+        print(f"{launcher} {tuner}: {len(on)} steps, loss {on[0]:.4f} -> {on[-1]:.4f} (no kernels {off[-1]:.4f}), "
+              f"max per-step difference {diff:.4f}")
+PY
