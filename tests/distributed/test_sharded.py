@@ -34,11 +34,29 @@ def _batch(step: int, rank: int, device: str):
     return dict(input_ids=ids.to(device), attention_mask=mask.to(device), labels=labels.to(device))
 
 
-def _model(tuner: str, seed: int, device: str) -> torch.nn.Module:
+def _model(tuner: str, seed: int, device: str, tied: bool = False) -> torch.nn.Module:
     from tests.patch.test_training import lora_model
     from tests.patch.tiny import tiny_model
 
-    return lora_model("llama", seed, device=device) if tuner == "lora" else tiny_model("llama", seed, device=device)
+    if tuner == "lora":
+        assert not tied, "lora_model builds an untied head"
+        return lora_model("llama", seed, device=device)
+    return tiny_model("llama", seed, device=device, tie_word_embeddings=tied)
+
+
+def _shard(model: torch.nn.Module, base: torch.nn.Module, layout: str) -> None:
+    """fully_shard each decoder layer, then the root; with layout "accelerate", as accelerate's
+    FSDP2 preparation (1.12 and later) does, also the final norm and the lm_head (and the tied
+    embeddings) as one group that stays unsharded from forward to backward."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in base.model.layers:
+        fully_shard(layer)
+    if layout == "accelerate":
+        embed, head = base.get_input_embeddings(), base.get_output_embeddings()
+        tail = [base.model.norm, embed, head] if embed.weight is head.weight else [base.model.norm, head]
+        fully_shard(tail, reshard_after_forward=False)
+    fully_shard(model)  # the root: what no group above holds
 
 
 def _oracle(model: torch.nn.Module, steps: int, device: str):
@@ -79,24 +97,22 @@ def _setup(rank: int, store: str, device: str) -> None:
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=WORLD)
 
 
-def _fsdp2_worker(rank: int, store: str, device: str, tuner: str) -> None:
+def _fsdp2_worker(rank: int, store: str, device: str, tuner: str, layout: str) -> None:
     import tigon
     from tests.helpers import assert_close
     from tigon import functional
-    from torch.distributed.fsdp import fully_shard
 
     _setup(rank, store, device)
+    tied = layout == "accelerate" and tuner == "full"
     try:
         # The oracle runs before tigon.patch: the RoPE replacement is module-wide.
-        want = _oracle(_model(tuner, 3, device), STEPS, device)
-        model = _model(tuner, 3, device)
+        want = _oracle(_model(tuner, 3, device, tied), STEPS, device)
+        model = _model(tuner, 3, device, tied)
         result = tigon.patch(model)
         kernels = {"linear_cross_entropy", "add_rms_norm", "rms_norm", "swiglu", "lora" if tuner == "lora" else "rope"}
         assert kernels <= set(result.applied), result.applied
         base = model.get_base_model() if tuner == "lora" else model
-        for layer in base.model.layers:
-            fully_shard(layer)
-        fully_shard(model)  # the embeddings, final norm and lm_head form the root's group
+        _shard(model, base, layout)
         # The fused MLP reads its projections' weights without calling them: count that it ran (a
         # plain one in one op with the add + RMSNorm before it).
         mlp_name = "lora_gated_mlp" if tuner == "lora" else "add_rms_norm_glu_mlp"
@@ -153,14 +169,17 @@ def _dtensor_head_worker(rank: int, store: str, device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["layers", "accelerate"])
 @pytest.mark.parametrize("tuner", ["full", "lora"])
-def test_fsdp2_matches_single_process(tmp_path, tuner, device):
-    """fully_shard per decoder layer and at the root, the kernels patched on every rank: two SGD
-    steps with the same losses, gathered gradients and updates as one unsharded process."""
+def test_fsdp2_matches_single_process(tmp_path, tuner, layout, device):
+    """fully_shard per decoder layer and at the root ("layers"), or with the head's group that
+    accelerate makes ("accelerate": full fine-tuning with tied embeddings, LoRA untied), the
+    kernels patched on every rank: two SGD steps with the fused loss (no logits), and the same
+    losses, gathered gradients and updates as one unsharded process."""
     pytest.importorskip("torch.distributed.fsdp", reason="needs FSDP2").fully_shard
     if tuner == "lora":
         pytest.importorskip("peft")
-    _spawn(_fsdp2_worker, tmp_path, device, tuner)
+    _spawn(_fsdp2_worker, tmp_path, device, tuner, layout)
 
 
 @pytest.mark.parametrize("device", DEVICES)

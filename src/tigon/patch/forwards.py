@@ -417,13 +417,42 @@ def _full(tensor: torch.Tensor | None, dtensor: type | None) -> torch.Tensor | N
     return tensor.redistribute(placements=[Replicate()] * dims).to_local(grad_placements=[Partial("avg")] * dims)
 
 
+def _fsdp2_linear(module: torch.nn.Module) -> bool:
+    """An nn.Linear that FSDP2's ``fully_shard`` made part of a parameter group (its class becomes
+    ``FSDPLinear``), with no hooks but FSDP's own. accelerate >= 1.12 shards the lm_head this way,
+    in one group with the final norm (and the embeddings, when tied)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    if type(module).__bases__ != (FSDPModule, torch.nn.Linear) or vars(module).get("forward") is not None:
+        return False
+    if module._backward_hooks or getattr(module, "_backward_pre_hooks", None):
+        return False
+    hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+    return all(getattr(getattr(h, "func", h), "__module__", "").startswith("torch.distributed.fsdp") for h in hooks)
+
+
+@contextlib.contextmanager
+def _fsdp2_group_ready(lm_head: torch.nn.Module) -> Iterator[None]:
+    """Run the lm_head's FSDP2 hooks through a call on zero rows, so its group is unsharded and
+    counts it as having run forward (gradient reduction then follows FSDP's usual path); the
+    weight is then whole, or still a sharded DTensor that the loss all-gathers (``_full``)."""
+    weight = lm_head.weight
+    lm_head(torch.empty(0, lm_head.in_features, dtype=weight.dtype, device=weight.device))
+    yield
+
+
 def _head_weights(lm_head: torch.nn.Module) -> contextlib.AbstractContextManager | None:
-    """How the fused loss may read `lm_head`'s weights without calling it: as they are for a plain
-    linear; gathered for the duration (DeepSpeed's ``GatheredParameters``, read-only) for a linear
-    whose ZeRO-3 partitioned weights DeepSpeed's hooks would gather only inside its own forward.
-    None when neither: then the loss goes through the module and the logits."""
+    """How the fused loss may read `lm_head`'s weights without calling it on the hidden states: as
+    they are for a plain linear; after its FSDP2 group's hooks have run, for one that FSDP2 shards;
+    gathered for the duration (DeepSpeed's ``GatheredParameters``, read-only) for a linear whose
+    ZeRO-3 partitioned weights DeepSpeed's hooks would gather only inside its own forward. None
+    otherwise: then the loss goes through the module and the logits."""
     if _plain(lm_head):
         return contextlib.nullcontext()
+    if _fsdp2_linear(lm_head):
+        return _fsdp2_group_ready(lm_head)
     if type(lm_head) is torch.nn.Linear and _zero3_partitioned(lm_head.weight):
         try:
             import deepspeed
