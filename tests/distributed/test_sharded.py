@@ -45,9 +45,9 @@ def _model(tuner: str, seed: int, device: str, tied: bool = False) -> torch.nn.M
 
 
 def _shard(model: torch.nn.Module, base: torch.nn.Module, layout: str) -> None:
-    """fully_shard each decoder layer, then the root; with layout "accelerate", as accelerate's
-    FSDP2 preparation (1.12 and later) does, also the final norm and the lm_head (and the tied
-    embeddings) as one group that stays unsharded from forward to backward."""
+    """fully_shard each decoder layer, then the root; with layout "accelerate", as accelerate 1.15
+    prepares a model for FSDP2, also the final norm and the lm_head (and the tied embeddings) as
+    one group that stays unsharded from forward to backward."""
     from torch.distributed.fsdp import fully_shard
 
     for layer in base.model.layers:

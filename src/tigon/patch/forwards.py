@@ -419,7 +419,7 @@ def _full(tensor: torch.Tensor | None, dtensor: type | None) -> torch.Tensor | N
 
 def _fsdp2_linear(module: torch.nn.Module) -> bool:
     """An nn.Linear that FSDP2's ``fully_shard`` made part of a parameter group (its class becomes
-    ``FSDPLinear``), with no hooks but FSDP's own. accelerate >= 1.12 shards the lm_head this way,
+    ``FSDPLinear``), with no hooks but FSDP's own. accelerate 1.15 shards the lm_head this way,
     in one group with the final norm (and the embeddings, when tied)."""
     if not torch.distributed.is_available():
         return False
