@@ -24,6 +24,15 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 @triton.jit
+def _tile(desc, row, col, STORED_AS_IS: tl.constexpr):
+    # The (row, col) tile of a matrix kept as it is or, not STORED_AS_IS, as its transpose.
+    if STORED_AS_IS:
+        return desc.load([row, col])
+    else:
+        return desc.load([col, row]).T
+
+
+@triton.jit
 def _gemm_lowrank_kernel(
     a_desc, b_desc, left_desc, right_desc, c_desc, M, N, K, RANK,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -45,20 +54,10 @@ def _gemm_lowrank_kernel(
         off_n = ((tile % tiles_per_group) // group_rows) * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k in range(0, K, BLOCK_K):
-            a = a_desc.load([off_m, k])
-            if B_IS_KN:
-                b = b_desc.load([k, off_n])
-            else:
-                b = b_desc.load([off_n, k]).T
-            acc = tl.dot(a, b, acc)
+            acc = tl.dot(a_desc.load([off_m, k]), _tile(b_desc, k, off_n, B_IS_KN), acc)
         if HAS_LOWRANK:
             for r in range(0, RANK, BLOCK_R):
-                left = left_desc.load([off_m, r])
-                if RIGHT_IS_RN:
-                    right = right_desc.load([r, off_n])
-                else:
-                    right = right_desc.load([off_n, r]).T
-                acc = tl.dot(left, right, acc)
+                acc = tl.dot(left_desc.load([off_m, r]), _tile(right_desc, r, off_n, RIGHT_IS_RN), acc)
         if SPLIT_STORE:
             halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
             first, second = tl.split(halves)
