@@ -133,6 +133,12 @@ def _fsdp2_worker(rank: int, store: str, device: str, tuner: str, layout: str) -
                 assert grad is not None, f"no gradient for {name}"
                 assert_close(grad.full_tensor(), want_grads[name], name=f"step {step} grad {name}")
             optimizer.step()
+        if layout == "accelerate":
+            # A hook of the user's own on the sharded head: the loss goes through the module again.
+            handle = base.get_output_embeddings().register_forward_hook(lambda module, args, output: None)
+            with torch.no_grad():
+                assert model(**_batch(0, rank, device)).logits is not None, "a head with a user hook was read directly"
+            handle.remove()
     finally:
         dist.destroy_process_group()
 
