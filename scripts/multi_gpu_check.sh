@@ -25,27 +25,29 @@ for launcher in ddp fsdp2; do
   for tuner in lora full; do
     for kernels in --kernels --no-kernels; do
       name="$launcher-$tuner$kernels"
-      timeout 240 "${launch[@]}" "${common[@]}" --tuner $tuner --output-dir "/tmp/$name" $kernels > "$OUT/$name.log" 2>&1
-      echo "$name: rc $? $(grep -E '^done:|tigon: applied|fused LoRA' "$OUT/$name.log" | tr '\n' ' ')"
-      cp "/tmp/$name/metrics.jsonl" "$OUT/$name.metrics.jsonl" 2>/dev/null
+      # One log and one metrics file for all runs: the device tool returns only so many files.
+      timeout 240 "${launch[@]}" "${common[@]}" --tuner $tuner --output-dir "/tmp/$name" $kernels > "/tmp/$name.log" 2>&1
+      echo "$name: rc $? $(grep -E '^done:|tigon: applied|fused LoRA' "/tmp/$name.log" | tr '\n' ' ')"
+      { echo "==== $name"; cat "/tmp/$name.log"; } >> "$OUT/sft.log"
+      sed "s/^/{\"run\": \"$name\", \"row\": /; s/$/}/" "/tmp/$name/metrics.jsonl" >> "$OUT/metrics.jsonl" 2>/dev/null
     done
   done
 done
 
 python3 - "$OUT" <<'PY'
-import json, sys
+import collections, json, sys
 from pathlib import Path
-out = Path(sys.argv[1])
-def losses(name):
-    path = out / f"{name}.metrics.jsonl"
-    if not path.exists():
-        return None
-    return [row["loss"] for row in map(json.loads, path.read_text().splitlines()) if "loss" in row]
+runs = collections.defaultdict(list)
+path = Path(sys.argv[1]) / "metrics.jsonl"
+for line in path.read_text().splitlines() if path.exists() else []:
+    record = json.loads(line)
+    if "loss" in record["row"]:
+        runs[record["run"]].append(record["row"]["loss"])
 for launcher in ("ddp", "fsdp2"):
     for tuner in ("lora", "full"):
-        on, off = losses(f"{launcher}-{tuner}--kernels"), losses(f"{launcher}-{tuner}--no-kernels")
+        on, off = runs.get(f"{launcher}-{tuner}--kernels"), runs.get(f"{launcher}-{tuner}--no-kernels")
         if not on or not off:
-            print(f"{launcher} {tuner}: missing metrics (kernels {on is not None}, no-kernels {off is not None})")
+            print(f"{launcher} {tuner}: missing metrics (kernels {bool(on)}, no-kernels {bool(off)})")
             continue
         diff = max(abs(a - b) for a, b in zip(on, off))
         print(f"{launcher} {tuner}: {len(on)} steps, loss {on[0]:.4f} -> {on[-1]:.4f} (no kernels {off[-1]:.4f}), "
