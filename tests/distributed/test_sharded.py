@@ -47,7 +47,8 @@ def _model(tuner: str, seed: int, device: str, tied: bool = False) -> torch.nn.M
 def _shard(model: torch.nn.Module, base: torch.nn.Module, layout: str) -> None:
     """fully_shard each decoder layer, then the root; with layout "accelerate", as accelerate 1.15
     prepares a model for FSDP2, also the final norm and the lm_head (and the tied embeddings) as
-    one group that stays unsharded from forward to backward."""
+    one group that stays unsharded from forward to backward; with layout "head", the lm_head
+    alone as a group that reshards after its forward (the loss then reads a sharded weight)."""
     from torch.distributed.fsdp import fully_shard
 
     for layer in base.model.layers:
@@ -56,6 +57,8 @@ def _shard(model: torch.nn.Module, base: torch.nn.Module, layout: str) -> None:
         embed, head = base.get_input_embeddings(), base.get_output_embeddings()
         tail = [base.model.norm, embed, head] if embed.weight is head.weight else [base.model.norm, head]
         fully_shard(tail, reshard_after_forward=False)
+    if layout == "head":
+        fully_shard(base.get_output_embeddings(), reshard_after_forward=True)
     fully_shard(model)  # the root: what no group above holds
 
 
@@ -175,12 +178,13 @@ def _dtensor_head_worker(rank: int, store: str, device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("layout", ["layers", "accelerate"])
+@pytest.mark.parametrize("layout", ["layers", "accelerate", "head"])
 @pytest.mark.parametrize("tuner", ["full", "lora"])
 def test_fsdp2_matches_single_process(tmp_path, tuner, layout, device):
-    """fully_shard per decoder layer and at the root ("layers"), or with the head's group that
-    accelerate makes ("accelerate": full fine-tuning with tied embeddings, LoRA untied), the
-    kernels patched on every rank: two SGD steps with the fused loss (no logits), and the same
+    """fully_shard per decoder layer and at the root ("layers"), with the head's group that
+    accelerate makes ("accelerate": full fine-tuning with tied embeddings, LoRA untied), or with
+    the head in a group of its own that reshards after forward ("head"), the kernels patched on
+    every rank: two SGD steps with the fused loss (no logits), and the same
     losses, gathered gradients and updates as one unsharded process."""
     pytest.importorskip("torch.distributed.fsdp", reason="needs FSDP2").fully_shard
     if tuner == "lora":
