@@ -423,8 +423,13 @@ def _fsdp2_linear(module: torch.nn.Module) -> bool:
     in one group with the final norm (and the embeddings, when tied)."""
     if not torch.distributed.is_available():
         return False
-    from torch.distributed.fsdp import FSDPModule
-
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6 keeps FSDP2 under torch.distributed._composable
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule
+        except ImportError:
+            return False
     if type(module).__bases__ != (FSDPModule, torch.nn.Linear) or vars(module).get("forward") is not None:
         return False
     if module._backward_hooks or getattr(module, "_backward_pre_hooks", None):
