@@ -417,20 +417,29 @@ def _full(tensor: torch.Tensor | None, dtensor: type | None) -> torch.Tensor | N
     return tensor.redistribute(placements=[Replicate()] * dims).to_local(grad_placements=[Partial("avg")] * dims)
 
 
-def _fsdp2_linear(module: torch.nn.Module) -> bool:
-    """An nn.Linear that FSDP2's ``fully_shard`` made part of a parameter group (its class becomes
-    ``FSDPLinear``), with no hooks but FSDP's own. accelerate 1.15 shards the lm_head this way,
-    in one group with the final norm (and the embeddings, when tied)."""
+@functools.lru_cache(maxsize=None)
+def _fsdp_module_type() -> type | None:
+    """FSDP2's FSDPModule class, or None where torch has none."""
     if not torch.distributed.is_available():
-        return False
+        return None
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # torch < 2.6 keeps FSDP2 under torch.distributed._composable
         try:
             from torch.distributed._composable.fsdp import FSDPModule
         except ImportError:
-            return False
-    if type(module).__bases__ != (FSDPModule, torch.nn.Linear) or vars(module).get("forward") is not None:
+            return None
+    return FSDPModule
+
+
+def _fsdp2_linear(module: torch.nn.Module) -> bool:
+    """An nn.Linear that FSDP2's ``fully_shard`` made part of a parameter group (its class becomes
+    ``FSDPLinear``), with no hooks but FSDP's own. accelerate 1.15 shards the lm_head this way,
+    in one group with the final norm (and the embeddings, when tied)."""
+    fsdp_module = _fsdp_module_type()
+    if fsdp_module is None or type(module).__bases__ != (fsdp_module, torch.nn.Linear):
+        return False
+    if vars(module).get("forward") is not None:
         return False
     if module._backward_hooks or getattr(module, "_backward_pre_hooks", None):
         return False
