@@ -22,7 +22,7 @@ import torch
 
 from tigon import _backend
 from tigon._checks import check_device, check_float, rows_view
-from tigon.ops.lora import autocast_dtype, cast_for_autocast, check_input
+from tigon.ops.lora import autocast_dtype, check_input
 
 LINEAR_GROUP = _backend.register("linear_group", triton=False)
 
@@ -127,6 +127,13 @@ def run_linear_group(x: torch.Tensor, params: tuple, autocast: torch.dtype | Non
         return linear_group_reference(x, *params)
     if autocast is None:
         return _LinearGroupFunction.apply(x, *params)
-    x, params = cast_for_autocast(x, params, autocast)
+    x, params = _cast_for_autocast(x, params, autocast)
     with torch.autocast(x.device.type, enabled=False):
         return _LinearGroupFunction.apply(x, *params)
+
+
+def _cast_for_autocast(x: torch.Tensor, flat: Sequence, dtype: torch.dtype) -> tuple[torch.Tensor, list]:
+    """`x` and the tensors of `flat` in `dtype`, as autocast casts a linear's operands.
+    Casts are differentiable, so gradients come back in the original dtypes."""
+    cast = [t.to(dtype) if isinstance(t, torch.Tensor) else t for t in flat]
+    return x.to(dtype), cast

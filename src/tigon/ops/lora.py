@@ -331,15 +331,6 @@ def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     return torch.get_autocast_dtype(device_type)
 
 
-def cast_for_autocast(x: torch.Tensor, flat: Sequence, dtype: torch.dtype | None) -> tuple[torch.Tensor, list]:
-    """`x` and the tensors of `flat` in `dtype` (as autocast casts a linear's operands); unchanged
-    when `dtype` is None. Casts are differentiable, so gradients come back in the original dtypes."""
-    if dtype is None:
-        return x, list(flat)
-    cast = [t.to(dtype) if isinstance(t, torch.Tensor) else t for t in flat]
-    return x.to(dtype), cast
-
-
 def projections_for_autocast(
     x: torch.Tensor, projections: Sequence[LoraProjection], dtype: torch.dtype | None
 ) -> tuple[torch.Tensor, tuple]:
