@@ -34,10 +34,11 @@ def time_paths(m: int, n: int, k: int, layout: str) -> dict[str, float]:
     out = torch.empty(m, n, device=DEVICE, dtype=DTYPE)
     zero_bias = torch.zeros(n, device=DEVICE, dtype=DTYPE)
     times = {}
+    preferred = torch.backends.cuda.preferred_blas_library()
     for library in ("cublas", "cublaslt"):
         torch.backends.cuda.preferred_blas_library(library)
         times[f"mm via {library}"] = do_bench_cudagraph(lambda: torch.mm(a, b, out=out), rep=200)
-    torch.backends.cuda.preferred_blas_library("cublas")
+    torch.backends.cuda.preferred_blas_library(preferred)
     times["addmm with bias vector (cuBLASLt epilogue)"] = do_bench_cudagraph(
         lambda: torch.addmm(zero_bias, a, b, out=out), rep=200)
     times["mm accumulating (beta=1)"] = do_bench_cudagraph(lambda: out.addmm_(a, b), rep=200)

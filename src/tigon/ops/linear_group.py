@@ -127,13 +127,8 @@ def run_linear_group(x: torch.Tensor, params: tuple, autocast: torch.dtype | Non
         return linear_group_reference(x, *params)
     if autocast is None:
         return _LinearGroupFunction.apply(x, *params)
-    x, params = _cast_for_autocast(x, params, autocast)
+    # As autocast casts a linear's operands; the casts are autograd nodes, so gradients come
+    # back in the original dtypes.
+    x, params = x.to(autocast), tuple(None if t is None else t.to(autocast) for t in params)
     with torch.autocast(x.device.type, enabled=False):
         return _LinearGroupFunction.apply(x, *params)
-
-
-def _cast_for_autocast(x: torch.Tensor, flat: Sequence, dtype: torch.dtype) -> tuple[torch.Tensor, list]:
-    """`x` and the tensors of `flat` in `dtype`, as autocast casts a linear's operands.
-    Casts are differentiable, so gradients come back in the original dtypes."""
-    cast = [t.to(dtype) if isinstance(t, torch.Tensor) else t for t in flat]
-    return x.to(dtype), cast
