@@ -132,14 +132,12 @@ def test_non_contiguous_logits(poison_outputs, device):
     compare_fwd_bwd(lambda x: F.cross_entropy(x, target), _torch_ce(target, 1000), (logits,), name="strided")
 
 
-def test_masked_vocab_and_bad_target(device):
+def test_masked_vocab(device):
+    # Out-of-range targets: tests/ops/test_labels.py.
     logits = torch.randn(3, 500, device=device)
     logits[:, 100:] = float("-inf")  # masked vocabulary: finite loss, as in torch
     target = torch.tensor([5, 50, 99], device=device)
     assert_close(F.cross_entropy(logits, target), TF.cross_entropy(logits, target), name="masked vocab")
-    bad = torch.tensor([5, 500, 99], device=device)  # out of range: NaN, no out-of-bounds read
-    losses = F.cross_entropy(torch.randn(3, 500, device=device), bad, reduction="none")
-    assert losses[1].isnan() and losses[[0, 2]].isfinite().all()
 
 
 def test_no_grad_and_float64(device):

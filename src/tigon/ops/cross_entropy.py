@@ -17,6 +17,15 @@ a fresh buffer: nothing (N, V)-sized is allocated besides the gradient itself, a
 never written over logits that the caller or autograd may still read. The ``_ce_fwd_kernel`` can
 also write the gradient in the same pass (``WRITE_GRAD``), in place if asked: the fused
 linear + cross-entropy uses that on its private logits chunks.
+
+Non-finite logits give what torch gives: a NaN anywhere in a row (or a +inf, unless softcap maps
+it to softcap) makes that row's loss and gradient row NaN, and so the mean; a -inf logit is a zero
+probability (an infinite loss if it is the target's). An ignored row is never read: its loss is 0
+as in torch, and its gradient is 0 even where a NaN in it makes torch's NaN (0 * NaN in
+log_softmax's backward). A target outside ``[0, V)`` that is not ``ignore_index`` gives its row a
+NaN loss and a NaN gradient on every path, kernel and reference (the kernel checks it on the
+device, where it reads the target anyway: no host sync); ``TIGON_DEBUG=1`` raises a ValueError
+naming the first such target instead.
 """
 
 from __future__ import annotations
@@ -114,13 +123,17 @@ def _ce_fwd_kernel(
         row_max = new_max
         if HAS_SMOOTHING:
             row_sum += tl.sum(tl.where(mask, x, 0.0), axis=0)
-    # sum_exp >= 1 on a row with a finite value; the floor only keeps log(0) out of ignored rows.
-    lse = tl.where(valid, row_max + tl.log(tl.maximum(sum_exp, 1e-30)), 0.0)
-
-    # A target outside [0, V) that is not ignore_index has no logit: its loss is NaN, not a read
-    # out of bounds (checking it on the host would need a device sync).
+    # tl.max and tl.maximum skip NaN (the GPU's max.f32; the interpreter copies it), so a NaN in
+    # the row reaches the lse only through exp() and sum_exp: no floor or max may touch sum_exp,
+    # or a NaN row becomes a finite loss. A +inf logit makes sum_exp NaN (exp(inf - inf)), as
+    # torch's log_softmax gives. A target outside [0, V) that is not ignore_index has no logit: its
+    # lse is NaN, so its loss and its whole gradient row are NaN, with no read out of bounds and no
+    # host sync. An ignored row (in_vocab is False there: it read 0 columns) gets lse 0.
     in_vocab = (target >= 0) & (target < row_cols)
-    x_target = tl.load(logits_ptr + target, mask=in_vocab, other=float("nan")).to(tl.float32)
+    lse = row_max + tl.log(tl.where(in_vocab, sum_exp, 1.0))
+    lse = tl.where(in_vocab, lse, tl.where(valid, float("nan"), 0.0))
+
+    x_target = tl.load(logits_ptr + target, mask=in_vocab, other=0.0).to(tl.float32)
     x_target = _softcapped(x_target, softcap, HAS_SOFTCAP)
     loss = lse - (1.0 - label_smoothing) * x_target + z_loss_scale * lse * lse
     if HAS_SMOOTHING:
@@ -209,17 +222,28 @@ def cross_entropy_reference(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """The loss written the obvious way over ``torch.nn.functional.cross_entropy``: the test oracle
-    and the fallback."""
+    and the fallback. Where it departs from torch, it does what the kernel does: an ignored row's
+    logits are not used (torch's gradient there is NaN when they hold a NaN; this one is 0), and a
+    target outside ``[0, V)`` gives a NaN loss and gradient row (torch raises on the CPU and stops
+    the process with a device-side assert on a GPU)."""
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    target1d = target.reshape(-1)
+    ignored = target1d == ignore_index
+    out_of_range = ~ignored & ((target1d < 0) | (target1d >= x.shape[-1]))
+    x2d = torch.where(ignored[:, None], 0.0, x.reshape(-1, x.shape[-1]))
     if softcap is not None:
-        x = softcap * torch.tanh(x / softcap)
-    x2d, target1d = x.reshape(-1, x.shape[-1]), target.reshape(-1)
+        x2d = softcap * torch.tanh(x2d / softcap)
+    # Every row gets a class in range here (torch's own ignore_index never matches); the ignored
+    # rows are zeroed below, where their loss is finite.
     losses = torch.nn.functional.cross_entropy(
-        x2d, target1d, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing
+        x2d, torch.where(ignored | out_of_range, 0, target1d).long(), reduction="none",
+        label_smoothing=label_smoothing,
     )
     if z_loss_scale:
-        z_loss = z_loss_scale * torch.logsumexp(x2d, dim=-1).pow(2)
-        losses = losses + torch.where(target1d != ignore_index, z_loss, torch.zeros_like(z_loss))
+        losses = losses + z_loss_scale * torch.logsumexp(x2d, dim=-1).pow(2)
+    # A product, not masked_fill: its gradient carries the NaN back into the row's logits.
+    losses = losses * torch.where(out_of_range, float("nan"), 1.0).to(losses.dtype)
+    losses = torch.where(ignored, 0.0, losses)
     return reduce_losses(losses.view(target.shape), target, ignore_index, reduction)
 
 
@@ -352,6 +376,20 @@ def check_target(target: torch.Tensor, rows_shape: torch.Size, device: torch.dev
     check_device("target", target, device)
 
 
+def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int) -> None:
+    """ValueError naming the first target outside ``[0, n_classes)`` that is not `ignore_index`.
+    Reads the targets back to the host, so it runs only under TIGON_DEBUG=1; otherwise such rows
+    give NaN."""
+    bad = ((target < 0) | (target >= n_classes)) & (target != ignore_index)
+    positions = bad.nonzero()
+    if positions.shape[0]:
+        first = tuple(positions[0].tolist())
+        raise ValueError(
+            f"target{list(first)} is {target[first].item()}, outside [0, {n_classes}) and not "
+            f"ignore_index ({ignore_index}); {positions.shape[0]} target(s) like it would give a NaN loss"
+        )
+
+
 def _check(logits, target, options, reduction) -> str | None:
     check_float("logits", logits)
     if logits.dim() == 0 or logits.shape[-1] == 0:
@@ -385,7 +423,8 @@ def cross_entropy(
         logits: ``(..., V)`` float16/bfloat16/float32 (float64 runs the reference); need not be
             contiguous. Any V (262144 and more): rows are walked in blocks.
         target: ``(...)`` int64/int32 class indices; rows equal to `ignore_index` add nothing.
-            A target outside ``[0, V)`` gives a NaN loss (no host sync to check it).
+            A target outside ``[0, V)`` gives its row a NaN loss and gradient (checked on the
+            device; ``TIGON_DEBUG=1`` raises a ValueError naming it instead).
         ignore_index: target value to skip.
         reduction: ``"mean"`` over the non-ignored rows, ``"sum"``, or ``"none"`` (shape of `target`).
         label_smoothing: eps in [0, 1], as in ``torch.nn.functional.cross_entropy``.
@@ -394,10 +433,14 @@ def cross_entropy(
 
     Returns:
         The loss in fp32 (the logits' dtype if that is float64). A "mean" over an all-ignored batch
-        is 0, where torch gives NaN. The gradient is written to a fresh buffer in backward.
+        is 0, where torch gives NaN. A NaN or +inf logit in a row that is not ignored makes that
+        row's loss NaN, as in torch (the module docstring has the details). The gradient is written
+        to a fresh buffer in backward.
     """
     options = LossOptions(ignore_index, label_smoothing, z_loss_scale, softcap)
     unsupported = _check(logits, target, options, reduction)
+    if _backend._env_flag("TIGON_DEBUG"):
+        check_target_range(target, logits.shape[-1], ignore_index)
     args = (logits, target, ignore_index, reduction, label_smoothing, z_loss_scale, softcap)
     if target.numel() == 0:
         return cross_entropy_reference(*args)

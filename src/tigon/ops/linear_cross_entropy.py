@@ -22,6 +22,12 @@ place, with a kernel that reads grad_output on the device and does nothing when 
 which then recomputes the chunks (one GEMM more than the other reductions).
 
 Extra memory, besides the gradients themselves: the logits chunk plus O(N + V) fp32 scalars.
+
+NaN and inf behave as in ``cross_entropy(F.linear(h, W, b), t)`` (see tigon.ops.cross_entropy): a
+NaN in a hidden row gives that row a NaN loss; a NaN in one row of W or one element of b is a NaN
+logit in every row, so every row's loss, the mean and the gradients are NaN. A target outside
+``[0, V)`` that is not ``ignore_index`` gives its row a NaN loss and gradient (``TIGON_DEBUG=1``:
+a ValueError naming it).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from tigon.ops.cross_entropy import (
     LossOptions,
     check_loss_options,
     check_target,
+    check_target_range,
     cross_entropy_reference,
     cross_entropy_rows,
     mean_denominator,
@@ -274,7 +281,9 @@ def linear_cross_entropy(
     Args:
         hidden: ``(..., H)`` float16/bfloat16/float32 (float64 runs the reference).
         weight: ``(V, H)`` (the LM head), dtype of `hidden`.
-        target: ``(...)`` int64/int32 class indices (shape of `hidden` without its last dim).
+        target: ``(...)`` int64/int32 class indices (shape of `hidden` without its last dim). A
+            target outside ``[0, V)`` that is not `ignore_index` gives its row a NaN loss and
+            gradient, checked on the device (``TIGON_DEBUG=1`` raises a ValueError naming it).
         bias: optional ``(V,)``.
         ignore_index, reduction, label_smoothing, z_loss_scale, softcap: as in
             :func:`tigon.functional.cross_entropy`.
@@ -285,13 +294,16 @@ def linear_cross_entropy(
 
     Returns:
         The loss in fp32 (shape of `target` for reduction="none"). An all-ignored batch gives 0
-        and zero gradients. Gradients are computed in forward, for the tensors that require grad,
-        and backward only scales them; no host sync in either.
+        and zero gradients. NaN/inf in `hidden`, `weight` or `bias` give NaN where the unfused
+        loss does (the module docstring has the details). Gradients are computed in forward, for
+        the tensors that require grad, and backward only scales them; no host sync in either.
     """
     if max_chunk_bytes is None:
         max_chunk_bytes = DEFAULT_MAX_CHUNK_BYTES
     options = LossOptions(ignore_index, label_smoothing, z_loss_scale, softcap)
     unsupported = _check(hidden, weight, target, bias, options, reduction, num_items_in_batch, max_chunk_bytes)
+    if _backend._env_flag("TIGON_DEBUG"):
+        check_target_range(target, weight.shape[0], ignore_index)
     args = (hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss_scale, softcap, num_items_in_batch)
     if target.numel() == 0:
         return linear_cross_entropy_reference(*args)
