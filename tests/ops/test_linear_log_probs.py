@@ -4,19 +4,9 @@ import torch.nn.functional as TF
 
 import tigon.functional as F
 from tigon.ops.linear_log_probs import linear_log_probs_reference
-from tests.helpers import assert_close, compare_fwd_bwd
+from tests.helpers import assert_close, compare_fwd_bwd, head_inputs as _inputs
 
 IGNORE = -100
-
-
-def _inputs(lead, hidden, vocab, dtype, device, bias=True):
-    h = torch.randn(*lead, hidden, device=device).to(dtype).requires_grad_()
-    w = (torch.randn(vocab, hidden, device=device) * 2 * hidden**-0.5).to(dtype).requires_grad_()
-    b = (0.5 * torch.randn(vocab, device=device)).to(dtype).requires_grad_() if bias else None
-    target = torch.randint(0, vocab, lead, device=device)
-    flat = target.view(-1)
-    flat[torch.randperm(flat.numel(), device=device)[: max(1, flat.numel() // 4)]] = IGNORE
-    return h, w, b, target
 
 
 def _budget(vocab, dtype, rows=5):
@@ -183,6 +173,7 @@ def test_all_ignored_gives_zeros(poison_outputs, device):
         assert torch.equal(p.grad, torch.zeros_like(p))
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's numpy, on purpose
 @pytest.mark.parametrize("frozen", [False, True])
 def test_nan_in_a_row_gives_nan_there(poison_outputs, device, frozen):
     # tl.max skips NaN on the GPU (and in the interpreter): the row's outputs must still be NaN.
