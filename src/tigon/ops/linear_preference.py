@@ -396,8 +396,12 @@ def preference_metrics(
 
 
 def _as_kl(kl_baseline, device):
-    if kl_baseline is None or isinstance(kl_baseline, torch.Tensor):
-        return None if kl_baseline is None else kl_baseline.detach().to(device=device, dtype=torch.float32)
+    """The baseline as a 0-dim fp32 tensor on `device`, without a gradient or a host sync."""
+    if kl_baseline is None:
+        return None
+    if isinstance(kl_baseline, torch.Tensor) and kl_baseline.device == device:
+        return kl_baseline.detach().float()
+    # A float, or a CPU tensor (reading host memory is no device sync; copying it over would be).
     return torch.full((), float(kl_baseline), dtype=torch.float32, device=device)
 
 
@@ -426,9 +430,9 @@ def _linear_preference_kernel(
     if ref_hidden is not None:
         with torch.no_grad():
             ref2d = rows_view(ref_hidden)
-            ref_rows = plan.rows if ref_weight.shape[0] == weight.shape[0] else chunk_rows(
-                max_chunk_bytes, ref_weight.shape[0], ref_hidden.dtype
-            )
+            same_logits = ref_weight.shape[0] == weight.shape[0] and ref_hidden.dtype == hidden.dtype
+            # The policy's chunk size where the logits match, so both passes reuse one buffer size.
+            ref_rows = plan.rows if same_logits else chunk_rows(max_chunk_bytes, ref_weight.shape[0], ref_hidden.dtype)
             ref_log_probs = chunked_log_probs(
                 ref2d, ref_weight, ref_bias, target.reshape(-1), ref_rows, options.ignore_index, 1.0
             )[0].view(n_seq, seq_len).sum(1)
@@ -456,6 +460,8 @@ def _check(
     check_target(target, hidden.shape[:-1], hidden.device, "hidden")
     n_seq = hidden.shape[0]
     if method == "kto":
+        if n_seq == 0:
+            raise ValueError("hidden must hold at least one sequence for method 'kto', got 0")
         if not isinstance(labels, torch.Tensor) or labels.dtype != torch.bool or labels.shape != (n_seq,):
             raise ValueError(f"labels must be a bool tensor of shape ({n_seq},) (desirable or not) for method 'kto', got {labels!r}")
         check_device("labels", labels, hidden.device)
