@@ -214,8 +214,10 @@ def plan_chunks(options, n_seq, seq_len, vocab, dtype, max_chunk_bytes, kl_given
 
 def _segments(options, u0, u1, n_units):
     """The sequence ranges of units [u0, u1): chosen then rejected for the paired methods."""
-    if options.method == "kto" or (u0 == 0 and u1 == n_units):
-        return [(u0, u1)] if options.method == "kto" else [(0, 2 * n_units)]
+    if options.method == "kto":
+        return [(u0, u1)]
+    if u0 == 0 and u1 == n_units:  # every pair: one block of rows, nothing to gather
+        return [(0, 2 * n_units)]
     return [(u0, u1), (n_units + u0, n_units + u1)]
 
 
