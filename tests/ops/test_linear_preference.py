@@ -168,6 +168,20 @@ def test_matches_paper_formula(poison_outputs, device, name, dtype, vocab):
     )
 
 
+@pytest.mark.parametrize("name", list(METHOD_KWARGS))
+def test_reference_path_matches_paper_formula(device, name):
+    # float64 runs the PyTorch reference, the op's fallback
+    method = _method(name)
+    h, w, b, ref_h, target, labels = _inputs(method, 257, torch.float64, device)
+    kw = METHOD_KWARGS[name]
+    uses_ref = method in ("dpo", "robust", "hinge", "ipo", "kto")
+    compare_fwd_bwd(
+        _ours(name, target, labels, ref_h if uses_ref else None, None, **kw),
+        _paper_loss(name, target, labels, ref_h if uses_ref else None, **kw),
+        (h, w, b), name=f"reference {name}",
+    )
+
+
 @pytest.mark.parametrize("name", ["dpo", "simpo", "cpo", "kto"])
 def test_metrics(poison_outputs, device, name):
     method = _method(name)

@@ -397,14 +397,14 @@ def preference_metrics(
     }
 
 
-def _as_kl(kl_baseline, device):
-    """The baseline as a 0-dim fp32 tensor on `device`, without a gradient or a host sync."""
+def _as_kl(kl_baseline, device, dtype=torch.float32):
+    """The baseline as a 0-dim tensor on `device`, without a gradient or a host sync."""
     if kl_baseline is None:
         return None
     if isinstance(kl_baseline, torch.Tensor) and kl_baseline.device == device:
-        return kl_baseline.detach().float()
+        return kl_baseline.detach().to(dtype)
     # A float, or a CPU tensor (reading host memory is no device sync; copying it over would be).
-    return torch.full((), float(kl_baseline), dtype=torch.float32, device=device)
+    return torch.full((), float(kl_baseline), dtype=dtype, device=device)
 
 
 def linear_preference_loss_reference(
@@ -417,7 +417,7 @@ def linear_preference_loss_reference(
             ref_log_probs = linear_log_probs_reference(
                 ref_hidden, ref_weight, target, ref_bias, options.ignore_index
             ).sum(-1)
-    kl = _as_kl(kl_baseline, hidden.device)
+    kl = _as_kl(kl_baseline, hidden.device, torch.promote_types(hidden.dtype, torch.float32))
     total, logps, kl = _policy_reference(hidden, weight, target, bias, ref_log_probs, labels, kl, options)
     return total, preference_metrics(options, logps, ref_log_probs, target, labels, kl)
 
