@@ -90,7 +90,7 @@ def _paper_loss(name, target, labels, ref_hidden=None, ref_weight=None, ref_bias
             z0 = torch.tensor(kw["kl_baseline"], dtype=torch.float64)
             v = torch.where(labels, kw["desirable_weight"] * torch.sigmoid(beta * (r_theta - z0)),
                             kw["undesirable_weight"] * torch.sigmoid(beta * (z0 - r_theta)))
-            lam = torch.where(labels, kw["desirable_weight"], kw["undesirable_weight"]).double()
+            lam = torch.where(labels, *(torch.tensor(kw[k], dtype=torch.float64) for k in ("desirable_weight", "undesirable_weight")))
             loss = (lam - v).mean()
             return loss + kw.get("nll_weight", 0.0) * _nll(s[labels], n[labels])
         pairs = target.shape[0] // 2
