@@ -80,3 +80,15 @@ def autograd_nodes(out: torch.Tensor) -> set:
             seen.add(node)
             stack += [next_node for next_node, _ in node.next_functions]
     return seen
+
+
+def head_inputs(lead, hidden, vocab, dtype, device, bias=True, ignore_index=-100):
+    """Hidden states ``(*lead, hidden)``, an LM head (weight, optional bias), all requiring grad,
+    and targets of shape `lead` with a quarter of them `ignore_index`: inputs of the fused head ops."""
+    h = torch.randn(*lead, hidden, device=device).to(dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden, device=device) * 2 * hidden**-0.5).to(dtype).requires_grad_()
+    b = (0.5 * torch.randn(vocab, device=device)).to(dtype).requires_grad_() if bias else None
+    target = torch.randint(0, vocab, lead, device=device)
+    flat = target.view(-1)
+    flat[torch.randperm(flat.numel(), device=device)[: max(1, flat.numel() // 4)]] = ignore_index
+    return h, w, b, target

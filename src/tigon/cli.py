@@ -167,8 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--sizes", nargs="+", metavar="RxC", help="sizes such as 16384x4096 (default: each op's sweep)")
     bench.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     bench.add_argument("--headline", action="store_true", help="only each op's first (TARGETS.md) size")
-    bench.add_argument("--impls", nargs="+", choices=["tigon", "eager", "compile"], default=["tigon", "eager", "compile"],
-                       help="implementations to measure (default: all three, in the same run)")
+    bench.add_argument("--impls", nargs="+", choices=["tigon", "eager", "compile", "peer"], default=["tigon", "eager", "compile", "peer"],
+                       help="implementations to measure (default: all, in the same run; peer: the best-known peer "
+                            "library, for the ops that name one, when it is installed)")
     bench.add_argument("--out", metavar="DIR", help="write bench.json and one PNG plot per op here")
     bench.add_argument("--e2e", action="store_true",
                        help="end-to-end fine-tuning (full and LoRA) eager vs tigon instead of ops; "

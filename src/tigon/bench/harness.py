@@ -1,4 +1,5 @@
-"""Time and measure tigon, PyTorch eager and torch.compile on the same inputs in one run.
+"""Time and measure tigon, PyTorch eager, torch.compile and (where an op names one) the
+best-known peer library on the same inputs in one run.
 
 Times are medians: on CUDA of ``triton.testing.do_bench_cudagraph`` (CUDA-graph replay, the GPU's
 time alone) and, as the "launch" column, of plain ``do_bench`` (Python and launch overhead
@@ -21,7 +22,7 @@ import torch
 
 from tigon.bench.registry import BENCH_OPS, BenchOp, Size
 
-IMPLS = ("tigon", "eager", "compile")
+IMPLS = ("tigon", "eager", "compile", "peer")  # peer: only for ops that name one
 
 
 def _outputs(out: Any) -> list[torch.Tensor]:
@@ -112,7 +113,9 @@ def bench_one(
     matmul_rate: float | None,
     impls: Sequence[str] = IMPLS,
 ) -> list[dict[str, Any]]:
-    """Measure each implementation of `op` at `size`; one record per implementation."""
+    """Measure each implementation of `op` at `size`; one record per implementation (none for
+    "peer" where the op has no peer)."""
+    impls = [impl for impl in impls if impl != "peer" or op.peer is not None]
     torch.manual_seed(0)
     args = op.make_inputs(size, dtype, device)
     leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
@@ -128,12 +131,14 @@ def bench_one(
     for impl in impls:
         record: dict[str, Any] = {"op": op.name, "size": "x".join(map(str, size)), "impl": impl}
         try:
-            fn = fns[impl]
+            fn = op.peer() if impl == "peer" else fns[impl]
             step = _fwd_bwd(fn, args, grads)
             record["fwd_host_ms"] = _time_ms(lambda: fn(*args), device, [])
             record["fwd_bwd_host_ms"] = _time_ms(step, device, leaves)
             record["peak_mib"] = _peak_mib(step, device, leaves)
-            if device.type == "cuda":
+            # A peer is launch-timed only, as TARGETS.md measured it: its torch.compile'd chunks
+            # need not survive CUDA-graph capture. Compare it by the launch-timed ratio.
+            if device.type == "cuda" and impl != "peer":
                 record["fwd_ms"] = _time_ms(lambda: fn(*args), device, [], graph=True)
                 record["fwd_bwd_ms"] = _time_ms(step, device, leaves, graph=True)
             else:
@@ -146,7 +151,7 @@ def bench_one(
         records.append(record)
     by_impl = {r["impl"]: r for r in records}
     for record in records:
-        for base in ("eager", "compile"):
+        for base in ("eager", "compile", "peer"):
             for key, suffix in (("fwd_bwd_ms", ""), ("fwd_bwd_host_ms", "_host")):
                 if key in record and key in by_impl.get(base, {}):
                     record[f"vs_{base}{suffix}"] = record[key] / by_impl[base][key]
@@ -167,11 +172,12 @@ def environment(device: torch.device) -> dict[str, Any]:
 
 
 def format_table(records: list[dict[str, Any]]) -> str:
-    """One line per record: graph-replayed (GPU) times and ratios first, then the plain-launch
-    fwd+bwd time (host overhead included) and its ratio to torch.compile."""
+    """One line per record: graph-replayed (GPU) times and ratios first (the peer's launch-timed,
+    and its column the launch-timed ratio), then the plain-launch fwd+bwd time (host overhead
+    included) and its ratio to torch.compile."""
     nan = float("nan")
     header = (f"{'op':<24}{'size':<20}{'impl':<8}{'fwd ms':>8}{'fwd+bwd':>9}{'peak MiB':>9}"
-              f"{'vs eager':>9}{'vs comp':>8}{'roofline':>9}{'launch ms':>10}{'vs comp':>8}")
+              f"{'vs eager':>9}{'vs comp':>8}{'vs peer':>8}{'roofline':>9}{'launch ms':>10}{'vs comp':>8}")
     lines = [header]
     for r in records:
         head = f"{r['op']:<24}{r['size']:<20}{r['impl']:<8}"
@@ -181,7 +187,8 @@ def format_table(records: list[dict[str, Any]]) -> str:
         peak = "-" if r.get("peak_mib") is None else f"{r['peak_mib']:.0f}"
         lines.append(
             f"{head}{r['fwd_ms']:>8.3f}{r['fwd_bwd_ms']:>9.3f}{peak:>9}"
-            f"{r.get('vs_eager', nan):>8.2f}x{r.get('vs_compile', nan):>7.2f}x{r['roofline_pct']:>8.0f}%"
+            f"{r.get('vs_eager', nan):>8.2f}x{r.get('vs_compile', nan):>7.2f}x{r.get('vs_peer_host', nan):>7.2f}x"
+            f"{r['roofline_pct']:>8.0f}%"
             f"{r['fwd_bwd_host_ms']:>10.3f}{r.get('vs_compile_host', nan):>7.2f}x"
         )
     return "\n".join(lines)
@@ -200,6 +207,8 @@ def plot(records: list[dict[str, Any]], op: str, path: Path) -> bool:
     fig, ax = plt.subplots(figsize=(7, 4))
     for impl in IMPLS:
         pts = [r for r in rows if r["impl"] == impl]
+        if not pts:
+            continue
         ax.plot([r["size"] for r in pts], [r["fwd_bwd_ms"] for r in pts], marker="o", label=impl)
     ax.set_title(f"{op}: forward + backward")
     ax.set_xlabel("size")

@@ -18,7 +18,9 @@ class BenchOp:
     implementations; tensors among them that require grad get gradients in the fwd+bwd timing.
     `bytes_moved(size, dtype)` is the fewest bytes fwd+bwd must move (each input read once, each
     output written once); `flops` the matrix FLOPs, 0 for memory-bound ops. Together they give
-    the floor that the roofline % is measured against.
+    the floor that the roofline % is measured against. `peer`, where the best-known peer library
+    has the op, imports it and returns its implementation (same arguments); an ImportError leaves
+    that column empty, with the reason.
     """
 
     name: str
@@ -30,6 +32,7 @@ class BenchOp:
     cpu_sizes: list[Size]
     flops: Callable[[Size], float] = field(default=lambda size: 0.0)
     size_names: str = "rows x cols"
+    peer: Callable[[], Callable[..., Any]] | None = None
 
 
 BENCH_OPS: dict[str, BenchOp] = {}

@@ -1,0 +1,489 @@
+"""Per-token log-probabilities (and entropies) of the LM head's softmax, without the logits.
+
+    z_i      = (h_i @ W.T + b) / T
+    logp_i   = log_softmax(z_i)[t_i]                 0 where t_i == ignore_index
+    H_i      = -sum_j p_ij log p_ij                  (return_entropy; 0 where ignored)
+
+This is what every preference loss and TRL's trainers score sequences with. The N tokens run in
+chunks of C rows sized by `max_chunk_bytes`, as in linear_cross_entropy: per chunk one cuBLAS GEMM
+into a private (C, V) buffer, then one Triton pass per row keeps its logp, lse and entropy (fp32).
+
+The per-token upstream gradients g (of logp) and e (of H) arrive only in backward, and
+
+    d/dz_ij = g_i ([j == t_i] - p_ij) - e_i p_ij (log p_ij + H_i)
+
+so the weight gradient, a sum over i of g_i-weighted rows, cannot be formed before g exists:
+backward recomputes each chunk's logits (one GEMM more than the materialised version, which keeps
+the logits instead), writes d/dlogits over them in place and runs the gradient GEMMs. When only
+`hidden` needs a gradient (a frozen head: LoRA, or the reference pass), the logp part is linear
+in g per row, so forward writes the unscaled ``([j == t] - p) / T`` over its chunk and forms
+``grad_hidden`` for g = 1 at once; backward then only scales its rows by g (and recomputes for
+the entropy's gradient only when the entropy got one). A frozen weight never costs a
+weight-gradient GEMM.
+
+Extra memory: the logits chunk plus O(N) fp32 scalars (the g = 1 ``grad_hidden`` of the frozen
+path is the gradient buffer itself).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from tigon import _backend
+from tigon._backend import tl, triton
+from tigon._checks import KERNEL_DTYPES, check_device, check_float, check_vector, rows_view
+from tigon.ops.cross_entropy import check_target, vocab_block_config
+from tigon.ops.linear_cross_entropy import chunk_rows
+
+LINEAR_LOG_PROBS = _backend.register("linear_log_probs")
+
+# The logits chunk's budget: 896 rows at V = 128256 in bf16 (219 MiB), inside the 256 MiB that
+# the op may take beyond its gradients. Backward's weight-gradient GEMM has K = chunk rows, so a
+# larger chunk is faster (see BENCHMARKS.md for the curve over budgets).
+DEFAULT_MAX_CHUNK_BYTES = 224 * 2**20
+
+
+@triton.jit
+def _log_prob_stats_kernel(
+    logits_ptr, target_ptr, logp_ptr, lse_ptr, entropy_ptr,
+    n_cols, row_stride, ignore_index, inv_temperature,
+    HAS_ENTROPY: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    logits_ptr += row * row_stride
+    target = tl.load(target_ptr + row)
+    valid = target != ignore_index
+    row_cols = tl.where(valid, n_cols, 0)  # an ignored row reads nothing
+    cols = tl.arange(0, BLOCK)
+
+    # Online logsumexp of z = x / T with the running max m; for the entropy also
+    # w = sum e^(z - m) (z - m), so that H = log(s) - w / s needs no large cancelling terms.
+    # tl.max skips NaN on the GPU, but a NaN still reaches s (and w) through exp(), which no
+    # clamp touches afterwards: a NaN logit gives NaN outputs.
+    row_max = float("-inf")
+    sum_exp = 0.0
+    shifted_sum = 0.0
+    for start in range(0, n_cols, BLOCK):
+        offs = start + cols
+        mask = offs < row_cols
+        z = tl.load(logits_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_temperature
+        new_max = tl.maximum(row_max, tl.max(z, axis=0))
+        # While every value seen is -inf there is no finite shift; 0 keeps exp() at 0, not NaN.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        rescale = tl.exp(row_max - shift)
+        e = tl.exp(z - shift)
+        if HAS_ENTROPY:
+            # Terms kept so far were shifted by the old max: each gains (m_old - m_new).
+            moved = (tl.where(row_max == float("-inf"), shift, row_max) - shift) * sum_exp
+            shifted_sum = rescale * (shifted_sum + moved) + tl.sum(tl.where(mask, z - shift, 0.0) * e, axis=0)
+        sum_exp = sum_exp * rescale + tl.sum(e, axis=0)
+        row_max = new_max
+    # An ignored row has no terms; 1 keeps log() quiet there (its outputs are 0 whatever it gives).
+    sum_exp = tl.where(valid, sum_exp, 1.0)
+    lse = row_max + tl.log(sum_exp)
+
+    # A target outside [0, V) that is not ignore_index has no logit: NaN, not a read out of bounds.
+    in_vocab = (target >= 0) & (target < row_cols)
+    z_target = tl.load(logits_ptr + target, mask=in_vocab, other=float("nan")).to(tl.float32) * inv_temperature
+    tl.store(logp_ptr + row, tl.where(valid, z_target - lse, 0.0))
+    tl.store(lse_ptr + row, tl.where(valid, lse, 0.0))
+    if HAS_ENTROPY:
+        tl.store(entropy_ptr + row, tl.where(valid, tl.log(sum_exp) - shifted_sum / sum_exp, 0.0))
+
+
+@triton.jit
+def _log_prob_grad_kernel(
+    logits_ptr, grad_ptr, target_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
+    n_cols, logits_row_stride, grad_row_stride, grad_logp_stride, grad_entropy_stride,
+    ignore_index, inv_temperature,
+    HAS_LOGP_GRAD: tl.constexpr,
+    HAS_ENTROPY_GRAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # d/dx_j = (g ([j == t] - p_j) - e p_j (log p_j + H)) / T. Each element is read and then
+    # written by the same thread, so grad_ptr may equal logits_ptr.
+    row = tl.program_id(0).to(tl.int64)
+    logits_ptr += row * logits_row_stride
+    grad_ptr += row * grad_row_stride
+    target = tl.load(target_ptr + row)
+    valid = target != ignore_index
+    read_cols = tl.where(valid, n_cols, 0)
+    lse = tl.load(lse_ptr + row)
+    if HAS_LOGP_GRAD:
+        g = tl.load(grad_logp_ptr + row * grad_logp_stride).to(tl.float32) * inv_temperature
+    if HAS_ENTROPY_GRAD:
+        e = tl.load(grad_entropy_ptr + row * grad_entropy_stride).to(tl.float32) * inv_temperature
+        entropy = tl.load(entropy_ptr + row)
+    cols = tl.arange(0, BLOCK)
+    for start in range(0, n_cols, BLOCK):
+        offs = start + cols
+        x = tl.load(logits_ptr + offs, mask=offs < read_cols, other=0.0).to(tl.float32)
+        log_p = x * inv_temperature - lse
+        p = tl.exp(log_p)
+        grad = tl.zeros([BLOCK], dtype=tl.float32)
+        if HAS_LOGP_GRAD:
+            grad += g * (tl.where(offs == target, 1.0, 0.0) - p)
+        if HAS_ENTROPY_GRAD:
+            grad -= e * p * (log_p + entropy)
+        tl.store(grad_ptr + offs, tl.where(valid, grad, 0.0).to(grad_ptr.dtype.element_ty), mask=offs < n_cols)
+
+
+class LogProbOptions(NamedTuple):
+    ignore_index: int = -100
+    temperature: float = 1.0
+    return_entropy: bool = False
+
+
+def linear_log_probs_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The op with the whole logits in memory: the test oracle and the fallback."""
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    log_p = torch.log_softmax(z, dim=-1)
+    valid = target != ignore_index
+    picked = log_p.gather(-1, torch.where(valid, target, 0).long().unsqueeze(-1)).squeeze(-1)
+    zero = torch.zeros((), dtype=log_p.dtype, device=log_p.device)
+    logp = torch.where(valid, picked, zero)
+    if not return_entropy:
+        return logp
+    entropy = -(log_p.exp() * log_p).sum(-1)
+    return logp, torch.where(valid, entropy, zero)
+
+
+def head_logits(hidden_rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """``out = hidden_rows @ weight.T + bias`` in the input dtype (fp32 accumulation), as F.linear."""
+    if bias is None:
+        torch.mm(hidden_rows, weight.t(), out=out)
+    else:
+        torch.addmm(bias, hidden_rows, weight.t(), out=out)
+
+
+def log_prob_rows(
+    logits2d: torch.Tensor,
+    target1d: torch.Tensor,
+    logp: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    ignore_index: int,
+    inv_temperature: float,
+) -> None:
+    """Write each row's fp32 logp, lse of z = logits / T and (if `entropy` is given) entropy."""
+    n_rows, n_cols = logits2d.shape
+    block, num_warps = vocab_block_config(n_cols, False)
+    _log_prob_stats_kernel[(n_rows,)](
+        logits2d, target1d, logp, lse, entropy if entropy is not None else lse,
+        n_cols, logits2d.stride(0), ignore_index, float(inv_temperature),
+        HAS_ENTROPY=entropy is not None, BLOCK=block, num_warps=num_warps,
+    )
+
+
+def log_prob_grad_rows(
+    logits2d: torch.Tensor,
+    target1d: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    grad_logp: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    ignore_index: int,
+    inv_temperature: float,
+    out: torch.Tensor,
+) -> None:
+    """Write into `out` the gradient over the logits of ``sum(grad_logp * logp + grad_entropy * H)``;
+    each upstream gradient is None, 0-dim or one value per row. `out` may be `logits2d` itself."""
+    n_rows, n_cols = logits2d.shape
+    block, num_warps = vocab_block_config(n_cols, True)
+    _log_prob_grad_kernel[(n_rows,)](
+        logits2d, out, target1d, lse, entropy if entropy is not None else lse,
+        grad_logp if grad_logp is not None else lse, grad_entropy if grad_entropy is not None else lse,
+        n_cols, logits2d.stride(0), out.stride(0), _stride(grad_logp), _stride(grad_entropy),
+        ignore_index, float(inv_temperature),
+        HAS_LOGP_GRAD=grad_logp is not None, HAS_ENTROPY_GRAD=grad_entropy is not None,
+        BLOCK=block, num_warps=num_warps,
+    )
+
+
+def _stride(t: torch.Tensor | None) -> int:
+    return t.stride(0) if t is not None and t.dim() else 0
+
+
+def backprop_head(
+    dlogits: torch.Tensor,
+    hidden_rows: torch.Tensor,
+    weight: torch.Tensor,
+    grad_hidden_rows: torch.Tensor | None,
+    grad_weight: torch.Tensor | None,
+    grad_bias: torch.Tensor | None,
+    first: bool,
+    accumulate_hidden: bool = False,
+) -> None:
+    """Run the head's gradient GEMMs for one chunk's d/dlogits, each only for a gradient that is
+    wanted: rows of grad_hidden (written, or added to), grad_weight (written on the `first` chunk,
+    then added to, in the weight's dtype) and the fp32 grad_bias."""
+    if grad_hidden_rows is not None:
+        if accumulate_hidden:
+            grad_hidden_rows.addmm_(dlogits, weight)
+        else:
+            torch.mm(dlogits, weight, out=grad_hidden_rows)
+    if grad_weight is not None:
+        if first:
+            torch.mm(dlogits.t(), hidden_rows, out=grad_weight)
+        else:
+            grad_weight.addmm_(dlogits.t(), hidden_rows)
+    if grad_bias is not None:
+        grad_bias += dlogits.sum(0, dtype=torch.float32)
+
+
+def logits_chunks(hidden2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int):
+    """Yield ``(start, end, logits)`` for consecutive chunks of at most `rows` rows; `logits` is
+    one private buffer, overwritten chunk after chunk (the caller may write over it)."""
+    n_rows = hidden2d.shape[0]
+    buffer = torch.empty((min(rows, n_rows), weight.shape[0]), dtype=hidden2d.dtype, device=hidden2d.device)
+    for start in range(0, n_rows, rows):
+        end = min(start + rows, n_rows)
+        logits = buffer[: end - start]
+        head_logits(hidden2d[start:end], weight, bias, logits)
+        yield start, end, logits
+
+
+def chunked_log_probs(
+    hidden2d: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target1d: torch.Tensor,
+    rows: int,
+    ignore_index: int,
+    inv_temperature: float,
+    with_entropy: bool = False,
+    grad_hidden: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per-row fp32 (logp, lse, entropy or None) in chunks of `rows`. With `grad_hidden` (N, H),
+    also writes into it the gradient of ``sum(logp)`` w.r.t. the hidden rows."""
+    n_rows = hidden2d.shape[0]
+    device = hidden2d.device
+    logp = torch.empty(n_rows, dtype=torch.float32, device=device)
+    lse = torch.empty(n_rows, dtype=torch.float32, device=device)
+    entropy = torch.empty(n_rows, dtype=torch.float32, device=device) if with_entropy else None
+    one = torch.ones((), dtype=torch.float32, device=device) if grad_hidden is not None else None
+    for start, end, logits in logits_chunks(hidden2d, weight, bias, rows):
+        target_c, lse_c = target1d[start:end], lse[start:end]
+        log_prob_rows(
+            logits, target_c, logp[start:end], lse_c, entropy[start:end] if with_entropy else None,
+            ignore_index, inv_temperature,
+        )
+        if grad_hidden is not None:
+            log_prob_grad_rows(logits, target_c, lse_c, None, one, None, ignore_index, inv_temperature, out=logits)
+            torch.mm(logits, weight, out=grad_hidden[start:end])
+    return logp, lse, entropy
+
+
+def _chunked_grads(
+    hidden2d, weight, bias, target1d, lse, entropy, grad_logp, grad_entropy, options, rows, needs, grad_hidden=None
+):
+    """Recompute the logits chunk by chunk and return the gradients (hidden, weight, bias) of
+    ``sum(grad_logp * logp + grad_entropy * H)`` for those in `needs`. A given `grad_hidden` is
+    added to instead of a fresh one being written."""
+    need_hidden, need_weight, need_bias = needs
+    device = hidden2d.device
+    accumulate = grad_hidden is not None
+    if need_hidden and grad_hidden is None:
+        grad_hidden = torch.empty(hidden2d.shape, dtype=hidden2d.dtype, device=device)
+    grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=device) if need_weight else None
+    grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=device) if need_bias else None
+    inv_temperature = 1.0 / options.temperature
+    for start, end, logits in logits_chunks(hidden2d, weight, bias, rows):
+        log_prob_grad_rows(
+            logits, target1d[start:end], lse[start:end],
+            entropy[start:end] if entropy is not None else None,
+            grad_logp[start:end] if grad_logp is not None else None,
+            grad_entropy[start:end] if grad_entropy is not None else None,
+            options.ignore_index, inv_temperature, out=logits,
+        )
+        backprop_head(
+            logits, hidden2d[start:end], weight,
+            grad_hidden[start:end] if need_hidden else None, grad_weight, grad_bias,
+            first=start == 0, accumulate_hidden=accumulate,
+        )
+    if grad_bias is not None:
+        grad_bias = grad_bias.to(bias.dtype)
+    return grad_hidden if need_hidden else None, grad_weight, grad_bias
+
+
+class _LinearLogProbsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, options, rows, grad_enabled):
+        hidden2d, target1d = rows_view(hidden), target.reshape(-1)
+        # needs_input_grad follows requires_grad even under no_grad, when no backward can come.
+        needs = [grad_enabled and need for need in ctx.needs_input_grad[:3]]
+        # Only hidden needs a gradient: its logp part is linear in the upstream gradient per row,
+        # so it is formed now, while each chunk's logits are at hand.
+        hidden_only = needs[0] and not needs[1] and not needs[2]
+        grad_hidden = torch.empty(hidden2d.shape, dtype=hidden.dtype, device=hidden.device) if hidden_only else None
+        logp, lse, entropy = chunked_log_probs(
+            hidden2d, weight, bias, target1d, rows, options.ignore_index, 1.0 / options.temperature,
+            options.return_entropy, grad_hidden,
+        )
+        ctx.set_materialize_grads(False)  # an unused entropy gets no gradient (and costs no pass)
+        ctx.save_for_backward(hidden, weight, bias, target, lse, entropy)
+        ctx.config = (options, rows)
+        ctx.grad_hidden = grad_hidden
+        if options.return_entropy:
+            return logp.view(target.shape), entropy.view(target.shape)
+        return logp.view(target.shape)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logp, grad_entropy=None):
+        hidden, weight, bias, target, lse, entropy = ctx.saved_tensors
+        options, rows = ctx.config
+        needs = ctx.needs_input_grad[:3]
+        target1d = target.reshape(-1)
+        valid = target1d != options.ignore_index
+        zero = torch.zeros((), dtype=torch.float32, device=target.device)
+        # An ignored token's outputs are constants: its upstream gradients (whatever they hold) add nothing.
+        if grad_logp is not None:
+            grad_logp = torch.where(valid, grad_logp.reshape(-1).float(), zero)
+        if grad_entropy is not None:
+            grad_entropy = torch.where(valid, grad_entropy.reshape(-1).float(), zero)
+        grad_hidden, ctx.grad_hidden = ctx.grad_hidden, None  # handed over once (retain_graph recomputes)
+        hidden2d = rows_view(hidden)
+        try:
+            if grad_hidden is not None:
+                if grad_logp is None:
+                    grad_hidden.zero_()
+                else:
+                    grad_hidden.mul_(grad_logp.unsqueeze(1))
+                if grad_entropy is not None:
+                    grad_hidden = _chunked_grads(
+                        hidden2d, weight, bias, target1d, lse, entropy, None, grad_entropy, options, rows,
+                        (True, False, False), grad_hidden,
+                    )[0]
+                grads = (grad_hidden, None, None)
+            elif grad_logp is None and grad_entropy is None:
+                grads = (None, None, None)
+            else:
+                grads = _chunked_grads(
+                    hidden2d, weight, bias, target1d, lse, entropy, grad_logp, grad_entropy, options, rows, needs
+                )
+        except Exception as err:
+            def reference(h, w, b):
+                return linear_log_probs_reference(h, w, target, b, *options)
+
+            upstream = (grad_logp, grad_entropy) if options.return_entropy else (grad_logp,)
+            upstream = tuple(None if g is None else g.view(target.shape) for g in upstream)
+            grads = _backend.reference_backward(LINEAR_LOG_PROBS, err, reference, (hidden, weight, bias), upstream)
+        grad_hidden, grad_weight, grad_bias = grads
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.view(hidden.shape)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def check_head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, names: tuple[str, str, str]) -> None:
+    """`weight` is a (V, H) head for `hidden` (..., H) of its dtype and device, `bias` None or (V,)."""
+    hidden_name, weight_name, bias_name = names
+    check_float(hidden_name, hidden)
+    if hidden.dim() == 0:
+        raise ValueError(f"{hidden_name} must have at least one dimension (the hidden size), got a scalar")
+    check_float(weight_name, weight)
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
+        raise ValueError(
+            f"{weight_name} must have shape (vocab, {hidden.shape[-1]}) with vocab >= 1 to match the last dim "
+            f"of {hidden_name}, got {tuple(weight.shape)}"
+        )
+    check_device(weight_name, weight, hidden.device)
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"{weight_name} must have the dtype of {hidden_name} ({hidden.dtype}), got {weight.dtype}")
+    if bias is not None:
+        check_vector(bias_name, bias, weight.shape[0], hidden.device)
+        if bias.dtype != hidden.dtype:
+            raise ValueError(f"{bias_name} must have the dtype of {hidden_name} ({hidden.dtype}), got {bias.dtype}")
+
+
+def check_chunk_bytes(max_chunk_bytes: int) -> None:
+    if not isinstance(max_chunk_bytes, int) or isinstance(max_chunk_bytes, bool) or max_chunk_bytes <= 0:
+        raise ValueError(f"max_chunk_bytes must be a positive int, got {max_chunk_bytes!r}")
+
+
+def check_ignore_index(ignore_index: int) -> None:
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
+
+
+def _check(hidden, weight, target, bias, options, max_chunk_bytes) -> str | None:
+    check_head(hidden, weight, bias, ("hidden", "weight", "bias"))
+    check_target(target, hidden.shape[:-1], hidden.device, "hidden")
+    check_ignore_index(options.ignore_index)
+    temperature = options.temperature
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"temperature must be a positive float, got {temperature!r}")
+    if not isinstance(options.return_entropy, bool):
+        raise ValueError(f"return_entropy must be a bool, got {options.return_entropy!r}")
+    check_chunk_bytes(max_chunk_bytes)
+    if hidden.dtype not in KERNEL_DTYPES:
+        return f"dtype {hidden.dtype} runs on the reference"
+    return None
+
+
+def _linear_log_probs_kernel(hidden, weight, target, bias, ignore_index, temperature, return_entropy, max_chunk_bytes):
+    options = LogProbOptions(ignore_index, float(temperature), return_entropy)
+    rows = chunk_rows(max_chunk_bytes, weight.shape[0], hidden.dtype)
+    return _LinearLogProbsFunction.apply(hidden, weight, bias, target, options, rows, torch.is_grad_enabled())
+
+
+@torch.compiler.disable  # a graph break under torch.compile: the op runs eagerly, as itself
+def linear_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    max_chunk_bytes: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``log_softmax((hidden @ weight.T + bias) / temperature)[target]`` per token, without ever
+    holding the (N, V) logits.
+
+    Args:
+        hidden: ``(..., H)`` float16/bfloat16/float32 (float64 runs the reference).
+        weight: ``(V, H)`` (the LM head), dtype of `hidden`.
+        target: ``(...)`` int64/int32 token ids, aligned with `hidden` (position i scores
+            target i: shift labels first). A target outside ``[0, V)`` gives NaN (no host sync
+            to check it).
+        bias: optional ``(V,)``.
+        ignore_index: target value whose outputs are 0 (and pass no gradient).
+        temperature: the logits are divided by it before the softmax.
+        return_entropy: also return each token's entropy of that softmax (differentiable).
+        max_chunk_bytes: the most bytes one chunk of logits may take (at least one row);
+            default ``DEFAULT_MAX_CHUNK_BYTES``. Larger is faster and uses more memory.
+
+    Returns:
+        fp32 log-probabilities of the shape of `target` (float64 for float64 inputs), and with
+        `return_entropy` the entropies, as ``(log_probs, entropy)``. Differentiable in hidden,
+        weight and bias for any upstream gradients; no host sync.
+    """
+    if max_chunk_bytes is None:
+        max_chunk_bytes = DEFAULT_MAX_CHUNK_BYTES
+    options = LogProbOptions(ignore_index, temperature, return_entropy)
+    unsupported = _check(hidden, weight, target, bias, options, max_chunk_bytes)
+    args = (hidden, weight, target, bias, ignore_index, temperature, return_entropy)
+    if target.numel() == 0:
+        return linear_log_probs_reference(*args)
+    return _backend.dispatch(
+        LINEAR_LOG_PROBS,
+        lambda *a: _linear_log_probs_kernel(*a, max_chunk_bytes),
+        linear_log_probs_reference,
+        *args,
+        device=hidden.device,
+        unsupported=unsupported,
+    )

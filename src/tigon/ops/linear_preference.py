@@ -1,0 +1,614 @@
+"""Preference losses (DPO, IPO, hinge, robust DPO, SimPO, CPO, ORPO, KTO) from the LM head's
+hidden states, without the logits.
+
+Every method is a function of per-sequence statistics: the sum S of the policy's token
+log-probabilities over the scored (non-ignored) tokens, the token count n, and for the methods
+with a reference model the reference's sum R. The batch is 2B sequences (B chosen, then their B
+rejected) or, for KTO, B unpaired ones with a desirable/undesirable label. Per pair (u = S - R,
+z = beta (u_chosen - u_rejected), a = S / n, eps = label_smoothing):
+
+    dpo     -(1 - eps) log sig(z) - eps log sig(-z)                    Rafailov et al. 2023 (cDPO eps)
+    robust  (-(1 - eps) log sig(z) + eps log sig(-z)) / (1 - 2 eps)    Chowdhury et al. 2024
+    hinge   max(0, 1 - z)                                              SLiC, Zhao et al. 2023
+    ipo     (u_c / n_c - u_r / n_r - 1 / (2 beta))^2                   Azar et al. 2023 (per-token, as TRL)
+    simpo   dpo's form at z = beta (a_c - a_r) - gamma                 Meng et al. 2024, no reference
+    cpo     dpo's form at z = beta (S_c - S_r), plus the chosen NLL    Xu et al. 2024, no reference
+    orpo    -beta log sig(log odds(a_c) - log odds(a_r)), odds = e^a / (1 - e^a),
+            plus the chosen NLL                                        Hong et al. 2024, no reference
+    kto     w_D (1 - sig(beta (u - z0))) if desirable,
+            w_U (1 - sig(beta (z0 - u))) if not                        Ethayarajh et al. 2024
+
+and loss = sum of the B per-pair (per-sequence for KTO) terms / B + nll_weight * chosen NLL, the
+NLL being -sum of the chosen sequences' S / their token count (the desirable ones for KTO). A pair
+(or KTO sequence) with a sequence that has no scored token adds 0: a preference over an empty
+answer is undefined, and this keeps it from giving NaN. z0, the KL baseline, is given or
+estimated as max(0, mean u) over the batch, without gradient.
+
+How it runs. The reference (its own hidden states and head, or `ref_log_probs` given) is scored
+first, without gradient: one GEMM per chunk, per-row lse and target logit only. Then the policy,
+in chunks of whole pairs (chosen i with rejected i): per chunk one GEMM for its logits, a Triton
+pass for per-row logp, the per-sequence sums, the per-pair losses and their derivatives c_s =
+dloss/dS_s (tiny torch math on the chunk's sequences: the pairs are independent once R, the
+token counts and 1/B are known), a second Triton pass that turns the logits into
+``c_s (onehot - softmax)`` in place, and the gradient GEMMs dH = G @ W and dW += G.T @ H. That is
+three GEMMs over the policy's rows, with no recompute. When one pair's logits exceed
+`max_chunk_bytes` (long sequences), or KTO estimates z0 from the whole batch, the policy runs in
+two passes instead (sums first without gradient, then the gradients with the known c_s): one GEMM
+more, memory still bounded. Gradients are formed in forward, as linear_cross_entropy does, and
+backward scales them by the upstream gradient; a frozen head (LoRA) costs no weight-gradient GEMM.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from tigon import _backend
+from tigon._checks import KERNEL_DTYPES, check_choice, check_device, check_float, rows_view
+from tigon.ops.cross_entropy import check_target
+from tigon.ops.linear_cross_entropy import _scale_in_place, chunk_rows
+from tigon.ops.linear_log_probs import (
+    backprop_head,
+    check_chunk_bytes,
+    check_head,
+    check_ignore_index,
+    chunked_log_probs,
+    head_logits,
+    linear_log_probs_reference,
+    log_prob_grad_rows,
+    log_prob_rows,
+    logits_chunks,
+)
+
+LINEAR_PREFERENCE_LOSS = _backend.register("linear_preference_loss")
+
+METHODS = ("dpo", "ipo", "hinge", "robust", "simpo", "cpo", "orpo", "kto")
+REFERENCE_METHODS = ("dpo", "ipo", "hinge", "robust", "kto")
+SMOOTHED_METHODS = ("dpo", "robust", "simpo", "cpo")
+# The chosen NLL is part of CPO's and ORPO's objective (weight 1 in both papers).
+DEFAULT_NLL_WEIGHT = {"cpo": 1.0, "orpo": 1.0}
+DEFAULT_GAMMA = 0.5  # SimPO's target reward margin (TRL's default)
+# One pair's logits must fit one chunk for the one-pass scheme: 2 x 2048 tokens at V = 128256 in
+# bf16 take 1.05 GB, Qwen's V = 151936 1.24 GB. Chunks hold whole pairs, so the buffer is only as
+# large as the pairs it holds.
+DEFAULT_MAX_CHUNK_BYTES = 3 * 2**29
+
+
+class PreferenceOptions(NamedTuple):
+    """The method and its constants, resolved (no None left)."""
+
+    method: str
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    nll_weight: float = 0.0
+    gamma: float = DEFAULT_GAMMA
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
+    ignore_index: int = -100
+
+
+def _smoothed_log_sigmoid_loss(z: torch.Tensor, label_smoothing: float) -> torch.Tensor:
+    loss = -F.logsigmoid(z)
+    if label_smoothing:
+        loss = (1.0 - label_smoothing) * loss - label_smoothing * F.logsigmoid(-z)
+    return loss
+
+
+def _log1mexp(a: torch.Tensor) -> torch.Tensor:
+    """log(1 - e^a) for a < 0, accurate near 0 (expm1) and far below it (log1p)."""
+    return torch.where(a > -math.log(2.0), torch.log(-torch.expm1(a)), torch.log1p(-torch.exp(a)))
+
+
+def unit_losses(
+    options: PreferenceOptions,
+    logps: torch.Tensor,
+    ref_logps: torch.Tensor | None,
+    counts: torch.Tensor,
+    labels: torch.Tensor | None,
+    kl: torch.Tensor | None,
+) -> torch.Tensor:
+    """The per-pair losses (per sequence for KTO) of whole units: `logps`, `ref_logps`, `counts`
+    hold the units' chosen sequences then their rejected ones (KTO: the sequences, with `labels`)."""
+    method, beta, eps = options.method, options.beta, options.label_smoothing
+    if method == "kto":
+        valid = counts > 0
+        u = logps - ref_logps
+        desirable = options.desirable_weight * (1.0 - torch.sigmoid(beta * (u - kl)))
+        undesirable = options.undesirable_weight * (1.0 - torch.sigmoid(beta * (kl - u)))
+        return torch.where(valid, torch.where(labels, desirable, undesirable), 0.0)
+    chosen, rejected = logps.chunk(2)
+    n_chosen, n_rejected = counts.chunk(2)
+    valid = (n_chosen > 0) & (n_rejected > 0)
+    if method in ("dpo", "robust", "hinge", "ipo"):
+        ref_chosen, ref_rejected = ref_logps.chunk(2)
+        u_chosen, u_rejected = chosen - ref_chosen, rejected - ref_rejected
+        z = beta * (u_chosen - u_rejected)
+    if method == "dpo":
+        loss = _smoothed_log_sigmoid_loss(z, eps)
+    elif method == "robust":
+        loss = ((1.0 - eps) * -F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1.0 - 2.0 * eps)
+    elif method == "hinge":
+        loss = torch.relu(1.0 - z)
+    elif method == "ipo":
+        h = u_chosen / n_chosen.clamp(min=1) - u_rejected / n_rejected.clamp(min=1)
+        loss = (h - 1.0 / (2.0 * beta)) ** 2
+    elif method == "simpo":
+        z = beta * (chosen / n_chosen.clamp(min=1) - rejected / n_rejected.clamp(min=1)) - options.gamma
+        loss = _smoothed_log_sigmoid_loss(z, eps)
+    elif method == "cpo":
+        loss = _smoothed_log_sigmoid_loss(beta * (chosen - rejected), eps)
+    else:  # orpo
+        # An empty sequence's average would be 0, where log(1 - e^a) has no gradient: give the
+        # masked-out pairs a harmless value so no NaN flows back through torch.where.
+        a_chosen = torch.where(valid, chosen / n_chosen.clamp(min=1), -1.0)
+        a_rejected = torch.where(valid, rejected / n_rejected.clamp(min=1), -1.0)
+        log_odds = (a_chosen - a_rejected) - (_log1mexp(a_chosen) - _log1mexp(a_rejected))
+        loss = -beta * F.logsigmoid(log_odds)
+    return torch.where(valid, loss, 0.0)
+
+
+def _chosen(options, logps, labels):
+    """The chosen (KTO: desirable) sequences' values, zero elsewhere, for the NLL term."""
+    if options.method == "kto":
+        return torch.where(labels, logps, 0.0)
+    return logps.chunk(2)[0]
+
+
+def _objective(options, logps, ref_logps, counts, labels, kl, n_units, nll_tokens):
+    """This group's share of the loss: its units' losses / B, plus its part of the chosen NLL."""
+    total = unit_losses(options, logps, ref_logps, counts, labels, kl).sum() / n_units
+    if options.nll_weight:
+        total = total - options.nll_weight * _chosen(options, logps, labels).sum() / nll_tokens
+    return total
+
+
+def _objective_and_coefficients(options, logps, *context):
+    """The group objective and its derivative w.r.t. each sequence's log-prob sum."""
+    with torch.enable_grad():
+        leaf = logps.detach().requires_grad_()
+        total = _objective(options, leaf, *context)
+        (coefficients,) = torch.autograd.grad(total, leaf)
+    return total.detach(), coefficients
+
+
+def _estimate_kl(logps, ref_logps, counts):
+    """KTO's baseline from the batch itself: max(0, mean log ratio over non-empty sequences)."""
+    valid = counts > 0
+    ratio = torch.where(valid, logps - ref_logps, 0.0).sum() / valid.sum().clamp(min=1)
+    return ratio.clamp(min=0).detach()
+
+
+def _sequence_counts(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    return (target != ignore_index).sum(-1).to(torch.float32)
+
+
+def _nll_tokens(options, counts, labels):
+    return _chosen(options, counts, labels).sum().clamp(min=1)
+
+
+def _per_row(values: torch.Tensor, seq_len: int) -> torch.Tensor:
+    return values[:, None].expand(-1, seq_len).reshape(-1)
+
+
+class _Plan(NamedTuple):
+    one_pass: bool
+    units_per_chunk: int  # whole units per chunk (one pass)
+    rows: int  # rows of the logits buffer
+
+
+def plan_chunks(options, n_seq, seq_len, vocab, dtype, max_chunk_bytes, kl_given):
+    """One pass in chunks of whole units when one unit's logits fit the budget (and KTO's baseline
+    is given), else two passes over chunks of rows."""
+    paired = options.method != "kto"
+    n_units = n_seq // 2 if paired else n_seq
+    unit_rows = (2 if paired else 1) * seq_len
+    budget_rows = max(1, max_chunk_bytes // (vocab * dtype.itemsize))
+    if unit_rows <= budget_rows and (paired or kl_given):
+        units = min(n_units, budget_rows // unit_rows)
+        return _Plan(True, units, units * unit_rows)
+    return _Plan(False, 0, min(chunk_rows(max_chunk_bytes, vocab, dtype), n_seq * seq_len))
+
+
+def _segments(options, u0, u1, n_units):
+    """The sequence ranges of units [u0, u1): chosen then rejected for the paired methods."""
+    if options.method == "kto":
+        return [(u0, u1)]
+    if u0 == 0 and u1 == n_units:  # every pair: one block of rows, nothing to gather
+        return [(0, 2 * n_units)]
+    return [(u0, u1), (n_units + u0, n_units + u1)]
+
+
+def _take(x, segments, scale=1):
+    parts = [x[a * scale:b * scale] for a, b in segments]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _policy_pass(hidden2d, weight, bias, target1d, ref_logps, counts, labels, kl, options, plan, seq_len, needs):
+    """The loss, the per-sequence sums, the KL baseline used, and (for `needs`) the gradients."""
+    n_seq = counts.shape[0]
+    n_units = n_seq if options.method == "kto" else n_seq // 2
+    nll_tokens = _nll_tokens(options, counts, labels)
+    need_hidden, need_weight, need_bias = needs
+    device = hidden2d.device
+    grad_hidden = torch.empty(hidden2d.shape, dtype=hidden2d.dtype, device=device) if need_hidden else None
+    grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=device) if need_weight else None
+    grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=device) if need_bias else None
+    ignore_index = options.ignore_index
+
+    if any(needs) and plan.one_pass:
+        logps = torch.empty(n_seq, dtype=torch.float32, device=device)
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        buffer = torch.empty((plan.rows, weight.shape[0]), dtype=hidden2d.dtype, device=device)
+        logp_rows = torch.empty(plan.rows, dtype=torch.float32, device=device)
+        lse_rows = torch.empty(plan.rows, dtype=torch.float32, device=device)
+        for u0 in range(0, n_units, plan.units_per_chunk):
+            segments = _segments(options, u0, min(u0 + plan.units_per_chunk, n_units), n_units)
+            hidden_c, target_c = _take(hidden2d, segments, seq_len), _take(target1d, segments, seq_len)
+            rows = hidden_c.shape[0]
+            logits, logp_c, lse_c = buffer[:rows], logp_rows[:rows], lse_rows[:rows]
+            head_logits(hidden_c, weight, bias, logits)
+            log_prob_rows(logits, target_c, logp_c, lse_c, None, ignore_index, 1.0)
+            sums = logp_c.view(-1, seq_len).sum(1)
+            offset = 0
+            for a, b in segments:
+                logps[a:b] = sums[offset:offset + b - a]
+                offset += b - a
+            part, coefficients = _objective_and_coefficients(
+                options, sums, _take(ref_logps, segments) if ref_logps is not None else None,
+                _take(counts, segments), _take(labels, segments) if labels is not None else None,
+                kl, n_units, nll_tokens,
+            )
+            total += part
+            log_prob_grad_rows(
+                logits, target_c, lse_c, None, _per_row(coefficients, seq_len), None, ignore_index, 1.0, out=logits
+            )
+            backprop_head(logits, hidden_c, weight, None, grad_weight, grad_bias, first=u0 == 0)
+            if need_hidden:
+                offset = 0
+                for a, b in segments:
+                    rows_ab = (b - a) * seq_len
+                    torch.mm(logits[offset:offset + rows_ab], weight, out=grad_hidden[a * seq_len:b * seq_len])
+                    offset += rows_ab
+    else:
+        logp, lse, _ = chunked_log_probs(hidden2d, weight, bias, target1d, plan.rows, ignore_index, 1.0)
+        logps = logp.view(n_seq, seq_len).sum(1)
+        if kl is None and options.method == "kto":
+            kl = _estimate_kl(logps, ref_logps, counts)
+        context = (ref_logps, counts, labels, kl, n_units, nll_tokens)
+        if not any(needs):
+            total = _objective(options, logps, *context)
+        else:
+            total, coefficients = _objective_and_coefficients(options, logps, *context)
+            coefficient_rows = _per_row(coefficients, seq_len)
+            for start, end, logits in logits_chunks(hidden2d, weight, bias, plan.rows):
+                log_prob_grad_rows(
+                    logits, target1d[start:end], lse[start:end], None, coefficient_rows[start:end], None,
+                    ignore_index, 1.0, out=logits,
+                )
+                backprop_head(
+                    logits, hidden2d[start:end], weight,
+                    grad_hidden[start:end] if need_hidden else None, grad_weight, grad_bias, first=start == 0,
+                )
+    if grad_bias is not None:
+        grad_bias = grad_bias.to(bias.dtype)
+    if kl is None:
+        kl = torch.zeros((), dtype=torch.float32, device=device)
+    return total, logps, kl, (grad_hidden, grad_weight, grad_bias)
+
+
+class _LinearPreferenceFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, ref_logps, labels, kl, options, plan, grad_enabled):
+        seq_len = target.shape[-1]
+        hidden2d, target1d = rows_view(hidden), target.reshape(-1)
+        counts = _sequence_counts(target, options.ignore_index)
+        needs = tuple(grad_enabled and need for need in ctx.needs_input_grad[:3])
+        total, logps, kl_used, grads = _policy_pass(
+            hidden2d, weight, bias, target1d, ref_logps, counts, labels, kl, options, plan, seq_len, needs
+        )
+        ctx.save_for_backward(hidden, weight, bias, target, ref_logps, labels, kl)
+        ctx.config = (options, plan)
+        ctx.grads = grads if any(needs) else None
+        ctx.mark_non_differentiable(logps, kl_used)
+        return total, logps, kl_used
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss, _grad_logps, _grad_kl):
+        hidden, weight, bias, target, ref_logps, labels, kl = ctx.saved_tensors
+        options, plan = ctx.config
+        try:
+            if ctx.grads is not None:
+                # Formed in forward for grad_loss = 1; handed over once (retain_graph recomputes).
+                grads, ctx.grads = ctx.grads, None
+            else:
+                grads = _policy_pass(
+                    rows_view(hidden), weight, bias, target.reshape(-1), ref_logps,
+                    _sequence_counts(target, options.ignore_index), labels, kl, options, plan, target.shape[-1],
+                    tuple(ctx.needs_input_grad[:3]),
+                )[3]
+            for grad in grads:
+                if grad is not None:
+                    _scale_in_place(grad, grad_loss)
+        except Exception as err:
+            def reference(h, w, b):
+                return _policy_reference(h, w, target, b, ref_logps, labels, kl, options)[0]
+
+            grads = _backend.reference_backward(LINEAR_PREFERENCE_LOSS, err, reference, (hidden, weight, bias), (grad_loss,))
+        grad_hidden, grad_weight, grad_bias = grads
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.view(hidden.shape)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
+
+
+def _policy_reference(hidden, weight, target, bias, ref_logps, labels, kl, options):
+    """(loss, per-sequence sums, KL baseline) from the materialised logits."""
+    logps = linear_log_probs_reference(hidden, weight, target, bias, options.ignore_index).sum(-1)
+    counts = _sequence_counts(target, options.ignore_index).to(logps.dtype)
+    if ref_logps is not None:
+        ref_logps = ref_logps.to(logps.dtype)
+    if options.method == "kto":
+        kl = _estimate_kl(logps, ref_logps, counts) if kl is None else kl.to(logps.dtype)
+    n_units = counts.shape[0] if options.method == "kto" else counts.shape[0] // 2
+    total = _objective(options, logps, ref_logps, counts, labels, kl, n_units, _nll_tokens(options, counts, labels))
+    if kl is None:
+        kl = torch.zeros((), dtype=logps.dtype, device=logps.device)
+    return total, logps, kl
+
+
+def preference_metrics(
+    options: PreferenceOptions,
+    logps: torch.Tensor,
+    ref_logps: torch.Tensor | None,
+    target: torch.Tensor,
+    labels: torch.Tensor | None,
+    kl: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """The implicit rewards and the chosen NLL from the per-sequence sums, detached (no sync)."""
+    logps = logps.detach()
+    counts = _sequence_counts(target, options.ignore_index).to(logps.dtype)
+    beta = options.beta
+    if options.method in ("simpo", "orpo"):
+        rewards = beta * logps / counts.clamp(min=1)
+    elif options.method == "cpo":
+        rewards = beta * logps
+    else:
+        rewards = beta * (logps - ref_logps.to(logps.dtype))
+    chosen_nll = -_chosen(options, logps, labels).sum() / _nll_tokens(options, counts, labels)
+    if options.method == "kto":
+        desirable = labels.to(logps.dtype)
+        chosen_rewards = torch.where(labels, rewards, 0.0).sum() / desirable.sum().clamp(min=1)
+        rejected_rewards = torch.where(labels, 0.0, rewards).sum() / (1.0 - desirable).sum().clamp(min=1)
+        return {
+            "rewards": rewards, "logps": logps, "kl": kl.detach(),
+            "chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards,
+            "margin": chosen_rewards - rejected_rewards, "chosen_nll": chosen_nll,
+        }
+    chosen_rewards, rejected_rewards = rewards.chunk(2)
+    chosen_logps, rejected_logps = logps.chunk(2)
+    return {
+        "chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards,
+        "margin": chosen_rewards - rejected_rewards,
+        "accuracy": (chosen_rewards > rejected_rewards).to(logps.dtype),
+        "chosen_logps": chosen_logps, "rejected_logps": rejected_logps, "chosen_nll": chosen_nll,
+    }
+
+
+def _as_kl(kl_baseline, device, dtype=torch.float32):
+    """The baseline as a 0-dim tensor on `device`, without a gradient or a host sync."""
+    if kl_baseline is None:
+        return None
+    if isinstance(kl_baseline, torch.Tensor) and kl_baseline.device == device:
+        return kl_baseline.detach().to(dtype)
+    # A float, or a CPU tensor (reading host memory is no device sync; copying it over would be).
+    return torch.full((), float(kl_baseline), dtype=dtype, device=device)
+
+
+def linear_preference_loss_reference(
+    hidden, weight, target, bias, ref_hidden, ref_weight, ref_bias, ref_log_probs, labels, kl_baseline, options
+):
+    """The loss and metrics with the whole logits in memory: the fallback (arguments resolved
+    as :func:`linear_preference_loss` resolves them)."""
+    with torch.no_grad():
+        if ref_hidden is not None:
+            ref_log_probs = linear_log_probs_reference(
+                ref_hidden, ref_weight, target, ref_bias, options.ignore_index
+            ).sum(-1)
+    kl = _as_kl(kl_baseline, hidden.device, torch.promote_types(hidden.dtype, torch.float32))
+    total, logps, kl = _policy_reference(hidden, weight, target, bias, ref_log_probs, labels, kl, options)
+    return total, preference_metrics(options, logps, ref_log_probs, target, labels, kl)
+
+
+def _linear_preference_kernel(
+    hidden, weight, target, bias, ref_hidden, ref_weight, ref_bias, ref_log_probs, labels, kl_baseline, options,
+    max_chunk_bytes,
+):
+    n_seq, seq_len = target.shape
+    kl = _as_kl(kl_baseline, hidden.device)
+    plan = plan_chunks(options, n_seq, seq_len, weight.shape[0], hidden.dtype, max_chunk_bytes, kl is not None)
+    if ref_hidden is not None:
+        with torch.no_grad():
+            ref2d = rows_view(ref_hidden)
+            same_logits = ref_weight.shape[0] == weight.shape[0] and ref_hidden.dtype == hidden.dtype
+            # The policy's chunk size where the logits match, so both passes reuse one buffer size.
+            ref_rows = plan.rows if same_logits else chunk_rows(max_chunk_bytes, ref_weight.shape[0], ref_hidden.dtype)
+            ref_log_probs = chunked_log_probs(
+                ref2d, ref_weight, ref_bias, target.reshape(-1), ref_rows, options.ignore_index, 1.0
+            )[0].view(n_seq, seq_len).sum(1)
+    elif ref_log_probs is not None:
+        ref_log_probs = ref_log_probs.detach().float()
+    total, logps, kl_used = _LinearPreferenceFunction.apply(
+        hidden, weight, bias, target, ref_log_probs, labels, kl, options, plan, torch.is_grad_enabled()
+    )
+    return total, preference_metrics(options, logps, ref_log_probs, target, labels, kl_used)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check(
+    hidden, weight, target, bias, ref_hidden, ref_weight, ref_bias, ref_log_probs, labels, kl_baseline, options,
+    max_chunk_bytes, given,
+) -> str | None:
+    method = options.method
+    check_choice("method", method, METHODS)
+    check_head(hidden, weight, bias, ("hidden", "weight", "bias"))
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must have shape (sequences, tokens, hidden size), got {tuple(hidden.shape)}")
+    check_target(target, hidden.shape[:-1], hidden.device, "hidden")
+    n_seq = hidden.shape[0]
+    if method == "kto":
+        if n_seq == 0:
+            raise ValueError("hidden must hold at least one sequence for method 'kto', got 0")
+        if not isinstance(labels, torch.Tensor) or labels.dtype != torch.bool or labels.shape != (n_seq,):
+            raise ValueError(f"labels must be a bool tensor of shape ({n_seq},) (desirable or not) for method 'kto', got {labels!r}")
+        check_device("labels", labels, hidden.device)
+    else:
+        if labels is not None:
+            raise ValueError(f"labels are for method 'kto'; method {method!r} takes chosen then rejected sequences")
+        if n_seq == 0 or n_seq % 2:
+            raise ValueError(
+                f"hidden must hold 2B sequences (B chosen, then their B rejected) for method {method!r}, got {n_seq}"
+            )
+    if method in REFERENCE_METHODS:
+        if (ref_hidden is None) == (ref_log_probs is None):
+            raise ValueError(f"method {method!r} needs exactly one of ref_hidden and ref_log_probs")
+    elif any(x is not None for x in (ref_hidden, ref_weight, ref_bias, ref_log_probs)):
+        raise ValueError(f"method {method!r} is reference-free: ref_hidden, ref_weight, ref_bias and ref_log_probs must be None")
+    if ref_hidden is not None:
+        check_head(ref_hidden, ref_weight, ref_bias, ("ref_hidden", "ref_weight", "ref_bias"))
+        if ref_hidden.shape != hidden.shape:
+            raise ValueError(f"ref_hidden must have the shape of hidden {tuple(hidden.shape)}, got {tuple(ref_hidden.shape)}")
+        check_device("ref_hidden", ref_hidden, hidden.device)
+    elif ref_weight is not None or ref_bias is not None:
+        raise ValueError("ref_weight and ref_bias go with ref_hidden, which is None")
+    if ref_log_probs is not None:
+        check_float("ref_log_probs", ref_log_probs)
+        if ref_log_probs.shape != (n_seq,):
+            raise ValueError(f"ref_log_probs must have shape ({n_seq},) (one log-prob sum per sequence), got {tuple(ref_log_probs.shape)}")
+        check_device("ref_log_probs", ref_log_probs, hidden.device)
+    if not _is_number(options.beta) or not options.beta > 0:
+        raise ValueError(f"beta must be a positive float, got {options.beta!r}")
+    eps = options.label_smoothing
+    if method == "robust" and not (_is_number(eps) and 0.0 <= eps < 0.5):
+        raise ValueError(f"label_smoothing must be a float in [0, 0.5) for method 'robust', got {eps!r}")
+    if not (_is_number(eps) and 0.0 <= eps <= 1.0):
+        raise ValueError(f"label_smoothing must be a float in [0, 1], got {eps!r}")
+    if eps and method not in SMOOTHED_METHODS:
+        raise ValueError(f"label_smoothing is for methods {', '.join(SMOOTHED_METHODS)}; method {method!r} has none")
+    if not _is_number(options.nll_weight) or options.nll_weight < 0:
+        raise ValueError(f"nll_weight must be a non-negative float, got {options.nll_weight!r}")
+    if given["gamma"] and method != "simpo":
+        raise ValueError(f"gamma is SimPO's margin; method {method!r} has none")
+    if not _is_number(options.gamma):
+        raise ValueError(f"gamma must be a float, got {options.gamma!r}")
+    for name in ("desirable_weight", "undesirable_weight"):
+        value = getattr(options, name)
+        if not _is_number(value) or not value > 0:
+            raise ValueError(f"{name} must be a positive float, got {value!r}")
+        if value != 1.0 and method != "kto":
+            raise ValueError(f"{name} is for method 'kto', not {method!r}")
+    if kl_baseline is not None:
+        if method != "kto":
+            raise ValueError(f"kl_baseline is for method 'kto', not {method!r}")
+        is_scalar_tensor = isinstance(kl_baseline, torch.Tensor) and kl_baseline.dim() == 0
+        if not (_is_number(kl_baseline) or is_scalar_tensor):
+            raise ValueError(f"kl_baseline must be a float or a 0-dim tensor, got {kl_baseline!r}")
+    check_ignore_index(options.ignore_index)
+    check_chunk_bytes(max_chunk_bytes)
+    if hidden.dtype not in KERNEL_DTYPES:
+        return f"dtype {hidden.dtype} runs on the reference"
+    return None
+
+
+@torch.compiler.disable  # a graph break under torch.compile: the op runs eagerly, as itself
+def linear_preference_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    method: str,
+    beta: float = 0.1,
+    ref_hidden: torch.Tensor | None = None,
+    ref_weight: torch.Tensor | None = None,
+    ref_bias: torch.Tensor | None = None,
+    ref_log_probs: torch.Tensor | None = None,
+    label_smoothing: float = 0.0,
+    nll_weight: float | None = None,
+    gamma: float | None = None,
+    labels: torch.Tensor | None = None,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+    kl_baseline: float | torch.Tensor | None = None,
+    ignore_index: int = -100,
+    max_chunk_bytes: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A preference loss of the policy's LM head over its hidden states, never holding the logits.
+
+    Args:
+        hidden: ``(2B, T, H)``: B chosen sequences, then the B rejected ones in the same order
+            (``(B, T, H)`` unpaired sequences for ``kto``). float16/bfloat16/float32 (float64 runs
+            the reference).
+        weight, bias: the policy's head, ``(V, H)`` and optional ``(V,)``, dtype of `hidden`.
+        target: ``(2B, T)`` (``(B, T)``) token ids aligned with `hidden` (position t scores
+            target t: shift labels first); prompt and padding positions are `ignore_index`.
+        method: one of dpo, ipo, hinge, robust, simpo, cpo, orpo, kto (formulas in this
+            module's docstring).
+        beta: the methods' beta (ORPO: the odds-ratio weight lambda).
+        ref_hidden, ref_weight, ref_bias: the reference model's hidden states (shape of `hidden`)
+            and head (default: `weight` and `bias`, as for a LoRA policy); scored without gradient.
+        ref_log_probs: instead, the reference's per-sequence log-prob sums ``(2B,)`` (``(B,)``).
+            The reference methods (dpo, ipo, hinge, robust, kto) need one of the two; the others
+            take none.
+        label_smoothing: eps for dpo (conservative DPO), robust (< 0.5), simpo and cpo.
+        nll_weight: weight of the chosen sequences' token-mean NLL added to the loss; default 1
+            for cpo and orpo (part of those methods), 0 for the others.
+        gamma: SimPO's target margin (default 0.5).
+        labels: ``(B,)`` bool, kto only: whether each sequence is desirable.
+        desirable_weight, undesirable_weight: KTO's lambda_D, lambda_U.
+        kl_baseline: KTO's z0, a float or 0-dim tensor (no gradient); None estimates it from the
+            batch as max(0, mean(policy - reference log-prob sums)), which costs the policy one
+            GEMM pass more.
+        ignore_index: target value that is not scored.
+        max_chunk_bytes: the most bytes one chunk of logits may take; default
+            ``DEFAULT_MAX_CHUNK_BYTES``. When one pair's (KTO: one sequence's) logits exceed it,
+            the policy runs in two passes (one GEMM more).
+
+    Returns:
+        ``(loss, metrics)``: the fp32 loss (mean over the B pairs or sequences, plus the NLL term)
+        and detached tensors computed without a host sync. Paired methods: ``chosen_rewards``,
+        ``rejected_rewards``, ``margin``, ``accuracy`` (1 where the chosen reward is higher),
+        ``chosen_logps``, ``rejected_logps``, each ``(B,)``, and ``chosen_nll`` (0-dim). The
+        rewards are beta times the log ratio to the reference (dpo, ipo, hinge, robust), the
+        average log-prob (simpo, orpo) or the log-prob sum (cpo). kto: ``rewards`` and
+        ``logps`` ``(B,)``, and 0-dim ``kl``, ``chosen_rewards`` / ``rejected_rewards`` (means
+        over the desirable / undesirable sequences), ``margin``, ``chosen_nll``. Gradients
+        reach hidden, weight and bias (never the reference); they are formed in forward.
+    """
+    if max_chunk_bytes is None:
+        max_chunk_bytes = DEFAULT_MAX_CHUNK_BYTES
+    if ref_hidden is not None and ref_weight is None:
+        ref_weight, ref_bias = weight.detach(), (bias.detach() if bias is not None and ref_bias is None else ref_bias)
+    options = PreferenceOptions(
+        method, beta, label_smoothing,
+        DEFAULT_NLL_WEIGHT.get(method, 0.0) if nll_weight is None else nll_weight,
+        DEFAULT_GAMMA if gamma is None else gamma,
+        desirable_weight, undesirable_weight, ignore_index,
+    )
+    args = (hidden, weight, target, bias, ref_hidden, ref_weight, ref_bias, ref_log_probs, labels, kl_baseline, options)
+    unsupported = _check(*args, max_chunk_bytes, {"gamma": gamma is not None})
+    if target.numel() == 0:
+        return linear_preference_loss_reference(*args)
+    return _backend.dispatch(
+        LINEAR_PREFERENCE_LOSS,
+        lambda *a: _linear_preference_kernel(*a, max_chunk_bytes),
+        linear_preference_loss_reference,
+        *args,
+        device=hidden.device,
+        unsupported=unsupported,
+    )

@@ -1,0 +1,33 @@
+"""The op benchmark's peer column: measured where an op names a peer, its absence said."""
+
+import torch
+
+from tigon.bench.harness import bench_one, format_table
+from tigon.bench.registry import BenchOp
+
+
+def _op(peer):
+    return BenchOp(
+        name="double", make_inputs=lambda size, dtype, device: (torch.randn(*size, dtype=dtype, device=device, requires_grad=True),),
+        tigon=lambda x: x * 2, eager=lambda x: x + x, bytes_moved=lambda size, dtype: 1, sizes=[(8, 8)], cpu_sizes=[(8, 8)],
+        peer=peer,
+    )
+
+
+def _missing_peer():
+    import tigon_no_such_peer_library  # noqa: F401
+
+
+def test_peer_is_measured_and_compared():
+    records = bench_one(_op(lambda: (lambda x: 2 * x)), (8, 8), torch.float32, torch.device("cpu"), 1e9, None, ("tigon", "eager", "peer"))
+    by_impl = {r["impl"]: r for r in records}
+    assert set(by_impl) == {"tigon", "eager", "peer"}
+    assert "fwd_bwd_ms" in by_impl["peer"] and "vs_peer_host" in by_impl["tigon"]
+    assert "vs peer" in format_table(records)
+
+
+def test_missing_peer_library_is_reported_and_no_peer_means_no_row():
+    records = bench_one(_op(_missing_peer), (8, 8), torch.float32, torch.device("cpu"), 1e9, None, ("tigon", "peer"))
+    assert "No module named 'tigon_no_such_peer_library'" in records[-1]["error"]
+    records = bench_one(_op(None), (8, 8), torch.float32, torch.device("cpu"), 1e9, None, ("tigon", "peer"))
+    assert [r["impl"] for r in records] == ["tigon"]
