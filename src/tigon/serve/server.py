@@ -41,15 +41,19 @@ class TextStream:
         self.tokens = 0
         self._sent = 0
 
-    def feed(self, token_ids: list[int]) -> bool:
-        """Take the completion's tokens so far; True once a stop string has appeared (the text
-        then ends before it)."""
+    def feed(self, token_ids: list[int], final: bool = False) -> bool:
+        """Take the completion's tokens so far (all of them when `final`); True once a stop string
+        has appeared (the text then ends before it)."""
         start = max(0, len(self.text) - self._hold)
         for token in token_ids[self.tokens:]:
             piece = self._decoder.step(self._backend, token)
             if piece:
                 self.text += piece
         self.tokens = len(token_ids)
+        if final:  # the decoder keeps back bytes that are not yet a whole character: the full decode has them
+            whole = self._backend.decode(token_ids, skip_special_tokens=True)
+            if whole.startswith(self.text):
+                self.text = whole
         hits = [i for i in (self.text.find(s, start) for s in self._stops) if i >= 0]
         if hits:
             self.text = self.text[: min(hits)]
@@ -80,7 +84,7 @@ async def run_choice(engine: Engine, tokenizer: Any, choice: Choice, stops: list
     reason = None
     async with contextlib.aclosing(engine.generate(choice.prompt_ids, choice.sampling)) as outputs:
         async for output in outputs:
-            if stream.feed(output.token_ids):
+            if stream.feed(output.token_ids, final=output.finish_reason is not None):
                 reason = "stop"
                 break
             reason = output.finish_reason
