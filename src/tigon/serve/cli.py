@@ -105,7 +105,7 @@ def add_serve_commands(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--max-length", type=int, default=2048, metavar="N", help="truncate samples to N tokens")
     ev.add_argument("--batch-size", type=int, default=8, metavar="N")
     ev.add_argument("--limit", type=int, metavar="N", help="lm-eval: at most N examples per task")
-    ev.add_argument("--output", metavar="FILE", help="result JSON (default: eval.json beside PATH's run, or ./eval.json)")
+    ev.add_argument("--output", metavar="FILE", help="result JSON (default: ./eval.json)")
     ev.add_argument("--base", metavar="MODEL", help="base model of a LoRA adapter (default: the one it names)")
     ev.add_argument("--dtype", choices=dtypes, default="auto")
     ev.add_argument("--seed", type=int, default=42, help="seed for PATH#N row sampling")
