@@ -26,13 +26,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_dir):
+def start_server(model_dir, *options):
+    """`tigon serve MODEL_DIR` on a free port; returns once /health answers."""
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tigon.cli", "serve", str(tiny_dir), "--port", str(port),
-         "--served-model-name", NAME], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [sys.executable, "-m", "tigon.cli", "serve", str(model_dir), "--port", str(port),
+         "--served-model-name", NAME, *options], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
@@ -40,17 +40,22 @@ def server(tiny_dir):
             pytest.fail(f"tigon serve exited {proc.returncode}: {proc.stderr.read()[-3000:]}")
         try:
             if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
+                return {"base": base, "proc": proc}
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
             proc.kill()
             pytest.fail("tigon serve did not come up in 120 s")
         time.sleep(0.25)
-    yield {"base": base, "proc": proc}
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    started = start_server(tiny_dir)
+    yield started
+    if started["proc"].poll() is None:
+        started["proc"].kill()
+        started["proc"].wait()
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +66,7 @@ def client(server):
 def _greedy_in_process(tiny_model, messages, max_new_tokens):
     model, tokenizer = tiny_model
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
-    ids = torch.tensor([ids["input_ids"]])
+    ids = torch.tensor([ids["input_ids"]], device=model.device)
     out = model.generate(ids, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
@@ -72,7 +77,7 @@ def test_models_lists_the_served_model(client):
     assert client.models.retrieve(NAME).id == NAME
 
 
-def test_sixteen_concurrent_clients_get_the_in_process_greedy_answers(client, tiny_model, bundled_samples):
+def _sixteen_concurrent_clients(client, tiny_model, bundled_samples):
     chats = [[dict(m) for m in s.messages[:1]] for s in bundled_samples[:16]]
     assert all(c[0]["role"] == "user" for c in chats)
     expected = [_greedy_in_process(tiny_model, chat, 12) for chat in chats]
@@ -85,6 +90,34 @@ def test_sixteen_concurrent_clients_get_the_in_process_greedy_answers(client, ti
         answers = list(pool.map(ask, chats))
     assert [a[0] for a in answers] == expected
     assert all(reason == "length" and tokens == 12 for _, reason, tokens in answers)
+
+
+def test_sixteen_concurrent_clients_get_the_in_process_greedy_answers(client, tiny_model, bundled_samples):
+    _sixteen_concurrent_clients(client, tiny_model, bundled_samples)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_concurrent_answers_and_seeds_hold(tiny_dir, tiny_model, bundled_samples):
+    # CUDA: paged attention, CUDA graphs and async batching as transformers picks them, with the
+    # seeded sampler inside the captured step.
+    model, tokenizer = tiny_model
+    started = start_server(tiny_dir, "--dtype", "fp32")
+    try:
+        client = openai.OpenAI(base_url=started["base"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+        _sixteen_concurrent_clients(client, (model.cuda(), tokenizer), bundled_samples)
+
+        def draw(seed):
+            return client.completions.create(model=NAME, prompt="Tell me", max_tokens=16, temperature=1.0,
+                                             seed=seed, n=4).choices
+
+        with ThreadPoolExecutor(4) as pool:
+            draws = list(pool.map(draw, [3, 3, 4, 3]))
+        texts = [sorted((c.index, c.text) for c in d) for d in draws]
+        assert texts[0] == texts[1] == texts[3] != texts[2]
+    finally:
+        model.cpu()
+        started["proc"].send_signal(signal.SIGINT)
+        started["proc"].communicate(timeout=60)
 
 
 def test_streaming_gives_the_non_streamed_text_and_usage(client):
