@@ -8,6 +8,16 @@ from tigon.train import tiny
 from tigon.train.data import load_samples
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model's matrices gain nothing from threads, and on a busy machine OpenMP's spinning
+    threads made its forward passes many times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def bundled_samples():
     return load_samples([str(tiny.BUNDLED_DATASET)], seed=0)
