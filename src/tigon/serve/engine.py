@@ -186,9 +186,10 @@ class Engine:
 def default_cache_size(model: Any) -> dict[str, int]:
     """CB cache settings where transformers' defaults do not fit: on a CPU it sizes the cache from
     the host's free memory (gigabytes, slow to allocate), so there it gets room for 32 sequences of
-    the model's full context. On a GPU transformers sizes it from the free GPU memory."""
+    up to 2048 tokens (a single longer one fits as long as the whole cache holds it). On a GPU
+    transformers sizes it from the free GPU memory."""
     if model.device.type != "cpu":
         return {}
-    context = getattr(model.config, "max_position_embeddings", 2048) or 2048
+    context = min(getattr(model.config, "max_position_embeddings", None) or 2048, 2048)
     page = 256
     return {"page_size": page, "num_blocks": 32 * math.ceil(context / page), "max_batch_tokens": 2048}
