@@ -208,6 +208,16 @@ def test_a_client_leaving_mid_stream_frees_its_slot(client, server):
     assert r.choices[0].finish_reason == "length"
 
 
+def test_a_client_giving_up_on_a_whole_answer_frees_its_slot(server):
+    body = {"model": NAME, "prompt": "Once", "max_tokens": 1000, "temperature": 0}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server["base"] + "/v1/completions", json=body, timeout=1.5)
+    deadline = time.monotonic() + 10
+    while json.loads(httpx.get(server["base"] + "/health").text)["running"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert json.loads(httpx.get(server["base"] + "/health").text)["running"] == 0
+
+
 def test_ctrl_c_shuts_down_cleanly(server):  # last: it stops the module's server
     proc = server["proc"]
     proc.send_signal(signal.SIGINT)

@@ -121,6 +121,10 @@ class Engine:
         if cb_config is None:
             cb_config = ContinuousBatchingConfig(**default_cache_size(model))
         cb_config.per_request_processors = True
+        if cb_config.max_memory_percent is None:
+            # transformers leaves this headroom for vocabulary-sized temporaries when logits are
+            # processed; it decides before the processors below are put in, so it is said here.
+            cb_config.max_memory_percent = 0.8
         # do_sample=False: the CB loop takes the argmax, and SeededSampling's noise makes it a draw.
         config = GenerationConfig(do_sample=False, eos_token_id=eos or -1, pad_token_id=tokenizer.pad_token_id)
         self.manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=cb_config)

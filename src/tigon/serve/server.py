@@ -20,6 +20,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+from fastapi import Request  # at module level: FastAPI resolves the routes' annotations from here
+
 from tigon.serve.engine import Engine, Sampling
 from tigon.serve.protocol import APIError, ChatRequest, CompletionRequest
 
@@ -110,7 +112,7 @@ class ServedModel:
 def build_app(served: ServedModel) -> Any:
     """The FastAPI app: /v1/models, /v1/chat/completions, /v1/completions, /health. The engine's
     generation thread runs between the app's startup and shutdown."""
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
     from starlette.exceptions import HTTPException
@@ -138,6 +140,11 @@ def build_app(served: ServedModel) -> Any:
     async def _http(request: Request, err: HTTPException) -> JSONResponse:
         return JSONResponse(APIError(err.status_code, str(err.detail)).body(), status_code=err.status_code)
 
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, err: Exception) -> JSONResponse:
+        log.exception("tigon serve: request failed")
+        return JSONResponse(APIError(500, f"{type(err).__name__}: {err}", kind="server_error").body(), status_code=500)
+
     @app.get("/health")
     async def health() -> JSONResponse:
         if not served.engine.alive():
@@ -154,7 +161,7 @@ def build_app(served: ServedModel) -> Any:
         return model_card(served, created)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest) -> Any:
+    async def chat(body: ChatRequest, request: Request) -> Any:
         body.check_supported()
         check_model(served, body.model)
         from tigon.train.template import render
@@ -164,16 +171,16 @@ def build_app(served: ServedModel) -> Any:
         except Exception as err:  # a template raises whatever its author chose
             raise APIError(400, f"the chat template failed on these messages: {err}", param="messages") from None
         prompt = served.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return await respond(served, body, [prompt], chat=True)
+        return await respond(request, body, [prompt], chat=True)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Any:
+    async def completions(body: CompletionRequest, request: Request) -> Any:
         body.check_supported()
         check_model(served, body.model)
         prompts = [encode_prompt(served, p) for p in body.prompts()]
-        return await respond(served, body, prompts, chat=False)
+        return await respond(request, body, prompts, chat=False)
 
-    async def respond(served: ServedModel, body: ChatRequest | CompletionRequest, prompts: list[list[int]],
+    async def respond(request: Request, body: ChatRequest | CompletionRequest, prompts: list[list[int]],
                       chat: bool) -> Any:
         if not served.engine.alive():
             raise APIError(503, "the generation engine has stopped after an error; restart the server",
@@ -190,7 +197,7 @@ def build_app(served: ServedModel) -> Any:
         if body.stream:
             events = stream_events(served, body, choices, ident, chat)
             return StreamingResponse(events, media_type="text/event-stream")
-        return JSONResponse(await complete(served, body, choices, ident, chat))
+        return JSONResponse(await complete(served, body, choices, ident, chat, request.is_disconnected))
 
     return app
 
@@ -257,15 +264,25 @@ def _distinct_prompts(choices: list[Choice], n: int) -> list[list[int]]:
     return [c.prompt_ids for c in choices[::n]]
 
 
-async def complete(served: ServedModel, body: Any, choices: list[Choice], ident: str, chat: bool) -> dict:
+async def complete(served: ServedModel, body: Any, choices: list[Choice], ident: str, chat: bool,
+                   disconnected: Callable[[], Awaitable[bool]]) -> dict:
+    """The whole answer at once. A client that leaves before it is ready (a timeout) cancels the
+    generation: nothing would read it."""
     async def collect(choice: Choice, piece: str, reason: str | None) -> None:
         choice.text.append(piece)
 
     tasks = [asyncio.ensure_future(run_choice(served.engine, served.tokenizer, c, body.stop, collect))
              for c in choices]
+    everything = asyncio.gather(*tasks)
+    # Cancelled below when the client has left; nobody is then waiting for its outcome.
+    everything.add_done_callback(lambda f: f.cancelled() or f.exception())
     try:
-        await asyncio.gather(*tasks)
-    finally:  # a request cancelled by its client cancels its choices
+        while not everything.done():
+            await asyncio.wait([everything], timeout=0.5)
+            if not everything.done() and await disconnected():
+                raise APIError(499, "the client closed the request")
+        everything.result()
+    finally:
         for task in tasks:
             task.cancel()
     if chat:
