@@ -117,6 +117,19 @@ def test_a_lora_adapter_exports_merged_to_gguf_and_safetensors(tiny_dir, ids, tm
     torch.testing.assert_close(_logits(merged.eval(), ids), want, atol=1e-4, rtol=1e-4)
 
 
+def test_a_full_model_exports_merged_in_the_dtype_asked_for(tiny_dir, tiny_model, ids, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    assert main(["export", str(tiny_dir), "--to", "merged", "--dtype", "bf16", "--output", str(tmp_path / "m")]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    assert merged.dtype == torch.bfloat16
+    want = tiny_model[0].state_dict()
+    for name, tensor in merged.state_dict().items():
+        assert torch.equal(tensor, want[name].to(torch.bfloat16)), name
+    assert (tmp_path / "m" / "tokenizer.json").is_file()
+    assert main(["export", str(tiny_dir), "--to", "merged", "--base", str(tiny_dir), "--output", str(tmp_path / "x")]) == 2
+
+
 def test_q8_0_quantizes_the_matrices_with_gguf_and_keeps_norms_f32(tiny_dir, tiny_model, tmp_path):
     model, _ = tiny_model
     export_gguf(str(tiny_dir), str(tmp_path), "q8_0")

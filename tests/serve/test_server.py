@@ -14,7 +14,10 @@ import pytest
 import torch
 
 openai = pytest.importorskip("openai")
-httpx = pytest.importorskip("httpx2" if openai.__version__.startswith("3") else "httpx")
+try:  # the HTTP client under openai: httpx, renamed httpx2 from openai 3
+    import httpx2 as httpx
+except ImportError:
+    httpx = pytest.importorskip("httpx")
 
 NAME = "tiny"
 SRC = str(Path(__file__).resolve().parents[2] / "src")

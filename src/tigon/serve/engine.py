@@ -164,9 +164,11 @@ class Engine:
         self.running.add(request_id)
         finished = False
         try:
-            self.manager.add_request(
+            accepted = self.manager.add_request(
                 list(prompt_ids), request_id=request_id, max_new_tokens=sampling.max_tokens, streaming=True,
                 eos_token_id=self.eos_token_ids or -1, **knobs)
+            if accepted is None:
+                raise RuntimeError("the generation engine is not accepting requests (it is stopping)")
             while not finished:
                 result = await queue.get()
                 if result.error is not None:

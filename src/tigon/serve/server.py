@@ -24,6 +24,7 @@ from fastapi import Request  # at module level: FastAPI resolves the routes' ann
 
 from tigon.serve.engine import Engine, Sampling
 from tigon.serve.protocol import APIError, ChatRequest, CompletionRequest
+from tigon.train.template import render
 
 log = logging.getLogger("tigon.serve")
 
@@ -164,8 +165,6 @@ def build_app(served: ServedModel) -> Any:
     async def chat(body: ChatRequest, request: Request) -> Any:
         body.check_supported()
         check_model(served, body.model)
-        from tigon.train.template import render
-
         try:
             text = render(served.tokenizer, [m.as_chat() for m in body.messages], True)
         except Exception as err:  # a template raises whatever its author chose
