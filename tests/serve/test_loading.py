@@ -68,3 +68,15 @@ def test_vllm_command_names_the_model_and_settings():
     for part in ("--model /m", "--served-model-name tiny", "--host 0.0.0.0", "--port 9000", "--dtype bfloat16",
                  "--max-model-len 512", "--chat-template /t.jinja"):
         assert part in text
+
+
+def test_a_port_in_use_is_refused_before_loading(tiny_dir, capsys):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", str(tiny_dir), "--port", str(port)]) == 2
+    assert capsys.readouterr().err.strip() == (f"tigon serve: error: --host 127.0.0.1 --port {port}: cannot listen "
+                                               "there (Address already in use)")

@@ -18,11 +18,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             from tigon.serve.vllm import serve_with_vllm
 
             return serve_with_vllm(path, name, args.host, args.port, args.dtype, args.base, args.max_model_len)
+        _check_serving_installed()
+        _check_port(args.host, args.port)  # before minutes of loading, not after
         from tigon.serve.engine import Engine
         from tigon.serve.loading import context_length, load_model_for_serving
         from tigon.serve.server import ServedModel, serve_forever
 
-        _check_serving_installed()
         model, tokenizer = load_model_for_serving(path, args.dtype, args.base)
         served = ServedModel(Engine(model, tokenizer), tokenizer, name, context_length(model, args.max_model_len))
         print(f"tigon serve: {name} ({type(model).__name__}, {model.dtype}, {model.device}, context "
@@ -39,6 +40,17 @@ def _check_serving_installed() -> None:
     missing = [name for name in ("fastapi", "uvicorn") if _missing(name)]
     if missing:
         raise ValueError(f"tigon serve needs {' and '.join(missing)} (pip install 'tigon[hf]')")
+
+
+def _check_port(host: str, port: int) -> None:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            sock.bind((host, port))
+    except OSError as err:
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({err.strerror})") from None
 
 
 def _missing(module: str) -> bool:
