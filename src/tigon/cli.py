@@ -179,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "with and without offload + tiled MLP; more knobs: python -m tigon.bench.max_context --help")
     bench.set_defaults(run=_cmd_bench)
     _add_train_commands(sub)
+    from tigon.serve.cli import add_serve_commands
+
+    add_serve_commands(sub)
     return parser
 
 

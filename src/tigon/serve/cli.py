@@ -1,0 +1,125 @@
+"""`tigon serve`, `tigon export` and `tigon eval`: argument parsing over tigon.serve."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+_DEBUG = {"action": "store_true", "default": argparse.SUPPRESS, "help": "show full tracebacks"}
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from tigon.serve.loading import resolve_model_path
+
+    try:
+        path = resolve_model_path(args.path)
+        name = args.served_model_name or path
+        if args.backend == "vllm":
+            from tigon.serve.vllm import serve_with_vllm
+
+            return serve_with_vllm(path, name, args.host, args.port, args.dtype, args.base, args.max_model_len)
+        _check_serving_installed()
+        _check_port(args.host, args.port)  # before minutes of loading, not after
+        from tigon.serve.engine import Engine
+        from tigon.serve.loading import context_length, load_model_for_serving
+        from tigon.serve.server import ServedModel, serve_forever
+
+        model, tokenizer = load_model_for_serving(path, args.dtype, args.base)
+        served = ServedModel(Engine(model, tokenizer), tokenizer, name, context_length(model, args.max_model_len))
+        print(f"tigon serve: {name} ({type(model).__name__}, {model.dtype}, {model.device}, context "
+              f"{served.max_model_len}) on http://{args.host}:{args.port}/v1 (transformers continuous batching)",
+              file=sys.stderr, flush=True)
+        serve_forever(served, args.host, args.port)
+    except KeyboardInterrupt:
+        print("tigon serve: stopped (Ctrl-C)", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _check_serving_installed() -> None:
+    missing = [name for name in ("fastapi", "uvicorn") if _missing(name)]
+    if missing:
+        raise ValueError(f"tigon serve needs {' and '.join(missing)} (pip install 'tigon[hf]')")
+
+
+def _check_port(host: str, port: int) -> None:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            sock.bind((host, port))
+    except OSError as err:
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({err.strerror})") from None
+
+
+def _missing(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is None
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from tigon.serve.export import export
+
+    export(args.path, args.to, args.output, dtype=args.dtype, base=args.base)
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from tigon.serve.evaluate import EvalSettings, run_eval
+
+    settings = EvalSettings(datasets=args.dataset or [], tasks=args.tasks or [], max_length=args.max_length,
+                            batch_size=args.batch_size, dtype=args.dtype, base=args.base, output=args.output,
+                            limit=args.limit, seed=args.seed)
+    run_eval(args.path, settings)
+    return 0
+
+
+def add_serve_commands(sub: argparse._SubParsersAction) -> None:
+    """Register `serve`, `export` and `eval` on the `tigon` command's subparsers."""
+    dtypes = ["auto", "bf16", "fp16", "fp32"]
+    serve = sub.add_parser("serve", help="an OpenAI-compatible API (/v1/chat/completions, /v1/completions) for a "
+                           "model, checkpoint or LoRA adapter (no PATH: the built-in demo model)")
+    serve.add_argument("path", nargs="?", metavar="PATH",
+                       help="tigon output (final/, checkpoint-N/, LoRA adapter) or HF model directory "
+                            "(default: demo-out/final, trained first if missing)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--backend", choices=["transformers", "vllm"], default="transformers",
+                       help="transformers: its continuous batching (default); vllm: vLLM's OpenAI server, if installed")
+    serve.add_argument("--served-model-name", metavar="NAME", help="the model's name in the API (default: PATH)")
+    serve.add_argument("--max-model-len", type=int, metavar="N",
+                       help="longest prompt + completion in tokens (default: the model's context length)")
+    serve.add_argument("--base", metavar="MODEL", help="base model of a LoRA adapter (default: the one it names)")
+    serve.add_argument("--dtype", choices=dtypes, default="auto", help="auto: bf16 on a GPU that has it, else fp32")
+    serve.add_argument("--debug", **_DEBUG)
+    serve.set_defaults(run=_cmd_serve)
+
+    export = sub.add_parser("export", help="write a model or LoRA adapter as merged HF safetensors or as GGUF "
+                            "(llama.cpp, Ollama) with a Modelfile")
+    export.add_argument("path", metavar="PATH", help="tigon output, LoRA adapter or HF model directory")
+    export.add_argument("--to", choices=["merged", "gguf"], required=True, help="output format")
+    export.add_argument("--output", required=True, metavar="OUT",
+                        help="directory to write (merged: the HF model; gguf: model.gguf and Modelfile)")
+    export.add_argument("--dtype", choices=["auto", "bf16", "f16", "f32", "q8_0"], default="auto",
+                        help="stored weights (auto: the model's own dtype; q8_0: GGUF only)")
+    export.add_argument("--base", metavar="MODEL", help="base model of a LoRA adapter (default: the one it names)")
+    export.add_argument("--debug", **_DEBUG)
+    export.set_defaults(run=_cmd_export)
+
+    ev = sub.add_parser("eval", help="loss and perplexity on dataset files (as tigon sft scores them), and "
+                        "benchmark tasks through lm-evaluation-harness")
+    ev.add_argument("path", metavar="PATH", help="tigon output, LoRA adapter or HF model directory")
+    ev.add_argument("--dataset", nargs="+", metavar="FILE", help="data files in any format tigon sft reads")
+    ev.add_argument("--tasks", type=lambda s: [t.strip() for t in s.split(",") if t.strip()], metavar="T1,T2",
+                    help="lm-evaluation-harness tasks, e.g. hellaswag,arc_easy (needs lm-eval installed)")
+    ev.add_argument("--max-length", type=int, default=2048, metavar="N", help="truncate samples to N tokens")
+    ev.add_argument("--batch-size", type=int, default=8, metavar="N")
+    ev.add_argument("--limit", type=int, metavar="N", help="lm-eval: at most N examples per task")
+    ev.add_argument("--output", metavar="FILE", help="result JSON (default: ./eval.json)")
+    ev.add_argument("--base", metavar="MODEL", help="base model of a LoRA adapter (default: the one it names)")
+    ev.add_argument("--dtype", choices=dtypes, default="auto")
+    ev.add_argument("--seed", type=int, default=42, help="seed for PATH#N row sampling")
+    ev.add_argument("--debug", **_DEBUG)
+    ev.set_defaults(run=_cmd_eval)

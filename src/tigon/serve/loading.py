@@ -1,0 +1,54 @@
+"""What `tigon serve` and `tigon eval` load: a tigon output directory (`final/`, `checkpoint-N/`,
+a LoRA adapter, merged on its base in memory) or any Hugging Face model directory; with no path,
+the built-in demo model (`make demo`'s output, trained first if it is not there)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("tigon.serve")
+
+DEMO_DIR = Path("demo-out")
+
+
+def resolve_model_path(path: str | None) -> str:
+    """`path`, or the demo model's final directory, training it (the run `tigon sft --output-dir
+    demo-out` makes, as `make demo` does) when it does not exist yet."""
+    if path is not None:
+        return path
+    from tigon.train import SFTConfig, run_sft
+    from tigon.train.run import FINAL_DIR
+
+    final = DEMO_DIR / FINAL_DIR
+    if not final.is_dir():
+        log.info("tigon: no demo model in %s yet: training it first, as `tigon sft --output-dir %s` does",
+                 final, DEMO_DIR)
+        run_sft(SFTConfig(output_dir=str(DEMO_DIR)), {"output_dir"})
+    return str(final)
+
+
+def load_model_for_serving(path: str, dtype: str = "auto", base: str | None = None) -> tuple[Any, Any]:
+    """(model, tokenizer) in eval mode on the GPU if there is one. A LoRA adapter is merged into
+    its base here (served models gain nothing from keeping the adapter apart)."""
+    from tigon.train import load_for_inference
+    from tigon.train.modeling import peft_quiet, pick_dtype
+
+    model, tokenizer = load_for_inference(path, pick_dtype(dtype), base=base)
+    if hasattr(model, "merge_and_unload"):
+        with peft_quiet():
+            model = model.merge_and_unload()
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(f"{path}: tigon serve needs a fast (Rust) tokenizer; {type(tokenizer).__name__} is not one")
+    return model.eval(), tokenizer
+
+
+def context_length(model: Any, limit: int | None = None) -> int:
+    """The longest prompt + completion served: the model's context, or `limit` if smaller."""
+    native = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and limit < 1:
+        raise ValueError(f"--max-model-len must be >= 1, got {limit}")
+    if native is None and limit is None:
+        raise ValueError("the model's config has no max_position_embeddings: pass --max-model-len")
+    return min(x for x in (native, limit) if x is not None)

@@ -1,0 +1,356 @@
+"""The OpenAI-compatible HTTP API of `tigon serve`: a FastAPI app run by uvicorn over the
+continuous-batching `Engine`.
+
+transformers ships the same stack as `transformers serve` (FastAPI handlers over its CB
+manager), but its handlers cannot be reused for this API: they ignore `n`, give every continuous-
+batching request the sampling settings of the first one, ignore `stop` under continuous
+batching, answer an unknown model with 400 and errors as ``{"detail": ...}``, and do not check
+prompt lengths. So the routes are written here, on the pieces those handlers are built on
+(FastAPI, uvicorn, the CB manager, tokenizers' incremental `DecodeStream`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from fastapi import Request  # at module level: FastAPI resolves the routes' annotations from here
+
+from tigon.serve.engine import Engine, Sampling
+from tigon.serve.protocol import APIError, ChatRequest, CompletionRequest
+from tigon.train.template import render
+
+log = logging.getLogger("tigon.serve")
+
+
+class TextStream:
+    """One completion's text, decoded token by token, cut at the first stop string. While it
+    runs, the last ``len(longest stop) - 1`` characters are held back: they may begin a stop."""
+
+    def __init__(self, tokenizer: Any, stops: list[str]):
+        from tokenizers.decoders import DecodeStream
+
+        self._backend = tokenizer.backend_tokenizer
+        self._decoder = DecodeStream(skip_special_tokens=True)
+        self._stops = stops
+        self._hold = max((len(s) for s in stops), default=1) - 1
+        self.text = ""
+        self.tokens = 0
+        self._sent = 0
+
+    def feed(self, token_ids: list[int], final: bool = False) -> bool:
+        """Take the completion's tokens so far (all of them when `final`); True once a stop string
+        has appeared (the text then ends before it)."""
+        start = max(0, len(self.text) - self._hold)
+        for token in token_ids[self.tokens:]:
+            piece = self._decoder.step(self._backend, token)
+            if piece:
+                self.text += piece
+        self.tokens = len(token_ids)
+        if final:  # the decoder keeps back bytes that are not yet a whole character: the full decode has them
+            whole = self._backend.decode(token_ids, skip_special_tokens=True)
+            if whole.startswith(self.text):
+                self.text = whole
+        hits = [i for i in (self.text.find(s, start) for s in self._stops) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+        return bool(hits)
+
+    def take(self, final: bool) -> str:
+        """The text not yet handed out (all of it when `final`)."""
+        end = len(self.text) if final else max(self._sent, len(self.text) - self._hold)
+        piece, self._sent = self.text[self._sent:end], end
+        return piece
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt_ids: list[int]
+    sampling: Sampling
+    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+
+
+async def run_choice(engine: Engine, tokenizer: Any, choice: Choice, stops: list[str],
+                     emit: Callable[[Choice, str, str | None], Awaitable[None]]) -> None:
+    """Generate one choice, handing each new piece of text to `emit` (and the finish reason with
+    the last one). Leaving early, by a stop string or by cancellation, cancels the request."""
+    stream = TextStream(tokenizer, stops)
+    reason = None
+    async with contextlib.aclosing(engine.generate(choice.prompt_ids, choice.sampling)) as outputs:
+        async for output in outputs:
+            if stream.feed(output.token_ids, final=output.finish_reason is not None):
+                reason = "stop"
+                break
+            reason = output.finish_reason
+            if reason is None:
+                piece = stream.take(final=False)
+                if piece:
+                    await emit(choice, piece, None)
+    choice.completion_tokens = stream.tokens
+    choice.finish_reason = reason
+    await emit(choice, stream.take(final=True), reason)
+
+
+@dataclass
+class ServedModel:
+    """What the app serves: the engine, its tokenizer, the model's name and context length."""
+
+    engine: Engine
+    tokenizer: Any
+    name: str
+    max_model_len: int
+
+
+def build_app(served: ServedModel) -> Any:
+    """The FastAPI app: /v1/models, /v1/chat/completions, /v1/completions, /health. The engine's
+    generation thread runs between the app's startup and shutdown."""
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.exceptions import HTTPException
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        served.engine.start()
+        try:
+            yield
+        finally:
+            served.engine.stop()
+
+    app = FastAPI(title="tigon serve", lifespan=lifespan)
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, err: APIError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        return JSONResponse(validation_error(err.errors()).body(), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, err: HTTPException) -> JSONResponse:
+        return JSONResponse(APIError(err.status_code, str(err.detail)).body(), status_code=err.status_code)
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, err: Exception) -> JSONResponse:
+        log.exception("tigon serve: request failed")
+        return JSONResponse(APIError(500, f"{type(err).__name__}: {err}", kind="server_error").body(), status_code=500)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not served.engine.alive():
+            return JSONResponse({"status": "error", "running": len(served.engine.running)}, status_code=503)
+        return JSONResponse({"status": "ok", "running": len(served.engine.running)})
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card(served, created)]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> dict[str, Any]:
+        check_model(served, name)
+        return model_card(served, created)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request) -> Any:
+        body.check_supported()
+        check_model(served, body.model)
+        try:
+            text = render(served.tokenizer, [m.as_chat() for m in body.messages], True)
+        except Exception as err:  # a template raises whatever its author chose
+            raise APIError(400, f"the chat template failed on these messages: {err}", param="messages") from None
+        prompt = served.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return await respond(request, body, [prompt], chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        body.check_supported()
+        check_model(served, body.model)
+        prompts = [encode_prompt(served, p) for p in body.prompts()]
+        return await respond(request, body, prompts, chat=False)
+
+    async def respond(request: Request, body: ChatRequest | CompletionRequest, prompts: list[list[int]],
+                      chat: bool) -> Any:
+        if not served.engine.alive():
+            raise APIError(503, "the generation engine has stopped after an error; restart the server",
+                           kind="server_error")
+        choices = []
+        for p, prompt in enumerate(prompts):
+            limit = check_length(served, prompt, body.token_limit)
+            for i in range(body.n):
+                # n choices of one seeded request are n different draws, each reproducible.
+                seed = None if body.seed is None else body.seed + i
+                sampling = Sampling(limit, body.temperature, body.top_p, seed)
+                choices.append(Choice(p * body.n + i, prompt, sampling))
+        ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        if body.stream:
+            events = stream_events(served, body, choices, ident, chat)
+            return StreamingResponse(events, media_type="text/event-stream")
+        return JSONResponse(await complete(served, body, choices, ident, chat, request.is_disconnected))
+
+    return app
+
+
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """FastAPI's validation errors as one OpenAI-style 400 naming the first bad field."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        return APIError(400, "the request body is not valid JSON")
+    if first.get("type") == "extra_forbidden":
+        return APIError(400, f"unrecognized request argument supplied: {param}", param=param)
+    if first.get("type") == "missing" and not loc:
+        return APIError(400, "the request body is missing")
+    return APIError(400, f"{param or 'body'}: {first.get('msg')}", param=param)
+
+
+def model_card(served: ServedModel, created: int) -> dict[str, Any]:
+    return {"id": served.name, "object": "model", "created": created, "owned_by": "tigon",
+            "max_model_len": served.max_model_len}
+
+
+def check_model(served: ServedModel, name: str | None) -> None:
+    if name is not None and name != served.name:
+        raise APIError(404, f"the model '{name}' does not exist; this server serves '{served.name}'",
+                       param="model", code="model_not_found")
+
+
+def encode_prompt(served: ServedModel, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+        ids = served.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    else:
+        vocab = len(served.tokenizer)
+        if any(not 0 <= t < vocab for t in prompt):
+            raise APIError(400, f"prompt holds token ids outside the vocabulary [0, {vocab})", param="prompt")
+        ids = list(prompt)
+    if not ids:
+        raise APIError(400, "prompt is empty", param="prompt")
+    return ids
+
+
+def check_length(served: ServedModel, prompt: list[int], max_tokens: int | None) -> int:
+    """The number of tokens this prompt may be given (max_tokens, or by default the rest of the
+    context); a prompt that leaves no room for them is refused."""
+    room = served.max_model_len - len(prompt)
+    if room < 1 or (max_tokens is not None and max_tokens > room):
+        wanted = len(prompt) + (max_tokens or 1)
+        raise APIError(400, f"this model's maximum context length is {served.max_model_len} tokens, but "
+                            f"{wanted} were requested ({len(prompt)} in the prompt, {max_tokens or 1} for the "
+                            "completion); shorten the prompt or lower max_tokens",
+                       param="messages" if max_tokens is None else "max_tokens", code="context_length_exceeded")
+    return max_tokens if max_tokens is not None else room
+
+
+def usage(choices: list[Choice], prompts: list[list[int]]) -> dict[str, int]:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion_tokens = sum(c.completion_tokens for c in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _distinct_prompts(choices: list[Choice], n: int) -> list[list[int]]:
+    return [c.prompt_ids for c in choices[::n]]
+
+
+async def complete(served: ServedModel, body: Any, choices: list[Choice], ident: str, chat: bool,
+                   disconnected: Callable[[], Awaitable[bool]]) -> dict:
+    """The whole answer at once. A client that leaves before it is ready (a timeout) cancels the
+    generation: nothing would read it."""
+    async def collect(choice: Choice, piece: str, reason: str | None) -> None:
+        choice.text.append(piece)
+
+    tasks = [asyncio.ensure_future(run_choice(served.engine, served.tokenizer, c, body.stop, collect))
+             for c in choices]
+    everything = asyncio.gather(*tasks)
+    # Cancelled below when the client has left; nobody is then waiting for its outcome.
+    everything.add_done_callback(lambda f: f.cancelled() or f.exception())
+    try:
+        while not everything.done():
+            await asyncio.wait([everything], timeout=0.5)
+            if not everything.done() and await disconnected():
+                raise APIError(499, "the client closed the request")
+        everything.result()
+    finally:
+        for task in tasks:
+            task.cancel()
+    if chat:
+        rendered = [{"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
+                     "logprobs": None, "finish_reason": c.finish_reason} for c in choices]
+    else:
+        rendered = [{"index": c.index, "text": "".join(c.text), "logprobs": None,
+                     "finish_reason": c.finish_reason} for c in choices]
+    return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": served.name, "choices": rendered,
+            "usage": usage(choices, _distinct_prompts(choices, body.n))}
+
+
+async def stream_events(served: ServedModel, body: Any, choices: list[Choice], ident: str,
+                        chat: bool) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per piece of text of any choice, then the finish reasons,
+    the usage if asked for (`stream_options.include_usage`) and ``[DONE]``."""
+    queue: asyncio.Queue = asyncio.Queue()
+    created = int(time.time())
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    async def push(choice: Choice, piece: str, reason: str | None) -> None:
+        await queue.put((choice, piece, reason))
+
+    def chunk(choice_fields: list[dict[str, Any]], **extra: Any) -> str:
+        payload = {"id": ident, "object": kind, "created": created, "model": served.name,
+                   "choices": choice_fields, **extra}
+        return f"data: {json.dumps(payload)}\n\n"
+
+    async def run(choice: Choice) -> None:
+        try:
+            await run_choice(served.engine, served.tokenizer, choice, body.stop, push)
+        except Exception as err:  # reported in the stream: its 200 status is already sent
+            await queue.put((choice, err, None))
+
+    tasks = [asyncio.ensure_future(run(c)) for c in choices]
+    try:
+        if chat:
+            yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for c in choices])
+        open_choices = len(choices)
+        while open_choices:
+            choice, piece, reason = await queue.get()
+            if isinstance(piece, Exception):
+                error = APIError(500, f"generation failed: {piece}", kind="server_error")
+                yield f"data: {json.dumps(error.body())}\n\n"
+                return
+            if reason is not None:
+                open_choices -= 1
+            if not piece and reason is None:
+                continue
+            if chat:
+                delta = {"content": piece} if piece else {}
+                yield chunk([{"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": reason}])
+            else:
+                yield chunk([{"index": choice.index, "text": piece, "logprobs": None, "finish_reason": reason}])
+        if body.include_usage:
+            yield chunk([], usage=usage(choices, _distinct_prompts(choices, body.n)))
+        yield "data: [DONE]\n\n"
+    finally:  # also when the client went away: its requests stop and free their cache
+        for task in tasks:
+            task.cancel()
+
+
+def serve_forever(served: ServedModel, host: str, port: int) -> None:
+    """Run the app with uvicorn until Ctrl-C / SIGTERM (then it finishes open requests for up to
+    5 s, stops the engine and returns; uvicorn re-raises Ctrl-C as KeyboardInterrupt)."""
+    import uvicorn
+
+    app = build_app(served)
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run()

@@ -1,0 +1,46 @@
+"""`tigon serve --backend vllm`: the same model handed to vLLM's OpenAI server (a LoRA adapter is
+merged first, into a temporary directory, so vLLM loads one plain model)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def vllm_command(model_dir: str, name: str, host: str, port: int, dtype: str, max_model_len: int | None,
+                 chat_template: str | None) -> list[str]:
+    """The command line of vLLM's OpenAI-compatible server for these settings."""
+    dtypes = {"auto": "auto", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+           "--served-model-name", name, "--host", host, "--port", str(port), "--dtype", dtypes[dtype]]
+    if max_model_len is not None:
+        cmd += ["--max-model-len", str(max_model_len)]
+    if chat_template is not None:
+        cmd += ["--chat-template", chat_template]
+    return cmd
+
+
+def serve_with_vllm(path: str, name: str, host: str, port: int, dtype: str, base: str | None,
+                    max_model_len: int | None) -> int:
+    """Run vLLM's server on `path` until it exits; its exit status."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError("--backend vllm: vLLM is not installed (pip install vllm); "
+                         "the default --backend transformers needs nothing more")
+    from tigon.train.infer import is_adapter, merge
+    from tigon.train.modeling import load_tokenizer
+    from tigon.train.template import DEFAULT_CHAT_TEMPLATE
+
+    with tempfile.TemporaryDirectory(prefix="tigon-vllm-") as tmp:
+        model_dir = path
+        if is_adapter(path):
+            model_dir = str(merge(path, str(Path(tmp) / "merged"), base=base))
+        template = None
+        if not getattr(load_tokenizer(model_dir), "chat_template", None):
+            # the template tigon sft trains such models with (tigon.train.template)
+            template = str(Path(tmp) / "chat_template.jinja")
+            Path(template).write_text(DEFAULT_CHAT_TEMPLATE)
+        cmd = vllm_command(model_dir, name, host, port, dtype, max_model_len, template)
+        return subprocess.call(cmd)  # Ctrl-C reaches vLLM too (same process group): it shuts itself down
