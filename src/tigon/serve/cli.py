@@ -36,10 +36,21 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# The continuous-batching pieces the engine builds on (per-request logits processors,
+# ContinuousBatchingConfig) first shipped together in this release.
+MIN_TRANSFORMERS = (5, 24)
+
+
 def _check_serving_installed() -> None:
     missing = [name for name in ("fastapi", "uvicorn") if _missing(name)]
     if missing:
         raise ValueError(f"tigon serve needs {' and '.join(missing)} (pip install 'tigon[hf]')")
+    import transformers
+
+    version = tuple(int(part) for part in transformers.__version__.split(".")[:2] if part.isdigit())
+    if version < MIN_TRANSFORMERS:
+        raise ValueError(f"tigon serve needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))} for its continuous "
+                         f"batching, this is {transformers.__version__} (pip install -U transformers)")
 
 
 def _check_port(host: str, port: int) -> None:
