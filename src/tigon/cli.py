@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import platform
 import sys
@@ -118,6 +119,20 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Each option's default at the end of its help, where there is one to show (`tigon sft`'s
+    options, whose defaults argparse does not hold, carry theirs in their help already)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        from tigon.train.config import help_with_default
+
+        help = action.help or ""
+        if not action.option_strings or any(action.default is v for v in (None, False, argparse.SUPPRESS)):
+            return help
+        default = " ".join(map(str, action.default)) if isinstance(action.default, list) else "%(default)s"
+        return help_with_default(help, default)
+
+
 def _add_train_commands(sub: argparse._SubParsersAction) -> None:
     """`sft`, `merge`, `infer` and `chat` (the options of sft come from tigon.train.config)."""
     from tigon.train.config import add_sft_arguments
@@ -147,9 +162,10 @@ def _add_train_commands(sub: argparse._SubParsersAction) -> None:
             p.add_argument("--raw", action="store_true", help="continue the text as is, without the chat template")
         p.add_argument("--system", help="system message")
         p.add_argument("--base", metavar="MODEL", help="base model for an adapter (default: the one it names)")
-        p.add_argument("--max-new-tokens", type=int, default=256)
-        p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-        p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto")
+        p.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="length of each answer")
+        p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="sampling temperature (0: greedy)")
+        p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
+                       help="weight dtype (auto: bf16 on a GPU that has it, else fp32)")
         p.add_argument("--debug", **debug)
         p.set_defaults(run=_cmd_infer if name == "infer" else _cmd_chat)
 
@@ -157,7 +173,8 @@ def _add_train_commands(sub: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tigon", description="Fused Triton kernels for LLM fine-tuning.")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True,
+                                parser_class=functools.partial(argparse.ArgumentParser, formatter_class=_HelpFormatter))
 
     env = sub.add_parser("env", help="versions, GPU, and which ops run as Triton here (and why not)")
     env.set_defaults(run=_cmd_env)
@@ -165,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="time ops against PyTorch eager and torch.compile")
     bench.add_argument("--ops", nargs="+", metavar="OP", help="ops to run (default: all registered)")
     bench.add_argument("--sizes", nargs="+", metavar="RxC", help="sizes such as 16384x4096 (default: each op's sweep)")
-    bench.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    bench.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="dtype of the inputs")
     bench.add_argument("--headline", action="store_true", help="only each op's first (TARGETS.md) size")
     bench.add_argument("--impls", nargs="+", choices=["tigon", "eager", "compile", "peer"], default=["tigon", "eager", "compile", "peer"],
                        help="implementations to measure (default: all, in the same run; peer: the best-known peer "
@@ -186,15 +203,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tigon.train.config import Interrupted
+
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     run: Callable[[argparse.Namespace], int] = args.run
+    # A line of its own, also when Ctrl-C arrives at chat's "you> " prompt.
+    start = "\n" if args.command == "chat" else ""
     try:
         return run(args)
-    except (ValueError, FileNotFoundError) as err:
+    except Interrupted as err:
+        print(f"{start}tigon {args.command}: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
         if args.debug:
             raise
+        print(f"{start}tigon {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, OSError) as err:
+        if args.debug:
+            raise
+        if isinstance(err, OSError) and err.filename is not None:
+            err = f"{err.filename}: {err.strerror}"  # "No space left on device", "Permission denied" ...
         print(f"tigon {args.command}: error: {err}", file=sys.stderr)
         return 2
 

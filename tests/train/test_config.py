@@ -85,3 +85,23 @@ def test_defaults_depend_on_builtin_or_real_model():
 def test_incompatible_or_bad_settings(changes, given, message):
     with pytest.raises(SFTError, match=message):
         resolve(SFTConfig(model="m", **changes), given)
+
+
+def test_config_file_that_is_not_utf8_names_the_byte(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_bytes(b"\xef\xbb\xbfmodel: m\nlr: 1e-4  # \xe9\n")
+    with pytest.raises(SFTError, match=f"{path}: not UTF-8 text at byte 24 \\(line 2\\)"):
+        parse(["--config", str(path)])
+    path.write_bytes(b"\xef\xbb\xbfmodel: m\nlr: 1e-4\n")  # a byte-order mark alone is fine
+    assert parse(["--config", str(path)])[0].lr == 1e-4
+
+
+def test_tracker_that_is_not_installed_names_the_pip_install(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    message = r"^--report-to wandb: the wandb package is not installed \(pip install wandb\)$"
+    with pytest.raises(SFTError, match=message):
+        resolve(SFTConfig(report_to="wandb"))
+    assert resolve(SFTConfig(report_to="none")).report_to == "none"

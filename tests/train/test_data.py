@@ -188,3 +188,27 @@ def test_missing_file_and_bad_subsample(tmp_path):
         read_file(f"{path}#3", seed=0)
     with pytest.raises(SFTError, match="the row count after # must be >= 1"):
         read_file(f"{path}#0", seed=0)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv"])
+def test_byte_order_mark_of_spreadsheet_exports_is_read_past(tmp_path, suffix):
+    rng = random.Random()
+    rows = [{"instruction": word(rng), "output": word(rng) + " é ü 中"} for _ in range(3)]
+    plain = write(tmp_path / f"plain{suffix}", rows)
+    marked = tmp_path / f"marked{suffix}"
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes().replace(b"\n", b"\r\n"))
+    (expected, fmt), (samples, marked_fmt) = read_file(str(plain), seed=0), read_file(str(marked), seed=0)
+    assert fmt == marked_fmt == "Alpaca"
+    assert [s.messages for s in samples] == [s.messages for s in expected]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv"])
+def test_file_that_is_not_utf8_names_the_byte(tmp_path, suffix):
+    rows = [{"instruction": "first", "output": "fine"}] * 3000 + [{"instruction": "cafe!", "output": "x"}]
+    path = write(tmp_path / f"d{suffix}", rows)
+    data = path.read_bytes().replace(b"cafe!", b"caf\xe9!")  # an é as latin-1 writes it
+    path.write_bytes(data)
+    where = data.index(b"caf\xe9") + 3
+    line = data.count(b"\n", 0, where) + 1
+    with pytest.raises(SFTError, match=f"^{path}: not UTF-8 text at byte {where} \\(line {line}\\): save it as UTF-8$"):
+        read_file(str(path), seed=0)

@@ -1,16 +1,23 @@
 """`tigon sft`, `merge`, `infer` and `chat` end to end on CPU, with the built-in tiny model kept
 to a few steps on a slice of the bundled data."""
 
+import errno
 import io
 import json
 import logging
+import os
 import random
 import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+import tigon
 from tigon.cli import main
 from tigon.train import tiny
 from tigon.train.data import load_samples
@@ -71,21 +78,128 @@ def test_kernels_on_trains_like_kernels_off(tmp_path, caplog):
         assert on[step] == pytest.approx(off[step], rel=1e-4)
 
 
-def test_resume_continues_exactly(tmp_path):
-    """Interrupted after a checkpoint and resumed = never interrupted: same losses (LoRA dropout
-    included, so RNG state matters), same final adapter."""
-    full, cut = tmp_path / "full", tmp_path / "cut"
-    args = ["--tuner", "lora", "--lora-dropout", "0.2", "--max-steps", "6", "--save-steps", "3", "--lr", "1e-2"]
-    sft("--output-dir", str(full), *args)
-    shutil.copytree(full, cut)
-    for d in ("checkpoint-6", "final"):
-        shutil.rmtree(cut / d)
-    sft("--output-dir", str(cut), *args, "--resume")
-    assert sorted(losses(cut)) == list(range(1, 7))
+RESUMABLE = ["--tuner", "lora", "--lora-dropout", "0.2", "--max-steps", "6", "--lr", "1e-2"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """A LoRA run (dropout on, so the RNG state matters) never interrupted, checkpointed at 3 and 6."""
+    full = tmp_path_factory.mktemp("resume") / "full"
+    sft("--output-dir", str(full), *RESUMABLE, "--save-steps", "3")
+    return full
+
+
+def same_run(full, cut):
+    """Same losses at every step, same final adapter."""
+    assert sorted(losses(cut)) == sorted(losses(full)) == list(range(1, 7))
     for step, loss in losses(full).items():
         assert losses(cut)[step] == pytest.approx(loss, rel=1e-6, abs=1e-7)
     a, b = (load_file(d / "final" / "adapter_model.safetensors") for d in (full, cut))
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-6, atol=1e-7) for k in a)
+
+
+def test_resume_continues_exactly(uninterrupted, tmp_path):
+    """Interrupted after a checkpoint and resumed = never interrupted."""
+    cut = tmp_path / "cut"
+    shutil.copytree(uninterrupted, cut)
+    for d in ("checkpoint-6", "final"):
+        shutil.rmtree(cut / d)
+    sft("--output-dir", str(cut), *RESUMABLE, "--save-steps", "3", "--resume")
+    same_run(uninterrupted, cut)
+
+
+# Runs `tigon sft` with Ctrl-C (a real SIGINT) arriving during step 3.
+CTRL_C_IN_STEP_3 = """
+import os, signal, sys
+from transformers import TrainerCallback
+from tigon.cli import main
+from tigon.train import run
+
+class CtrlC(TrainerCallback):
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+class Trainer(run.TigonTrainer):
+    def __init__(self, *args, callbacks=(), **kwargs):
+        super().__init__(*args, callbacks=[*callbacks, CtrlC()], **kwargs)
+
+run.TigonTrainer = Trainer
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_saves_a_checkpoint_that_resumes_exactly(uninterrupted, tmp_path):
+    """Ctrl-C in a run before its first checkpoint (--save-steps 0): the step finishes, a complete
+    checkpoint is written, one line says so, exit 130; --resume then ends where the run that was
+    never interrupted ended. And no DeepSpeed warning on the way (the dev extra installs it)."""
+    cut = tmp_path / "cut"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(tigon.__file__).parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", CTRL_C_IN_STEP_3, "sft", *SHORT, *RESUMABLE, "--save-steps", "0",
+                           "--output-dir", str(cut)], capture_output=True, text=True, env=env, timeout=600)
+    lines = proc.stderr.replace("\r", "\n").splitlines()
+    assert proc.returncode == 130, proc.stderr
+    assert lines[-1] == (f"tigon sft: stopped by Ctrl-C at step 3 of 6: saved {cut / 'checkpoint-3'}; rerun the "
+                         "same command with --resume to continue")
+    assert "Traceback" not in proc.stderr and sum("Ctrl-C" in line for line in lines) == 1
+    assert "DeepSpeed" not in proc.stderr and "Setting accelerator" not in proc.stderr
+    assert [p.name for p in cut.iterdir() if p.name.startswith(("checkpoint-", ".tmp-", "final"))] == ["checkpoint-3"]
+    assert sorted(losses(cut)) == [1, 2, 3]
+    sft("--output-dir", str(cut), *RESUMABLE, "--save-steps", "0", "--resume")
+    same_run(uninterrupted, cut)
+
+
+@pytest.mark.parametrize("signals, code", [(["SIGTERM"], 143), (["SIGINT", "SIGINT"], 130)])
+def test_sigterm_saves_and_a_second_signal_quits_without_saving(tmp_path, monkeypatch, capsys, signals, code):
+    import signal
+
+    from transformers import TrainerCallback
+
+    from tigon.train import run
+
+    class Send(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                for name in signals:
+                    os.kill(os.getpid(), getattr(signal, name))
+
+    class Trainer(run.TigonTrainer):
+        def __init__(self, *args, callbacks=(), **kwargs):
+            super().__init__(*args, callbacks=[*callbacks, Send()], **kwargs)
+
+    monkeypatch.setattr(run, "TigonTrainer", Trainer)
+    out = tmp_path / "out"
+    assert main(["sft", *SHORT, "--max-steps", "4", "--save-steps", "0", "--output-dir", str(out)]) == code
+    err = capsys.readouterr().err.splitlines()[-1]
+    saved = [p.name for p in out.iterdir() if p.name.startswith(("checkpoint-", ".tmp-", "final"))]
+    if len(signals) == 1:
+        assert err.startswith("tigon sft: stopped by SIGTERM at step 2 of 4: saved") and saved == ["checkpoint-2"]
+    else:
+        assert err == "tigon sft: interrupted; no checkpoint saved" and saved == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers given back
+
+
+def test_resume_of_a_finished_run_does_nothing_or_writes_only_a_missing_final(tmp_path, caplog, lora_run):
+    caplog.set_level(logging.INFO)
+    out = tmp_path / "out"
+    args = [*SHORT, "--max-steps", "3", "--save-steps", "3", "--output-dir", str(out)]
+    sft(*args)
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()}
+    sft(*args, "--resume")
+    assert f"{out}: the run is complete (step 3 of 3) and its model is in {out / 'final'}: nothing to do" in caplog.text
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()} == before
+    shutil.rmtree(out / "final")
+    sft(*args, "--resume")
+    assert "writing it from checkpoint-3" in caplog.text and sorted(losses(out)) == [1, 2, 3]
+    assert not (out / "checkpoint-4").exists()
+    rebuilt, trained = (load_file(out / d / "model.safetensors") for d in ("final", "checkpoint-3"))
+    assert rebuilt.keys() == trained.keys() and all(torch.equal(rebuilt[k], trained[k]) for k in trained)
+    # A run that kept no checkpoint (--save-steps 0) and finished: nothing to resume, nothing to do.
+    assert main(["sft", *SHORT, "--model", str(lora_run / "base"), "--tuner", "lora", "--lora-rank", "4",
+                 "--lr", "2e-2", "--max-steps", "3", "--save-steps", "0", "--output-dir", str(lora_run / "out"),
+                 "--resume"]) == 0
+    assert "the run is complete (no checkpoint kept)" in caplog.text
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +243,49 @@ def test_infer_and_chat(lora_run, capsys, monkeypatch):
     assert capsys.readouterr().out.count("model> ") == 2
 
 
+def test_ctrl_c_in_chat_is_one_line(lora_run, capsys, monkeypatch):
+    class CtrlCAtThePrompt(io.StringIO):
+        def readline(self, *args):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr("sys.stdin", CtrlCAtThePrompt())
+    assert main(["chat", str(lora_run / "out" / "final"), "--max-new-tokens", "3"]) == 130
+    assert capsys.readouterr().err == "\ntigon chat: interrupted\n"
+
+
+@pytest.mark.parametrize("offline", [False, True])
+def test_unreachable_hub_fails_fast_in_one_line(tmp_path, capsys, monkeypatch, offline):
+    """A hub id with no network (here: a hub that refuses connections) or with HF_HUB_OFFLINE:
+    one line within seconds, where the hub client would retry for about a minute."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    if offline:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.perf_counter()
+    assert main(["sft", "--model", "made-up/model-name", "--output-dir", str(tmp_path / "out")]) == 2
+    assert time.perf_counter() - start < 10
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("tigon sft: error: model not found: made-up/model-name: not a "
+                                                     "local directory")
+    assert ("HF_HUB_OFFLINE is set" if offline else "hub (http://127.0.0.1:9) cannot be reached") in err
+
+
+def test_tensorboard_tracking_logs_the_run(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    sft("--max-steps", "3", "--save-steps", "0", "--report-to", "tensorboard", "--output-dir", str(out))
+    (run_dir,) = (out / "runs").iterdir()
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    logged = {e.step: e.value for e in events.Scalars("train/loss")}
+    assert logged.keys() == losses(out).keys() == {1, 2, 3}
+    assert all(logged[s] == pytest.approx(loss, rel=1e-6) for s, loss in losses(out).items())
+    assert all(e.value > 0 for e in events.Scalars("train/tokens_per_s"))  # tigon's own figures too
+
+
 def test_packing_eval_and_other_formats(tmp_path):
     rng = random.Random()
     alpaca = tmp_path / "alpaca.csv"
@@ -147,7 +304,9 @@ def test_packing_eval_and_other_formats(tmp_path):
     assert all(r["tokens_per_s"] > 0 for r in records if "loss" in r)
 
 
-def test_crash_mid_save_leaves_no_checkpoint(tmp_path, monkeypatch):
+def test_failed_save_leaves_nothing_and_the_rerun_says_what_to_pass(tmp_path, monkeypatch, capsys, caplog):
+    """A save that fails part-way removes what it wrote. The run, stopped before its first
+    checkpoint, is refused by a plain rerun with what to pass, and started over by --resume."""
     from transformers import Trainer
 
     def crash(self, output_dir):
@@ -155,12 +314,61 @@ def test_crash_mid_save_leaves_no_checkpoint(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Trainer, "_save_rng_state", crash)  # after the weights, before the end
     out = tmp_path / "run"
+    args = ["sft", *SHORT, "--max-steps", "2", "--save-steps", "1", "--output-dir", str(out)]
     with pytest.raises(RuntimeError, match="power cut"):
-        main(["sft", *SHORT, "--max-steps", "2", "--save-steps", "1", "--output-dir", str(out)])
-    assert not [p for p in out.iterdir() if p.name.startswith("checkpoint-")]
-    assert list(out.glob(".tmp-checkpoint-1/checkpoint-1/model.safetensors"))  # the half-written one
+        main(args)
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]  # no checkpoint, no staging left
+    capsys.readouterr()
     monkeypatch.undo()
-    assert main(["sft", *SHORT, "--output-dir", str(out), "--resume"]) == 2
+    assert main(args) == 2
+    assert capsys.readouterr().err == (
+        f"tigon sft: error: {out} holds what is left of a run stopped before its first checkpoint "
+        "(metrics.jsonl): pass --resume to start it again from step 0 (or --overwrite), or choose another "
+        "--output-dir\n")
+    caplog.set_level(logging.INFO)
+    assert main([*args, "--resume"]) == 0
+    assert f"--resume: no checkpoint in {out} yet (the run there stopped before its first one)" in caplog.text
+    assert [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())] == [1, 2]
+    assert (out / "checkpoint-2").is_dir() and (out / "final").is_dir()
+
+
+@pytest.mark.parametrize("how", ["ENOSPC", "torch.save"])
+def test_full_disk_is_one_line_and_gives_the_space_back(tmp_path, monkeypatch, capsys, how):
+    """The optimizer state fails to save on a full disk: as an OSError(ENOSPC), or as torch.save
+    reports it, a RuntimeError that names no cause (on a disk with no space left)."""
+    from transformers import Trainer
+
+    from tigon.train import checkpoint
+
+    def full(self, output_dir):
+        (Path(output_dir) / "optimizer.pt").write_bytes(b"half")
+        if how == "ENOSPC":
+            raise OSError(errno.ENOSPC, "No space left on device", str(Path(output_dir) / "optimizer.pt"))
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(Trainer, "_save_optimizer_and_scheduler", full)
+    monkeypatch.setattr(checkpoint, "_NEARLY_FULL", 2**62)  # any disk counts as full
+    out = tmp_path / "run"
+    assert main(["sft", *SHORT, "--max-steps", "2", "--save-steps", "1", "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith(f"\ntigon sft: error: {out / 'checkpoint-1'}: no space left on device; the partial save "
+                        "was removed (free some space, or write elsewhere)\n")  # after the progress bar's line
+    assert "Traceback" not in err
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]
+
+
+def test_resuming_the_builtin_model_on_other_data_is_refused(tmp_path, capsys):
+    out = tmp_path / "run"
+    sft("--max-steps", "1", "--save-steps", "1", "--output-dir", str(out))
+    metrics = (out / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert main(["sft", *SHORT, "--dataset", f"{tiny.BUNDLED_DATASET}#30", "--max-steps", "2", "--save-steps", "1",
+                 "--output-dir", str(out), "--resume"]) == 2
+    assert capsys.readouterr().err == (
+        f"tigon sft: error: --resume {out / 'checkpoint-1'}: the built-in model's tokenizer is trained on the data, "
+        "and this --dataset gives another one than the run being resumed: resume with the same --dataset (and "
+        "--seed), or start a new run (--overwrite, or another --output-dir)\n")
+    assert (out / "metrics.jsonl").read_text() == metrics and not (out / "checkpoint-2").exists()
 
 
 @pytest.fixture
@@ -178,11 +386,14 @@ def bad_row_file(tmp_path):
     (["--model", "./no/such/model"], "model not found: ./no/such/model"),
     (["--eval-split", "0.1", "--eval-dataset", "e.jsonl"], "--eval-split and --eval-dataset are incompatible"),
     (["--kernels-off", "warp_drive"], "--kernels-off: unknown kernel"),
-    (["--resume"], "--resume: no checkpoint-N directory in {tmp}/out"),
     (["--tuner", "full", "--lora-rank", "4"], "--lora-rank: only for --tuner lora"),
+    (["--output-dir", "{tmp}/odd.jsonl"], "--output-dir {tmp}/odd.jsonl: is a file, not a directory; choose another"),
+    (["--dataset", "{tmp}/latin1.csv"], "{tmp}/latin1.csv: not UTF-8 text at byte 22 (line 2): save it as UTF-8"),
+    (["--resume", "{tmp}/odd.jsonl"], "--resume {tmp}/odd.jsonl: not a checkpoint directory"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, bad_row_file, argv, message):
     (tmp_path / "odd.jsonl").write_text(json.dumps({"prompt": "p"}) + "\n")
+    (tmp_path / "latin1.csv").write_bytes("instruction,output\nCafé?,Oui\n".encode("latin-1"))
     argv = [a.format(tmp=tmp_path) for a in argv]
     assert main(["sft", "--output-dir", str(tmp_path / "out"), *argv]) == 2
     err = capsys.readouterr().err
@@ -193,10 +404,14 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, bad_row_file
 
 def test_used_output_dir_is_refused_and_debug_shows_the_traceback(tmp_path, capsys):
     out = tmp_path / "out"
-    out.mkdir()
+    (out / "checkpoint-3").mkdir(parents=True)
     (out / "metrics.jsonl").write_text("{}\n")
     assert main(["sft", *SHORT, "--output-dir", str(out)]) == 2
-    assert "already holds a run (metrics.jsonl); pass --resume" in capsys.readouterr().err
+    assert f"{out} holds an unfinished run (newest checkpoint: checkpoint-3): pass --resume to continue it, " \
+           "--overwrite to replace it" in capsys.readouterr().err
+    (out / "final").mkdir()
+    assert main(["sft", *SHORT, "--output-dir", str(out)]) == 2
+    assert f"{out} already holds a finished run (final/): pass --overwrite" in capsys.readouterr().err
     assert (out / "metrics.jsonl").read_text() == "{}\n"
     with pytest.raises(ValueError, match="dataset file not found"):
         main(["sft", "--debug", "--dataset", "missing.jsonl"])

@@ -1,26 +1,25 @@
 """Time and measure tigon, PyTorch eager, torch.compile and (where an op names one) the
 best-known peer library on the same inputs in one run.
 
-Times are medians: on CUDA of ``triton.testing.do_bench_cudagraph`` (CUDA-graph replay, the GPU's
-time alone) and, as the "launch" column, of plain ``do_bench`` (Python and launch overhead
-included, which dominates a lone call of a small op); on CPU a wall-clock median. Peak memory is
-the rise of ``torch.cuda.max_memory_allocated()`` during one fwd+bwd over what the inputs hold,
-less the ``.grad`` buffers it produces, as in shared/TARGETS.md (the gradients themselves are not
-counted; everything else the op allocates is).
+Times are medians (`tigon.timing`): on CUDA of ``triton.testing.do_bench_cudagraph`` (CUDA-graph
+replay, the GPU's time alone) and, as the "launch" column, of plain ``do_bench`` (Python and
+launch overhead included, which dominates a lone call of a small op); on CPU a wall-clock median.
+Peak memory is the rise of ``torch.cuda.max_memory_allocated()`` during one fwd+bwd over what the
+inputs hold, less the ``.grad`` buffers it produces, as in shared/TARGETS.md (the gradients
+themselves are not counted; everything else the op allocates is).
 """
 
 from __future__ import annotations
 
 import datetime
 import json
-import statistics
-import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
 from tigon.bench.registry import BENCH_OPS, BenchOp, Size
+from tigon.timing import measure_bandwidth, measure_matmul_rate, time_ms
 
 IMPLS = ("tigon", "eager", "compile", "peer")  # peer: only for ops that name one
 
@@ -38,37 +37,6 @@ def _fwd_bwd(fn: Callable, args: Sequence[Any], grads: list[torch.Tensor] | None
     return step
 
 
-def _time_ms(
-    step: Callable[[], None], device: torch.device, leaves: list[torch.Tensor], graph: bool = False
-) -> float:
-    """Median ms of `step`. With `graph`, the calls are captured in a CUDA graph and replayed, so
-    the time is the GPU's alone: what the op costs in a training step whose host runs ahead,
-    rather than the Python and launch overhead that dominates a lone call of a small op."""
-    if device.type == "cuda":
-        from triton.testing import do_bench, do_bench_cudagraph
-
-        if graph:
-            # Gradients are dropped inside the step: do_bench_cudagraph's own grad_to_none detaches
-            # the leaves in place, which a leaf that is a view (a transposed q, say) refuses.
-            def fresh_step() -> None:
-                for leaf in leaves:
-                    leaf.grad = None
-                step()
-
-            return float(do_bench_cudagraph(fresh_step, rep=100, return_mode="median"))
-        return float(do_bench(step, warmup=25, rep=100, grad_to_none=leaves, return_mode="median"))
-    for _ in range(2):
-        step()
-    samples = []
-    for _ in range(5):
-        for leaf in leaves:
-            leaf.grad = None
-        start = time.perf_counter()
-        step()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
-
-
 def _peak_mib(step: Callable[[], None], device: torch.device, leaves: list[torch.Tensor]) -> float | None:
     """Peak allocation of one fwd+bwd above the inputs, less the gradients it hands back: the
     `.grad` buffers are what TARGETS.md leaves out, everything else the op allocates counts."""
@@ -84,24 +52,6 @@ def _peak_mib(step: Callable[[], None], device: torch.device, leaves: list[torch
     torch.cuda.synchronize(device)
     grad_bytes = sum(leaf.grad.nbytes for leaf in leaves if leaf.grad is not None)
     return (torch.cuda.max_memory_allocated(device) - base - grad_bytes) / 2**20
-
-
-def measure_bandwidth(device: torch.device) -> float:
-    """Copy bandwidth in bytes/s (bytes read + written), measured now on `device`."""
-    n = 2**28 if device.type == "cuda" else 2**24
-    src = torch.empty(n, dtype=torch.float32, device=device).uniform_()
-    dst = torch.empty_like(src)
-    ms = _time_ms(lambda: dst.copy_(src), device, [])
-    return 2 * src.numel() * 4 / (ms * 1e-3)
-
-
-def measure_matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
-    """Dense matmul FLOP/s for `dtype` on `device`, measured now on random data."""
-    n = 8192 if device.type == "cuda" else 512
-    a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device)
-    ms = _time_ms(lambda: a @ b, device, [])
-    return 2 * n**3 / (ms * 1e-3)
 
 
 def bench_one(
@@ -133,14 +83,14 @@ def bench_one(
         try:
             fn = op.peer() if impl == "peer" else fns[impl]
             step = _fwd_bwd(fn, args, grads)
-            record["fwd_host_ms"] = _time_ms(lambda: fn(*args), device, [])
-            record["fwd_bwd_host_ms"] = _time_ms(step, device, leaves)
+            record["fwd_host_ms"] = time_ms(lambda: fn(*args), device, [])
+            record["fwd_bwd_host_ms"] = time_ms(step, device, leaves)
             record["peak_mib"] = _peak_mib(step, device, leaves)
             # A peer is launch-timed only, as TARGETS.md measured it: its torch.compile'd chunks
             # need not survive CUDA-graph capture. Compare it by the launch-timed ratio.
             if device.type == "cuda" and impl != "peer":
-                record["fwd_ms"] = _time_ms(lambda: fn(*args), device, [], graph=True)
-                record["fwd_bwd_ms"] = _time_ms(step, device, leaves, graph=True)
+                record["fwd_ms"] = time_ms(lambda: fn(*args), device, [], graph=True)
+                record["fwd_bwd_ms"] = time_ms(step, device, leaves, graph=True)
             else:
                 record["fwd_ms"], record["fwd_bwd_ms"] = record["fwd_host_ms"], record["fwd_bwd_host_ms"]
             record["roofline_pct"] = 100 * floor_s * 1e3 / record["fwd_bwd_ms"]

@@ -130,7 +130,9 @@ class Reporter(TrainerCallback):
         record: dict[str, Any] = {"step": state.global_step, "epoch": round(state.epoch or 0.0, 4)}
         if "loss" in logs:
             record.update(loss=logs["loss"], lr=logs.get("learning_rate"), grad_norm=logs.get("grad_norm"))
-            record.update(self._speed(state))
+            speed = self._speed(state)
+            record.update(speed)
+            logs.update(speed)  # for the trackers of --report-to, which run after this callback
             self.losses.append(logs["loss"])
             self._show(record)
         elif "eval_loss" in logs:
@@ -162,6 +164,12 @@ class Reporter(TrainerCallback):
         if state.is_world_process_zero:
             plot_loss(self.output_dir)
 
+    def close(self) -> None:
+        """End the progress bar's line, when training raised (and so never ends)."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
     def on_train_end(self, args, state, control, **kwargs):
         if self.bar is None:
             return
@@ -169,7 +177,10 @@ class Reporter(TrainerCallback):
         seconds = time.perf_counter() - self.start[0]
         tokens = state.num_input_tokens_seen - self.start[1]
         rate = tokens / seconds if seconds > 0 else 0.0
-        lines = [f"done: {state.global_step} steps in {seconds:.1f} s, {_si(tokens)} tokens, {_si(rate)} tok/s"]
+        steps = (f"{state.global_step} steps" if state.global_step >= state.max_steps
+                 else f"stopped at step {state.global_step} of {state.max_steps}")
+        lines = [f"{'done: ' if state.global_step >= state.max_steps else ''}{steps} in {seconds:.1f} s, "
+                 f"{_si(tokens)} tokens, {_si(rate)} tok/s"]
         if len(self.rates) > 2:
             # The first interval carries kernel compilation and autotuning: leave it out.
             rate = statistics.median(self.rates[1:])

@@ -1,19 +1,28 @@
 """Atomic checkpoints: everything is written into a hidden staging directory next to the target
 and renamed into place only when complete, so a crash mid-save never leaves a ``checkpoint-N``
-(or ``final``) that looks finished. Resuming only ever sees complete checkpoints."""
+(or ``final``) that looks finished. Resuming only ever sees complete checkpoints. A save that
+fails with an error removes its staging directory (a full disk gets its space back) and a full
+disk is said as such, in one line."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import re
 import shutil
 from pathlib import Path
+from typing import Iterator
+
 from transformers import Trainer
 
 from tigon.train.config import SFTError
 
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 STAGING_PREFIX = ".tmp-"
+# torch.save reports a failed write as "unexpected pos ..." or "file write failed", naming no
+# cause; below this much free space, the cause is taken to be a full disk.
+_NEARLY_FULL = 64 * 2**20
 
 
 def list_checkpoints(output_dir: Path) -> list[Path]:
@@ -25,13 +34,12 @@ def list_checkpoints(output_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def resume_checkpoint(output_dir: Path, resume: str) -> Path:
-    """The checkpoint ``--resume`` names: the newest in `output_dir` for "latest", else the path."""
+def resume_checkpoint(output_dir: Path, resume: str) -> Path | None:
+    """The checkpoint ``--resume`` names: for "latest" the newest complete one in `output_dir`
+    (None while there is none), else the path given, which must be a checkpoint."""
     if resume == "latest":
         checkpoints = list_checkpoints(output_dir)
-        if not checkpoints:
-            raise SFTError(f"--resume: no checkpoint-N directory in {output_dir}")
-        return checkpoints[-1]
+        return checkpoints[-1] if checkpoints else None
     path = Path(resume)
     if not (path / "trainer_state.json").is_file():
         raise SFTError(f"--resume {resume}: not a checkpoint directory (no trainer_state.json)")
@@ -44,6 +52,36 @@ def staging_dir(target: Path) -> Path:
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     return staging
+
+
+def _disk_full(err: BaseException, where: Path) -> bool:
+    """Whether `err` comes from the disk running out of space (or quota)."""
+    cause: BaseException | None = err
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(err, RuntimeError):
+        try:
+            return shutil.disk_usage(where).free < _NEARLY_FULL
+        except OSError:
+            return False
+    return False
+
+
+@contextlib.contextmanager
+def removed_on_failure(staging: Path, target: Path) -> Iterator[None]:
+    """Remove `staging` if the block raises (Ctrl-C included), so that a failed save of `target`
+    leaves nothing that holds disk space or looks complete; a full disk becomes one SFTError."""
+    try:
+        yield
+    except BaseException as err:
+        full = _disk_full(err, staging.parent)  # asked before the removal gives the space back
+        shutil.rmtree(staging, ignore_errors=True)
+        if full:
+            raise SFTError(f"{target}: no space left on device; the partial save was removed (free some "
+                           "space, or write elsewhere)") from err
+        raise
 
 
 def publish(staging: Path, target: Path) -> None:
@@ -70,6 +108,13 @@ class AtomicTrainer(Trainer):
         # While a checkpoint is being written, the Trainer's own save code writes into staging.
         return self._staging if self._staging is not None else super()._get_output_dir(trial)
 
+    def _issue_warnings_after_load(self, load_result):
+        # A tied weight (an lm_head sharing the embeddings) is saved once, under the embeddings'
+        # name: its own key is "missing" from every checkpoint, yet loaded through the tie.
+        tied = set(getattr(self.model, "all_tied_weights_keys", None) or ())
+        load_result.missing_keys[:] = [k for k in load_result.missing_keys if k not in tied]
+        super()._issue_warnings_after_load(load_result)
+
     def _save_checkpoint(self, model, trial):
         run_dir = Path(super()._get_output_dir(trial))
         target = run_dir / f"checkpoint-{self.state.global_step}"
@@ -79,7 +124,8 @@ class AtomicTrainer(Trainer):
         self.accelerator.wait_for_everyone()
         self._staging = str(staging)
         try:
-            super()._save_checkpoint(model, trial)
+            with removed_on_failure(staging, target):
+                super()._save_checkpoint(model, trial)
         finally:
             self._staging = None
         self.accelerator.wait_for_everyone()  # every process has written its part (RNG states, shards)

@@ -4,8 +4,11 @@ line wins), then checked and completed with defaults in one place, before anythi
 from __future__ import annotations
 
 import argparse
+import codecs
 import dataclasses
+import importlib.util
 import json
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +18,30 @@ from tigon.patch import SWITCHES
 
 class SFTError(ValueError):
     """A problem with the user's settings, data or files: `tigon sft` prints it as one line."""
+
+
+class Interrupted(Exception):
+    """A run stopped by a signal (see `tigon.train.stop`). ``str()`` is the one line to show;
+    `exit_code` is what a shell expects of a process ended by it: 128 + its number (130: Ctrl-C)."""
+
+    def __init__(self, message: str, signum: int = signal.SIGINT):
+        super().__init__(message)
+        self.exit_code = 128 + int(signum)
+
+
+def utf8_text(raw: bytes, path: Path, offset: int = 0, line: int = 1) -> str:
+    """`raw`, the bytes of `path` from byte `offset` (line `line`) on, as text, less the byte-order
+    mark that spreadsheet exports put first; a byte that is not UTF-8 is an SFTError naming it."""
+    if offset == 0 and raw.startswith(codecs.BOM_UTF8):
+        raw, offset = raw[len(codecs.BOM_UTF8):], len(codecs.BOM_UTF8)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line += raw.count(b"\n", 0, err.start)
+        raise SFTError(f"{path}: not UTF-8 text at byte {offset + err.start} (line {line}): save it as UTF-8") from None
+
+
+TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
 
 
 def _opt(default: Any, help: str, **argparse_kwargs: Any) -> Any:
@@ -30,24 +57,28 @@ class SFTConfig:
     built-in tiny model (no ``model``) trains from scratch and so wants other defaults than a real
     model being fine-tuned."""
 
-    model: str | None = _opt(None, "local model directory or hub id (default: the built-in tiny Llama)")
+    model: str | None = _opt(None, "local model directory or hub id (default: the built-in tiny Llama)",
+                             metavar="MODEL")
     dataset: list[str] | None = _opt(
         None, "data files (.jsonl .json .csv .parquet); PATH#N takes N random rows (default: bundled "
         "instructions)", nargs="+", metavar="PATH")
-    eval_dataset: list[str] | None = _opt(None, "evaluation files, same formats", nargs="+", metavar="PATH")
+    eval_dataset: list[str] | None = _opt(None, "evaluation files, same formats (default: none)", nargs="+",
+                                          metavar="PATH")
     eval_split: float = _opt(0.0, "hold out this fraction of the training rows for evaluation")
     tuner: str | None = _opt(None, "lora (default) or full (default for the built-in model)",
                              choices=["lora", "full"])
     lora_rank: int = _opt(16, "LoRA rank")
     lora_alpha: float | None = _opt(None, "LoRA alpha (default: 2 x rank)")
     lora_dropout: float = _opt(0.0, "LoRA dropout")
-    target_modules: str = _opt("all-linear", "modules LoRA adapts: all-linear, or names such as q_proj,v_proj")
+    target_modules: str = _opt("all-linear", "modules LoRA adapts: all-linear, or names such as q_proj,v_proj",
+                               metavar="NAMES")
     max_length: int | None = _opt(None, "truncate each sample (or packed row) to this many tokens "
                                   "(default 2048; 128 for the built-in model)")
     packing: bool = _opt(False, "pack several samples per row; position ids restart per sample and "
                          "attention never crosses samples")
     epochs: float | None = _opt(None, "passes over the data (default 1; 30 for the built-in model)")
-    max_steps: int = _opt(-1, "stop after this many optimizer steps (overrides --epochs)")
+    max_steps: int = _opt(-1, "stop after this many optimizer steps, overriding --epochs (default -1: --epochs "
+                          "decides)")
     lr: float | None = _opt(None, "peak learning rate (default: 2e-4 LoRA, 2e-5 full, 3e-3 built-in)")
     warmup: float = _opt(0.05, "linear warm-up: a fraction of all steps if < 1, else a step count")
     weight_decay: float = _opt(0.0, "AdamW weight decay")
@@ -60,12 +91,12 @@ class SFTConfig:
                                      "in host memory (needs --gradient-checkpointing)")
     tiled_mlp: bool = _opt(False, "long context: run the MLP over chunks of tokens so its intermediates "
                            "never exist whole")
-    output_dir: str = _opt("tigon-out", "where checkpoints, metrics.jsonl and loss.png go")
-    save_steps: int = _opt(500, "write a checkpoint every N steps (0: only at the end)")
-    save_limit: int | None = _opt(None, "keep only the newest N step checkpoints")
-    resume: str | None = _opt(None, "continue from the newest checkpoint in --output-dir, or from CKPT",
-                              nargs="?", const="latest", metavar="CKPT")
-    overwrite: bool = _opt(False, "allow an --output-dir that already holds checkpoints")
+    output_dir: str = _opt("tigon-out", "where checkpoints, metrics.jsonl and loss.png go", metavar="DIR")
+    save_steps: int = _opt(500, "write a checkpoint every N steps and at the end (0: none, only final/)")
+    save_limit: int | None = _opt(None, "keep only the newest N step checkpoints (default: keep all)")
+    resume: str | None = _opt(None, "continue from the newest checkpoint in --output-dir (a new run if it has none "
+                              "yet), or from CKPT (default: a new run)", nargs="?", const="latest", metavar="CKPT")
+    overwrite: bool = _opt(False, "replace the run (checkpoints, final/, metrics) already in --output-dir")
     seed: int = _opt(42, "seed for weights, data order, sampling and dropout")
     kernels: bool = _opt(True, "swap in tigon's fused kernels (tigon.patch)")
     kernels_off: list[str] = _opt([], "kernels to leave out, e.g. rope,swiglu (see tigon.patch)",
@@ -73,6 +104,8 @@ class SFTConfig:
     logging_steps: int = _opt(1, "log loss/lr/speed every N steps (each log waits for the GPU to catch up)")
     samples: int = _opt(3, "prompts from the data answered before and after training (0: none)")
     max_new_tokens: int = _opt(48, "length of those sample answers")
+    report_to: str = _opt("none", "experiment tracking through the Trainer's integration (tensorboard: event files "
+                          "in OUTPUT_DIR/runs)", choices=["none", *TRACKERS])
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(SFTConfig)}
@@ -95,14 +128,36 @@ def add_sft_arguments(parser: argparse.ArgumentParser) -> None:
     for name, f in _FIELDS.items():
         flag = "--" + name.replace("_", "-")
         kind = _scalar_type(f)
-        kwargs = {"metavar": {int: "N", float: "X"}.get(kind, "STR"), **f.metadata}
+        kwargs = {**f.metadata, "help": help_with_default(f.metadata["help"], _shown_default(f))}
+        if "choices" not in kwargs and kind is not bool:
+            kwargs.setdefault("metavar", {int: "N", float: "X"}.get(kind, "STR"))
         if kind is bool:
-            kwargs.pop("metavar")
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, **kwargs)
         elif name == "kernels_off":
             parser.add_argument(flag, type=_comma_list, default=argparse.SUPPRESS, **kwargs)
         else:
             parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, **kwargs)
+
+
+def help_with_default(help: str, shown: str) -> str:
+    """An option's help ending in "default: `shown`" (inside its closing parenthesis, if it has
+    one), unless it already says what the default is."""
+    if "default" in help:
+        return help
+    if help.endswith(")"):
+        return f"{help[:-1]}; default: {shown})"
+    return f"{help} (default: {shown})".lstrip()
+
+
+def _shown_default(f: dataclasses.Field) -> str:
+    value = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, list):
+        return ",".join(value) or "none"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
 
 
 def _comma_list(text: str) -> list[str]:
@@ -147,7 +202,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise SFTError(f"config file not found: {path}")
-    text = path.read_text()
+    text = utf8_text(path.read_bytes(), path)
     try:
         if path.suffix.lower() in (".yaml", ".yml"):
             import yaml
@@ -230,6 +285,9 @@ def resolve(cfg: SFTConfig, given: set[str] = frozenset()) -> SFTConfig:
                        "(leave out single kernels with --kernels-off)")
     if cfg.kernels_off and not cfg.kernels:
         raise SFTError("--kernels-off has no effect with --no-kernels: give one or the other")
+    package = TRACKERS.get(cfg.report_to)
+    if package and importlib.util.find_spec(package) is None:
+        raise SFTError(f"--report-to {cfg.report_to}: the {package} package is not installed (pip install {package})")
     unknown = [name for name in cfg.kernels_off if name not in SWITCHES]
     if unknown:
         raise SFTError(f"--kernels-off: unknown kernel(s) {', '.join(unknown)}; choose from {', '.join(SWITCHES)}")

@@ -4,15 +4,16 @@ checked; the first bad one stops the run with its file, line and what is wrong."
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TextIO
 
-from tigon.train.config import SFTError
+from tigon.train.config import SFTError, utf8_text
 
 log = logging.getLogger("tigon.train")
 
@@ -36,8 +37,20 @@ class RowError(ValueError):
     """What is wrong with one row; the reader adds the file and line."""
 
 
+@contextlib.contextmanager
+def _open_text(path: Path, newline: str | None = None) -> Iterator[TextIO]:
+    """`path` opened as UTF-8 text, less the byte-order mark that spreadsheet exports put first.
+    A byte that is not UTF-8 becomes an SFTError naming its place in the file."""
+    try:
+        with path.open(encoding="utf-8-sig", newline=newline) as f:
+            yield f
+    except UnicodeDecodeError:
+        utf8_text(path.read_bytes(), path)  # the decoder's position is within a buffer: find it in the file
+        raise
+
+
 def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
-    with path.open(encoding="utf-8") as f:
+    with _open_text(path) as f:
         for number, line in enumerate(f, 1):
             if line.strip():
                 try:
@@ -47,7 +60,7 @@ def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
 
 
 def _read_json(path: Path) -> Iterator[tuple[str, Any]]:
-    text = path.read_text(encoding="utf-8")
+    text = utf8_text(path.read_bytes(), path)
     try:
         payload = json.loads(text)
     except json.JSONDecodeError as err:
@@ -62,7 +75,7 @@ def _read_json(path: Path) -> Iterator[tuple[str, Any]]:
 
 
 def _read_csv(path: Path) -> Iterator[tuple[str, Any]]:
-    with path.open(encoding="utf-8", newline="") as f:
+    with _open_text(path, newline="") as f:
         reader = csv.DictReader(f)
         for row in reader:
             if None in row:

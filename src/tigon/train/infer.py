@@ -9,9 +9,9 @@ from typing import Any, Sequence, TextIO
 
 import torch
 
-from tigon.train.checkpoint import publish, staging_dir
+from tigon.train.checkpoint import publish, removed_on_failure, staging_dir
 from tigon.train.config import SFTError
-from tigon.train.modeling import DTYPES, load_model, load_tokenizer, peft_quiet, pick_dtype
+from tigon.train.modeling import DTYPES, load_model, load_tokenizer, peft_quiet, pick_dtype, source_kwargs
 from tigon.train.template import ensure_chat_template, render
 
 log = logging.getLogger("tigon.train")
@@ -105,15 +105,16 @@ def merge(adapter: str, output: str, base: str | None = None, dtype: str = "auto
     base = base or _adapter_base(adapter)
     model, tokenizer = load_for_inference(adapter, torch.float32, base)
     if dtype == "auto":
-        saved = getattr(AutoConfig.from_pretrained(base), "dtype", None)
+        saved = getattr(AutoConfig.from_pretrained(base, **source_kwargs(base)), "dtype", None)
         target = getattr(torch, saved) if isinstance(saved, str) else saved or pick_dtype("auto")
     else:
         target = DTYPES[dtype]
     merged = model.merge_and_unload().to(device="cpu", dtype=target)
     out = Path(output)
     staging = staging_dir(out)
-    merged.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
+    with removed_on_failure(staging, out):
+        merged.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
     publish(staging, out)
     log.info("merged %s into %s -> %s (%s)", adapter, base, out, str(target).replace("torch.", ""))
     return out

@@ -4,7 +4,10 @@ LoRA, and switch on tigon's kernels. Loading failures become one-line SFTErrors.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import os
+import threading
 import warnings
 from pathlib import Path
 from typing import Any, Iterator
@@ -32,38 +35,104 @@ def _not_found(model_id: str, err: Exception) -> SFTError:
     return SFTError(f"model not found: {model_id} ({reason})")
 
 
-def _check_source(model_id: str) -> None:
-    """Fail fast on a local path that does not exist, instead of asking the hub for it."""
+_PROBE_SECONDS = 3.0
+
+
+@functools.lru_cache(maxsize=None)
+def _hub_reachable(endpoint: str) -> bool:
+    """Whether `endpoint` answers at all (any HTTP status), within a few seconds. Run in a thread
+    so that a name lookup that hangs (which no socket timeout bounds) cannot hold the run."""
+    import urllib.error
+    import urllib.request
+
+    answered = threading.Event()
+
+    def probe() -> None:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=_PROBE_SECONDS):
+                answered.set()
+        except urllib.error.HTTPError:
+            answered.set()
+        except (OSError, ValueError):
+            pass
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(_PROBE_SECONDS + 1)
+    return answered.is_set()
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    # Read now as well as at import: the variable may have been set since huggingface_hub was imported.
+    return constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def source_kwargs(model_id: str) -> dict[str, Any]:
+    """The `from_pretrained` keywords that load `model_id` from where it is: a local directory as
+    it is; a hub id from the hub, or from the local hub cache when the hub cannot be reached (or
+    HF_HUB_OFFLINE is set). Where it can come from nowhere, one SFTError now, instead of the
+    hub client's retries (about a minute without network)."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
     path = Path(model_id).expanduser()
-    looks_local = model_id.startswith((".", "/", "~")) or model_id.count("/") > 1
-    if looks_local and not path.exists():
+    if path.exists():
+        return {}
+    if model_id.startswith((".", "/", "~")) or model_id.count("/") > 1:
         raise SFTError(f"model not found: {model_id} (no such directory)")
+    offline = _offline()
+    if not offline and _hub_reachable(constants.ENDPOINT):
+        return {}
+    if isinstance(try_to_load_from_cache(model_id, "config.json"), str):
+        return {"local_files_only": True}
+    if offline:
+        raise SFTError(f"model not found: {model_id}: not a local directory, and not in the Hugging Face cache "
+                       "while HF_HUB_OFFLINE is set: pass a model directory, or unset HF_HUB_OFFLINE to download it")
+    raise SFTError(f"model not found: {model_id}: not a local directory, and the Hugging Face hub "
+                   f"({constants.ENDPOINT}) cannot be reached: pass a model directory, or check the network "
+                   "(and proxy settings)")
 
 
 def load_tokenizer(model_id: str) -> Any:
     from transformers import AutoTokenizer
 
-    _check_source(model_id)
+    kwargs = source_kwargs(model_id)
     try:
-        return AutoTokenizer.from_pretrained(model_id)
+        return AutoTokenizer.from_pretrained(model_id, **kwargs)
     except (OSError, ValueError) as err:
         raise _not_found(model_id, err) from None
 
 
+class _DropLine(logging.Filter):
+    def __init__(self, start: str):
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.start)
+
+
 def quiet_transformers() -> None:
-    """No per-file load/save progress bars: they would break tigon's own progress bar."""
+    """No per-file load/save progress bars: they would break tigon's own progress bar. And none of
+    DeepSpeed's accelerator warning: where it is installed, accelerate imports it on every run
+    (its unwrap_model checks for a DeepSpeed engine), and on a CPU it warns that it fell back to
+    the CPU, about a run that does not use it."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    deepspeed = logging.getLogger("DeepSpeed")  # DeepSpeed's own logger, kept across its import
+    if not any(isinstance(f, _DropLine) for f in deepspeed.filters):
+        deepspeed.addFilter(_DropLine("Setting accelerator to CPU"))
 
 
 def load_model(model_id: str, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     quiet_transformers()
-    _check_source(model_id)
+    kwargs = source_kwargs(model_id)
     try:
-        return AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype, attn_implementation="sdpa")
+        return AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype, attn_implementation="sdpa", **kwargs)
     except (OSError, ValueError) as err:
         raise _not_found(model_id, err) from None
 

@@ -1,31 +1,45 @@
-"""`tigon sft`: data -> chat template -> tokens -> model (+LoRA, + tigon kernels) -> Trainer ->
-checkpoints. Everything that can be wrong with the settings, data or model is found before the
-output directory is touched."""
+"""`tigon sft`, in stages: plain functions, each handing the next what it made.
+
+    settings      `start`: output directory checked, checkpoint to resume from, seed
+    data          `load_data`: samples and evaluation samples
+    tokens        `tokenizer_for`, `sft_rows`
+    model         `training_arguments`, `build_model` (+ LoRA, + tigon kernels)
+    output dir    `start_output`: an old run cleared (or its metrics cut to the checkpoint)
+    trainer       `make_reporter`, the Trainer, `fit` (stops cleanly on Ctrl-C / SIGTERM)
+    final         `finish`: final/, samples before and after
+
+`run_sft` chains them. A run with another objective (`tigon rlhf`) reuses every stage and
+replaces only the two that make its rows and its Trainer. Everything that can be wrong with the
+settings, data or model is found before the output directory is touched."""
 
 from __future__ import annotations
 
 import copy
 import json
 import logging
+import math
 import os
 import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tigon.timing import measure_matmul_rate
 from tigon.train import tiny
 from tigon.train.batching import Collator, TokenDataset, pack
 from tigon.train.callbacks import METRICS_FILE, PLOT_FILE, Reporter, read_metrics
-from tigon.train.checkpoint import (STAGING_PREFIX, list_checkpoints, publish, resume_checkpoint,
-                                    staging_dir)
-from tigon.train.config import SFTConfig, SFTError, resolve
+from tigon.train.checkpoint import (STAGING_PREFIX, list_checkpoints, publish, removed_on_failure,
+                                    resume_checkpoint, staging_dir)
+from tigon.train.config import Interrupted, SFTConfig, SFTError, resolve
 from tigon.train.data import Sample, load_samples
 from tigon.train.infer import generate
 from tigon.train.modeling import (add_lora, apply_kernels, count_parameters, flops_per_token, load_model,
                                   load_tokenizer, pick_dtype, quiet_transformers)
-from tigon.train.template import encode_all, ensure_chat_template
+from tigon.train.stop import StopOnSignal, signal_name
+from tigon.train.template import encode, encode_all, ensure_chat_template
 from tigon.train.trainer import TigonTrainer
 
 log = logging.getLogger("tigon.train")
@@ -33,8 +47,75 @@ log = logging.getLogger("tigon.train")
 FINAL_DIR = "final"
 BASE_DIR = "base"  # the built-in model's initial weights, the base of a LoRA adapter trained on it
 SAMPLES_FILE = "samples.json"
-_OUTPUTS = (FINAL_DIR, BASE_DIR, METRICS_FILE, PLOT_FILE, SAMPLES_FILE)
+TRACKING_DIR = "runs"  # where the Trainer's TensorBoard integration writes, under the output dir
+_OUTPUTS = (FINAL_DIR, BASE_DIR, METRICS_FILE, PLOT_FILE, SAMPLES_FILE, TRACKING_DIR)
+_SHOWN_CHARS = 100  # of a sample's prompt and answers in the log (samples.json keeps them whole)
 
+Prompt = list[dict[str, str]] | str
+
+
+# --- settings ---------------------------------------------------------------------------------
+
+def _check_writable(output_dir: Path) -> None:
+    if output_dir.exists() and not output_dir.is_dir():
+        raise SFTError(f"--output-dir {output_dir}: is a file, not a directory; choose another --output-dir")
+    existing = output_dir
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise SFTError(f"--output-dir {output_dir}: {existing} is a file, not a directory; choose another --output-dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise SFTError(f"--output-dir {output_dir}: cannot write in {existing} (permission denied); "
+                       "choose another --output-dir")
+
+
+def _leftovers(output_dir: Path) -> list[Path]:
+    """What a run of ours left in `output_dir` besides its checkpoints (staging directories too)."""
+    if not output_dir.is_dir():
+        return []
+    return ([output_dir / n for n in _OUTPUTS if (output_dir / n).exists()]
+            + sorted(output_dir.glob(STAGING_PREFIX + "*")))
+
+
+def _resume_point(output_dir: Path, cfg: SFTConfig) -> Path | None:
+    """The checkpoint to resume from (None: train from step 0); refuses to mix a new run into an
+    old one, saying what to pass for each kind of old run."""
+    checkpoints = list_checkpoints(output_dir)
+    if cfg.resume:
+        checkpoint = resume_checkpoint(output_dir, cfg.resume)
+        if checkpoint is None and not (output_dir / FINAL_DIR).is_dir():  # a finished run: see `already_trained`
+            stopped = " (the run there stopped before its first one)" if _leftovers(output_dir) else ""
+            log.info("--resume: no checkpoint in %s yet%s: training from step 0", output_dir, stopped)
+        return checkpoint
+    leftovers = _leftovers(output_dir)
+    if cfg.overwrite or not (checkpoints or leftovers):
+        return None
+    elsewhere = "or choose another --output-dir"
+    if (output_dir / FINAL_DIR).is_dir():
+        raise SFTError(f"{output_dir} already holds a finished run ({FINAL_DIR}/): pass --overwrite to replace "
+                       f"it, --resume with a higher --max-steps or --epochs to train it further, {elsewhere}")
+    if checkpoints:
+        raise SFTError(f"{output_dir} holds an unfinished run (newest checkpoint: {checkpoints[-1].name}): pass "
+                       f"--resume to continue it, --overwrite to replace it, {elsewhere}")
+    names = ", ".join(p.name for p in leftovers)
+    raise SFTError(f"{output_dir} holds what is left of a run stopped before its first checkpoint ({names}): "
+                   f"pass --resume to start it again from step 0 (or --overwrite), {elsewhere}")
+
+
+def start(cfg: SFTConfig) -> Path | None:
+    """The settings stage, for a `cfg` already `resolve`d: checks that the output directory can
+    take this run and returns the checkpoint to resume from (None: step 0); seeds everything."""
+    from transformers import set_seed
+
+    quiet_transformers()
+    output_dir = Path(cfg.output_dir)
+    _check_writable(output_dir)
+    resume_from = _resume_point(output_dir, cfg)
+    set_seed(cfg.seed)
+    return resume_from
+
+
+# --- data -------------------------------------------------------------------------------------
 
 def _split(samples: list[Sample], fraction: float, seed: int) -> tuple[list[Sample], list[Sample]]:
     order = list(range(len(samples)))
@@ -46,30 +127,66 @@ def _split(samples: list[Sample], fraction: float, seed: int) -> tuple[list[Samp
     return [s for i, s in enumerate(samples) if i not in held], [samples[i] for i in sorted(held)]
 
 
-def _sharded(args: Any) -> bool:
-    """Whether the Trainer will shard the model (FSDP or DeepSpeed, from its arguments or from an
-    `accelerate launch` config): generating on rank 0 alone would then wait forever for the others."""
-    launched = any(os.environ.get(f"ACCELERATE_USE_{name}", "").lower() in ("1", "true") for name in ("FSDP", "DEEPSPEED"))
-    return launched or bool(getattr(args, "fsdp", None)) or bool(getattr(args, "deepspeed", None))
+def load_data(cfg: SFTConfig) -> tuple[list[Sample], list[Sample]]:
+    """The data stage: the training samples (the bundled ones by default) and the evaluation
+    samples (from --eval-dataset or held out by --eval-split; none by default)."""
+    samples = load_samples(cfg.dataset or [str(tiny.BUNDLED_DATASET)], cfg.seed)
+    if cfg.eval_dataset:
+        return samples, load_samples(cfg.eval_dataset, cfg.seed)
+    if cfg.eval_split:
+        return _split(samples, cfg.eval_split, cfg.seed)
+    return samples, []
 
 
-def _rows(tokenizer: Any, samples: list[Sample], cfg: SFTConfig, what: str) -> TokenDataset:
+# --- tokens -----------------------------------------------------------------------------------
+
+def _check_same_tokenizer(tokenizer: Any, checkpoint: Path) -> None:
+    from transformers import AutoTokenizer
+
+    try:
+        saved = AutoTokenizer.from_pretrained(str(checkpoint))
+    except (OSError, ValueError):
+        return  # a checkpoint without its tokenizer: nothing to compare with
+    if saved.get_vocab() != tokenizer.get_vocab():
+        raise SFTError(f"--resume {checkpoint}: the built-in model's tokenizer is trained on the data, and this "
+                       "--dataset gives another one than the run being resumed: resume with the same --dataset "
+                       "(and --seed), or start a new run (--overwrite, or another --output-dir)")
+
+
+def tokenizer_for(cfg: SFTConfig, samples: list[Sample], resume_from: Path | None) -> Any:
+    """The run's tokenizer, with a chat template: the model's, or for the built-in model one
+    trained on `samples`, which a resumed run must rebuild exactly."""
+    if cfg.model is not None:
+        tokenizer = load_tokenizer(cfg.model)
+    else:
+        tokenizer = tiny.build_tokenizer(samples)
+        if resume_from is not None:
+            _check_same_tokenizer(tokenizer, resume_from)
+    ensure_chat_template(tokenizer)
+    return tokenizer
+
+
+def sft_rows(tokenizer: Any, samples: list[Sample], cfg: SFTConfig, what: str) -> TokenDataset:
+    """SFT's token rows: each sample labelled on its assistant turns, truncated, packed if asked."""
     rows = encode_all(tokenizer, samples, cfg.max_length, what)
     if cfg.packing:
         rows = pack(rows, cfg.max_length, cfg.seed)
     return TokenDataset(rows)
 
 
-def _prompts(samples: list[Sample], n: int) -> list[list[dict[str, str]] | str]:
-    """Up to `n` distinct prompts from the data: each chat up to its first assistant turn, or
-    the first words of a text."""
-    prompts: list[list[dict[str, str]] | str] = []
+def pick_prompts(tokenizer: Any, samples: list[Sample], n: int, max_length: int) -> list[Prompt]:
+    """Up to `n` distinct prompts from samples that training sees whole (within `max_length`
+    tokens): each chat up to its first assistant turn, or the first words of a text."""
+    prompts: list[Prompt] = []
     for s in samples:
         if len(prompts) == n:
             break
+        encoded = encode(tokenizer, s, max_length + 1)
+        if encoded is None or len(encoded["input_ids"]) > max_length:
+            continue
         if s.messages is not None:
             first = next(i for i, m in enumerate(s.messages) if m["role"] == "assistant")
-            prompt: list[dict[str, str]] | str = list(s.messages[:first])
+            prompt: Prompt = list(s.messages[:first])
         else:
             prompt = " ".join(s.text.split()[:8])
         if prompt and prompt not in prompts:
@@ -77,41 +194,22 @@ def _prompts(samples: list[Sample], n: int) -> list[list[dict[str, str]] | str]:
     return prompts
 
 
-def _prompt_text(prompt: list[dict[str, str]] | str) -> str:
-    return prompt if isinstance(prompt, str) else prompt[-1]["content"]
+# --- model ------------------------------------------------------------------------------------
+
+def run_dtype(cfg: SFTConfig) -> torch.dtype:
+    # The built-in model is tiny and trained from scratch: fp32, where bf16 would only lose updates.
+    return torch.float32 if cfg.model is None and cfg.dtype == "auto" else pick_dtype(cfg.dtype)
 
 
-def _check_output_dir(output_dir: Path, cfg: SFTConfig) -> Path | None:
-    """The checkpoint to resume from, if any; refuses to mix a new run into an old one."""
-    if cfg.resume:
-        return resume_checkpoint(output_dir, cfg.resume)
-    used = list_checkpoints(output_dir) + [output_dir / n for n in _OUTPUTS if (output_dir / n).exists()]
-    if used and not cfg.overwrite:
-        raise SFTError(f"{output_dir} already holds a run ({used[0].name}); pass --resume to continue it, "
-                       "--overwrite to replace it, or another --output-dir")
-    return None
-
-
-def _clear_old_run(output_dir: Path, resume_from: Path | None) -> None:
-    if resume_from is not None:
-        # Keep the metrics up to the checkpoint; later lines belong to the interrupted run.
-        step = json.loads((resume_from / "trainer_state.json").read_text())["global_step"]
-        kept = [r for r in read_metrics(output_dir) if r["step"] <= step]
-        (output_dir / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in kept))
-        return
-    for path in list_checkpoints(output_dir) + [output_dir / n for n in _OUTPUTS]:
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
-
-
-def _training_arguments(cfg: SFTConfig, output_dir: Path, dtype: torch.dtype, has_eval: bool) -> Any:
+def training_arguments(cfg: SFTConfig, dtype: torch.dtype, has_eval: bool, cls: type | None = None,
+                       **extra: Any) -> Any:
+    """The Trainer's arguments for `cfg`, as `cls` (TrainingArguments; a subclass such as a TRL
+    config for other objectives, with its own settings in `extra`)."""
     from transformers import TrainingArguments
 
     steps = cfg.save_steps or None
-    args = TrainingArguments(
-        output_dir=str(output_dir),
+    args = (cls or TrainingArguments)(
+        output_dir=str(cfg.output_dir),
         per_device_train_batch_size=cfg.batch_size,
         per_device_eval_batch_size=cfg.batch_size,
         gradient_accumulation_steps=cfg.grad_accum,
@@ -138,8 +236,9 @@ def _training_arguments(cfg: SFTConfig, output_dir: Path, dtype: torch.dtype, ha
         logging_nan_inf_filter=False,
         accelerator_config={"non_blocking": torch.cuda.is_available()},
         remove_unused_columns=False,
-        report_to="none",
+        report_to=cfg.report_to,
         disable_tqdm=True,  # tigon's Reporter draws the bar
+        **extra,
     )
     # One process counts its tokens on the host (TigonTrainer); several need the Trainer's
     # count, which gathers every process's on the device.
@@ -147,63 +246,27 @@ def _training_arguments(cfg: SFTConfig, output_dir: Path, dtype: torch.dtype, ha
     return args
 
 
-def _peak_flops(device: torch.device, dtype: torch.dtype) -> float:
-    """The measured dense-matmul rate of this device, the denominator of MFU. CPUs often run
-    half-precision matmuls slower than fp32 (emulated), so there the fp32 rate is the peak."""
-    from tigon.bench.harness import measure_matmul_rate
+@dataclass
+class Built:
+    """What the model stage hands on."""
 
-    return measure_matmul_rate(device, dtype if device.type == "cuda" else torch.float32)
-
-
-def run_sft(cfg: SFTConfig, given: set[str] = frozenset()) -> Path:
-    """Fine-tune as `cfg` says; returns the directory of the final model (or adapter)."""
-    threads = torch.get_num_threads()
-    if cfg.model is None and not torch.cuda.is_available():
-        # The built-in model's matrices are too small to gain from threads, and with more threads
-        # than idle cores OpenMP's spinning made each step 16x slower (a busy 2-core machine).
-        torch.set_num_threads(1)
-    try:
-        return _run(cfg, given)
-    finally:
-        torch.set_num_threads(threads)
+    model: torch.nn.Module  # on the device, LoRA-wrapped if asked, tigon's kernels patched in
+    base: torch.nn.Module | None  # the built-in model's initial weights, which its LoRA adapter needs on disk
+    use_cache: bool  # the config's own setting, off while training and restored for the final save
 
 
-def _run(cfg: SFTConfig, given: set[str]) -> Path:
-    from transformers import PrinterCallback, set_seed
-
-    cfg = resolve(cfg, given)
-    quiet_transformers()
-    output_dir = Path(cfg.output_dir)
-    resume_from = _check_output_dir(output_dir, cfg)
-    set_seed(cfg.seed)
-
+def build_model(cfg: SFTConfig, tokenizer: Any, dtype: torch.dtype, args: Any, resume_from: Path | None) -> Built:
+    """The model stage: load (or build) the model, LoRA-wrap it if asked, patch in tigon's kernels."""
     builtin = cfg.model is None
-    samples = load_samples(cfg.dataset or [str(tiny.BUNDLED_DATASET)], cfg.seed)
-    if cfg.eval_dataset:
-        eval_samples = load_samples(cfg.eval_dataset, cfg.seed)
-    elif cfg.eval_split:
-        samples, eval_samples = _split(samples, cfg.eval_split, cfg.seed)
-    else:
-        eval_samples = []
-    tokenizer = tiny.build_tokenizer(samples) if builtin else load_tokenizer(cfg.model)
-    ensure_chat_template(tokenizer)
-    train_data = _rows(tokenizer, samples, cfg, "training data")
-    eval_data = _rows(tokenizer, eval_samples, cfg, "evaluation data") if eval_samples else None
-    log.info("tokens: %d training rows%s, %d tokens, max length %d", len(train_data),
-             " (packed)" if cfg.packing else "", train_data.num_tokens(), cfg.max_length)
-
-    # The built-in model is tiny and trained from scratch: fp32, where bf16 would only lose updates.
-    dtype = torch.float32 if builtin and cfg.dtype == "auto" else pick_dtype(cfg.dtype)
-    args = _training_arguments(cfg, output_dir, dtype, eval_data is not None)
     model = tiny.build_model(tokenizer, cfg.seed).to(dtype) if builtin else load_model(cfg.model, dtype)
     base_model = None
     if builtin and cfg.tuner == "lora":
         # The adapter needs its base on disk to be loadable, and a resumed run the same base.
-        base = output_dir / BASE_DIR
+        base = Path(cfg.output_dir) / BASE_DIR
         if resume_from is not None and base.is_dir():
             model = load_model(str(base), dtype)
         model.name_or_path = str(base.resolve())
-        base_model = copy.deepcopy(model)  # LoRA wraps `model` in place; written out below
+        base_model = copy.deepcopy(model)  # LoRA wraps `model` in place; written out by start_output
     use_cache, model.config.use_cache = model.config.use_cache, False  # see tigon.train.batching
     # DDP's search for unused parameters costs a graph walk per step; only routed experts need it.
     args.ddp_find_unused_parameters = any(getattr(model.config, k, None) for k in ("num_local_experts", "num_experts"))
@@ -218,52 +281,231 @@ def _run(cfg: SFTConfig, given: set[str]) -> Path:
              trainable / 1e6, total / 1e6)
     apply_kernels(model, cfg)
     model.to(args.device)
+    return Built(model, base_model, use_cache)
 
-    if cfg.samples and _sharded(args):
-        log.info("samples: skipped under FSDP/DeepSpeed (a sharded model generates only with every rank); "
-                 "try the saved model with `tigon chat`")
-    prompts = _prompts(samples, cfg.samples) if args.process_index == 0 and not _sharded(args) else []
-    before = [generate(model, tokenizer, p, cfg.max_new_tokens) for p in prompts]
-    for prompt, reply in zip(prompts, before):
-        log.info("before training: %r -> %r", _prompt_text(prompt), reply)
 
-    if args.should_save:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        _clear_old_run(output_dir, resume_from)
-        if base_model is not None and not (output_dir / BASE_DIR).is_dir():
-            staging = staging_dir(output_dir / BASE_DIR)
-            base_model.save_pretrained(staging)
+# --- output directory -------------------------------------------------------------------------
+
+def start_output(output_dir: Path, resume_from: Path | None, built: Built, tokenizer: Any, args: Any) -> None:
+    """Make the output directory ready: a new run clears what an old one left (after --overwrite,
+    or --resume with no checkpoint yet); a resumed one keeps the metrics up to its checkpoint
+    (later lines belong to the run that was stopped). Writes the built-in model's LoRA base."""
+    if not args.should_save:
+        return
+    output_dir.mkdir(parents=True, exist_ok=True)
+    for staging in output_dir.glob(STAGING_PREFIX + "*"):
+        shutil.rmtree(staging, ignore_errors=True)  # a crash's half-written saves, holding disk space
+    if resume_from is not None:
+        step = json.loads((resume_from / "trainer_state.json").read_text())["global_step"]
+        kept = [r for r in read_metrics(output_dir) if r["step"] <= step]
+        (output_dir / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in kept))
+    else:
+        for path in list_checkpoints(output_dir) + _leftovers(output_dir):
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+    base = output_dir / BASE_DIR
+    if built.base is not None and not base.is_dir():
+        staging = staging_dir(base)
+        with removed_on_failure(staging, base):
+            built.base.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
-            publish(staging, output_dir / BASE_DIR)
+        publish(staging, base)
 
-    mean_row = train_data.num_tokens() / len(train_data)
-    reporter = Reporter(output_dir, flops_per_token(model, mean_row), _peak_flops(args.device, dtype),
-                        args.world_size)
-    trainer = TigonTrainer(model=model, args=args, train_dataset=train_data, eval_dataset=eval_data,
-                            data_collator=Collator(tokenizer.pad_token_id), processing_class=tokenizer,
-                            callbacks=[reporter], save_limit=cfg.save_limit)
+
+# --- trainer ----------------------------------------------------------------------------------
+
+def _peak_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """The measured dense-matmul rate of this device, the denominator of MFU. CPUs often run
+    half-precision matmuls slower than fp32 (emulated), so there the fp32 rate is the peak."""
+    return measure_matmul_rate(device, dtype if device.type == "cuda" else torch.float32)
+
+
+def make_reporter(output_dir: Path, model: torch.nn.Module, tokens_per_row: float, args: Any,
+                  dtype: torch.dtype) -> Reporter:
+    return Reporter(output_dir, flops_per_token(model, tokens_per_row), _peak_flops(args.device, dtype),
+                    args.world_size)
+
+
+def attach_reporter(trainer: Any, reporter: Reporter) -> None:
+    """`reporter` in place of the Trainer's printing, and ahead of the trackers of --report-to,
+    so that they log its speed figures too."""
+    from transformers import PrinterCallback
+
     trainer.remove_callback(PrinterCallback)
-    trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    trainer.callback_handler.callbacks.insert(0, reporter)
+
+
+def planned_steps(args: Any, n_rows: int) -> int:
+    """The optimizer steps the Trainer plans for `n_rows` rows: --max-steps, or the epochs over
+    one process's share of the batches, in steps of gradient accumulation (its own arithmetic)."""
+    if args.max_steps > 0:
+        return args.max_steps
+    batches = math.ceil(n_rows / (args.per_device_train_batch_size * args.world_size))
+    return math.ceil(args.num_train_epochs * max(math.ceil(batches / args.gradient_accumulation_steps), 1))
+
+
+def _checkpoint_step(checkpoint: Path) -> int:
+    return json.loads((checkpoint / "trainer_state.json").read_text())["global_step"]
+
+
+def already_trained(cfg: SFTConfig, resume_from: Path | None, planned: int) -> bool:
+    """Whether --resume finds nothing left to train: its checkpoint has reached the planned steps
+    (resuming it would train one step too many), or the run finished keeping no checkpoint."""
+    if not cfg.resume:
+        return False
+    if resume_from is None:
+        return (Path(cfg.output_dir) / FINAL_DIR).is_dir()
+    return _checkpoint_step(resume_from) >= planned
+
+
+def fit(trainer: Any, resume_from: Path | None) -> None:
+    """Train (from `resume_from`), then evaluate the last step unless that was done. Ctrl-C or
+    SIGTERM ends the run after the step in progress with a checkpoint to resume from (`Interrupted`)."""
+    stop = StopOnSignal()
+    trainer.add_callback(stop)
+    try:
+        with stop.catching():
+            trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    except BaseException:
+        for callback in trainer.callback_handler.callbacks:
+            if isinstance(callback, Reporter):
+                callback.close()  # so that the error shows on a line of its own
+        raise
+    finally:
+        trainer.remove_callback(stop)
+    if stop.signum is not None:
+        step = trainer.state.global_step
+        saved = Path(trainer.args.output_dir) / f"checkpoint-{step}"
+        if saved.is_dir():
+            raise Interrupted(f"stopped by {signal_name(stop.signum)} at step {step} of {trainer.state.max_steps}: "
+                              f"saved {saved}; rerun the same command with --resume to continue", stop.signum)
+        # It came after the last step's save point (during the final evaluation, say): writing
+        # final/ is then the quickest complete save there is.
+        log.info("%s after the last step: finishing the run (again: quit at once)", signal_name(stop.signum))
     evaluated = {r["step"] for r in trainer.state.log_history if "eval_loss" in r}
-    if eval_data is not None and trainer.state.global_step not in evaluated:
+    if trainer.eval_dataset is not None and trainer.state.global_step not in evaluated:
         trainer.evaluate()
 
-    model.config.use_cache = use_cache
+
+# --- final model and samples ------------------------------------------------------------------
+
+def _prompt_text(prompt: Prompt) -> str:
+    return prompt if isinstance(prompt, str) else prompt[-1]["content"]
+
+
+def _shown(text: str) -> str:
+    """`text` for the log, cut to a readable length."""
+    return repr(text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 1] + "…")
+
+
+def answer(built: Built, tokenizer: Any, prompts: list[Prompt], cfg: SFTConfig) -> list[str]:
+    return [generate(built.model, tokenizer, p, cfg.max_new_tokens) for p in prompts]
+
+
+def finish(trainer: Any, built: Built, tokenizer: Any, cfg: SFTConfig, prompts: list[Prompt],
+           before: list[str]) -> Path:
+    """The final stage: final/ (written atomically, gathered from every process), the samples'
+    answers after training next to those before, and where to go from here."""
+    output_dir = Path(cfg.output_dir)
+    built.model.config.use_cache = built.use_cache
     final = output_dir / FINAL_DIR
     staging = final.with_name(STAGING_PREFIX + FINAL_DIR)
     if trainer.is_world_process_zero():
         staging_dir(final)
     trainer.accelerator.wait_for_everyone()
-    trainer.save_model(str(staging))  # every process: sharded models gather here
+    with removed_on_failure(staging, final):
+        trainer.save_model(str(staging))  # every process: sharded models gather here
     trainer.accelerator.wait_for_everyone()
     if trainer.is_world_process_zero():
         publish(staging, final)
-        after = [generate(model, tokenizer, p, cfg.max_new_tokens) for p in prompts]
+        after = answer(built, tokenizer, prompts, cfg)
         record = [{"prompt": _prompt_text(p), "before": b, "after": a} for p, b, a in zip(prompts, before, after)]
         (output_dir / SAMPLES_FILE).write_text(json.dumps(record, indent=1) + "\n")
         for r in record:
-            log.info("sample: %r\n  before: %r\n  after:  %r", r["prompt"], r["before"], r["after"])
+            log.info("sample: %s\n  before: %s\n  after:  %s", _shown(r["prompt"]), _shown(r["before"]),
+                     _shown(r["after"]))
         what = "LoRA adapter" if cfg.tuner == "lora" else "model"
         log.info("%s: %s  (tigon chat %s%s)", what, final, final,
                  f"; tigon merge {final} --output {output_dir / 'merged'}" if cfg.tuner == "lora" else "")
     return final
+
+
+# --- the whole run ----------------------------------------------------------------------------
+
+def _sharded(args: Any) -> bool:
+    """Whether the Trainer will shard the model (FSDP or DeepSpeed, from its arguments or from an
+    `accelerate launch` config): generating on rank 0 alone would then wait forever for the others."""
+    launched = any(os.environ.get(f"ACCELERATE_USE_{name}", "").lower() in ("1", "true") for name in ("FSDP", "DEEPSPEED"))
+    return launched or bool(getattr(args, "fsdp", None)) or bool(getattr(args, "deepspeed", None))
+
+
+def _stopped_line(output_dir: Path) -> str:
+    """What a Ctrl-C outside the training loop (while loading, or saving final/) leaves to go on from."""
+    checkpoints = list_checkpoints(output_dir)
+    if checkpoints:
+        return f"interrupted; newest checkpoint: {checkpoints[-1]} (--resume continues from it)"
+    return "interrupted; no checkpoint saved"
+
+
+def run_sft(cfg: SFTConfig, given: set[str] = frozenset()) -> Path:
+    """Fine-tune as `cfg` says; returns the directory of the final model (or adapter). Raises
+    `Interrupted` when stopped by Ctrl-C or SIGTERM (during training, after saving a checkpoint)."""
+    threads = torch.get_num_threads()
+    if cfg.model is None and not torch.cuda.is_available():
+        # The built-in model's matrices are too small to gain from threads, and with more threads
+        # than idle cores OpenMP's spinning made each step 16x slower (a busy 2-core machine).
+        torch.set_num_threads(1)
+    try:
+        return _run(resolve(cfg, given))
+    except KeyboardInterrupt:
+        raise Interrupted(_stopped_line(Path(cfg.output_dir))) from None
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(cfg: SFTConfig) -> Path:
+    output_dir = Path(cfg.output_dir)
+    resume_from = start(cfg)
+    samples, eval_samples = load_data(cfg)
+    tokenizer = tokenizer_for(cfg, samples, resume_from)
+    train_data = sft_rows(tokenizer, samples, cfg, "training data")
+    eval_data = sft_rows(tokenizer, eval_samples, cfg, "evaluation data") if eval_samples else None
+    log.info("tokens: %d training rows%s, %d tokens, max length %d", len(train_data),
+             " (packed)" if cfg.packing else "", train_data.num_tokens(), cfg.max_length)
+
+    dtype = run_dtype(cfg)
+    args = training_arguments(cfg, dtype, eval_data is not None)
+    planned = planned_steps(args, len(train_data))
+    complete = already_trained(cfg, resume_from, planned)
+    if complete:
+        done = f"step {_checkpoint_step(resume_from)} of {planned}" if resume_from else "no checkpoint kept"
+        if (output_dir / FINAL_DIR).is_dir():
+            log.info("%s: the run is complete (%s) and its model is in %s: nothing to do (to train further, "
+                     "--resume with a higher --max-steps or --epochs)", output_dir, done, output_dir / FINAL_DIR)
+            return output_dir / FINAL_DIR
+        log.info("%s: the run is complete (%s) but has no %s/: writing it from %s", output_dir, done, FINAL_DIR,
+                 resume_from.name)
+
+    built = build_model(cfg, tokenizer, dtype, args, resume_from)
+    if cfg.samples and _sharded(args):
+        log.info("samples: skipped under FSDP/DeepSpeed (a sharded model generates only with every rank); "
+                 "try the saved model with `tigon chat`")
+    main_only = args.process_index == 0 and not _sharded(args)
+    prompts = pick_prompts(tokenizer, samples, cfg.samples, cfg.max_length) if main_only else []
+    before = answer(built, tokenizer, prompts, cfg)
+    for prompt, reply in zip(prompts, before):
+        log.info("before training: %s -> %s", _shown(_prompt_text(prompt)), _shown(reply))
+
+    start_output(output_dir, resume_from, built, tokenizer, args)
+    reporter = make_reporter(output_dir, built.model, train_data.num_tokens() / len(train_data), args, dtype)
+    trainer = TigonTrainer(model=built.model, args=args, train_dataset=train_data, eval_dataset=eval_data,
+                           data_collator=Collator(tokenizer.pad_token_id), processing_class=tokenizer,
+                           save_limit=cfg.save_limit)
+    attach_reporter(trainer, reporter)
+    if complete:
+        trainer._load_from_checkpoint(str(resume_from))
+    else:
+        fit(trainer, resume_from)
+    return finish(trainer, built, tokenizer, cfg, prompts, before)
