@@ -144,7 +144,7 @@ def _add_train_commands(sub: argparse._SubParsersAction) -> None:
     sft.add_argument("--debug", **debug)
     sft.set_defaults(run=_cmd_sft)
 
-    merge = sub.add_parser("merge", help="fold a LoRA adapter into its base model; writes a standalone HF model")
+    merge = sub.add_parser("merge", help="fold a LoRA adapter into its base model (the same as tigon export ADAPTER --to merged)")
     merge.add_argument("adapter", help="adapter directory (e.g. tigon-out/final)")
     merge.add_argument("--output", required=True, metavar="DIR", help="where to write the merged model")
     merge.add_argument("--base", metavar="MODEL", help="base model (default: the one the adapter names)")
