@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tigon.patch import SWITCHES
+from tigon.patch import check_switch_names
 
 
 class SFTError(ValueError):
@@ -230,7 +230,8 @@ def resolve(cfg: SFTConfig, given: set[str] = frozenset()) -> SFTConfig:
                        "(leave out single kernels with --kernels-off)")
     if cfg.kernels_off and not cfg.kernels:
         raise SFTError("--kernels-off has no effect with --no-kernels: give one or the other")
-    unknown = [name for name in cfg.kernels_off if name not in SWITCHES]
-    if unknown:
-        raise SFTError(f"--kernels-off: unknown kernel(s) {', '.join(unknown)}; choose from {', '.join(SWITCHES)}")
+    try:
+        check_switch_names(cfg.kernels_off, "--kernels-off")
+    except ValueError as err:
+        raise SFTError(str(err)) from None
     return cfg
