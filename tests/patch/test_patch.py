@@ -512,3 +512,24 @@ def test_gelu_new_mlp_fuses_as_tanh_gelu_with_and_without_lora(monkeypatch):
     tigon.patch(lora)
     assert_same_run(run(lora), want)
     assert calls == [("lora_gated_mlp", "gelu_tanh")] * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_layer_norm_forward_matches_torch_with_and_without_autocast(dtype, device):
+    """The LayerNorm forward (phi) gives torch's dtype and values, plain and under autocast (CUDA's
+    runs LayerNorm in float32; the CPU's keeps the input's dtype)."""
+    from tigon.patch import forwards
+
+    gen = torch.Generator().manual_seed(4)
+    norm = torch.nn.LayerNorm(37).to(device)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(37, generator=gen))
+        norm.bias.copy_(torch.randn(37, generator=gen))
+    forward = forwards.layer_norm_forward(torch.nn.LayerNorm.forward)
+    x = (torch.randn(3, 11, 37, generator=gen) * 2).to(device, dtype)
+    for autocast in (False, True):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            want, got = norm(x), forward(norm, x)
+        assert got.dtype == want.dtype
+        assert_close(got, want, want.dtype, name=f"autocast={autocast}")
+    assert_close(forward(norm.half(), x.half()), norm(x.half()), torch.float16, name="fp16 weights")

@@ -44,14 +44,16 @@ def rms_norm_forward(norm: Norm) -> Callable[[torch.nn.Module, torch.Tensor], to
 @functools.lru_cache(maxsize=None)
 def layer_norm_forward(original: Callable[..., torch.Tensor]) -> Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]:
     """Forward for torch's ``nn.LayerNorm``: its weight, bias and epsilon through
-    :func:`tigon.functional.layer_norm`, in float32 under autocast (as autocast runs LayerNorm). A
-    LayerNorm over more than the last dim runs `original`."""
+    :func:`tigon.functional.layer_norm`. Under CUDA autocast in float32, as autocast runs torch's
+    there; under another device's autocast (which keeps the input's dtype), and for a LayerNorm over
+    more than the last dim, `original` runs."""
 
     def forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if len(self.normalized_shape) != 1:
+        autocast = autocast_dtype(x) is not None
+        if len(self.normalized_shape) != 1 or (autocast and x.device.type != "cuda"):
             return original(self, x)
         weight, bias = self.weight, self.bias
-        if autocast_dtype(x) is not None:
+        if autocast:
             x, weight, bias = (None if t is None else t.float() for t in (x, weight, bias))
         return F.layer_norm(x, weight, bias, self.eps)
 
