@@ -53,6 +53,10 @@ def assert_same_run(got, want):
         assert_close(grad, want_grads[name], name=f"grad {name}")
 
 
+def norm_class(family: Family) -> type:
+    return torch.nn.LayerNorm if family.norm.kind == "layer" else getattr(modeling(family), family.norm.cls)
+
+
 def forbid_hf_code(monkeypatch, family: Family):
     """Make the HF code that tigon replaces raise, so a replacement that quietly falls back to it
     fails the test instead of passing as HF's own numbers."""
@@ -61,10 +65,11 @@ def forbid_hf_code(monkeypatch, family: Family):
     def forbidden(*args, **kwargs):
         raise AssertionError("tigon's replacement fell back to HF's code")
 
-    names = [family.norm.cls, family.causal_lm] + ([family.mlp.cls] if family.mlp else [])
+    names = [family.causal_lm] + ([family.mlp.cls] if family.mlp and family.mlp.gated else [])
     names += [family.layer.cls] if family.layer.fuse else []
     for name in names:
         monkeypatch.setattr(getattr(module, name), "forward", forbidden)
+    monkeypatch.setattr(norm_class(family), "forward", forbidden)
     monkeypatch.setattr(module, family.rope.function, forbidden)
 
 
@@ -78,7 +83,8 @@ def test_instance_patch_matches_hf(model_type, monkeypatch, device):
     forbid_hf_code(monkeypatch, family)
     groups = count_groups(monkeypatch)
     result = tigon.patch(patched)
-    expected = {"rms_norm", "rope", "linear_cross_entropy"} | ({family.mlp.switch} if family.mlp else set())
+    expected = {family.norm.switch, "rope", "linear_cross_entropy"}
+    expected |= {family.mlp.switch} if family.mlp and family.mlp.gated else set()
     expected |= {"add_rms_norm"} if family.layer.fuse else set()
     expected |= {"qkv_group"} if family.attention else set()
     assert expected <= set(result.applied)
@@ -91,11 +97,11 @@ def test_instance_patch_matches_hf(model_type, monkeypatch, device):
 
 def count_groups(monkeypatch) -> list:
     """A list that grows by one each time a patched attention runs its q/k/v as one group."""
-    from tigon.patch import forwards
+    from tigon import functional
 
     calls = []
-    original = forwards.run_linear_group
-    monkeypatch.setattr(forwards, "run_linear_group", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = functional.linear_group
+    monkeypatch.setattr(functional, "linear_group", lambda *a, **k: calls.append(1) or original(*a, **k))
     return calls
 
 
@@ -127,7 +133,7 @@ def test_class_patch_matches_hf_and_unpatch_restores(model_type):
 
 # The interpreter rounds bf16 differently from the GPU, so bf16 runs on the GPU only.
 @pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+@pytest.mark.parametrize("model_type", sorted(t for t, f in FAMILIES.items() if f.norm.kind == "rms"))
 def test_norm_rounding_matches_hf_in_low_precision(model_type, dtype, device):
     """fp32 models cannot tell the families' rounding orders apart; 16-bit inputs can: with the
     right one almost every element is bit-identical to HF's module, with a wrong one many are not."""
@@ -264,7 +270,7 @@ def test_fused_layer_mlp_keeps_the_residual_sum_not_the_normed_input(model_type,
     """The MLP after the fused add + RMSNorm saves the sum the norm keeps anyway, not its normed
     output: one tokens x hidden tensor less per layer, and the same loss and gradients. So it does
     as one op with the add + RMSNorm, and as a module of its own (an MLP with a hook)."""
-    from tigon.patch import forwards
+    from tigon.patch import handoff
 
     model = tiny_model(model_type)
     ids, mask, labels = batch(seed=3)
@@ -283,7 +289,7 @@ def test_fused_layer_mlp_keeps_the_residual_sum_not_the_normed_input(model_type,
         hooks = [layer.mlp.register_forward_hook(lambda m, i, o: ran.append(1)) for layer in model.model.layers]
         alone = saved_bytes_loss_and_grads()
         assert len(ran) == model.config.num_hidden_layers  # an MLP with a hook runs as its module
-        monkeypatch.setattr(forwards, "_normed_input", lambda x: None)
+        monkeypatch.setattr(handoff.MLP_INPUT, "get", lambda key: None)
         unfused = saved_bytes_loss_and_grads()
     finally:
         for hook in hooks:
@@ -306,7 +312,7 @@ def test_residual_add_fuses_with_the_next_layers_norm(model_type, monkeypatch):
     layer's input norm (and Gemma 2's sublayer-output norms), and loss, logits and gradients are
     those of the unpatched model."""
     from tigon import functional
-    from tigon.patch import forwards
+    from tigon.patch import handoff
 
     model = tiny_model(model_type)
     want = run(model)
@@ -318,7 +324,7 @@ def test_residual_add_fuses_with_the_next_layers_norm(model_type, monkeypatch):
         )
     tigon.patch(model)
     layers = model.config.num_hidden_layers
-    assert all(isinstance(getattr(layer, forwards.NEXT_NORM, None)(), torch.nn.Module) for layer in model.model.layers)
+    assert all(isinstance(handoff.NEXT_NORM.get(layer), torch.nn.Module) for layer in model.model.layers)
     got = run(model)
     alone = 1 + (2 * layers if model_type == "gemma2" else 0)
     assert calls == {"add_rms_norm": layers, "add_rms_norm_glu_mlp": layers, "rms_norm": alone}
@@ -340,7 +346,7 @@ def test_residual_add_fuses_with_the_next_layers_norm(model_type, monkeypatch):
     assert calls["add_rms_norm_glu_mlp"] == 2 * layers and calls["add_rms_norm"] == 0
 
     tigon.unpatch(model)
-    assert all(forwards.NEXT_NORM not in vars(layer) for layer in model.model.layers)
+    assert not any(handoff.NEXT_NORM.get(layer) for layer in model.model.layers)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma2"])
@@ -478,3 +484,52 @@ def test_training_step_never_waits_for_the_gpu(model_type):
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_gelu_new_mlp_fuses_as_tanh_gelu_with_and_without_lora(monkeypatch):
+    """One activation table for every path: an MLP whose activation is `gelu_new` (the tanh
+    form) runs the tanh-GELU kernels in full fine-tuning and under LoRA alike, with HF's numbers."""
+    from peft import LoraConfig, get_peft_model
+
+    from tigon import functional
+
+    calls = []
+    for name in ("add_rms_norm_glu_mlp", "glu_mlp", "lora_gated_mlp"):
+        real = getattr(functional, name)
+        monkeypatch.setattr(
+            functional, name, lambda *a, _n=name, _r=real, **k: calls.append((_n, k["activation"])) or _r(*a, **k)
+        )
+    model = tiny_model("gemma", hidden_activation="gelu_new")
+    want = run(model)
+    tigon.patch(model)
+    assert_same_run(run(model), want)
+    assert calls == [("add_rms_norm_glu_mlp", "gelu_tanh")] * 2
+    tigon.unpatch(model)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"], init_lora_weights=False)
+    lora = get_peft_model(model, config)
+    want = run(lora)
+    calls.clear()
+    tigon.patch(lora)
+    assert_same_run(run(lora), want)
+    assert calls == [("lora_gated_mlp", "gelu_tanh")] * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_layer_norm_forward_matches_torch_with_and_without_autocast(dtype, device):
+    """The LayerNorm forward (phi) gives torch's dtype and values, plain and under autocast (CUDA's
+    runs LayerNorm in float32; the CPU's keeps the input's dtype)."""
+    from tigon.patch import forwards
+
+    gen = torch.Generator().manual_seed(4)
+    norm = torch.nn.LayerNorm(37).to(device)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(37, generator=gen))
+        norm.bias.copy_(torch.randn(37, generator=gen))
+    forward = forwards.layer_norm_forward(torch.nn.LayerNorm.forward)
+    x = (torch.randn(3, 11, 37, generator=gen) * 2).to(device, dtype)
+    for autocast in (False, True):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            want, got = norm(x), forward(norm, x)
+        assert got.dtype == want.dtype
+        assert_close(got, want, want.dtype, name=f"autocast={autocast}")
+    assert_close(forward(norm.half(), x.half()), norm(x.half()), torch.float16, name="fp16 weights")

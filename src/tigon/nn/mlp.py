@@ -11,33 +11,21 @@ from typing import Any
 import torch
 
 from tigon import functional as F
+from tigon.nn.activations import ACTIVATIONS, config_activation_name, glu, glu_kind
 
-# Hugging Face `hidden_act` names -> the activation of tigon.functional.glu_mlp.
-SWIGLU_ACTS = {"silu": "silu", "swish": "silu"}
-GEGLU_ACTS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
-_ACTIVATIONS = {**SWIGLU_ACTS, **GEGLU_ACTS}
-
-
-def hidden_act(config: Any) -> str | None:
-    """The activation name of an HF config (Gemma 2/3 call it `hidden_activation`)."""
-    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+SWIGLU_ACTS = {name: act for name, act in ACTIVATIONS.items() if glu_kind(act) == "swiglu"}
+GEGLU_ACTS = {name: act for name, act in ACTIVATIONS.items() if glu_kind(act) == "geglu"}
 
 
 def glu_activation(config: Any) -> str:
     """The glu_mlp activation for an HF config; ValueError if tigon has no kernel for it."""
-    name = hidden_act(config)
-    if name not in _ACTIVATIONS:
+    name = config_activation_name(config)
+    if name not in ACTIVATIONS:
         raise ValueError(
-            f"hidden_act must be one of {', '.join(map(repr, _ACTIVATIONS))} for tigon's gated MLP, "
+            f"hidden_act must be one of {', '.join(map(repr, ACTIVATIONS))} for tigon's gated MLP, "
             f"got {name!r}"
         )
-    return _ACTIVATIONS[name]
-
-
-def _glu(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
-    if activation == "silu":
-        return F.swiglu(gate, up)
-    return F.geglu(gate, up, approximate="tanh" if activation == "gelu_tanh" else "none")
+    return ACTIVATIONS[name]
 
 
 class _GatedMLP(torch.nn.Module):
@@ -45,7 +33,7 @@ class _GatedMLP(torch.nn.Module):
 
     def __init__(self, config: Any, intermediate_size: int | None = None) -> None:
         super().__init__()
-        name = hidden_act(config)
+        name = config_activation_name(config)
         if name not in self.ACTS:
             other = "GeGLUMLP" if name in GEGLU_ACTS else "SwiGLUMLP" if name in SWIGLU_ACTS else None
             raise ValueError(
@@ -71,7 +59,7 @@ class _GatedMLP(torch.nn.Module):
                 x, gate.weight, up.weight, down.weight, gate.bias, up.bias, down.bias, activation=activation
             )
         # Wrapped projections (PEFT LoRA, quantised layers) keep their own forwards.
-        return self.down_proj(_glu(self.gate_proj(x), self.up_proj(x), activation))
+        return self.down_proj(glu(activation, self.gate_proj(x), self.up_proj(x)))
 
 
 class SwiGLUMLP(_GatedMLP):

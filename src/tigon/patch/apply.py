@@ -8,9 +8,12 @@ Two ways in, one plan:
 * ``patch(model)`` rebinds ``forward`` on the matching modules of that one model (plain, on any
   device, or inside a PEFT wrapper); parameters, buffers and the state dict are untouched.
   Module-level functions (RoPE) have no per-model home, so those are swapped in the family's module
-  and restored when the last patch that needed them is undone.
+  and restored when the last patch that needed them is undone. Modules of classes from outside the
+  family's module (torch's LayerNorm, PEFT's LoRA layers: :mod:`tigon.patch.lora`) are replaced
+  this way only.
 
-Everything is planned and checked before anything changes, so an error leaves nothing half-patched.
+Everything is planned and checked before anything changes, so an error leaves nothing half-patched;
+one record per patch says what to restore.
 """
 
 from __future__ import annotations
@@ -20,31 +23,43 @@ import logging
 import sys
 import types
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from tigon import offload, tiled
-from tigon.patch import forwards
+from tigon.patch import forwards, handoff, offload, tiled
+from tigon.patch import lora as peft_lora
 from tigon.patch.families import FAMILIES, Family
+from tigon.patch.modules import forward_attr
+from tigon.patch.switches import check_switch_names
 
 log = logging.getLogger("tigon")
 
-SWITCHES = (
-    "rms_norm", "rope", "swiglu", "geglu", "layer_norm", "add_rms_norm", "qkv_group",
-    "linear_cross_entropy", "cross_entropy", "lora",
-)
+# Whether instance patching links each decoder layer to the norm after it (handoff.NEXT_NORM), so
+# its closing residual add runs with that norm. Private: only for measuring what the cross-layer
+# fusion is worth end to end (scripts/cross_layer_norm_e2e.py); every model gets it otherwise.
+_CROSS_LAYER_ADD_NORM = True
 
 
 @dataclass(frozen=True)
 class Patched:
-    """What one :func:`patch` call applied; ``str()`` is the line it logged."""
+    """What one :func:`patch` call applied; ``str()`` is the line it logged.
+
+    Attributes:
+        target: what was patched (the model's class, or ``"<model_type> classes"``).
+        model_type: the family.
+        applied: the switches that replaced something, in the order applied.
+        layers: the model's decoder layers (instance patching only).
+        lora: on a PEFT model with the ``lora`` switch on, what its LoRA layers run (its line is
+            logged before this one).
+    """
 
     target: str
     model_type: str
     applied: tuple[str, ...]
     layers: int | None = None
+    lora: peft_lora.LoraSummary | None = None
 
     def __str__(self) -> str:
         what = ", ".join(self.applied) if self.applied else "nothing"
@@ -59,11 +74,18 @@ class _Replacement:
     name: str
     new: Callable[..., Any]
     also: tuple[str, ...] = ()  # further switches `new` wraps in (tiled_mlp, offload_activations)
+    # A class from outside the family's module (torch's LayerNorm, PEFT's LoRA Linear): bound only on
+    # a model instance, on modules of exactly that class. A class patch would reach every model of
+    # the process; a subclass may compute something else.
+    foreign: bool = False
 
     @property
     def per_module(self) -> bool:
         """Whether instance patching binds it per module (methods) or swaps it module-wide."""
         return isinstance(self.owner, type)
+
+    def binds_on(self, module: torch.nn.Module) -> bool:
+        return type(module) is self.owner if self.foreign else isinstance(module, self.owner)
 
 
 # Class- and module-level swaps, shared by every patch that needs them: (owner, name) ->
@@ -72,9 +94,29 @@ _MISSING = object()
 _shared: dict[tuple[int, str], list[Any]] = {}
 # model_type -> the shared swaps a class patch holds.
 _class_patches: dict[str, list[tuple[int, str]]] = {}
-# model -> (instance swaps [(module, attr, previous)], shared swaps it holds, whether tigon.peft's
-# LoRA kernels were applied).
-_instance_patches: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[list, list]]" = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class _Undo:
+    """What one instance patch changed, for :func:`unpatch` to restore."""
+
+    forwards: list[tuple[torch.nn.Module, str, Any]] = field(default_factory=list)  # (module, attr, previous)
+    shared: list[tuple[int, str]] = field(default_factory=list)
+    links: list[torch.nn.Module] = field(default_factory=list)  # layers holding a handoff.NEXT_NORM
+
+    def run(self) -> None:
+        for layer in self.links:
+            handoff.NEXT_NORM.drop(layer)
+        for module, attr, previous in reversed(self.forwards):
+            if previous is _MISSING:
+                delattr(module, attr)
+            else:
+                setattr(module, attr, previous)
+        for key in self.shared:
+            _release(key)
+
+
+_instance_patches: "weakref.WeakKeyDictionary[torch.nn.Module, _Undo]" = weakref.WeakKeyDictionary()
 
 
 def _original(owner: Any, name: str) -> Any:
@@ -129,8 +171,12 @@ def _wrap(plan: list[_Replacement], switch: str, owner: Any, wrap: Callable[...,
     plan.append(_Replacement(switch, owner, "forward", wrap(_original(owner, "forward"))))
 
 
-def _plan(family: Family, module: types.ModuleType, switches: dict[str, bool]) -> list[_Replacement]:
-    """The replacements the switches turn on for `family`, checked against `module`."""
+def _plan(
+    family: Family, module: types.ModuleType, switches: dict[str, bool], lora_linear: type | None = None
+) -> list[_Replacement]:
+    """The replacements the switches turn on for `family`, checked against `module`; with
+    `lora_linear` (PEFT's LoRA Linear, for a model holding LoRA layers and the lora switch on),
+    those of the LoRA layers too."""
     missing: list[str] = []
 
     def find(name: str) -> Any:
@@ -139,17 +185,24 @@ def _plan(family: Family, module: types.ModuleType, switches: dict[str, bool]) -
         return getattr(module, name, None)
 
     plan: list[_Replacement] = []
-    if switches["rms_norm"]:
-        plan.append(_Replacement("rms_norm", find(family.norm.cls), "forward", forwards.rms_norm_forward(family.norm)))
+    norm = family.norm
+    if switches[norm.switch] and norm.kind == "rms":
+        plan.append(_Replacement("rms_norm", find(norm.cls), "forward", forwards.rms_norm_forward(norm)))
+    elif switches[norm.switch]:
+        layer_norm = forwards.layer_norm_forward(_original(torch.nn.LayerNorm, "forward"))
+        plan.append(_Replacement("layer_norm", torch.nn.LayerNorm, "forward", layer_norm, foreign=True))
     if switches["rope"] and find(family.rope.function) is not None:
         original = _original(module, family.rope.function)
         plan.append(_Replacement("rope", module, family.rope.function, forwards.rope_function(family.rope, original)))
+    lora_forward = peft_lora.linear_forward(_original(lora_linear, "forward")) if lora_linear is not None else None
+    mlp = family.mlp
+    mlp_cls = find(mlp.cls) if mlp is not None else None
+    glu_ops = mlp_cls is not None and mlp.gated and switches[mlp.switch]
+    lora_mlp = lora_forward if mlp_cls is not None and _lora_mlp(family, switches) else None
     patched_mlp = None
-    if family.mlp is not None and switches[family.mlp.switch]:
-        cls = find(family.mlp.cls)
-        if cls is not None:
-            patched_mlp = forwards.mlp_forward(family.mlp, _original(cls, "forward"))
-            plan.append(_Replacement(family.mlp.switch, cls, "forward", patched_mlp))
+    if glu_ops or lora_mlp is not None:
+        patched_mlp = forwards.mlp_forward(mlp, _original(mlp_cls, "forward"), glu_ops, lora_mlp)
+        plan.append(_Replacement(mlp.switch if glu_ops else "lora", mlp_cls, "forward", patched_mlp))
     loss_switch = next((name for name in ("linear_cross_entropy", "cross_entropy") if switches[name]), None)
     causal_lm = find(family.causal_lm)
     aux_loss = find(family.head.aux_loss) if family.head.aux_loss else None
@@ -166,28 +219,39 @@ def _plan(family: Family, module: types.ModuleType, switches: dict[str, bool]) -
     if switches["add_rms_norm"] and family.layer.fuse is not None and layer is not None:
         # The layer runs its MLP in one op with the add + RMSNorm before it only where that MLP runs
         # tigon's own forward (not under tiled_mlp, which wraps it).
-        joins_mlp = patched_mlp is not None and not switches["tiled_mlp"]
+        joins_mlp = glu_ops and not switches["tiled_mlp"]
         fused = forwards.decoder_layer_forward(
-            family.layer, family.norm, _original(layer, "forward"),
-            family.mlp if joins_mlp else None, patched_mlp if joins_mlp else None,
+            family.layer, norm, _original(layer, "forward"),
+            mlp if joins_mlp else None, patched_mlp if joins_mlp else None,
         )
         plan.append(_Replacement("add_rms_norm", layer, "forward", fused))
-    if switches["qkv_group"] and family.attention is not None:
-        cls = find(family.attention)
+    if family.attention is not None and (switches["qkv_group"] or lora_forward is not None):
+        cls = find(family.attention.cls)
         if cls is not None:
-            grouped = forwards.attention_forward(family.attention, _original(cls, "forward"))
-            plan.append(_Replacement("qkv_group", cls, "forward", grouped))
-    mlp_cls = find(family.mlp.cls) if switches["tiled_mlp"] and family.mlp is not None else None
-    if mlp_cls is not None:
+            grouped = forwards.attention_forward(
+                family.attention, _original(cls, "forward"), switches["qkv_group"], lora_forward
+            )
+            plan.append(_Replacement("qkv_group" if switches["qkv_group"] else "lora", cls, "forward", grouped))
+    if switches["tiled_mlp"] and mlp_cls is not None:
         _wrap(plan, "tiled_mlp", mlp_cls, tiled.tiled_forward)
     if switches["offload_activations"] and causal_lm is not None:
         _wrap(plan, "offload_activations", causal_lm, offload.offloaded_forward)
+    if lora_forward is not None:
+        plan.append(_Replacement("lora", lora_linear, "forward", lora_forward, foreign=True))
     if missing:
         raise ValueError(
             f"tigon.patch: {module.__name__} has no {', '.join(missing)} "
             "(an unsupported transformers version?); nothing was patched"
         )
     return plan
+
+
+def _lora_mlp(family: Family, switches: dict[str, bool]) -> bool:
+    """Whether the family's MLP gets the fused LoRA path: a gated one of three projections, not
+    under tiled_mlp (a fused LoRA MLP would replace the tiled forward: the chunks run the LoRA
+    linears' kernels instead)."""
+    mlp = family.mlp
+    return mlp is not None and mlp.gated and not mlp.packed and not switches["tiled_mlp"]
 
 
 def _switches(kwargs: dict[str, bool]) -> dict[str, bool]:
@@ -212,7 +276,7 @@ def _find_hf_model(model: torch.nn.Module) -> torch.nn.Module:
 
 def _patch_classes(model_type: str, switches: dict[str, bool]) -> Patched:
     family, module = _family(model_type)
-    plan = _plan(family, module, switches)
+    plan = [r for r in _plan(family, module, switches) if not r.foreign]
     unpatch(model_type)
     held = []
     try:
@@ -227,65 +291,67 @@ def _patch_classes(model_type: str, switches: dict[str, bool]) -> Patched:
     return Patched(f"{model_type} classes", model_type, tuple(dict.fromkeys(applied)))
 
 
-def _forward_attr(module: torch.nn.Module) -> str:
-    # accelerate's hooks (device_map loading, offload) own `forward` and call `_old_forward`.
-    return "_old_forward" if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward") else "forward"
-
-
 def _patch_instance(model: torch.nn.Module, switches: dict[str, bool]) -> Patched:
     hf_model = _find_hf_model(model)
     model_type = hf_model.config.model_type
     family, module = _family(model_type)
-    plan = _plan(family, module, switches)
+    lora_linear = peft_lora.lora_linear_in(model) if switches["lora"] else None
+    plan = _plan(family, module, switches, lora_linear)
     unpatch(model)
-    bound: list[tuple[torch.nn.Module, str, Any]] = []
-    held: list[tuple[int, str]] = []
+    undo = _Undo()
     applied: dict[str, None] = {}
-    lora = False
     try:
         for replacement in plan:
             if not replacement.per_module:
-                held.append(_acquire(replacement.owner, replacement.name, replacement.new))
+                undo.shared.append(_acquire(replacement.owner, replacement.name, replacement.new))
                 applied.update(dict.fromkeys((replacement.switch, *replacement.also)))
                 continue
             for sub in model.modules():
-                if isinstance(sub, replacement.owner):
-                    attr = _forward_attr(sub)
-                    bound.append((sub, attr, vars(sub).get(attr, _MISSING)))
+                if replacement.binds_on(sub):
+                    attr = forward_attr(sub)
+                    undo.forwards.append((sub, attr, vars(sub).get(attr, _MISSING)))
                     setattr(sub, attr, types.MethodType(replacement.new, sub))
                     applied.update(dict.fromkeys((replacement.switch, *replacement.also)))
-        if switches["lora"] and _has_lora_layers(model):
-            lora = True
-            # After the forwards above: the LoRA kernels fall back to whatever forward they replace.
-            from tigon.peft import apply_lora_kernels
-
-            mlp = family.mlp
-            # A fused LoRA MLP would replace the tiled forward: under tiled_mlp the chunks run the
-            # LoRA linears' kernels instead.
-            summary = apply_lora_kernels(
-                model, gated_mlp=not switches["tiled_mlp"], mlp_classes=[mlp.cls] if mlp and not mlp.packed else []
-            )
-            if summary.linears:
-                applied["lora"] = None
+        if _CROSS_LAYER_ADD_NORM and switches["add_rms_norm"] and family.layer.fuse is not None:
+            undo.links = _link_next_norms(model, family, module, switches["rms_norm"])
     except BaseException:
-        _undo_instance(model, bound, held, lora)
+        undo.run()
         raise
-    if switches["add_rms_norm"] and family.layer.fuse is not None:
-        _link_next_norms(model, family, module, switches["rms_norm"], bound)
-    _instance_patches[model] = (bound, held, lora)
+    _instance_patches[model] = undo
+    summary = _lora_summary(model, family, module, switches, lora_linear) if lora_linear is not None else None
+    if summary is not None:
+        log.info("%s", summary)
     layer_cls = getattr(module, family.layer.cls)
     layers = sum(isinstance(sub, layer_cls) for sub in model.modules())
-    return Patched(type(hf_model).__name__, model_type, tuple(applied), layers)
+    return Patched(type(hf_model).__name__, model_type, tuple(applied), layers, summary)
+
+
+def _lora_summary(
+    model: torch.nn.Module, family: Family, module: types.ModuleType, switches: dict[str, bool], lora_linear: type
+) -> peft_lora.LoraSummary:
+    """What the LoRA layers of `model` run now, counting the gated MLPs and the q/k/v groups
+    that would run as one LoRA op."""
+    def candidates(spec: Any, activation_fused: bool) -> list[tuple[torch.nn.Module, ...]]:
+        cls = getattr(module, spec.cls)
+        return [
+            tuple(getattr(sub, name) for name in spec.projections) for sub in model.modules()
+            if isinstance(sub, cls) and (not activation_fused or forwards.mlp_activation(spec, sub) is not None)
+        ]
+
+    mlps = candidates(family.mlp, True) if _lora_mlp(family, switches) else []
+    groups = candidates(family.attention, False) if family.attention is not None else []
+    return peft_lora.summarize(model, lora_linear, mlps, groups)
 
 
 def _link_next_norms(
-    model: torch.nn.Module, family: Family, module: types.ModuleType, final_norm: bool,
-    bound: list[tuple[torch.nn.Module, str, Any]],
-) -> None:
+    model: torch.nn.Module, family: Family, module: types.ModuleType, final_norm: bool
+) -> list[torch.nn.Module]:
     """Tell each decoder layer of `model` the norm its output goes through next (the following
     layer's input norm; after the last layer the model's final norm, when the rms_norm switch
-    patched it to take what the layer leaves), so its closing residual add fuses with it."""
+    patched it to take what the layer leaves), so its closing residual add fuses with it; returns
+    the layers told (:data:`handoff.NEXT_NORM`)."""
     layer_cls, norm_cls = getattr(module, family.layer.cls), getattr(module, family.norm.cls)
+    linked = []
     for sub in model.modules():
         layers = getattr(sub, "layers", None)
         if not isinstance(layers, torch.nn.ModuleList) or not layers:
@@ -297,32 +363,9 @@ def _link_next_norms(
         nexts.append(final if final_norm and isinstance(final, norm_cls) else None)
         for layer, next_norm in zip(layers, nexts):
             if next_norm is not None:
-                bound.append((layer, forwards.NEXT_NORM, vars(layer).get(forwards.NEXT_NORM, _MISSING)))
-                setattr(layer, forwards.NEXT_NORM, weakref.ref(next_norm))
-
-
-def _has_lora_layers(model: torch.nn.Module) -> bool:
-    if "peft" not in sys.modules:  # nothing can hold a PEFT layer without PEFT imported
-        return False
-    from peft.tuners.lora import LoraLayer
-
-    return any(isinstance(module, LoraLayer) for module in model.modules())
-
-
-def _undo_instance(
-    model: torch.nn.Module, bound: list[tuple[torch.nn.Module, str, Any]], held: list[tuple[int, str]], lora: bool
-) -> None:
-    if lora:
-        from tigon.peft import remove_lora_kernels
-
-        remove_lora_kernels(model)
-    for sub, attr, previous in reversed(bound):
-        if previous is _MISSING:
-            delattr(sub, attr)
-        else:
-            setattr(sub, attr, previous)
-    for key in held:
-        _release(key)
+                handoff.NEXT_NORM.put(layer, next_norm)
+                linked.append(layer)
+    return linked
 
 
 def patch(
@@ -340,6 +383,7 @@ def patch(
     lora: bool = True,
     offload_activations: bool = False,
     tiled_mlp: bool = False,
+    **others: bool,
 ) -> Patched:
     """Make a Hugging Face decoder model run tigon's kernels; outputs, loss and gradients unchanged.
 
@@ -347,27 +391,28 @@ def patch(
         target: a ``config.model_type`` (``"llama"``, ``"qwen2"``, ...) to patch that family's
             transformers classes, for models built before or after the call; or a model instance
             (plain, on any device, or wrapped by PEFT) to patch only its modules, in place.
-        rms_norm ... lora: one switch per kernel; a switch a family has no use for is ignored.
-            `linear_cross_entropy` (loss straight from the hidden states, logits never
+        rms_norm ... tiled_mlp: the switches of :data:`tigon.patch.switches.TABLE`, which says
+            what each replaces and which ops it covers; a switch a family has no use for is
+            ignored. `linear_cross_entropy` (loss straight from the hidden states, logits never
             materialised) and `cross_entropy` (loss from materialised logits) are exclusive.
-            `qkv_group` computes an attention's q/k/v projections as one op
-            (:func:`tigon.functional.linear_group`), so that backward accumulates their input
-            gradient in its GEMMs instead of adding three copies.
-        offload_activations: under gradient checkpointing, keep each layer's checkpointed hidden
-            states in pinned host memory, copied back one layer ahead in backward
-            (:mod:`tigon.offload`). Exact; off by default.
-        tiled_mlp: run the MLP over chunks of tokens so its tokens x intermediate tensors never
-            exist whole, in forward or recomputation (:mod:`tigon.tiled`). Exact; costs one more
-            MLP forward per step; off by default.
+            `layer_norm` and `lora` replace modules of torch's and PEFT's classes, so only a model
+            instance gets them. `offload_activations` (under gradient checkpointing, the
+            checkpointed hidden states wait in pinned host memory: :mod:`tigon.patch.offload`) and
+            `tiled_mlp` (the MLP over chunks of tokens: :mod:`tigon.patch.tiled`) are exact, off by
+            default, and for long context.
+        others: nothing; a name here is no switch, and raises.
 
     Returns:
-        What was applied; the same line is logged at INFO level on the ``tigon`` logger.
-        Patching a target again first undoes its previous patch.
+        What was applied; the same line is logged at INFO level on the ``tigon`` logger (on a PEFT
+        model after one more line, saying how many LoRA layers run fused and why the others do
+        not). Patching a target again first undoes its previous patch.
 
     Raises:
         ValueError: an unsupported model type (the message lists the supported ones), a target
-            that is neither, or both loss switches; nothing is patched then.
+            that is neither, both loss switches, or a name that is no switch (an op name is told
+            the switch covering it); nothing is patched then.
     """
+    check_switch_names(others, "tigon.patch")
     switches = _switches(dict(
         rms_norm=rms_norm, rope=rope, swiglu=swiglu, geglu=geglu, layer_norm=layer_norm,
         add_rms_norm=add_rms_norm, qkv_group=qkv_group, linear_cross_entropy=linear_cross_entropy,
@@ -401,7 +446,7 @@ def unpatch(target: str | torch.nn.Module | None = None) -> None:
     elif isinstance(target, torch.nn.Module):
         undo = _instance_patches.pop(target, None)
         if undo is not None:
-            _undo_instance(target, *undo)
+            undo.run()
     else:
         raise ValueError(
             f"target must be a model_type string, a torch.nn.Module or None, got {type(target).__name__}"

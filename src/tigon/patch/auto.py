@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from tigon.patch.apply import SWITCHES, patch
+from tigon.patch.apply import patch
+from tigon.patch.switches import SWITCHES, covering
 
 
 # from_pretrained arguments that locate the config as well as the weights.
@@ -14,8 +15,9 @@ _HUB_ARGUMENTS = ("cache_dir", "local_files_only", "revision", "subfolder", "tok
 
 
 def _split(kwargs: dict[str, Any]) -> dict[str, bool]:
-    """Pop tigon's switches out of `kwargs`, leaving transformers' arguments."""
-    return {name: kwargs.pop(name) for name in SWITCHES if name in kwargs}
+    """Pop tigon's switches (and op names, which :func:`tigon.patch` refuses, naming the switch
+    that covers each) out of `kwargs`, leaving transformers' arguments."""
+    return {name: kwargs.pop(name) for name in list(kwargs) if name in SWITCHES or covering(name)}
 
 
 class AutoModelForCausalLM:

@@ -10,18 +10,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-# The projections of an attention's `Family.attention` class, called in this order on one tensor.
-QKV_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
-
-
 @dataclass(frozen=True)
 class Norm:
-    """An RMSNorm class and how its arithmetic rounds (see :func:`tigon.functional.rms_norm`)."""
+    """A family's norm class and how its arithmetic rounds (see :func:`tigon.functional.rms_norm`).
+
+    Attributes:
+        cls: the class name; for ``kind="layer"``, torch's ``nn.LayerNorm``, which the family's
+            modules build directly (only a patched model instance has its LayerNorms replaced: a
+            class patch of torch's would reach every LayerNorm in the process).
+        kind: ``"rms"`` (the ``rms_norm`` switch) or ``"layer"`` (``layer_norm``).
+        offset, casting: the RMSNorm variant.
+        eps: the attribute holding epsilon (Llama's modules call it `variance_epsilon`).
+    """
 
     cls: str
     offset: float = 0.0
     casting: str = "llama"
-    eps: str = "variance_epsilon"  # the attribute holding epsilon (Gemma's modules call it `eps`)
+    eps: str = "variance_epsilon"
+    kind: str = "rms"
+
+    @property
+    def switch(self) -> str:
+        return "layer_norm" if self.kind == "layer" else "rms_norm"
 
 
 @dataclass(frozen=True)
@@ -32,8 +42,8 @@ class Layer:
         cls: the class name.
         fuse: ``"pre_norm"`` (Llama: ``post_attention_layernorm(residual + attn)``),
             ``"sandwich"`` (Gemma 2/3: ``pre_feedforward_layernorm(residual +
-            post_attention_layernorm(attn))``), or None when no add feeds a norm (OLMo 2 normalises
-            the sublayer outputs, not the sums).
+            post_attention_layernorm(attn))``), or None when no add feeds an RMSNorm (OLMo 2
+            normalises the sublayer outputs, not the sums; Phi's norms are LayerNorms).
         scale: attribute multiplying each sublayer's output before the add (Granite).
         dropout: the modules applied to the attention and MLP outputs before the add (Phi-3).
     """
@@ -46,21 +56,41 @@ class Layer:
 
 @dataclass(frozen=True)
 class MLP:
-    """A gated-MLP class: ``down_proj(act(gate) * up)``.
+    """A family's MLP class.
 
     Attributes:
         cls: the class name.
-        switch: ``"swiglu"`` (SiLU gate) or ``"geglu"`` (GELU gate); a module whose activation turns
-            out to be another keeps HF's forward.
+        switch: for a gated MLP, ``down(act(gate) * up)``, the switch of its activation:
+            ``"swiglu"`` (SiLU gate) or ``"geglu"`` (GELU gate); a module whose activation turns out
+            to be another keeps HF's forward. None for an MLP that is not gated (no kernel of
+            tigon's computes it; ``tiled_mlp`` still wraps it).
         act: the attribute holding the activation module.
-        packed: one ``gate_up_proj`` whose output is ``[gate, up]`` (Phi-3) instead of
-            ``gate_proj`` and ``up_proj``.
+        projections: the attributes of its linears: gate, up and down; or one packed
+            ``gate_up_proj`` whose output is ``[gate, up]`` (Phi-3) and down; for an MLP that is
+            not gated, in the order it calls them.
     """
 
     cls: str
-    switch: str = "swiglu"
+    switch: str | None = "swiglu"
     act: str = "act_fn"
-    packed: bool = False
+    projections: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
+
+    @property
+    def gated(self) -> bool:
+        return self.switch is not None
+
+    @property
+    def packed(self) -> bool:
+        return self.gated and len(self.projections) == 2
+
+
+@dataclass(frozen=True)
+class Attention:
+    """An attention class whose forward calls its q, k and v projections, in that order, on its
+    `hidden_states` (``self.q_proj(hidden_states)``, ...), and the attributes holding them."""
+
+    cls: str
+    projections: tuple[str, str, str] = ("q_proj", "k_proj", "v_proj")
 
 
 @dataclass(frozen=True)
@@ -106,11 +136,10 @@ class Family:
         module: the modeling module's directory under ``transformers.models``.
         causal_lm: the ``*ForCausalLM`` class.
         layer: the decoder-layer class and its residual structure.
-        norm: the RMSNorm class with its rounding.
-        mlp: the dense gated MLP, if the family has one (MoE experts keep HF's code).
-        attention: the attention class, if it computes ``self.q_proj(hidden_states)``,
-            ``self.k_proj(hidden_states)`` and ``self.v_proj(hidden_states)`` (Phi-3 packs them
-            into one ``qkv_proj``).
+        norm: the norm class with its rounding.
+        mlp: the dense MLP, if the family has one (MoE experts keep HF's code).
+        attention: the attention, if it calls separate q/k/v projections (Phi-3 packs them into
+            one ``qkv_proj``).
         rope: the rotary-embedding function.
         head: the causal-LM head's extras.
     """
@@ -120,7 +149,7 @@ class Family:
     layer: Layer
     norm: Norm
     mlp: MLP | None
-    attention: str | None
+    attention: Attention | None
     rope: Rope
     head: Head
 
@@ -131,6 +160,7 @@ def _norm(prefix: str, kind: str = LLAMA_NORM) -> Norm:
     return Norm(f"{prefix}RMSNorm")
 
 
+LAYER_NORM = Norm("LayerNorm", eps="eps", kind="layer")
 MOE_HEAD = Head(aux_loss="load_balancing_loss_func")
 SOFTCAP_HEAD = Head(softcap="final_logit_softcapping")
 _DEFAULT = object()
@@ -142,7 +172,7 @@ def _family(
     *,
     norm: Norm | None = None,
     mlp: MLP | None | object = _DEFAULT,
-    attention: str | None | object = _DEFAULT,
+    attention: Attention | None | object = _DEFAULT,
     rope: Rope = Rope(),
     head: Head = Head(),
     **layer,
@@ -153,7 +183,7 @@ def _family(
         layer=Layer(f"{prefix}DecoderLayer", **layer),
         norm=norm or _norm(prefix),
         mlp=MLP(f"{prefix}MLP") if mlp is _DEFAULT else mlp,
-        attention=f"{prefix}Attention" if attention is _DEFAULT else attention,
+        attention=Attention(f"{prefix}Attention") if attention is _DEFAULT else attention,
         rope=rope,
         head=head,
     )
@@ -168,8 +198,14 @@ FAMILIES: dict[str, Family] = {
     # The dense MLP of the layers listed in `mlp_only_layers`; the experts keep HF's code.
     "qwen3_moe": _family("qwen3_moe", "Qwen3Moe", head=MOE_HEAD),
     "phi3": _family(
-        "phi3", "Phi3", mlp=MLP("Phi3MLP", act="activation_fn", packed=True), attention=None,
-        dropout=("resid_attn_dropout", "resid_mlp_dropout"),
+        "phi3", "Phi3", mlp=MLP("Phi3MLP", act="activation_fn", projections=("gate_up_proj", "down_proj")),
+        attention=None, dropout=("resid_attn_dropout", "resid_mlp_dropout"),
+    ),
+    # LayerNorm, partial rotary (the attention rotates a slice), one norm feeding attention and MLP in
+    # parallel, an MLP that is not gated, a biased lm_head.
+    "phi": _family(
+        "phi", "Phi", norm=LAYER_NORM, mlp=MLP("PhiMLP", None, act="activation_fn", projections=("fc1", "fc2")),
+        fuse=None,
     ),
     "gemma": _family("gemma", "Gemma", norm=_norm("Gemma", GEMMA_NORM), mlp=MLP("GemmaMLP", "geglu")),
     "gemma2": _family(

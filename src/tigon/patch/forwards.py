@@ -3,25 +3,26 @@
 Each factory returns one function per table entry and returns the *same* function for the same
 entry (``lru_cache``), so patching twice installs an identical object and torch.compile sees a
 stable callee. A forward reads only the attributes the HF module already has, so it can be bound
-to a live module (instance patching) or set on the class (class patching) alike.
+to a live module (instance patching) or set on the class (class patching) alike. What the
+forwards hand to one another goes through :mod:`tigon.patch.handoff`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import inspect
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from tigon import functional as F
-from tigon._checks import has_hooks
-from tigon.ops.linear_group import run_linear_group
+from tigon.nn.activations import glu, glu_kind, module_activation
 from tigon.ops.lora import autocast_dtype
 from tigon.ops.rms_norm import NormedInput
-from tigon.patch.families import MLP, QKV_PROJECTIONS, Head, Layer, Norm, Rope
+from tigon.patch import handoff, lora
+from tigon.patch.families import MLP, Attention, Head, Layer, Norm, Rope
+from tigon.patch.modules import has_hooks, plain_linear, zero3_partitioned
 
 
 @functools.lru_cache(maxsize=None)
@@ -37,6 +38,26 @@ def rms_norm_forward(norm: Norm) -> Callable[[torch.nn.Module, torch.Tensor], to
         )
 
     forward.__qualname__ = f"tigon_{norm.cls}.forward"
+    return forward
+
+
+@functools.lru_cache(maxsize=None)
+def layer_norm_forward(original: Callable[..., torch.Tensor]) -> Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]:
+    """Forward for torch's ``nn.LayerNorm``: its weight, bias and epsilon through
+    :func:`tigon.functional.layer_norm`. Under CUDA autocast in float32, as autocast runs torch's
+    there; under another device's autocast (which keeps the input's dtype), and for a LayerNorm over
+    more than the last dim, `original` runs."""
+
+    def forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        autocast = autocast_dtype(x) is not None
+        if len(self.normalized_shape) != 1 or (autocast and x.device.type != "cuda"):
+            return original(self, x)
+        weight, bias = self.weight, self.bias
+        if autocast:
+            x, weight, bias = (None if t is None else t.float() for t in (x, weight, bias))
+        return F.layer_norm(x, weight, bias, self.eps)
+
+    forward.__qualname__ = "tigon_LayerNorm.forward"
     return forward
 
 
@@ -65,78 +86,39 @@ def _add_norm_mlp(
     )
 
 
-# (normed tensor, NormedInput) while a fused decoder layer calls its MLP on the output of its
-# fused add + RMSNorm: the MLP forward, reached through the module call (so hooks still run),
-# recognises its input and lets glu_mlp keep the sum, which the norm keeps anyway, instead of it.
-_MLP_NORMED_INPUT: contextvars.ContextVar[tuple[torch.Tensor, NormedInput] | None] = contextvars.ContextVar(
-    "tigon_mlp_normed_input", default=None
-)
-
-
-@contextlib.contextmanager
-def _mlp_input_from_norm(norm: Norm, module: torch.nn.Module, normed: torch.Tensor, source: torch.Tensor) -> Iterator[None]:
-    if torch.compiler.is_compiling():  # traced code runs the references, which keep x anyway
-        yield
-        return
-    eps = float(getattr(module, norm.eps))
-    token = _MLP_NORMED_INPUT.set((normed, NormedInput(source, module.weight, eps, norm.offset, norm.casting)))
-    try:
-        yield
-    finally:
-        _MLP_NORMED_INPUT.reset(token)
-
-
-def _normed_input(x: torch.Tensor) -> NormedInput | None:
-    current = _MLP_NORMED_INPUT.get()
-    return current[1] if current is not None and current[0] is x else None
-
-
-# A fused decoder layer that knows the norm its output goes through next (the following layer's
-# `input_layernorm`, or the model's final norm: `tigon.patch` of a model instance records it as
-# `NEXT_NORM`, a weak reference) forms its closing residual add and that norm in one kernel, and
-# leaves the normed tensor on the sum it returns, under `_NORMED`, for that norm to take instead of
-# computing it again. Only the named norm module takes it.
-NEXT_NORM = "_tigon_next_norm"
-_NORMED = "_tigon_normed"
+def _normed_from(norm: Norm, module: torch.nn.Module, source: torch.Tensor) -> NormedInput:
+    """What says that a tensor is `module`'s norm of `source` (for :data:`handoff.MLP_INPUT`)."""
+    return NormedInput(source, module.weight, float(getattr(module, norm.eps)), norm.offset, norm.casting)
 
 
 def _take_normed(x: torch.Tensor, norm_module: torch.nn.Module | None) -> torch.Tensor | None:
-    """The normed `x` a fused layer left for `norm_module`, removed from `x`; None if there is none."""
-    if torch.compiler.is_compiling():
-        return None
-    left = x.__dict__.pop(_NORMED, None)
+    """The normed `x` a fused layer left for `norm_module` (:data:`handoff.NORMED`), no longer
+    held; None if there is none."""
+    left = handoff.NORMED.take(x)
     return left[1] if left is not None and left[0] is norm_module else None
 
 
 def _next_norm(layer: torch.nn.Module, residual: torch.Tensor, norm_forward: Callable[..., Any]) -> torch.nn.Module | None:
-    """The norm `layer`'s output goes through next, if its add can be fused with it here: not under
-    gradient checkpointing (the recomputed layer must save what the first pass saved), nor into a
-    module whose hooks or ZeRO-3 partitioning a direct read would skip, nor across devices, nor in
-    a distributed run, where FSDP gathers each layer's weights only for its own forward and
-    reduces their gradients right after its own backward."""
-    ref = getattr(layer, NEXT_NORM, None)
-    if ref is None or torch.compiler.is_compiling():
+    """The norm `layer`'s output goes through next (:data:`handoff.NEXT_NORM`), if its add can be
+    fused with it here: not under gradient checkpointing (the recomputed layer must save what the
+    first pass saved), nor into a module whose hooks or ZeRO-3 partitioning a direct read would
+    skip, nor across devices, nor in a distributed run, where FSDP gathers each layer's weights
+    only for its own forward and reduces their gradients right after its own backward."""
+    norm_module = handoff.NEXT_NORM.get(layer)
+    if norm_module is None:
         return None
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return None
     # (Reentrant checkpointing runs the first pass without grad mode: test the flags only.)
     if getattr(layer, "gradient_checkpointing", False) and layer.training:
         return None
-    norm_module = ref()
     if (
-        norm_module is None
-        or has_hooks(norm_module, own_forward=norm_forward)
-        or _zero3_partitioned(norm_module.weight)
+        has_hooks(norm_module, own_forward=norm_forward)
+        or zero3_partitioned(norm_module.weight)
         or norm_module.weight.device != residual.device
     ):
         return None
     return norm_module
-
-
-def _zero3_partitioned(param: torch.Tensor) -> bool:
-    """A DeepSpeed ZeRO-3 parameter (DeepSpeed's own test: it has a `ds_id`). Its data is whole
-    only while its own module's forward runs, so no other forward may read it directly."""
-    return hasattr(param, "ds_id")
 
 
 @functools.lru_cache(maxsize=None)
@@ -183,7 +165,7 @@ def decoder_layer_forward(
             or has_hooks(module, own_forward=patched_mlp_forward)
         ):
             return None, None
-        activation = _mlp_activation(mlp, module)
+        activation = mlp_activation(mlp, module)
         weights = _glu_mlp_weights(mlp, module) if activation is not None else None
         return weights, activation
 
@@ -192,7 +174,7 @@ def decoder_layer_forward(
         norm_module = getattr(self, fused_norm)
         # The fused add reads the norm's weight without calling it: a norm with hooks (or a forward
         # of its own) runs in the original layer, as a module call.
-        if args or _zero3_partitioned(norm_module.weight) or has_hooks(norm_module, own_forward=norm_forward):
+        if args or zero3_partitioned(norm_module.weight) or has_hooks(norm_module, own_forward=norm_forward):
             return inner(self, hidden_states, *args, **kwargs)
         residual = hidden_states
         if normed is None:
@@ -207,7 +189,7 @@ def decoder_layer_forward(
             hidden_states, residual = _add_norm_mlp(norm, norm_module, hidden_states, residual, weights, activation)
         else:
             hidden_states, residual = _add_norm(norm, norm_module, hidden_states, residual)
-            with _mlp_input_from_norm(norm, norm_module, hidden_states, residual):
+            with handoff.MLP_INPUT.lent(hidden_states, _normed_from(norm, norm_module, residual)):
                 hidden_states = self.mlp(hidden_states)
         if layer.fuse == "sandwich":
             hidden_states = self.post_feedforward_layernorm(hidden_states)
@@ -216,7 +198,7 @@ def decoder_layer_forward(
         if next_norm is None:
             return residual + out
         normed, total = _add_norm(norm, next_norm, out, residual)
-        setattr(total, _NORMED, (next_norm, normed))
+        handoff.NORMED.put(total, (next_norm, normed))
         return total
 
     def forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -237,132 +219,149 @@ def _hf_checkpoints_in_forward() -> bool:
     return "__call__" not in GradientCheckpointingLayer.__dict__
 
 
-# The activations each GLU switch covers, as the op's activation name.
-GLU_ACTIVATIONS = {"swiglu": ("silu",), "geglu": ("gelu_tanh", "gelu")}
-
-
-@functools.lru_cache(maxsize=None)
-def _activation_names() -> dict[type, str]:
-    """HF activation module classes that compute exactly one of the ops' activations."""
-    from transformers import activations
-
-    return {
-        activations.SiLUActivation: "silu",
-        torch.nn.SiLU: "silu",
-        activations.GELUTanh: "gelu_tanh",
-        activations.GELUActivation: "gelu",
-    }
-
-
-def _glu(activation: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    if activation == "silu":
-        return F.swiglu(gate, up)
-    return F.geglu(gate, up, approximate="tanh" if activation == "gelu_tanh" else "none")
-
-
-def _plain(linear: torch.nn.Module) -> bool:
-    """An nn.Linear whose weights a fused op may read directly: not a LoRA or quantised wrapper,
-    and nothing (hooks, accelerate's offload wrapper) that calling it would run."""
-    return type(linear) is torch.nn.Linear and not has_hooks(linear)
-
-
-def _mlp_activation(mlp: MLP, module: torch.nn.Module) -> str | None:
-    """The op's name for `module`'s activation when it is one of `mlp.switch`'s, else None."""
-    activation = _activation_names().get(type(getattr(module, mlp.act)))
-    return activation if activation in GLU_ACTIVATIONS[mlp.switch] else None
+def mlp_activation(mlp: MLP, module: torch.nn.Module) -> str | None:
+    """The op's name for `module`'s activation when it is one of `mlp.switch`'s and has no hooks
+    (a fused op does not call it), else None."""
+    act = getattr(module, mlp.act)
+    activation = module_activation(act)
+    if activation is None or glu_kind(activation) != mlp.switch or has_hooks(act):
+        return None
+    return activation
 
 
 def _glu_mlp_weights(mlp: MLP, module: torch.nn.Module) -> tuple | None:
     """(gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias) of a gated MLP whose
     projections are plain linears, which glu_mlp may read directly; None otherwise."""
-    down = module.down_proj
+    linears = [getattr(module, name) for name in mlp.projections]
+    if not all(plain_linear(linear) for linear in linears):
+        return None
     if mlp.packed:
-        gate_up = module.gate_up_proj
-        if not (_plain(gate_up) and _plain(down)):
-            return None
+        gate_up, down = linears
         gate_w, up_w = gate_up.weight.chunk(2, dim=0)
         gate_b, up_b = (None, None) if gate_up.bias is None else gate_up.bias.chunk(2)
         return gate_w, up_w, down.weight, gate_b, up_b, down.bias
-    gate_proj, up_proj = module.gate_proj, module.up_proj
-    if not (_plain(gate_proj) and _plain(up_proj) and _plain(down)):
-        return None
-    return gate_proj.weight, up_proj.weight, down.weight, gate_proj.bias, up_proj.bias, down.bias
+    gate, up, down = linears
+    return gate.weight, up.weight, down.weight, gate.bias, up.bias, down.bias
+
+
+def _lora_projections(layers: Sequence[torch.nn.Module], x: torch.Tensor) -> list | None:
+    """The fused-path weights of PEFT LoRA linears on input `x`; None unless every one qualifies
+    (:func:`tigon.patch.lora.projection`)."""
+    weights = [lora.projection(layer, x) for layer in layers]
+    return weights if all(w is not None for w in weights) else None
 
 
 @functools.lru_cache(maxsize=None)
-def mlp_forward(mlp: MLP, original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """Forward for an HF gated MLP: :func:`tigon.functional.glu_mlp` when its projections are
-    plain linears (saves less for backward), else the projections' own forwards (LoRA, quantised)
-    around :func:`tigon.functional.swiglu` / :func:`~tigon.functional.geglu`. A module whose
-    activation is not one of `mlp.switch`'s runs `original`."""
+def mlp_forward(
+    mlp: MLP, original: Callable[..., torch.Tensor], glu_ops: bool, lora_forward: Callable[..., Any] | None = None
+) -> Callable[..., torch.Tensor]:
+    """Forward for an HF gated MLP whose activation is one of `mlp.switch`'s (else `original` runs).
+
+    With `lora_forward` (PEFT LoRA linears run it; not for a packed gate_up_proj): gate, up and
+    down projections that are such qualifying linears, with no hooks, run as one
+    :func:`tigon.functional.lora_gated_mlp`.
+    With `glu_ops`: projections that are plain linears run as one :func:`tigon.functional.glu_mlp`
+    (saves less for backward), others (LoRA, quantised) their own forwards around
+    :func:`tigon.functional.swiglu` / :func:`~tigon.functional.geglu`. Anything else runs `original`.
+    """
 
     def forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        activation = _mlp_activation(mlp, self)
+        activation = mlp_activation(mlp, self)
         if activation is None:
+            return original(self, x)
+        if lora_forward is not None:
+            layers = [getattr(self, name) for name in mlp.projections]
+            if all(lora.runs(layer, lora_forward) and not has_hooks(layer, own_forward=lora_forward) for layer in layers):
+                projections = _lora_projections(layers, x)
+                if projections is not None:
+                    return F.lora_gated_mlp(x, *projections, activation=activation)
+        if not glu_ops:
             return original(self, x)
         weights = _glu_mlp_weights(mlp, self)
         if weights is not None:
-            return F.glu_mlp(x, *weights, activation=activation, normed_input=_normed_input(x))
+            return F.glu_mlp(x, *weights, activation=activation, normed_input=handoff.MLP_INPUT.get(x))
         if mlp.packed:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            gate, up = getattr(self, mlp.projections[0])(x).chunk(2, dim=-1)
         else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(_glu(activation, gate, up))
+            gate, up = getattr(self, mlp.projections[0])(x), getattr(self, mlp.projections[1])(x)
+        return getattr(self, mlp.projections[-1])(glu(activation, gate, up))
 
     forward.__qualname__ = f"tigon_{mlp.cls}.forward"
     return forward
 
 
-def _group_output(module: torch.nn.Module, x: torch.Tensor, out: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
-    """A q/k/v projection's forward while its attention runs: `out`, computed for `x` in the group."""
-    if input is x:
-        return out
-    return torch.nn.Linear.forward(module, input)
+class _Group:
+    """An attention's q/k/v projections computed as one op on `x`, at the first of their calls on
+    it: after that projection's hooks, one of which may have replaced the tensor or added
+    arguments (then that call runs the projection's own forward). `compute` returns the outputs in
+    `projections`' order, or None when they must run on their own."""
+
+    __slots__ = ("x", "projections", "compute", "outputs")
+
+    def __init__(self, x: torch.Tensor, projections: tuple, compute: Callable[[], Sequence[torch.Tensor] | None]) -> None:
+        self.x, self.projections, self.compute = x, projections, compute
+        self.outputs: dict | None = None
+
+    def answer(self, projection: torch.nn.Module, input: Any) -> torch.Tensor | None:
+        if input is not self.x:
+            return None
+        if self.outputs is None:
+            outs = self.compute()
+            self.outputs = {} if outs is None else dict(zip(self.projections, outs))
+        return self.outputs.get(projection)
 
 
-def _group_qkv(attention: torch.nn.Module, hidden_states: Any) -> tuple[torch.nn.Module, ...]:
-    """Compute the attention's q, k and v projections of `hidden_states` as one
-    :func:`tigon.functional.linear_group` (their input gradient accumulated in their backward
-    GEMMs, not summed by autograd) and make each projection's call on that tensor return its part,
-    until the caller pops the ``forward`` this sets on them; returns the projections so set.
+def _plain_group(projections: tuple, x: torch.Tensor) -> _Group | None:
+    """Plain linears as one :func:`tigon.functional.linear_group` (their input gradient
+    accumulated in their backward GEMMs, not summed by autograd): only when calling them would run
+    nothing more (no hooks, accelerate or ZeRO-3 wrapping, no forward set on the instance), in
+    x's dtype (or under autocast) and on its device, when a backward can follow."""
+    if not torch.is_grad_enabled() or not all(plain_linear(p) for p in projections):
+        return None
+    autocast = autocast_dtype(x) is not None
+    for t in (t for p in projections for t in (p.weight, p.bias)):
+        if t is not None and (t.device != x.device or (t.dtype != x.dtype and not autocast) or zero3_partitioned(t)):
+            return None
+    return _Group(x, projections, lambda: F.linear_group(x, [p.weight for p in projections], [p.bias for p in projections]))
 
-    Only for plain linears that calling would run nothing more (no hooks, accelerate or ZeRO-3
-    wrapping, no forward set on the instance), in `hidden_states`' dtype (or under autocast) and on its
-    device, when a backward can follow; otherwise the projections run as they are."""
-    if not (isinstance(hidden_states, torch.Tensor) and hidden_states.is_floating_point() and torch.is_grad_enabled()):
-        return ()
-    if torch.compiler.is_compiling():
-        return ()
-    projections = tuple(getattr(attention, name, None) for name in QKV_PROJECTIONS)
-    if not all(_plain(p) for p in projections):
-        return ()
-    params = tuple(t for p in projections for t in (p.weight, p.bias))
-    dtype, device = hidden_states.dtype, hidden_states.device
-    autocast = autocast_dtype(hidden_states)
-    for t in params:
-        if t is not None and (t.device != device or (t.dtype != dtype and autocast is None) or _zero3_partitioned(t)):
-            return ()
-    outs = run_linear_group(hidden_states, params, autocast)
-    for projection, out in zip(projections, outs):
-        vars(projection)["forward"] = functools.partial(_group_output, projection, hidden_states, out)
-    return projections
+
+def _lora_group(projections: tuple, x: torch.Tensor, lora_forward: Callable[..., Any]) -> _Group | None:
+    """PEFT LoRA linears running tigon's LoRA forward as one :func:`tigon.functional.lora_linear_group`
+    (x read and saved once, one input gradient), when each qualifies at the time of the call."""
+    if not all(lora.runs(p, lora_forward) for p in projections):
+        return None
+
+    def compute() -> Sequence[torch.Tensor] | None:  # while their forwards are displaced: no `runs`
+        weights = _lora_projections(projections, x)
+        return None if weights is None else F.lora_linear_group(x, weights)
+
+    return _Group(x, projections, compute)
 
 
 @functools.lru_cache(maxsize=None)
-def attention_forward(cls: str, original: Callable[..., Any]) -> Callable[..., Any]:
+def attention_forward(
+    attention: Attention, original: Callable[..., Any], plain: bool, lora_forward: Callable[..., Any] | None = None
+) -> Callable[..., Any]:
     """Forward for an HF attention whose q/k/v projections read the same `hidden_states`: runs
-    `original` with the three computed as one group (see :func:`_group_qkv`)."""
+    `original` with the three computed as one op (`plain`: plain linears; `lora_forward`: PEFT LoRA
+    linears that run it), each projection's call on those hidden states returning its part
+    (:func:`tigon.patch.handoff.answered_calls`)."""
 
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else (args[0] if args else None)
-        grouped = _group_qkv(self, hidden_states)
-        try:
+        x = kwargs["hidden_states"] if "hidden_states" in kwargs else (args[0] if args else None)
+        group = None
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and handoff.available():
+            projections = tuple(getattr(self, name, None) for name in attention.projections)
+            if plain:
+                group = _plain_group(projections, x)
+            if group is None and lora_forward is not None:
+                group = _lora_group(projections, x, lora_forward)
+        if group is None:
             return original(self, *args, **kwargs)
-        finally:
-            for projection in grouped:
-                vars(projection).pop("forward", None)
+        with handoff.answered_calls(group.projections, group.answer):
+            return original(self, *args, **kwargs)
 
-    forward.__qualname__ = f"tigon_{cls}.forward"
+    forward.__qualname__ = f"tigon_{attention.cls}.forward"
     return forward
 
 
@@ -463,11 +462,11 @@ def _head_weights(lm_head: torch.nn.Module) -> contextlib.AbstractContextManager
     gathered for the duration (DeepSpeed's ``GatheredParameters``, read-only) for a linear whose
     ZeRO-3 partitioned weights DeepSpeed's hooks would gather only inside its own forward. None
     otherwise: then the loss goes through the module and the logits."""
-    if _plain(lm_head):
+    if plain_linear(lm_head):
         return contextlib.nullcontext()
     if _fsdp2_linear(lm_head):
         return _fsdp2_group_ready(lm_head)
-    if type(lm_head) is torch.nn.Linear and _zero3_partitioned(lm_head.weight):
+    if type(lm_head) is torch.nn.Linear and zero3_partitioned(lm_head.weight):
         try:
             import deepspeed
             from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
@@ -487,28 +486,23 @@ def _head_weights(lm_head: torch.nn.Module) -> contextlib.AbstractContextManager
 CAUSAL_LM_LOSS_CHUNK_BYTES = 256 * 2**20
 
 
-# Marks position ids that tigon made for a batch of whole sequences (each row 0, 1, 2, ...).
-_WHOLE_SEQUENCES = "_tigon_whole_sequences"
-
-
 def _whole_sequence_positions(tokens: torch.Tensor) -> torch.Tensor:
     """The positions Hugging Face's decoder would make for `tokens` (ids or embeddings, batch
-    first) with no cache, one row per sequence, marked as such for :func:`packed_sequence_finder`."""
+    first) with no cache, one row per sequence."""
     batch, length = tokens.shape[:2]
-    positions = torch.arange(length, device=tokens.device).expand(batch, length)
-    setattr(positions, _WHOLE_SEQUENCES, True)
-    return positions
+    return torch.arange(length, device=tokens.device).expand(batch, length)
 
 
 @functools.lru_cache(maxsize=None)
 def packed_sequence_finder(original: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
     """``transformers.masking_utils.find_packed_sequence_indices``, answering None (no packed
-    sequences) for positions tigon made for whole sequences, without the look at the device's data
-    that `original` takes: a device-to-host synchronisation that would stall every training step
-    until the GPU had drained the previous one. Every other tensor gets `original`'s answer."""
+    sequences) for positions tigon made for whole sequences (:data:`handoff.WHOLE_SEQUENCES`),
+    without the look at the device's data that `original` takes: a device-to-host synchronisation
+    that would stall every training step until the GPU had drained the previous one. Every other
+    tensor gets `original`'s answer."""
 
     def find_packed_sequence_indices(position_ids: torch.Tensor) -> Any:
-        if not torch.compiler.is_compiling() and getattr(position_ids, _WHOLE_SEQUENCES, False):
+        if handoff.WHOLE_SEQUENCES.get(position_ids):
             return None
         return original(position_ids)
 
@@ -555,9 +549,11 @@ def causal_lm_forward(
         decoder = getattr(self, self.base_model_prefix)
         tokens = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
         no_cache = kwargs.get("past_key_values") is None and kwargs.get("cache") is None
-        if position_ids is None and attention_mask is None and no_cache and tokens is not None:
+        made = position_ids is None and attention_mask is None and no_cache and tokens is not None
+        if made:
             position_ids = _whole_sequence_positions(tokens)
-        outputs = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        with handoff.WHOLE_SEQUENCES.lent(position_ids, True) if made else contextlib.nullcontext():
+            outputs = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
         hidden = outputs.last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:, :]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tigon.patch import SWITCHES
+from tigon.patch import check_switch_names
 
 
 class SFTError(ValueError):
@@ -288,7 +288,8 @@ def resolve(cfg: SFTConfig, given: set[str] = frozenset()) -> SFTConfig:
     package = TRACKERS.get(cfg.report_to)
     if package and importlib.util.find_spec(package) is None:
         raise SFTError(f"--report-to {cfg.report_to}: the {package} package is not installed (pip install {package})")
-    unknown = [name for name in cfg.kernels_off if name not in SWITCHES]
-    if unknown:
-        raise SFTError(f"--kernels-off: unknown kernel(s) {', '.join(unknown)}; choose from {', '.join(SWITCHES)}")
+    try:
+        check_switch_names(cfg.kernels_off, "--kernels-off")
+    except ValueError as err:
+        raise SFTError(str(err)) from None
     return cfg

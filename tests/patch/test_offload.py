@@ -8,7 +8,7 @@ import torch
 import tigon
 from tests.helpers import assert_close
 from tests.patch.tiny import batch, tiny_model
-from tigon import offload
+from tigon.patch import offload
 from tigon.train.config import SFTError, SFTConfig, resolve
 from tigon.train.modeling import apply_kernels
 

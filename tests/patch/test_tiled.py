@@ -10,7 +10,7 @@ import torch
 import tigon
 from tests.helpers import assert_close
 from tests.patch.tiny import batch, tiny_model
-from tigon import tiled
+from tigon.patch import tiled
 from tigon.nn import SwiGLUMLP
 
 

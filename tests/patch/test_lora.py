@@ -1,4 +1,7 @@
-"""tigon.peft: PEFT LoRA models on tigon's fused LoRA ops, compared with PEFT itself."""
+"""tigon.patch on PEFT LoRA models: the fused LoRA ops, compared with PEFT itself.
+
+Most tests patch the LoRA layers alone (every other switch off), so PEFT's own numbers are the
+oracle for what the LoRA path changes; tests/patch/test_training.py patches everything."""
 
 import copy
 import logging
@@ -9,12 +12,25 @@ import torch
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
+import tigon  # noqa: E402
 import tigon.functional as F  # noqa: E402
-from tigon.peft import _GROUP, apply_lora_kernels, remove_lora_kernels  # noqa: E402
 from tests.helpers import assert_close, autograd_nodes  # noqa: E402
 from tests.ops.test_lora import one_cpu_thread  # noqa: E402,F401 (autouse fixture)
+from tigon.patch import SWITCHES  # noqa: E402
 
 VOCAB = 101
+LORA_ONLY = {name: name == "lora" for name in SWITCHES}
+
+
+@pytest.fixture(autouse=True)
+def clean_patches():
+    yield
+    tigon.unpatch()
+
+
+def apply_lora(model, **switches):
+    """The LoRA summary of patching `model` with only the lora switch on."""
+    return tigon.patch(model, **{**LORA_ONLY, **switches}).lora
 
 
 def _config(family):
@@ -80,7 +96,7 @@ FUSED = {"lora_linear": 2, "lora_linear_group": 2, "lora_gated_mlp": 2}
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Counts calls to the fused ops as tigon.peft makes them."""
+    """Counts calls to the fused LoRA ops."""
     calls = {"lora_linear": 0, "lora_linear_group": 0, "lora_gated_mlp": 0}
     for name in calls:
         real = getattr(F, name)
@@ -96,7 +112,7 @@ def spy(monkeypatch):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma"])
 def test_matches_peft(family, spy):
     ours, theirs = _models(family)
-    summary = apply_lora_kernels(ours)
+    summary = apply_lora(ours)
     assert (summary.linears, summary.gated_mlps, summary.qkv_groups, summary.left) == (14, 2, 2, {})
     _assert_same_step(ours, theirs, _ids())
     # Per layer: q/k/v as one op, o on its own, gate/up/down as one op.
@@ -106,13 +122,13 @@ def test_matches_peft(family, spy):
 @pytest.mark.parametrize("rank", [1, 64])
 def test_ranks(rank):
     ours, theirs = _models(r=rank, lora_alpha=2 * rank)
-    apply_lora_kernels(ours)
+    apply_lora(ours)
     _assert_same_step(ours, theirs, _ids())
 
 
 def test_rslora_scaling_and_per_module_ranks():
     ours, theirs = _models(use_rslora=True, rank_pattern={"down_proj": 3, "q_proj": 5})
-    apply_lora_kernels(ours)
+    apply_lora(ours)
     _assert_same_step(ours, theirs, _ids())
 
 
@@ -122,14 +138,14 @@ def test_trainable_base_weights():
         layer = model.base_model.model.model.layers[0]
         layer.mlp.down_proj.base_layer.weight.requires_grad_(True)
         layer.self_attn.q_proj.base_layer.weight.requires_grad_(True)
-    apply_lora_kernels(ours)
+    apply_lora(ours)
     _assert_same_step(ours, theirs, _ids())
 
 
 def test_fp16_as_accurate_as_peft():
     ours, theirs = _models(dtype=torch.float16)
     oracle = copy.deepcopy(theirs).float()
-    apply_lora_kernels(ours)
+    apply_lora(ours)
     ids = _ids()
     want_logits, want_loss, want_grads = _run(oracle, ids)
     for_ours, for_peft = _run(ours, ids), _run(theirs, ids)
@@ -148,13 +164,13 @@ def test_gradient_checkpointing():
     for model in (ours, theirs):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
-    apply_lora_kernels(ours)
+    apply_lora(ours)
     _assert_same_step(ours, theirs, _ids())
 
 
 def test_dropout_uses_peft_in_training_and_fuses_in_eval(spy):
     ours, theirs = _models(lora_dropout=0.1)
-    summary = apply_lora_kernels(ours)
+    summary = apply_lora(ours)
     assert summary.linears == 0 and summary.left == {"lora_dropout > 0 in training": 14}
     ours.train()
     theirs.train()
@@ -172,7 +188,7 @@ def test_dropout_uses_peft_in_training_and_fuses_in_eval(spy):
 
 def test_dora_and_embedding_layers_stay_on_peft(spy):
     ours, theirs = _models(use_dora=True, target_modules=["q_proj", "v_proj", "embed_tokens"])
-    summary = apply_lora_kernels(ours)
+    summary = apply_lora(ours)
     assert summary.linears == 0
     assert summary.left == {"DoRA or another LoRA variant": 4, "Embedding layer": 1}
     _assert_same_step(ours, theirs, _ids())
@@ -181,7 +197,7 @@ def test_dora_and_embedding_layers_stay_on_peft(spy):
 
 def test_disabled_merged_and_several_adapters_follow_peft(spy):
     ours, theirs = _models()
-    apply_lora_kernels(ours)
+    apply_lora(ours)
     ids = _ids()
     with ours.disable_adapter(), theirs.disable_adapter():
         assert_close(ours(input_ids=ids).logits, theirs(input_ids=ids).logits, name="disabled")
@@ -197,7 +213,7 @@ def test_disabled_merged_and_several_adapters_follow_peft(spy):
     for model in (ours, theirs):
         _add_second_adapter(model)
         model.base_model.set_adapter(["default", "second"])
-    assert apply_lora_kernels(ours).left == {"2 active adapters": 14}
+    assert apply_lora(ours).left == {"2 active adapters": 14}
     assert_close(ours(input_ids=ids).logits, theirs(input_ids=ids).logits, name="two adapters")
     assert spy == {"lora_linear": 0, "lora_linear_group": 0, "lora_gated_mlp": 0}
 
@@ -212,7 +228,7 @@ def test_mixed_adapter_batch_follows_peft():
     for model in (ours, theirs):
         _add_second_adapter(model)
         model.eval()
-    apply_lora_kernels(ours)
+    apply_lora(ours)
     ids = _ids()
     names = ["default", "second"]
     with torch.no_grad():
@@ -222,7 +238,7 @@ def test_mixed_adapter_batch_follows_peft():
 
 def test_hooks_are_not_bypassed(spy):
     ours, theirs = _models()
-    apply_lora_kernels(ours)
+    apply_lora(ours)
     seen = []
     mlp = ours.base_model.model.model.layers[1].mlp
     mlp.up_proj.base_layer.register_forward_hook(lambda m, i, o: seen.append("up base"))
@@ -236,22 +252,20 @@ def test_hooks_are_not_bypassed(spy):
 
 
 def test_qkv_group_parts_go_only_to_their_own_input(spy):
-    # q_proj computes k and v along with q for *its* input; k_proj and v_proj called on another
-    # tensor compute their own, and the parts left over stay with the first input.
+    """The attention's first q/k/v call computes all three for its hidden states; a projection
+    whose call gets another tensor (here a pre-hook scales k_proj's input) computes its own."""
     ours, theirs = _models()
-    apply_lora_kernels(ours)
-    attention = ours.base_model.model.model.layers[0].self_attn
-    reference = theirs.base_model.model.model.layers[0].self_attn
-    x, other = torch.randn(2, 5, 48), torch.randn(2, 5, 48)
-    assert_close(attention.q_proj(x), reference.q_proj(x), name="q")
-    assert_close(attention.k_proj(other), reference.k_proj(other), name="k of another input")
-    assert_close(attention.v_proj(x), reference.v_proj(x), name="v from the group")
-    assert spy == {"lora_linear": 1, "lora_linear_group": 1, "lora_gated_mlp": 0}
+    apply_lora(ours)
+    for model in (ours, theirs):
+        model.base_model.model.model.layers[0].self_attn.k_proj.register_forward_pre_hook(lambda m, args: (args[0] * 0.5,))
+    _assert_same_step(ours, theirs, _ids())
+    # o_proj twice, layer 0's k_proj on its own; both layers still group (layer 0's k part unused).
+    assert spy == {"lora_linear": 3, "lora_linear_group": 2, "lora_gated_mlp": 2}
 
 
 def test_save_and_load_with_peft(tmp_path):
     ours, theirs = _models()
-    apply_lora_kernels(ours)
+    apply_lora(ours)
     ours.save_pretrained(tmp_path / "ours")
     theirs.save_pretrained(tmp_path / "theirs")
     from safetensors.torch import load_file
@@ -264,33 +278,34 @@ def test_save_and_load_with_peft(tmp_path):
     torch.manual_seed(0)
     base = transformers.AutoModelForCausalLM.from_config(_config("llama"))
     loaded = peft.PeftModel.from_pretrained(base, tmp_path / "ours", is_trainable=True)
-    apply_lora_kernels(loaded)
+    apply_lora(loaded)
     _assert_same_step(loaded, theirs, _ids())
 
 
-def test_remove_restores_and_apply_is_idempotent(spy):
+def test_unpatch_restores_and_patching_again_is_idempotent(spy):
     ours, theirs = _models()
-    first = apply_lora_kernels(ours)
-    assert apply_lora_kernels(ours) == first
-    assert remove_lora_kernels(ours) == 14 + 2
-    assert not any("forward" in vars(m) or _GROUP in vars(m) for m in ours.modules())
+    first = apply_lora(ours)
+    assert apply_lora(ours) == first
+    tigon.unpatch(ours)
+    assert not any("forward" in vars(m) for m in ours.modules())
     _assert_same_step(ours, theirs, _ids())
     assert spy == {"lora_linear": 0, "lora_linear_group": 0, "lora_gated_mlp": 0}
 
 
-def test_logs_one_line(caplog):
+def test_logs_the_lora_line_then_the_patch_line(caplog):
     ours, _ = _models(target_modules=["q_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens"])
     with caplog.at_level(logging.INFO, logger="tigon"):
-        apply_lora_kernels(ours)
+        apply_lora(ours)
     assert [r.getMessage() for r in caplog.records] == [
         "tigon: fused LoRA on 8 of 9 LoRA layers (6 of them as 2 gated MLPs); "
-        "left on PEFT's path: Embedding layer: 1"
+        "left on PEFT's path: Embedding layer: 1",
+        "tigon: applied lora to LlamaForCausalLM (2 layers)",
     ]
 
 
 def test_autocast_matches_peft_under_autocast():
     ours, theirs = _models()
-    apply_lora_kernels(ours)
+    apply_lora(ours)
     ids = _ids()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _assert_same_step(ours, theirs, ids, torch.bfloat16)
@@ -303,7 +318,7 @@ def test_half_model_with_float32_adapters():
     ours = peft.get_peft_model(base, config)  # PEFT's default keeps the adapters in float32
     theirs = copy.deepcopy(ours)
     assert ours.base_model.model.model.layers[0].mlp.up_proj.lora_A["default"].weight.dtype == torch.float32
-    assert apply_lora_kernels(ours).linears == 14
+    assert apply_lora(ours).linears == 14
     ids = _ids()
     # The fused ops cast the adapters themselves: no autograd cast node between an adapter and them.
     assert _cast_parameters(ours(input_ids=ids, labels=ids).loss) == set()
@@ -328,7 +343,7 @@ def test_bf16_llama_on_gpu_as_accurate_as_peft():
     ours = peft.get_peft_model(base, lora)
     theirs = copy.deepcopy(ours)
     oracle = copy.deepcopy(ours).float()
-    apply_lora_kernels(ours)
+    apply_lora(ours)
     ids = torch.randint(0, 1000, (4, 512), device="cuda")
     want, got, peft_got = _run(oracle, ids), _run(ours, ids), _run(theirs, ids)
 
@@ -345,34 +360,28 @@ class _SwappedMLP(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.gate_proj = torch.nn.Linear(37, 53, bias=True)
-        self.up_proj = torch.nn.Linear(37, 53, bias=True)
-        self.down_proj = torch.nn.Linear(53, 37, bias=True)
+        self.gate_proj = torch.nn.Linear(48, 88, bias=True)
+        self.up_proj = torch.nn.Linear(48, 88, bias=True)
+        self.down_proj = torch.nn.Linear(88, 48, bias=True)
         self.act_fn = torch.nn.SiLU()
 
     def forward(self, x):
         return self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))
 
 
-def test_plain_modules_with_bias_and_lookalike_mlp(spy):
+def test_only_the_familys_mlp_class_fuses(spy):
+    """The family table names the MLP class: a lookalike module in its place (same projections,
+    another function) keeps its forward, its LoRA linears running fused one by one."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(29, 37), _SwappedMLP())
-    config = peft.LoraConfig(r=5, lora_alpha=7, target_modules=["0", "gate_proj", "up_proj", "down_proj"],
-                             init_lora_weights=False)
-    ours = peft.get_peft_model(model, config)
+    base = transformers.AutoModelForCausalLM.from_config(_config("llama"))
+    base.model.layers[0].mlp = _SwappedMLP()
+    config = peft.LoraConfig(r=5, lora_alpha=7, target_modules="all-linear", init_lora_weights=False)
+    ours = peft.get_peft_model(base, config, autocast_adapter_dtype=False)
     theirs = copy.deepcopy(ours)
-    summary = apply_lora_kernels(ours)
-    assert (summary.linears, summary.gated_mlps) == (4, 0)
-    x = torch.randn(3, 5, 29, requires_grad=True)
-    out = ours(x)
-    ref = theirs(x)
-    assert_close(out, ref, name="output")
-    grad = torch.randn_like(out)
-    got = torch.autograd.grad(out, [x, *(p for p in ours.parameters() if p.requires_grad)], grad)
-    want = torch.autograd.grad(ref, [x, *(p for p in theirs.parameters() if p.requires_grad)], grad)
-    for g, w in zip(got, want):
-        assert_close(g, w)
-    assert spy == {"lora_linear": 4, "lora_linear_group": 0, "lora_gated_mlp": 0}
+    summary = apply_lora(ours)
+    assert (summary.linears, summary.gated_mlps) == (14, 1)
+    _assert_same_step(ours, theirs, _ids())
+    assert spy == {"lora_linear": 2 + 3, "lora_linear_group": 2, "lora_gated_mlp": 1}
 
 
 def test_mlp_recognised_after_its_class_forward_is_patched(monkeypatch, spy):
@@ -387,7 +396,7 @@ def test_mlp_recognised_after_its_class_forward_is_patched(monkeypatch, spy):
 
     monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", patched)
     ours, theirs = _models()
-    assert apply_lora_kernels(ours).gated_mlps == 2
+    assert apply_lora(ours).gated_mlps == 2
     _assert_same_step(ours, theirs, _ids())
     assert spy["lora_gated_mlp"] == 2
     calls.clear()

@@ -1,0 +1,62 @@
+"""The gate activations of tigon's gated-MLP kernels: one table, read by name and by module.
+
+``ACTIVATIONS`` maps each Hugging Face ``hidden_act`` name that a kernel computes exactly to the
+kernel's name for it (the `activation` of :func:`tigon.functional.glu_mlp`). Everything that asks
+"which activation is this?" reads it: :mod:`tigon.nn.mlp` from a config's name,
+:mod:`tigon.patch` from a live module's activation (the class transformers builds for that name),
+for full fine-tuning and LoRA alike.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from tigon import functional as F
+
+# Hugging Face `hidden_act` names -> the activation of tigon.functional.glu_mlp.
+ACTIVATIONS = {
+    "silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu",
+}
+
+
+def glu_kind(activation: str) -> str:
+    """``"swiglu"`` for the SiLU gate, ``"geglu"`` for a GELU one (the op, and patch switch, names)."""
+    return "swiglu" if activation == "silu" else "geglu"
+
+
+def config_activation_name(config: Any) -> str | None:
+    """The activation name of an HF config (Gemma 2/3 call it `hidden_activation`)."""
+    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+
+
+@functools.lru_cache(maxsize=None)
+def _module_classes() -> dict[type, str]:
+    """The module class transformers builds for each name of the table (``ACT2CLS``), and torch's
+    SiLU, mapped to the kernel's activation."""
+    classes: dict[type, str] = {torch.nn.SiLU: "silu"}
+    try:
+        from transformers.activations import ACT2CLS
+    except ImportError:
+        return classes
+    for name, activation in ACTIVATIONS.items():
+        cls = ACT2CLS.get(name)
+        if isinstance(cls, type):  # a (class, arguments) entry is a variant the kernels do not compute
+            classes.setdefault(cls, activation)
+    return classes
+
+
+def module_activation(module: Any) -> str | None:
+    """The kernel's name for an activation module (by exact class), or None for one no kernel computes."""
+    if type(module) is torch.nn.GELU:
+        return "gelu_tanh" if module.approximate == "tanh" else "gelu"
+    return _module_classes().get(type(module))
+
+
+def glu(activation: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``act(gate) * up`` on the GLU kernel for `activation`."""
+    if activation == "silu":
+        return F.swiglu(gate, up)
+    return F.geglu(gate, up, approximate="tanh" if activation == "gelu_tanh" else "none")

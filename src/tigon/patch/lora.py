@@ -1,0 +1,181 @@
+"""PEFT LoRA layers on tigon's fused LoRA ops, with PEFT in charge of everything else.
+
+:func:`tigon.patch` of a PEFT model (switch ``lora``) plans, from the family table:
+
+* every ``peft.tuners.lora.layer.Linear`` runs :func:`tigon.functional.lora_linear`
+  (:func:`linear_forward`);
+* the family's gated MLP, when its gate/up/down projections are such layers, runs as one
+  :func:`tigon.functional.lora_gated_mlp` (:func:`tigon.patch.forwards.mlp_forward`);
+* the family's attention, when its q/k/v projections are such layers, computes the three as one
+  :func:`tigon.functional.lora_linear_group` at the first of their calls on its hidden states, and
+  the other two hand back their parts (:func:`tigon.patch.forwards.attention_forward`).
+
+Each call checks that the fused path computes what PEFT would (:func:`active_adapter`,
+:func:`projection`): one active adapter, not merged, not disabled, no DoRA or other LoRA variant,
+no ``lora_bias``, no ``fan_in_fan_out``, dropout 0 (or the module in eval mode), a plain
+``nn.Linear`` base, no hooks that the fused path would bypass, no extra forward arguments, and
+dtypes that ``F.linear`` would accept. Anything else runs PEFT's forward, so toggling adapters,
+merging, ``disable_adapter()`` and PEFT's mixed-batch inference keep working. Parameters, the
+state dict and therefore PEFT's own ``save_pretrained`` / ``from_pretrained`` are untouched.
+
+Adapters kept in float32 on a half-precision model (PEFT's default ``autocast_adapter_dtype``) run
+their GEMMs in the model's dtype, as they do under autocast; their gradients come back in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from tigon import functional as F
+from tigon.ops.lora import LoraProjection, autocast_dtype
+from tigon.patch.modules import forward_attr, has_hooks
+
+
+@dataclass(frozen=True)
+class LoraSummary:
+    """What the LoRA part of a :func:`tigon.patch` found; ``str()`` is the line it logged.
+
+    Attributes:
+        linears: PEFT LoRA linears that run tigon's path with the adapters as they are now.
+        gated_mlps: gated MLPs (three of those linears each) that run as one fused op.
+        left: LoRA layers left on PEFT's path, counted by reason (for the current adapter
+            settings; the patched forwards re-check on every call).
+        qkv_groups: attentions whose q/k/v linears run as one op.
+    """
+
+    linears: int
+    gated_mlps: int
+    left: dict[str, int] = field(default_factory=dict)
+    qkv_groups: int = 0
+
+    def __str__(self) -> str:
+        total = self.linears + sum(self.left.values())
+        line = (
+            f"tigon: fused LoRA on {self.linears} of {total} LoRA layers "
+            f"({3 * self.gated_mlps} of them as {self.gated_mlps} gated MLPs"
+            + (f", {3 * self.qkv_groups} as {self.qkv_groups} q/k/v groups)" if self.qkv_groups else ")")
+        )
+        if self.left:
+            reasons = ", ".join(f"{reason}: {n}" for reason, n in sorted(self.left.items()))
+            line += f"; left on PEFT's path: {reasons}"
+        return line
+
+
+def lora_linear_in(model: nn.Module) -> type | None:
+    """PEFT's LoRA ``Linear`` class when `model` holds any PEFT LoRA layer, else None."""
+    if "peft" not in sys.modules:  # nothing can hold a PEFT layer without PEFT imported
+        return None
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora.layer import Linear
+
+    return Linear if any(isinstance(module, LoraLayer) for module in model.modules()) else None
+
+
+def _dropout_is_identity(dropout: nn.Module) -> bool:
+    if type(dropout) is nn.Identity:
+        return True
+    return type(dropout) is nn.Dropout and (dropout.p == 0 or not dropout.training)
+
+
+def active_adapter(layer: nn.Module) -> tuple[str | None, str | None]:
+    """(the single active adapter of a PEFT LoRA linear, None) or (None, why PEFT's path must run)."""
+    if layer.disable_adapters:
+        return None, "adapters disabled"
+    if layer.merged:
+        return None, "merged"
+    active = [name for name in layer.active_adapters if name in layer.lora_A]
+    if len(active) != 1:
+        return None, f"{len(active)} active adapters"
+    name = active[0]
+    if name in getattr(layer, "lora_variant", {}) or getattr(layer, "use_dora", {}).get(name, False):
+        return None, "DoRA or another LoRA variant"
+    if getattr(layer, "lora_bias", {}).get(name, False):
+        return None, "lora_bias"
+    if getattr(layer, "fan_in_fan_out", False):
+        return None, "fan_in_fan_out"
+    if not _dropout_is_identity(layer.lora_dropout[name]):
+        return None, "lora_dropout > 0 in training"
+    base = layer.get_base_layer()
+    if type(base) is not nn.Linear:
+        return None, f"base layer is {type(base).__name__}, not nn.Linear"
+    if any(has_hooks(m) for m in (base, layer.lora_A[name], layer.lora_B[name])):
+        return None, "hooks on the base or adapter modules"
+    return name, None
+
+
+def projection(layer: nn.Module, x: torch.Tensor) -> LoraProjection | None:
+    """The layer's weights for the fused path on input `x`, or None when PEFT's path must run."""
+    name, _ = active_adapter(layer)
+    if name is None or not x.is_floating_point():
+        return None
+    scaling = layer.scaling[name]
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
+        return None
+    base = layer.get_base_layer()
+    weight, bias = base.weight, base.bias
+    lora_a, lora_b = layer.lora_A[name].weight, layer.lora_B[name].weight
+    tensors = (weight, lora_a, lora_b) if bias is None else (weight, lora_a, lora_b, bias)
+    if any(t.device != x.device for t in tensors):
+        return None
+    if autocast_dtype(x) is None and (weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype)):
+        return None  # F.linear would refuse it: let PEFT's path raise its own error
+    return LoraProjection(weight, lora_a, lora_b, scaling, bias)
+
+
+def runs(module: nn.Module, forward: Callable[..., Any]) -> bool:
+    """Whether calling `module` ends in `forward`, bound to it by tigon.patch (and nothing else
+    set on the instance in its place)."""
+    return getattr(vars(module).get(forward_attr(module)), "__func__", None) is forward
+
+
+@functools.lru_cache(maxsize=None)
+def linear_forward(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """Forward for a PEFT LoRA ``Linear``: :func:`tigon.functional.lora_linear` when the layer
+    qualifies (:func:`projection`), else `original` (PEFT's)."""
+
+    def forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        weights = None if args or kwargs else projection(self, x)
+        if weights is None:
+            return original(self, x, *args, **kwargs)
+        return F.lora_linear(x, *weights)
+
+    forward.__qualname__ = "tigon_lora_Linear.forward"
+    return forward
+
+
+def summarize(
+    model: nn.Module,
+    lora_linear: type,
+    gated_mlps: Iterable[Sequence[nn.Module]],
+    qkv_groups: Iterable[Sequence[nn.Module]],
+) -> LoraSummary:
+    """Count the LoRA layers of `model` that qualify now, and why the others do not; and the
+    `gated_mlps` and `qkv_groups` (each the projections that would run as one op) all of whose
+    projections are qualifying LoRA linears."""
+    from peft.tuners.lora import LoraLayer
+
+    linears = 0
+    left: Counter[str] = Counter()
+    for module in model.modules():
+        if type(module) is lora_linear:
+            reason = active_adapter(module)[1]
+            if reason is None:
+                linears += 1
+            else:
+                left[reason] += 1
+        elif isinstance(module, LoraLayer):
+            left[f"{type(module).__name__} layer"] += 1
+
+    def qualifying(groups: Iterable[Sequence[nn.Module]]) -> int:
+        return sum(
+            all(type(p) is lora_linear and active_adapter(p)[1] is None for p in group) for group in groups
+        )
+
+    return LoraSummary(linears, qualifying(gated_mlps), dict(left), qualifying(qkv_groups))

@@ -1,0 +1,38 @@
+"""What a patched forward may assume about a module before reading its weights without calling it."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+
+def forward_attr(module: torch.nn.Module) -> str:
+    """The attribute holding the forward that calling `module` ends in: accelerate's hooks (device
+    map loading, offload) own `forward` and call `_old_forward`."""
+    return "_old_forward" if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward") else "forward"
+
+
+def has_hooks(module: torch.nn.Module, own_forward: Callable[..., Any] | None = None) -> bool:
+    """True when calling `module` would do more than its class's forward (hooks, or a forward
+    set on the instance, as accelerate's wrapper is), which a fused path that reads its weights
+    without calling it would skip. `own_forward` is a rebound forward that does not count (tigon's
+    own)."""
+    forward = vars(module).get("forward")
+    return bool(
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+        or getattr(module, "_backward_pre_hooks", None)
+        or (forward is not None and getattr(forward, "__func__", None) is not own_forward)
+    )
+
+
+def zero3_partitioned(param: torch.Tensor) -> bool:
+    """A DeepSpeed ZeRO-3 parameter (DeepSpeed's own test: it has a `ds_id`). Its data is whole
+    only while its own module's forward runs, so no other forward may read it directly."""
+    return hasattr(param, "ds_id")
+
+
+def plain_linear(linear: Any) -> bool:
+    """An nn.Linear whose weights a fused op may read directly: not a LoRA or quantised wrapper,
+    and nothing (hooks, accelerate's offload wrapper) that calling it would run."""
+    return type(linear) is torch.nn.Linear and not has_hooks(linear)

@@ -1,0 +1,137 @@
+"""The switch table drives tigon.patch, the auto class, `--kernels-off`, and what runs."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+import tigon
+from tests.patch.tiny import batch, tiny_config, tiny_model
+from tigon import functional
+from tigon.patch import FAMILIES, switches
+
+
+@pytest.fixture(autouse=True)
+def clean_patches():
+    yield
+    tigon.unpatch()
+
+
+def test_patch_keywords_are_the_table():
+    params = [p for p in inspect.signature(tigon.patch).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    assert [p.name for p in params] == list(switches.SWITCHES)
+    assert {p.name: p.default for p in params} == switches.DEFAULTS
+    assert all(p.annotation == "bool" for p in params)
+
+
+def test_every_op_is_covered_by_a_switch():
+    from tigon import _backend
+
+    assert {op for switch in switches.TABLE for op in switch.ops} == set(_backend.OPS)
+    assert switches.covering("glu_mlp") == ("swiglu", "geglu")
+    assert switches.covering("add_rms_norm_glu_mlp") == ("swiglu", "geglu", "add_rms_norm")
+    assert switches.covering("lora_linear_group") == ("lora",)
+    assert switches.covering("tiled_mlp") == switches.covering("warp_drive") == ()
+
+
+def test_op_names_and_unknown_names_are_refused_everywhere():
+    from tigon.train.config import SFTConfig, SFTError, resolve
+
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="'glu_mlp' is an op name .*switches covering it: swiglu, geglu"):
+        tigon.patch(model, glu_mlp=False)
+    with pytest.raises(ValueError, match=r"tigon.patch: unknown kernel\(s\) warp_drive; choose from rms_norm, rope"):
+        tigon.patch("llama", warp_drive=False)
+    assert not any("forward" in vars(m) for m in model.modules())
+    with pytest.raises(ValueError, match="'linear_group' is an op name .*covering it: qkv_group"):
+        tigon.AutoModelForCausalLM.from_config(tiny_config("llama"), linear_group=False)
+    with pytest.raises(SFTError, match="--kernels-off: 'lora_linear' is an op name .*covering it: lora$"):
+        resolve(SFTConfig(kernels_off=["rope", "lora_linear"]))
+    assert resolve(SFTConfig(kernels_off=["tiled_mlp", "qkv_group"])).kernels_off == ["tiled_mlp", "qkv_group"]
+
+
+def test_auto_model_patches_with_tiled_mlp_and_offload(monkeypatch):
+    """The long-context switches are tigon's, not transformers' arguments."""
+    from tigon.patch import offload, tiled
+
+    monkeypatch.setattr(tiled, "CHUNK_WIDTHS", 1)
+    tiles, sessions = [], []
+    apply, session = tiled._TiledFunction.apply, offload.ActivationOffload
+    monkeypatch.setattr(tiled._TiledFunction, "apply", lambda *a: tiles.append(a[1]) or apply(*a))
+    monkeypatch.setattr(offload, "ActivationOffload", lambda *a: sessions.append(a) or session(*a))
+    model = tigon.AutoModelForCausalLM.from_config(tiny_config("llama"), tiled_mlp=True, offload_activations=True)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids, mask, labels = batch(seed=1, rows=1, cols=70)
+    model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    assert tiles and sessions == [(64, 70)]
+
+
+# Per switch: the model it acts on, and the other switches it is compared under.
+CASES = {
+    "rms_norm": ("llama", {}),
+    "rope": ("llama", {}),
+    "swiglu": ("llama", {}),
+    "geglu": ("gemma", {}),
+    "layer_norm": ("phi", {}),
+    "add_rms_norm": ("llama", {}),
+    "qkv_group": ("llama", {}),
+    "linear_cross_entropy": ("llama", {}),
+    "cross_entropy": ("llama", {"linear_cross_entropy": False}),
+    "lora": ("lora", {}),
+    "offload_activations": ("checkpointed", {}),
+    "tiled_mlp": ("llama", {}),
+}
+
+
+def _model(kind: str) -> torch.nn.Module:
+    """One decoder layer: every replacement still runs (its closing add goes with the final norm)."""
+    model = tiny_model(kind if kind in FAMILIES else "llama", num_hidden_layers=1)
+    if kind == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+        model = get_peft_model(model, config)
+    if kind == "checkpointed":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def test_every_switch_is_in_a_case():
+    assert set(CASES) == set(switches.SWITCHES)
+
+
+@pytest.mark.parametrize("name", switches.SWITCHES)
+def test_every_switch_changes_what_runs(name, monkeypatch):
+    """Turning a switch off stops some of the ops the table says it covers and no other (a
+    switch that covers no op: its wrapper)."""
+    from tigon.patch import offload, tiled
+
+    ran: set[str] = set()
+    for op in functional.__all__:
+        real = getattr(functional, op)
+        monkeypatch.setattr(functional, op, lambda *a, _op=op, _real=real, **k: ran.add(_op) or _real(*a, **k))
+    apply, session = tiled._TiledFunction.apply, offload.ActivationOffload
+    monkeypatch.setattr(tiled._TiledFunction, "apply", lambda *a: ran.add("tiled_mlp") or apply(*a))
+    monkeypatch.setattr(offload, "ActivationOffload", lambda *a: ran.add("offload_activations") or session(*a))
+    monkeypatch.setattr(tiled, "CHUNK_WIDTHS", 1)
+
+    kind, others = CASES[name]
+    model = _model(kind).train()
+    # Chunks of the width, 64 tokens: tiled_mlp needs more than one.
+    ids, mask, labels = batch(seed=2, rows=1, cols=70 if name == "tiled_mlp" else 9, pad_tail=2)
+
+    def what_runs(on: bool) -> set[str]:
+        tigon.patch(model, **others, **{name: on})
+        ran.clear()
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        return set(ran)
+
+    gone = what_runs(True) - what_runs(False)
+    ops = switches.TABLE[switches.SWITCHES.index(name)].ops
+    if ops:
+        assert gone and gone <= set(ops), f"{name}=False stopped {sorted(gone)}; the table says {ops}"
+    else:
+        assert name in gone, f"{name}=False did not take its wrapper away"
