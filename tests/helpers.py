@@ -92,3 +92,24 @@ def head_inputs(lead, hidden, vocab, dtype, device, bias=True, ignore_index=-100
     flat = target.view(-1)
     flat[torch.randperm(flat.numel(), device=device)[: max(1, flat.numel() // 4)]] = ignore_index
     return h, w, b, target
+
+
+def count_gemms(monkeypatch):
+    """Record the output shape of every torch.mm / addmm / addmm_ the op runs."""
+    shapes = []
+    real_mm, real_addmm, real_addmm_ = torch.mm, torch.addmm, torch.Tensor.addmm_
+
+    def mm(*a, **k):
+        out = real_mm(*a, **k)
+        shapes.append(tuple(out.shape))
+        return out
+
+    def addmm(*a, **k):
+        out = real_addmm(*a, **k)
+        shapes.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(torch, "mm", mm)
+    monkeypatch.setattr(torch, "addmm", addmm)
+    monkeypatch.setattr(torch.Tensor, "addmm_", lambda self, *a, **k: shapes.append(tuple(self.shape)) or real_addmm_(self, *a, **k))
+    return shapes
