@@ -2,15 +2,13 @@
 against TRL's GRPOTrainer._compute_loss on given per-token log-probs, and over the chunking plans
 (token chunks that cut completions, whole completions per chunk, two passes, a frozen head)."""
 
-from collections import defaultdict
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.nn.functional as TF
 
 import tigon.functional as F
-from tests.helpers import assert_close, compare_fwd_bwd, count_gemms
+from tests.helpers import assert_close, compare_fwd_bwd, count_gemms, peak_bytes_beyond_grads, run_without_host_sync
+from tigon.bench.ops.rl import trl_grpo_inputs, trl_grpo_trainer
 
 B, T, H = 5, 6, 19  # 5 completions padded to 6 tokens, an odd hidden size
 LENGTHS = [6, 4, 5, 2, 6]
@@ -307,8 +305,8 @@ def test_dapo_divides_by_num_items_in_batch(poison_outputs, device):
                     name="dapo global batch")
 
 
-# TRL's own loss: GRPOTrainer._compute_loss on a stand-in for the trainer (the attributes it reads)
-# whose `_get_per_token_logps_and_entropies` returns given per-token log-probs and entropies.
+# TRL's own loss: GRPOTrainer._compute_loss on a stand-in for the trainer (the attributes it reads;
+# the benchmark's TRL column uses the same one) given per-token log-probs and entropies.
 
 @pytest.mark.parametrize("loss_type,level,beta,bias_correction,on_policy", [
     ("grpo", "token", 0.04, False, False),
@@ -329,26 +327,12 @@ def test_matches_trl_grpo_trainer(poison_outputs, device, loss_type, level, beta
 
     def trl_loss(h, w, b):
         logps, entropies = _log_probs(h, w, b, target, 0.8)
-        trainer = SimpleNamespace(
-            _get_per_token_logps_and_entropies=lambda *a, **k: (logps, entropies, None),
-            aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
-            importance_sampling_level=level, beta=beta, loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.28,
-            args=SimpleNamespace(use_bias_correction_kl=bias_correction, delta=None, steps_per_generation=1),
-            use_vllm=False, vllm_importance_sampling_correction=False, model=SimpleNamespace(training=True),
-            current_gradient_accumulation_steps=1, max_completion_length=max_length, _entropy_bonus_enabled=False,
-            accelerator=SimpleNamespace(gather=lambda x: x, reduce=lambda x, reduction: x, num_processes=1),
-            _metrics={"train": defaultdict(list)},
-        )
-        trainers.append(trainer)
-        inputs = dict(
-            prompt_ids=torch.zeros(B, 1, dtype=torch.long, device=device),
-            prompt_mask=torch.ones(B, 1, dtype=torch.long, device=device),
-            completion_ids=target, completion_mask=mask.long(), advantages=adv.double(),
-            ref_per_token_logps=ref.double(), num_items_in_batch=mask.sum().double(),
-        )
-        if old is not None:
-            inputs["old_per_token_logps"] = old.double()
-        return grpo_trainer.GRPOTrainer._compute_loss(trainer, None, inputs)
+        trainers.append(trl_grpo_trainer(
+            lambda: (logps, entropies), loss_type=loss_type, importance_level=level, beta=beta, epsilon_high=0.28,
+            kl_bias_correction=bias_correction, max_completion_length=max_length,
+        ))
+        inputs = trl_grpo_inputs(target, mask, adv.double(), None if old is None else old.double(), ref.double())
+        return grpo_trainer.GRPOTrainer._compute_loss(trainers[-1], None, inputs)
 
     kw = dict(loss_type=loss_type, importance_level=level, beta=beta, epsilon_high=0.28, temperature=0.8,
               kl_bias_correction=bias_correction, max_completion_length=max_length if loss_type == "dr_grpo" else None)
@@ -439,14 +423,7 @@ def test_peak_memory_on_gpu(frozen):
         loss, _ = F.linear_policy_loss(h, w, target, old, adv, mask=mask, loss_type="dapo")
         loss.backward()
 
-    step()
-    h.grad = w.grad = None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - base - h.grad.nbytes - (0 if frozen else w.grad.nbytes)
+    extra = peak_bytes_beyond_grads(step, (h, w))
     assert extra <= 256 * 2**20, f"{extra / 2**20:.0f} MiB beyond the gradients"
 
 
@@ -457,11 +434,4 @@ def test_no_host_sync_on_gpu(level):
     old = torch.full(target.shape, -10.0, device="cuda")
     ref = torch.full(target.shape, -10.5, device="cuda")
     kw = dict(ref_log_probs=ref, beta=0.04, mask=mask, bias=b, importance_level=level)
-    F.linear_policy_loss(h, w, target, old, adv, **kw)[0].backward()  # warm up
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        loss, metrics = F.linear_policy_loss(h, w, target, old, adv, **kw)
-        (loss * 0.5).backward()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    run_without_host_sync(lambda: (F.linear_policy_loss(h, w, target, old, adv, **kw)[0] * 0.5).backward())

@@ -44,15 +44,18 @@ from tigon._checks import KERNEL_DTYPES, check_choice, check_device, rows_view
 from tigon.ops.cross_entropy import check_target, vocab_block_config
 from tigon.ops.linear_cross_entropy import _scale_in_place, chunk_rows
 from tigon.ops.linear_log_probs import backprop_head, check_chunk_bytes, check_head, check_ignore_index, head_logits
+from tigon.ops.linear_policy import check_divisor
+from tigon.ops.linear_preference import as_device_scalar, is_number
 
 LINEAR_DISTILL_LOSS = _backend.register("linear_distill_loss")
 
 LOSSES = ("forward_kl", "reverse_kl", "jsd", "tvd")
 _KINDS = {name: kind for kind, name in enumerate(LOSSES)}
 DEFAULT_BETA = 0.5  # GKD's (and TRL's GKDConfig) default interpolation
-# Both logits chunks together: 448 rows at V = 128256 in bf16 (219 MiB), inside the 256 MiB the
-# op may take beyond its gradients.
-DEFAULT_MAX_CHUNK_BYTES = 224 * 2**20
+# Both logits chunks together: 512 rows at V = 128256 in bf16 (250.5 MiB), inside the 256 MiB the
+# op may take beyond its gradients. The student's weight-gradient GEMM has K = chunk rows, so a
+# larger chunk is faster (`tigon bench --ops linear_distill_budget` gives the curve).
+DEFAULT_MAX_CHUNK_BYTES = 251 * 2**20
 
 
 @triton.jit
@@ -387,17 +390,10 @@ def _linear_distill_kernel(
 def _mean_scale(target, ignore_index, n_tokens, num_items_in_batch, device, dtype):
     """1 / the token count the means divide by, as a 0-dim `dtype` tensor on `device` (no host sync)."""
     if num_items_in_batch is not None:
-        if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.device == device:
-            return 1.0 / num_items_in_batch.detach().to(dtype)
-        # A number, or a CPU tensor (reading host memory is no device sync).
-        return torch.full((), 1.0 / float(num_items_in_batch), dtype=dtype, device=device)
+        return 1.0 / as_device_scalar(num_items_in_batch, device, dtype)
     if target is None:
         return torch.full((), 1.0 / max(1, n_tokens), dtype=dtype, device=device)
     return 1.0 / (target != ignore_index).sum(dtype=dtype).clamp(min=1)
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _check(student_hidden, student_weight, teacher_hidden, teacher_weight, target, student_bias, teacher_bias,
@@ -420,19 +416,17 @@ def _check(student_hidden, student_weight, teacher_hidden, teacher_weight, targe
         check_target(target, student_hidden.shape[:-1], device, "student_hidden")
     if beta_given and options.loss != "jsd":
         raise ValueError(f"beta is the JSD's interpolation; loss {options.loss!r} has none")
-    if not _is_number(options.beta) or not 0.0 <= options.beta <= 1.0:
+    if not is_number(options.beta) or not 0.0 <= options.beta <= 1.0:
         raise ValueError(f"beta must be a float in [0, 1], got {options.beta!r}")
-    if not _is_number(options.temperature) or not options.temperature > 0:
+    if not is_number(options.temperature) or not options.temperature > 0:
         raise ValueError(f"temperature must be a positive float, got {options.temperature!r}")
-    if not _is_number(options.hard_weight) or not 0.0 <= options.hard_weight <= 1.0:
+    if not is_number(options.hard_weight) or not 0.0 <= options.hard_weight <= 1.0:
         raise ValueError(f"hard_weight must be a float in [0, 1], got {options.hard_weight!r}")
     if options.hard_weight and target is None:
         raise ValueError("hard_weight mixes in the cross-entropy to target: target must be given")
     check_ignore_index(options.ignore_index)
     if num_items_in_batch is not None:
-        is_scalar_tensor = isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.dim() == 0
-        if not ((_is_number(num_items_in_batch) and num_items_in_batch > 0) or is_scalar_tensor):
-            raise ValueError(f"num_items_in_batch must be a positive number or a 0-dim tensor, got {num_items_in_batch!r}")
+        check_divisor("num_items_in_batch", num_items_in_batch)
     check_chunk_bytes(max_chunk_bytes)
     for name, t in (("student_hidden", student_hidden), ("teacher_hidden", teacher_hidden)):
         if t.dtype not in KERNEL_DTYPES:

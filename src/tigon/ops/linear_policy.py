@@ -66,6 +66,7 @@ from tigon.ops.linear_log_probs import (
     log_prob_rows,
     logits_chunks,
 )
+from tigon.ops.linear_preference import as_device_scalar, is_number
 
 LINEAR_POLICY_LOSS = _backend.register("linear_policy_loss")
 
@@ -359,11 +360,11 @@ def _token_weights(loss_type, scored, max_completion_length, num_items_in_batch,
         weight = 1.0 / max(1, n_seq * max_completion_length)
     elif num_items_in_batch is None:  # dapo
         weight = 1.0 / counts.sum().clamp(min=1)
-    elif isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.device == scored.device:
-        weight = 1.0 / num_items_in_batch.detach().to(dtype)
-    else:  # a number, or a CPU tensor (reading host memory is no device sync)
-        weight = 1.0 / float(num_items_in_batch)
-    return torch.where(scored, torch.as_tensor(weight, dtype=dtype, device=scored.device), 0.0)
+    else:
+        weight = 1.0 / as_device_scalar(num_items_in_batch, scored.device, dtype)
+    if not isinstance(weight, torch.Tensor):  # a fill, not a copy from the host (which would sync)
+        weight = torch.full((), weight, dtype=dtype, device=scored.device)
+    return torch.where(scored, weight, 0.0)
 
 
 def _per_token(name, values, shape, device, dtype):
@@ -375,8 +376,11 @@ def _per_token(name, values, shape, device, dtype):
     return values.detach().to(dtype).reshape(-1)
 
 
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+def check_divisor(name: str, value) -> None:
+    """`value` is a loss's divisor: a positive number or a 0-dim tensor (not read: no host sync)."""
+    is_scalar_tensor = isinstance(value, torch.Tensor) and value.dim() == 0
+    if not ((is_number(value) and value > 0) or is_scalar_tensor):
+        raise ValueError(f"{name} must be a positive number or a 0-dim tensor, got {value!r}")
 
 
 def _check(hidden, weight, target, bias, advantages, mask, options, given, max_chunk_bytes) -> str | None:
@@ -401,16 +405,16 @@ def _check(hidden, weight, target, bias, advantages, mask, options, given, max_c
         if not isinstance(mask, torch.Tensor) or mask.shape != target.shape or mask.dtype.is_complex:
             raise ValueError(f"mask must be a tensor of shape {tuple(target.shape)} (nonzero where a token is scored), got {mask!r}")
         check_device("mask", mask, hidden.device)
-    if not _is_number(options.beta) or options.beta < 0:
+    if not is_number(options.beta) or options.beta < 0:
         raise ValueError(f"beta must be a non-negative float, got {options.beta!r}")
     if options.beta and not given["ref_log_probs"]:
         raise ValueError(f"beta = {options.beta} weighs the KL to the reference: ref_log_probs must be given")
     for name in ("epsilon_low", "epsilon_high"):
         value = getattr(options, name)
-        if not _is_number(value) or value < 0:
+        if not is_number(value) or value < 0:
             raise ValueError(f"{'epsilon' if name == 'epsilon_low' else name} must be a non-negative float, got {value!r}")
     temperature = options.temperature
-    if not _is_number(temperature) or not temperature > 0:
+    if not is_number(temperature) or not temperature > 0:
         raise ValueError(f"temperature must be a positive float, got {temperature!r}")
     if not isinstance(options.kl_bias_correction, bool):
         raise ValueError(f"kl_bias_correction must be a bool, got {options.kl_bias_correction!r}")
@@ -424,9 +428,7 @@ def _check(hidden, weight, target, bias, advantages, mask, options, given, max_c
     if items is not None:
         if options.loss_type != "dapo":
             raise ValueError(f"num_items_in_batch is DAPO's divisor: loss_type must be 'dapo', got {options.loss_type!r}")
-        is_scalar_tensor = isinstance(items, torch.Tensor) and items.dim() == 0
-        if not ((_is_number(items) and items > 0) or is_scalar_tensor):
-            raise ValueError(f"num_items_in_batch must be a positive number or a 0-dim tensor, got {items!r}")
+        check_divisor("num_items_in_batch", items)
     if max_chunk_bytes is not None:
         check_chunk_bytes(max_chunk_bytes)
     if hidden.dtype not in KERNEL_DTYPES:
