@@ -36,8 +36,9 @@ def _inputs(dtype, device, vocab=257, bias=True):
 
 
 def _log_probs(h, w, b, target, temperature=1.0):
-    """Per-token log-probabilities and entropies in float64 from the materialised logits."""
-    log_p = torch.log_softmax(TF.linear(h.double(), w.double(), None if b is None else b.double()) / temperature, -1)
+    """Per-token log-probabilities and entropies in float64 from the materialised logits (rounded
+    to the inputs' dtype, as F.linear and so the op round them)."""
+    log_p = torch.log_softmax(TF.linear(h, w, b).double() / temperature, -1)
     return log_p.gather(-1, target.unsqueeze(-1)).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
 
 
@@ -402,7 +403,6 @@ def test_bf16_on_gpu(loss_type, frozen, budget):
     ref = (logp + 0.2 * torch.randn_like(logp)).float()
     beta = 0.0 if loss_type == "gspo" else 0.04
     paper = _paper_loss(target, mask, old, adv, ref, loss_type=loss_type, beta=beta, max_completion_length=500)
-    # The oracle's logits are rounded to bf16 as F.linear (and so the op) rounds them.
     compare_fwd_bwd(
         _ours(target, mask, old, adv, ref if beta else None, budget, loss_type=loss_type, beta=beta,
               importance_level=level),

@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from tigon import _backend
 from tigon._backend import tl, triton
 from tigon._checks import KERNEL_DTYPES, check_choice, check_device, rows_view
-from tigon.ops.cross_entropy import check_target, vocab_block_config
+from tigon.ops._launch import next_power_of_2
+from tigon.ops.cross_entropy import check_target
 from tigon.ops.linear_cross_entropy import _scale_in_place, chunk_rows
 from tigon.ops.linear_log_probs import backprop_head, check_chunk_bytes, check_head, check_ignore_index, head_logits
 from tigon.ops.linear_policy import check_divisor
@@ -56,6 +57,9 @@ DEFAULT_BETA = 0.5  # GKD's (and TRL's GKDConfig) default interpolation
 # op may take beyond its gradients. The student's weight-gradient GEMM has K = chunk rows, so a
 # larger chunk is faster (`tigon bench --ops linear_distill_budget` gives the curve).
 DEFAULT_MAX_CHUNK_BYTES = 251 * 2**20
+# The row kernel holds blocks of both models' rows at once: 8 elements per thread and array (half
+# a one-row gradient pass's 16) keep its registers from spilling. Not tuned on a GPU yet.
+MAX_BLOCK, ELEMENTS_PER_THREAD = 4096, 8
 
 
 @triton.jit
@@ -254,7 +258,8 @@ def _distill_rows(student_logits, teacher_logits, target1d, divergence, nll, sca
     """One Triton program per row: the row's divergence and cross-entropy, and with `write_grad`
     the gradient over `student_logits`, written in place."""
     n_rows, n_cols = student_logits.shape
-    block, num_warps = vocab_block_config(n_cols, True)
+    block = min(MAX_BLOCK, next_power_of_2(n_cols))
+    num_warps = max(1, min(16, block // (32 * ELEMENTS_PER_THREAD)))
     beta = options.beta
     has_target = target1d is not None
     _distill_rows_kernel[(n_rows,)](

@@ -31,16 +31,19 @@ logp, lse and entropy (linear_log_probs' kernels), c_i in closed form (a few tor
 chunk's tokens), a second Triton pass that turns the logits into ``c_i (onehot - softmax) / T``
 in place, and the gradient GEMMs dH = G @ W and dW += G.T @ H: three GEMMs, no recompute, the
 gradients formed in forward and scaled by the upstream gradient in backward. Token-level chunks
-are any rows (`max_chunk_bytes`, default 224 MiB). Sequence-level chunks hold whole completions;
-when one completion's logits exceed the budget the default budget grows to one completion (up to
-1.5 GiB), and past that (or past an explicit budget) the head runs two passes: logps first, then
-the gradients with the known c_i, one GEMM more. A frozen head (LoRA) never needs whole
-completions: forward forms each row's unit gradient ``(onehot - p) / T @ W`` while its logits are
-at hand and scales it by c_i at the end (two GEMMs, any level).
+are any rows (`max_chunk_bytes`, default 224 MiB). Sequence-level chunks hold whole completions,
+so that the one pass (three GEMMs) still works: a completion's logits cost more memory than the
+token-level chunk (263 MB for 1024 tokens at V = 128256 in bf16) but far less than a fourth GEMM
+over the batch costs time, so the default budget grows to one completion (up to 1.5 GiB). Past
+that, or past an explicit budget, the head runs two passes: logps first, then the gradients with
+the known c_i, one GEMM more. A frozen head (LoRA) never needs whole completions: forward forms
+each row's unit gradient ``(onehot - p) / T @ W`` while its logits are at hand and scales it by
+c_i at the end (two GEMMs, any level).
 
-Extra memory: the logits chunk plus O(B T) fp32 scalars. Unscored tokens are skipped by the
-kernels (their logits are never read) and add nothing, whatever old, ref or the advantage hold
-there. NaN in a scored token's hidden state gives a NaN loss and NaN gradients.
+Extra memory: the logits chunk plus O(B T) fp32 scalars. Unscored tokens add nothing, whatever
+old, ref or the advantage hold there (the kernels never read their logits), but their rows still
+take their share of the GEMMs: packing them out, as TRL's fused head does, needs their count on
+the host, a sync. NaN in a scored token's hidden state gives a NaN loss and NaN gradients.
 """
 
 from __future__ import annotations
@@ -148,10 +151,9 @@ def _coefficients(options, logp, scored, weights, advantages, old, ref):
     d_rho = torch.where(low | high, 0.0, -advantages)
     own = None
     if options.beta:
-        gap = ref - logp
-        d_kl = 1.0 - torch.exp(gap)
+        d_kl = 1.0 - torch.exp(ref - logp)
         if options.kl_bias_correction:
-            d_rho = d_rho + options.beta * (torch.exp(gap) - gap - 1.0)
+            d_rho = d_rho + options.beta * _k3(logp, ref)
             own = options.beta * d_kl * rho
         else:
             own = options.beta * d_kl
@@ -162,12 +164,14 @@ def _coefficients(options, logp, scored, weights, advantages, old, ref):
 
 
 class _Plan(NamedTuple):
-    rows: int  # rows of one logits chunk (whole completions at sequence level, one pass)
-    two_pass: bool  # sequence level with completions longer than a chunk
+    rows: int  # rows of one logits chunk (whole completions when the one pass needs them)
+    two_pass: bool  # whole completions needed but longer than a chunk
 
 
-def plan_chunks(level, n_seq, seq_len, vocab, dtype, max_chunk_bytes) -> _Plan:
-    if level == "token":
+def plan_chunks(whole_sequences, n_seq, seq_len, vocab, dtype, max_chunk_bytes) -> _Plan:
+    """Chunks of any rows, or of whole completions where a sequence-level ratio meets a head that
+    needs its weight gradient (the one pass); two passes when a completion exceeds the budget."""
+    if not whole_sequences:
         return _Plan(chunk_rows(max_chunk_bytes or DEFAULT_MAX_CHUNK_BYTES, vocab, dtype), False)
     sequence_bytes = seq_len * vocab * dtype.itemsize
     if max_chunk_bytes is None:
@@ -341,7 +345,9 @@ def linear_policy_loss_reference(hidden, weight, target, bias, tokens, options, 
 
 def _linear_policy_kernel(hidden, weight, target, bias, tokens, options, per_sequence_advantages, max_chunk_bytes):
     n_seq, seq_len = target.shape
-    plan = plan_chunks(options.level, n_seq, seq_len, weight.shape[0], hidden.dtype, max_chunk_bytes)
+    head_grad = weight.requires_grad or (bias is not None and bias.requires_grad)
+    whole_sequences = options.level == "sequence" and head_grad and torch.is_grad_enabled()
+    plan = plan_chunks(whole_sequences, n_seq, seq_len, weight.shape[0], hidden.dtype, max_chunk_bytes)
     loss, logp, entropy = _LinearPolicyFunction.apply(
         hidden, weight, bias, target, tokens, options, plan, torch.is_grad_enabled()
     )
@@ -487,7 +493,7 @@ def linear_policy_loss(
         kl_bias_correction: multiply the KL term by the ratio (TRL's use_bias_correction_kl,
             True by default there; off here as in the GRPO paper).
         max_chunk_bytes: the most bytes one chunk of logits may take; default 224 MiB (at
-            sequence level, grown to one whole completion up to 1.5 GiB).
+            sequence level with a trainable head, grown to one whole completion up to 1.5 GiB).
 
     Returns:
         ``(loss, metrics)``: the fp32 loss, differentiable in hidden, weight and bias (the
