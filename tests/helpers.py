@@ -92,3 +92,50 @@ def head_inputs(lead, hidden, vocab, dtype, device, bias=True, ignore_index=-100
     flat = target.view(-1)
     flat[torch.randperm(flat.numel(), device=device)[: max(1, flat.numel() // 4)]] = ignore_index
     return h, w, b, target
+
+
+def count_gemms(monkeypatch):
+    """Record the output shape of every torch.mm / addmm / addmm_ the op runs."""
+    shapes = []
+    real_mm, real_addmm, real_addmm_ = torch.mm, torch.addmm, torch.Tensor.addmm_
+
+    def mm(*a, **k):
+        out = real_mm(*a, **k)
+        shapes.append(tuple(out.shape))
+        return out
+
+    def addmm(*a, **k):
+        out = real_addmm(*a, **k)
+        shapes.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(torch, "mm", mm)
+    monkeypatch.setattr(torch, "addmm", addmm)
+    monkeypatch.setattr(torch.Tensor, "addmm_", lambda self, *a, **k: shapes.append(tuple(self.shape)) or real_addmm_(self, *a, **k))
+    return shapes
+
+
+def peak_bytes_beyond_grads(step, leaves) -> int:
+    """CUDA bytes one call of `step` (a fwd+bwd, run once before to warm up) allocates at its peak
+    beyond what was allocated before it, less the `.grad` buffers of `leaves` it produces: the
+    measure of shared/TARGETS.md."""
+    step()
+    for leaf in leaves:
+        leaf.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base - sum(leaf.grad.nbytes for leaf in leaves if leaf.grad is not None)
+
+
+def run_without_host_sync(step) -> None:
+    """Run `step` once to warm up, then again with CUDA's sync debug mode raising on any host sync."""
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

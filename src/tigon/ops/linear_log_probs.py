@@ -286,7 +286,7 @@ def chunked_log_probs(
     return logp, lse, entropy
 
 
-def _chunked_grads(
+def chunked_grads(
     hidden2d, weight, bias, target1d, lse, entropy, grad_logp, grad_entropy, options, rows, needs, grad_hidden=None
 ):
     """Recompute the logits chunk by chunk and return the gradients (hidden, weight, bias) of
@@ -363,7 +363,7 @@ class _LinearLogProbsFunction(torch.autograd.Function):
                 else:
                     grad_hidden.mul_(grad_logp.unsqueeze(1))
                 if grad_entropy is not None:
-                    grad_hidden = _chunked_grads(
+                    grad_hidden = chunked_grads(
                         hidden2d, weight, bias, target1d, lse, entropy, None, grad_entropy, options, rows,
                         (True, False, False), grad_hidden,
                     )[0]
@@ -371,7 +371,7 @@ class _LinearLogProbsFunction(torch.autograd.Function):
             elif grad_logp is None and grad_entropy is None:
                 grads = (None, None, None)
             else:
-                grads = _chunked_grads(
+                grads = chunked_grads(
                     hidden2d, weight, bias, target1d, lse, entropy, grad_logp, grad_entropy, options, rows, needs
                 )
         except Exception as err:

@@ -397,14 +397,15 @@ def preference_metrics(
     }
 
 
-def _as_kl(kl_baseline, device, dtype=torch.float32):
-    """The baseline as a 0-dim tensor on `device`, without a gradient or a host sync."""
-    if kl_baseline is None:
+def as_device_scalar(value, device, dtype=torch.float32):
+    """A float or 0-dim tensor (a KL baseline, a loss's divisor) as a 0-dim tensor on `device`,
+    without a gradient or a host sync; None stays None."""
+    if value is None:
         return None
-    if isinstance(kl_baseline, torch.Tensor) and kl_baseline.device == device:
-        return kl_baseline.detach().to(dtype)
+    if isinstance(value, torch.Tensor) and value.device == device:
+        return value.detach().to(dtype)
     # A float, or a CPU tensor (reading host memory is no device sync; copying it over would be).
-    return torch.full((), float(kl_baseline), dtype=dtype, device=device)
+    return torch.full((), float(value), dtype=dtype, device=device)
 
 
 def linear_preference_loss_reference(
@@ -417,7 +418,7 @@ def linear_preference_loss_reference(
             ref_log_probs = linear_log_probs_reference(
                 ref_hidden, ref_weight, target, ref_bias, options.ignore_index
             ).sum(-1)
-    kl = _as_kl(kl_baseline, hidden.device, torch.promote_types(hidden.dtype, torch.float32))
+    kl = as_device_scalar(kl_baseline, hidden.device, torch.promote_types(hidden.dtype, torch.float32))
     total, logps, kl = _policy_reference(hidden, weight, target, bias, ref_log_probs, labels, kl, options)
     return total, preference_metrics(options, logps, ref_log_probs, target, labels, kl)
 
@@ -427,7 +428,7 @@ def _linear_preference_kernel(
     max_chunk_bytes,
 ):
     n_seq, seq_len = target.shape
-    kl = _as_kl(kl_baseline, hidden.device)
+    kl = as_device_scalar(kl_baseline, hidden.device)
     plan = plan_chunks(options, n_seq, seq_len, weight.shape[0], hidden.dtype, max_chunk_bytes, kl is not None)
     if ref_hidden is not None:
         with torch.no_grad():
@@ -446,7 +447,7 @@ def _linear_preference_kernel(
     return total, preference_metrics(options, logps, ref_log_probs, target, labels, kl_used)
 
 
-def _is_number(x) -> bool:
+def is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
@@ -491,24 +492,24 @@ def _check(
         if ref_log_probs.shape != (n_seq,):
             raise ValueError(f"ref_log_probs must have shape ({n_seq},) (one log-prob sum per sequence), got {tuple(ref_log_probs.shape)}")
         check_device("ref_log_probs", ref_log_probs, hidden.device)
-    if not _is_number(options.beta) or not options.beta > 0:
+    if not is_number(options.beta) or not options.beta > 0:
         raise ValueError(f"beta must be a positive float, got {options.beta!r}")
     eps = options.label_smoothing
-    if method == "robust" and not (_is_number(eps) and 0.0 <= eps < 0.5):
+    if method == "robust" and not (is_number(eps) and 0.0 <= eps < 0.5):
         raise ValueError(f"label_smoothing must be a float in [0, 0.5) for method 'robust', got {eps!r}")
-    if not (_is_number(eps) and 0.0 <= eps <= 1.0):
+    if not (is_number(eps) and 0.0 <= eps <= 1.0):
         raise ValueError(f"label_smoothing must be a float in [0, 1], got {eps!r}")
     if eps and method not in SMOOTHED_METHODS:
         raise ValueError(f"label_smoothing is for methods {', '.join(SMOOTHED_METHODS)}; method {method!r} has none")
-    if not _is_number(options.nll_weight) or options.nll_weight < 0:
+    if not is_number(options.nll_weight) or options.nll_weight < 0:
         raise ValueError(f"nll_weight must be a non-negative float, got {options.nll_weight!r}")
     if given["gamma"] and method != "simpo":
         raise ValueError(f"gamma is SimPO's margin; method {method!r} has none")
-    if not _is_number(options.gamma):
+    if not is_number(options.gamma):
         raise ValueError(f"gamma must be a float, got {options.gamma!r}")
     for name in ("desirable_weight", "undesirable_weight"):
         value = getattr(options, name)
-        if not _is_number(value) or not value > 0:
+        if not is_number(value) or not value > 0:
             raise ValueError(f"{name} must be a positive float, got {value!r}")
         if value != 1.0 and method != "kto":
             raise ValueError(f"{name} is for method 'kto', not {method!r}")
@@ -516,7 +517,7 @@ def _check(
         if method != "kto":
             raise ValueError(f"kl_baseline is for method 'kto', not {method!r}")
         is_scalar_tensor = isinstance(kl_baseline, torch.Tensor) and kl_baseline.dim() == 0
-        if not (_is_number(kl_baseline) or is_scalar_tensor):
+        if not (is_number(kl_baseline) or is_scalar_tensor):
             raise ValueError(f"kl_baseline must be a float or a 0-dim tensor, got {kl_baseline!r}")
     check_ignore_index(options.ignore_index)
     check_chunk_bytes(max_chunk_bytes)
