@@ -7,8 +7,9 @@ from tigon.ops.linear_cross_entropy import linear_cross_entropy
 from tigon.ops.linear_group import linear_group
 from tigon.ops.lora import lora_linear, lora_linear_group
 from tigon.ops.lora_mlp import lora_gated_mlp
+from tigon.ops.moe import moe_experts
 from tigon.ops.norm_mlp import add_rms_norm_glu_mlp
 from tigon.ops.rms_norm import add_rms_norm, rms_norm
 from tigon.ops.rope import rope
 
-__all__ = ["cross_entropy", "linear_cross_entropy", "add_rms_norm", "add_rms_norm_glu_mlp", "geglu", "glu_mlp", "swiglu", "layer_norm", "linear_group", "lora_gated_mlp", "lora_linear", "lora_linear_group", "rms_norm", "rope"]
+__all__ = ["cross_entropy", "linear_cross_entropy", "add_rms_norm", "add_rms_norm_glu_mlp", "geglu", "glu_mlp", "swiglu", "layer_norm", "linear_group", "lora_gated_mlp", "lora_linear", "lora_linear_group", "moe_experts", "rms_norm", "rope"]
