@@ -142,3 +142,34 @@ def test_peft_lora_on_expert_weights_runs_on_the_factors(device, monkeypatch):
     experts = model.base_model.model.model.layers[0].mlp.experts.get_base_layer()
     frozen = {experts.gate_up_proj.shape, experts.down_proj.shape}
     assert len(calls) == 4 and all(shape[0] == E_TINY and shape not in frozen for shape in calls)
+
+
+@pytest.mark.gpu
+def test_bf16_error_no_larger_than_the_transformers_loop_on_gpu():
+    # Qwen3-30B-A3B's experts in bf16: tigon's error against a float64 run of the same module is
+    # at most the expert loop's own (which rounds and accumulates in bf16 per expert).
+    import copy
+
+    device = torch.device("cuda")
+    module = _hf_experts("qwen3_moe", device, hidden_size=2048, moe_intermediate_size=768, num_experts=128,
+                         num_experts_per_tok=8)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.mul_(0.1)
+    exact = copy.deepcopy(module).double()
+    module = module.bfloat16()
+    x = torch.randn(8192, 2048, device=device, dtype=torch.bfloat16, requires_grad=True)
+    weights, index = torch.topk(torch.randn(8192, 128, device=device).softmax(-1), 8)
+    weights = (weights / weights.sum(-1, keepdim=True)).bfloat16().requires_grad_()
+    x64, w64 = x.detach().double().requires_grad_(), weights.detach().double().requires_grad_()
+    want = exact(x64, index, w64)
+    grad = torch.randn_like(want)
+    want_grads = torch.autograd.grad(want, [x64, w64, *exact.parameters()], grad)
+
+    def errors(out):
+        grads = torch.autograd.grad(out, [x, weights, *module.parameters()], grad.to(out.dtype))
+        return [((o.double() - r).norm() / r.norm()).item() for o, r in zip((out, *grads), (want, *want_grads))]
+
+    hf = errors(module(x, index, weights))
+    ours = errors(experts_forward(module, x, index, weights))
+    assert all(o <= 1.1 * h + 1e-3 for o, h in zip(ours, hf)), (ours, hf)

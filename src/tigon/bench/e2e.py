@@ -139,6 +139,22 @@ def timed_steps(
     return times, losses
 
 
+def measure_training(
+    model: torch.nn.Module, step_model: Callable[..., Any], vocab: int, batch: int, seq: int, warmup: int,
+    steps: int, sync_steps: bool = False,
+) -> dict[str, Any]:
+    """:func:`timed_steps` in train mode; tokens/s, median step ms, peak GiB (CUDA) and losses."""
+    device = next(model.parameters()).device
+    model.train()
+    times, losses = timed_steps(model, step_model, vocab, batch, seq, warmup, steps, sync_steps=sync_steps)
+    return dict(
+        tokens_per_s=batch * seq * len(times) / sum(times),
+        step_ms=1e3 * statistics.median(times),
+        peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan"),
+        losses=losses,
+    )
+
+
 def run_case(
     mode: str,
     impl: str,
@@ -164,16 +180,7 @@ def run_case(
             record["applied"] = str(tigon.patch(model))
             log(record["applied"])
         step_model = torch.compile(model) if impl.endswith("compile") else model
-        model.train()
-        times, losses = timed_steps(
-            model, step_model, shape["vocab_size"], batch, seq, warmup, steps, sync_steps=sync_steps
-        )
-        record.update(
-            tokens_per_s=batch * seq * len(times) / sum(times),
-            step_ms=1e3 * statistics.median(times),
-            peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan"),
-            losses=losses,
-        )
+        record.update(measure_training(model, step_model, shape["vocab_size"], batch, seq, warmup, steps, sync_steps))
     except Exception as err:  # one failing case must not hide the others' numbers
         record["error"] = f"{type(err).__name__}: {err}"
     finally:

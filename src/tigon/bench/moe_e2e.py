@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
 import tigon
-from tigon.bench.e2e import _release, compare, current_cuda_device, format_table, timed_steps
+from tigon.bench.e2e import _release, compare, current_cuda_device, format_table, measure_training
 from tigon.bench.harness import environment
 from tigon.nn.moe import register_experts_implementation
 
@@ -78,14 +77,7 @@ def run_moe_case(mode: str, impl: str, device: torch.device, *, batch: int, seq:
         if applied is not None:
             record["applied"] = applied
             log(applied)
-        model.train()
-        times, losses = timed_steps(model, model, shape["vocab_size"], batch, seq, warmup, steps)
-        record.update(
-            tokens_per_s=batch * seq * len(times) / sum(times),
-            step_ms=1e3 * statistics.median(times),
-            peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan"),
-            losses=losses,
-        )
+        record.update(measure_training(model, model, shape["vocab_size"], batch, seq, warmup, steps))
     except Exception as err:  # one failing case must not hide the others' numbers
         record["error"] = f"{type(err).__name__}: {err}"
     finally:

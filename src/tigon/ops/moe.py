@@ -124,9 +124,12 @@ def _gated_backward(grad, gate, up, alpha, limit, up_offset, ACTIVATION: tl.cons
 @triton.jit
 def _gate_columns(cols, inter, INTERLEAVED: tl.constexpr):
     """Columns of the gate and up halves of a (rows, 2I) gate/up tensor for h's columns `cols`."""
+    first = cols
+    second = cols + inter
     if INTERLEAVED:
-        return 2 * cols, 2 * cols + 1
-    return cols, cols + inter
+        first = 2 * cols
+        second = 2 * cols + 1
+    return first, second
 
 
 @triton.jit
@@ -610,7 +613,7 @@ def _torch_weights(a, b, routing, like, scale=1.0):
         out = _grouped_mm(b.t(), a, offs=routing.ends32).transpose(-2, -1)
     else:
         out = _grouped_mm(a.t(), b, offs=routing.ends32)
-    if torch.cuda.is_available() and out.is_cuda and torch.cuda.get_device_capability(out.device)[0] != 9:
+    if out.is_cuda and torch.cuda.get_device_capability(out.device)[0] != 9:
         # Off Hopper, torch's grouped GEMM has left an expert without rows uninitialised
         # (pytorch/pytorch#172439); on Hopper it writes zeros.
         empty = (routing.offsets[1:] == routing.offsets[:-1]).view(-1, 1, 1)
@@ -667,7 +670,8 @@ class _TorchGemms(_TritonGemms):
         h = torch.empty((gu.shape[0], inter), dtype=gu.dtype, device=gu.device)
         block_rows, block, warps = _row_blocks(inter, gu.device)
         _gate_fwd_kernel[(cdiv(gu.shape[0], block_rows), cdiv(inter, block))](
-            gu, h, bias if bias is not None else gu, routing.index[routing.order], routing.offsets,
+            gu, h, bias if bias is not None else gu, routing.index[routing.order] if bias is not None else gu,
+            routing.offsets,
             weight.shape[0], inter, gu.stride(0), h.stride(0), bias.stride(0) if bias is not None else 0,
             *_gate_scalars(options),
             HAS_BIAS=bias is not None, ACTIVATION=options.activation, CLAMP=options.limit is not None,

@@ -1,13 +1,18 @@
 """Benchmark cases for moe_experts: the routed experts of a mixture-of-experts block, fwd+bwd, at
 Qwen3-30B-A3B's widths first (4 × 2048 tokens, hidden 2048, expert intermediate 768, 128 experts,
-top-8), against transformers' own code run on the same tensors:
+top-8), against transformers' own code run on the same tensors.
 
-* ``moe_experts``: eager is transformers' expert loop (``Qwen3MoeExperts.forward``,
-  ``experts_implementation="eager"``), compile is torch.compile of it;
-* ``moe_experts_hf_gmm``: eager is transformers' ``grouped_mm_experts_forward``
-  (``experts_implementation="grouped_mm"``, its default where torch has grouped_mm);
+Registered for ``tigon bench`` (their eager column is transformers' ``grouped_mm_experts_forward``,
+``experts_implementation="grouped_mm"``, its default where torch has grouped_mm, which CUDA graphs
+can capture):
+
+* ``moe_experts``: tigon as it runs by default;
 * ``moe_gemm_triton`` / ``moe_gemm_grouped_mm`` / ``moe_gemm_hybrid``: tigon on one GEMM back end
-  each, against transformers' grouped_mm, to pick :data:`tigon.ops.moe.PREFERRED_GEMM`.
+  each, to pick :data:`tigon.ops.moe.PREFERRED_GEMM`.
+
+Transformers' expert loop (``experts_implementation="eager"``) syncs with the host once per call
+(``nonzero``), so no CUDA graph can capture it: :mod:`tigon.bench.moe_ops` times every
+implementation side by side as launched.
 
 Router weights are in the hidden dtype, as Qwen3-MoE's router returns them; all weights train.
 """
@@ -15,6 +20,7 @@ Router weights are in the hidden dtype, as Qwen3-MoE's router returns them; all 
 from __future__ import annotations
 
 import types
+from typing import Callable
 
 import torch
 
@@ -26,7 +32,8 @@ CPU_SIZES = [(64, 64, 32, 8, 2)]
 SIZE_NAMES = "tokens x hidden x intermediate x experts x top_k"
 
 
-def _inputs(size, dtype, device):
+def make_inputs(size, dtype, device):
+    """(x, top_k_index, top_k_weights, gate_up, down) of `size`, the routing from random logits."""
     tokens, hidden, inter, experts, top_k = size
     x = torch.randn(tokens, hidden, dtype=dtype, device=device, requires_grad=True)
     probs = torch.randn(tokens, experts, device=device).softmax(-1)
@@ -77,14 +84,18 @@ def _flops(size):
     return 3 * 6 * tokens * top_k * hidden * inter
 
 
-def _case(name, tigon, eager):
+def _case(name, tigon):
     register(BenchOp(
-        name=name, make_inputs=_inputs, tigon=tigon, eager=eager, bytes_moved=_bytes, flops=_flops,
+        name=name, make_inputs=make_inputs, tigon=tigon, eager=hf_grouped_mm, bytes_moved=_bytes, flops=_flops,
         sizes=SIZES, cpu_sizes=CPU_SIZES, size_names=SIZE_NAMES,
     ))
 
 
-_case("moe_experts", F.moe_experts, hf_expert_loop)
-_case("moe_experts_hf_gmm", F.moe_experts, hf_grouped_mm)
+def on_gemm(gemm: str) -> Callable:
+    """tigon's op on the GEMM back end `gemm`."""
+    return lambda *args: F.moe_experts(*args, gemm=gemm)
+
+
+_case("moe_experts", F.moe_experts)
 for _gemm in ("triton", "grouped_mm", "hybrid"):
-    _case(f"moe_gemm_{_gemm}", lambda *args, gemm=_gemm: F.moe_experts(*args, gemm=gemm), hf_grouped_mm)
+    _case(f"moe_gemm_{_gemm}", on_gemm(_gemm))
