@@ -111,6 +111,7 @@ def test_odd_widths_run_on_triton(poison_outputs, device):
 ], ids=["gelu_tanh-clamp", "gelu-offset-interleaved", "gpt_oss-gate"])
 def test_gate_options_and_biases(poison_outputs, device, gemm, gate):
     index, w = _routing(N, E, K, device)
+    index = index.int() if gemm == "triton" else index  # int32 ids too (the down bias's dw gathers by them)
     weights, biases = _experts(E, H, I, torch.float32, device, bias=True)
     x = (3 * torch.randn(N, H, device=device)).requires_grad_()  # wide enough that the clamps bind
     _check(index, x, w, weights, biases, gemm=gemm, **gate)
@@ -147,6 +148,8 @@ def test_routing_edge_cases(poison_outputs, device, case, gemm):
         index[:, 1] = torch.where(index[:, 1] == 3, 1, index[:, 1])
     if case == "dropped slots":  # transformers' loop skips id E, the expert-parallel sentinel
         index[::3, 1] = E
+    if case == "top-1":
+        index = index.int()
     weights, _ = _experts(E, H, I, torch.float32, device)
     x = torch.randn(N, H, device=device, requires_grad=True)
     _check(index, x, w, weights, gemm=gemm)
@@ -160,16 +163,17 @@ def test_routing_edge_cases(poison_outputs, device, case, gemm):
         assert (grad_w[::3, 1] == 0).all()
 
 
-@pytest.mark.parametrize("gemm", ["triton", "grouped_mm"])
-def test_nan_in_gives_nan_out(device, gemm):
+@pytest.mark.parametrize(("gemm", "gate"), [("triton", {}), ("grouped_mm", dict(alpha=1.702, limit=7.0, up_offset=1.0))],
+                         ids=["silu", "clamped"])
+def test_nan_in_gives_nan_out(device, gemm, gate):
     index, w = _routing(N, E, K, device)
     weights, _ = _experts(E, H, I, torch.float32, device)
     x = torch.randn(N, H, device=device)
     x[5, 7] = float("nan")
     with torch.no_grad():
         weights[0][2, 3, 4] = float("nan")  # every token routed to expert 2
-    out = F.moe_experts(x, index, w, *weights, gemm=gemm)
-    ref = moe.moe_experts_reference(x, index, w, *weights, None, None, None, None, None, None, _config())
+    out = F.moe_experts(x, index, w, *weights, gemm=gemm, **gate)
+    ref = moe.moe_experts_reference(x, index, w, *weights, None, None, None, None, None, None, _config(**gate))
     nan_rows = (index == 2).any(1)
     nan_rows[5] = True
     assert torch.isnan(out[nan_rows]).all()

@@ -804,7 +804,7 @@ def _backward(ctx, grad_out, hidden, gu, xa, ha, w1, w2, b1, b2, a1, l1, a2, l2,
         if b2 is not None:
             # y includes the down bias: d w = dy · (W2 h + b2[e]); the bias part as a (N, E) GEMM.
             bias_part = torch.mm(dy.float(), b2.float().t())
-            index = routing.index.clamp(max=w1.shape[0] - 1).view(-1, ctx.top_k)
+            index = routing.index.clamp(max=w1.shape[0] - 1).view(-1, ctx.top_k).long()
             grads[2] = grads[2] + torch.where(valid, bias_part.gather(1, index).view(-1), 0.0)
         grads[2] = grads[2].view(-1, ctx.top_k).to(routing.weights.dtype)
     if needs[4]:
