@@ -325,6 +325,16 @@ def test_bf16_on_gpu(gemm):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_gemms_in_fp32_and_fp16_on_gpu(dtype):
+    # fp32 GEMMs in full precision (not TF32), with their own tile depth; LoRA on both projections.
+    index, w, weights, x = _gpu_case(1031, 12, 3, 264, 200, dtype)
+    loras = [(torch.randn(12, 8, 264, device="cuda", requires_grad=True), torch.randn(12, 400, 8, device="cuda", requires_grad=True), 0.1),
+             (torch.randn(12, 8, 200, device="cuda", requires_grad=True), torch.randn(12, 264, 8, device="cuda", requires_grad=True), 0.1)]
+    _check(index, x, w, weights, loras=loras, dtype=dtype, gemm="triton")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("gemm", GEMMS)
 def test_qwen3_30b_a3b_shape_bf16_on_gpu(gemm):
     # The benchmark's shape: 4 x 2048 tokens, hidden 2048, expert intermediate 768, 128 experts, top-8.

@@ -507,20 +507,28 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _rows_config(n_cols: int, k_dim: int, epilogue: int, device: torch.device) -> tuple[int, int, int, int]:
+def _block_k(k_dim: int, dtype: torch.dtype) -> int:
+    # 64 deep for 16-bit operands; 32 for fp32, whose tiles take twice the shared memory per stage.
+    return min(64 if dtype.itemsize <= 2 else 32, max(16, next_power_of_2(k_dim)))
+
+
+def _rows_config(n_cols: int, k_dim: int, epilogue: int, dtype: torch.dtype,
+                 device: torch.device) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the row-grouped GEMM; BLOCK_M is the routing's."""
     if device.type != "cuda":  # the interpreter: few, large programs
         return 64, 64, 4, 1
     # The gated epilogues hold two tiles of the accumulator's size (the up half's accumulator, or
     # the loaded gate and up): half as many columns per tile keeps them in registers.
     widest = 128 if epilogue == PLAIN else 64
-    return min(widest, max(16, next_power_of_2(n_cols))), min(64, max(16, next_power_of_2(k_dim))), 8, 3
+    return min(widest, max(16, next_power_of_2(n_cols))), _block_k(k_dim, dtype), 8, 3
 
 
-def _weights_config(m_dim: int, n_dim: int, device: torch.device) -> tuple[int, int, int, int, int]:
+def _weights_config(m_dim: int, n_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K (rows per step), num_warps, num_stages) of the weight-gradient GEMM."""
     if device.type != "cuda":
         return 64, 64, 64, 4, 1
-    return (min(128, max(16, next_power_of_2(m_dim))), min(128, max(16, next_power_of_2(n_dim))), 64, 8, 3)
+    return (min(128, max(16, next_power_of_2(m_dim))), min(128, max(16, next_power_of_2(n_dim))),
+            _block_k(64, dtype), 8, 3)
 
 
 def _row_blocks(n_cols: int, device: torch.device) -> tuple[int, int, int]:
@@ -555,7 +563,7 @@ def _triton_rows(a, b, routing, *, gather, lora=None, scale=1.0, epilogue=PLAIN,
     n_cols = b.shape[1] if epilogue == PLAIN else gu.shape[1] // 2
     k_dim = b.shape[2]
     out = torch.empty((n_rows, n_cols), dtype=a.dtype, device=a.device)
-    block_n, block_k, warps, stages = _rows_config(n_cols, k_dim, epilogue, a.device)
+    block_n, block_k, warps, stages = _rows_config(n_cols, k_dim, epilogue, a.dtype, a.device)
     a2, b2, lora_scale = lora if lora is not None else (a, b, 0.0)
     gu_, bias_ = gu if gu is not None else out, bias if bias is not None else out
     partial_ = partial if partial is not None else out
@@ -585,7 +593,7 @@ def _triton_weights(a, b, routing, like, *, gather_a=False, gather_b=False, scal
     """``out[e] = scale · a[rows of e]ᵀ b[rows of e]``, (E, a's width, b's width), shaped like `like`."""
     out = _weight_grad_buffer(like)
     m_dim, n_dim = a.shape[1], b.shape[1]
-    block_m, block_n, block_k, warps, stages = _weights_config(m_dim, n_dim, a.device)
+    block_m, block_n, block_k, warps, stages = _weights_config(m_dim, n_dim, a.dtype, a.device)
     grid = (out.shape[0] * cdiv(m_dim, block_m) * cdiv(n_dim, block_n),)
     _gmm_weights_kernel[grid](
         a, routing.token, b, routing.token, out, routing.offsets, m_dim, n_dim, scale,
@@ -643,7 +651,7 @@ class _TritonGemms:
     def down_backward(self, dy, weight_t, lora, gu, routing, options):
         """(w h, Σ g h per row) for g = dy_perm W2[e] (+ LoRA); d(gate|up) overwrites gu."""
         n_cols = gu.shape[1] // 2
-        block_n = _rows_config(n_cols, weight_t.shape[2], DOWN_BACKWARD, gu.device)[0]
+        block_n = _rows_config(n_cols, weight_t.shape[2], DOWN_BACKWARD, gu.dtype, gu.device)[0]
         partial = torch.empty((cdiv(n_cols, block_n), gu.shape[0]), dtype=torch.float32, device=gu.device)
         wh = _triton_rows(dy, weight_t, routing, gather=self.gathers_in_gemm, lora=lora, epilogue=DOWN_BACKWARD,
                           gu=gu, partial=partial, options=options)
