@@ -103,27 +103,6 @@ def measure_matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
     return 2 * n**3 / (ms * 1e-3)
 
 
-def measure(
-    fn: Callable, args: Sequence[Any], grads: list[torch.Tensor] | None, leaves: list[torch.Tensor],
-    device: torch.device, graph: bool = True,
-) -> dict[str, Any]:
-    """fwd and fwd+bwd ms of `fn` plainly launched (``*_host_ms``) and, on CUDA with `graph`,
-    CUDA-graph replayed (``fwd_ms``, ``fwd_bwd_ms``; else those are the plain times), and its
-    peak MiB. `graph=False` for code that syncs with the host, which no graph can capture."""
-    step = _fwd_bwd(fn, args, grads)
-    record: dict[str, Any] = {
-        "fwd_host_ms": _time_ms(lambda: fn(*args), device, []),
-        "fwd_bwd_host_ms": _time_ms(step, device, leaves),
-        "peak_mib": _peak_mib(step, device, leaves),
-    }
-    if device.type == "cuda" and graph:
-        record["fwd_ms"] = _time_ms(lambda: fn(*args), device, [], graph=True)
-        record["fwd_bwd_ms"] = _time_ms(step, device, leaves, graph=True)
-    else:
-        record["fwd_ms"], record["fwd_bwd_ms"] = record["fwd_host_ms"], record["fwd_bwd_host_ms"]
-    return record
-
-
 def bench_one(
     op: BenchOp,
     size: Size,
@@ -149,7 +128,16 @@ def bench_one(
     for impl in impls:
         record: dict[str, Any] = {"op": op.name, "size": "x".join(map(str, size)), "impl": impl}
         try:
-            record.update(measure(fns[impl], args, grads, leaves, device))
+            fn = fns[impl]
+            step = _fwd_bwd(fn, args, grads)
+            record["fwd_host_ms"] = _time_ms(lambda: fn(*args), device, [])
+            record["fwd_bwd_host_ms"] = _time_ms(step, device, leaves)
+            record["peak_mib"] = _peak_mib(step, device, leaves)
+            if device.type == "cuda":
+                record["fwd_ms"] = _time_ms(lambda: fn(*args), device, [], graph=True)
+                record["fwd_bwd_ms"] = _time_ms(step, device, leaves, graph=True)
+            else:
+                record["fwd_ms"], record["fwd_bwd_ms"] = record["fwd_host_ms"], record["fwd_bwd_host_ms"]
             record["roofline_pct"] = 100 * floor_s * 1e3 / record["fwd_bwd_ms"]
         except Exception as err:  # one failing implementation must not hide the others' numbers
             record["error"] = f"{type(err).__name__}: {err}"

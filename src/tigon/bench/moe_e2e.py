@@ -21,15 +21,13 @@ transformers' experts-implementation dispatch, :func:`tigon.nn.moe.register_expe
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
 import tigon
-from tigon.bench.e2e import _release, compare, current_cuda_device, format_table, measure_training
-from tigon.bench.harness import environment
+from tigon.bench.e2e import _release, measure_training, run_all
 from tigon.nn.moe import register_experts_implementation
 
 MODES = ("full", "lora")
@@ -106,31 +104,17 @@ def run_moe_e2e(
 ) -> list[dict[str, Any]]:
     """Every (mode, impl) pair on the current CUDA device (or `device`: a CPU run of a small
     `shape` checks the pipeline, not speed); a table, ``moe_e2e.json`` in `out_dir`, the records."""
-    for name, values, known in (("modes", modes, MODES), ("impls", impls, IMPLS)):
-        unknown = [v for v in values if v not in known]
-        if unknown:
-            raise ValueError(f"{name} must be among {', '.join(known)}, got {', '.join(unknown)}")
-    device = device or current_cuda_device("the MoE end-to-end benchmark")
-    env = environment(device)
-    import transformers
+    settings = dict(batch=batch, seq=seq, steps=steps, warmup=warmup, layers=layers, lora_rank=lora_rank, shape=shape)
 
-    env["transformers"] = transformers.__version__
-    log(f"tigon MoE e2e bench on {env['device']} (torch {env['torch']}, triton {env['triton']}, transformers "
-        f"{env['transformers']}): {layers} layers, batch {batch} x {seq} tokens, {steps} timed steps after {warmup}")
-    records = []
-    for mode in modes:
-        for impl in impls:
-            records.append(run_moe_case(mode, impl, device, batch=batch, seq=seq, steps=steps, warmup=warmup,
-                                        shape=shape, layers=layers, lora_rank=lora_rank, dtype=dtype, log=log))
-            compare(records)
-            log(format_table(records[-1:]))
-    log("\n" + format_table(records))
-    if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        settings = dict(batch=batch, seq=seq, steps=steps, warmup=warmup, layers=layers, lora_rank=lora_rank, shape=shape)
-        (out_dir / "moe_e2e.json").write_text(json.dumps({"environment": env, "settings": settings, "results": records}, indent=1))
-        log(f"wrote {out_dir / 'moe_e2e.json'}")
-    return records
+    def run_one(mode: str, impl: str, device: torch.device) -> dict[str, Any]:
+        return run_moe_case(mode, impl, device, batch=batch, seq=seq, steps=steps, warmup=warmup, shape=shape,
+                            layers=layers, lora_rank=lora_rank, dtype=dtype, log=log)
+
+    return run_all(
+        "MoE e2e bench", "the MoE end-to-end benchmark", modes, impls, (MODES, IMPLS), run_one, settings=settings,
+        summary=f"{layers} layers, batch {batch} x {seq} tokens, {steps} timed steps after {warmup}",
+        out_dir=out_dir, out_name="moe_e2e.json", log=log, device=device,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
