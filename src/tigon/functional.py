@@ -11,8 +11,9 @@ from tigon.ops.linear_policy import linear_policy_loss
 from tigon.ops.linear_preference import linear_preference_loss
 from tigon.ops.lora import lora_linear, lora_linear_group
 from tigon.ops.lora_mlp import lora_gated_mlp
+from tigon.ops.moe import moe_experts
 from tigon.ops.norm_mlp import add_rms_norm_glu_mlp
 from tigon.ops.rms_norm import add_rms_norm, rms_norm
 from tigon.ops.rope import rope
 
-__all__ = ["cross_entropy", "linear_cross_entropy", "linear_log_probs", "linear_preference_loss", "linear_policy_loss", "linear_distill_loss", "add_rms_norm", "add_rms_norm_glu_mlp", "geglu", "glu_mlp", "swiglu", "layer_norm", "linear_group", "lora_gated_mlp", "lora_linear", "lora_linear_group", "rms_norm", "rope"]
+__all__ = ["cross_entropy", "linear_cross_entropy", "linear_log_probs", "linear_preference_loss", "linear_policy_loss", "linear_distill_loss", "add_rms_norm", "add_rms_norm_glu_mlp", "geglu", "glu_mlp", "swiglu", "layer_norm", "linear_group", "lora_gated_mlp", "lora_linear", "lora_linear_group", "moe_experts", "rms_norm", "rope"]
