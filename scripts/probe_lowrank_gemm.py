@@ -151,7 +151,7 @@ def main():
         print("interpreter errors", check("cpu", torch.float32, (70, 48, 96, 16), cfg, 3))
         return
     from tigon.bench.harness import _fwd_bwd, _time_ms
-    from tigon.ops.lora import lora_linear_reference
+    from tigon.ops import lora_linear_reference
     import tigon.functional as F
 
     dev, dt = "cuda", torch.bfloat16

@@ -1,5 +1,8 @@
 """Comparison helpers shared by the tests."""
 
+import collections
+import contextlib
+
 import torch
 
 # Relative error ‖got − want‖ / ‖want‖ allowed per dtype (fp32 arithmetic lands far below 1e-3).
@@ -70,7 +73,6 @@ def saved_activation_bytes(module: torch.nn.Module, *args, **kwargs) -> tuple[in
     return sum(storages.values()), out
 
 
-
 def autograd_nodes(out: torch.Tensor) -> set:
     """Every node of the autograd graph that produced `out`."""
     seen, stack = set(), [out.grad_fn]
@@ -80,3 +82,25 @@ def autograd_nodes(out: torch.Tensor) -> set:
             seen.add(node)
             stack += [next_node for next_node, _ in node.next_functions]
     return seen
+
+
+@contextlib.contextmanager
+def kernel_launches():
+    """Count the launches of tigon's Triton kernels, by kernel name, while the block runs: whoever
+    launches them (an eager autograd Function, or a compiled graph's library op)."""
+    from triton.runtime.jit import KernelInterface
+
+    counts = collections.Counter()
+    launch = KernelInterface.__getitem__
+
+    def counted(kernel, grid):
+        fn = getattr(kernel, "fn", None)
+        if getattr(fn, "__module__", "").startswith("tigon."):
+            counts[fn.__name__] += 1
+        return launch(kernel, grid)
+
+    KernelInterface.__getitem__ = counted
+    try:
+        yield counts
+    finally:
+        KernelInterface.__getitem__ = launch

@@ -38,7 +38,7 @@ from torch import nn
 
 from tigon import functional as F
 from tigon._checks import has_hooks
-from tigon.ops.lora import LoraProjection, autocast_dtype
+from tigon.ops import LoraProjection, autocast_dtype
 from tigon.patch.families import QKV_PROJECTIONS
 
 log = logging.getLogger("tigon")

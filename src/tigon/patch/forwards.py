@@ -18,8 +18,8 @@ import torch
 
 from tigon import functional as F
 from tigon._checks import has_hooks
-from tigon.ops.linear_group import run_linear_group
-from tigon.ops.lora import autocast_dtype
+from tigon.ops.composite.linear_group import run_linear_group
+from tigon.ops import autocast_dtype
 from tigon.ops.rms_norm import NormedInput
 from tigon.patch.families import MLP, QKV_PROJECTIONS, Head, Layer, Norm, Rope
 

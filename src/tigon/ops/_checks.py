@@ -1,0 +1,67 @@
+"""Argument checks shared by the ops: each raises ValueError naming the argument and what was
+expected, before any kernel runs."""
+
+from __future__ import annotations
+
+from typing import Collection
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# dtypes the kernels take; float64 is accepted by the ops but runs on the reference.
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_float(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise ValueError(
+            f"{name} must be a floating-point tensor (float16, bfloat16, float32 or float64), "
+            f"got {t.dtype}"
+        )
+
+
+def check_input(x: torch.Tensor) -> None:
+    """`x` is a float tensor with a last dim (the features of a linear layer)."""
+    check_float("x", x)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (the features), got a scalar")
+
+
+def check_vector(name: str, t: torch.Tensor, length: int, device: torch.device) -> None:
+    """`t` is a 1-D float tensor of `length` elements on `device`."""
+    check_float(name, t)
+    if t.dim() != 1 or t.shape[0] != length:
+        raise ValueError(
+            f"{name} must have shape ({length},) to match the last dim of the input, "
+            f"got {tuple(t.shape)}"
+        )
+    check_device(name, t, device)
+
+
+def check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} like the input")
+
+
+def check_choice(name: str, value: object, choices: Collection[object]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+def check_eps(eps: float) -> None:
+    if not isinstance(eps, (int, float)) or eps < 0:
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+
+
+def rows_view(x: torch.Tensor) -> torch.Tensor:
+    """`x` as a 2-D (rows, last dim) tensor whose last dim is contiguous.
+
+    A view when the strides allow one (so sliced or batch-strided inputs are not copied), else a
+    contiguous copy.
+    """
+    x2d = x.reshape(-1, x.shape[-1])
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    return x2d
