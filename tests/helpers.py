@@ -2,6 +2,7 @@
 
 import collections
 import contextlib
+import sys
 
 import torch
 
@@ -84,23 +85,39 @@ def autograd_nodes(out: torch.Tensor) -> set:
     return seen
 
 
+def tigon_kernels() -> dict[str, object]:
+    """Every Triton kernel object of tigon.ops, by kernel name (for counting launches)."""
+    from triton.runtime.jit import KernelInterface
+
+    return {
+        value.fn.__name__: value
+        for name, module in list(sys.modules.items()) if name.startswith("tigon.ops.")
+        for value in vars(module).values() if isinstance(value, KernelInterface)
+    }
+
+
 @contextlib.contextmanager
 def kernel_launches():
     """Count the launches of tigon's Triton kernels, by kernel name, while the block runs: whoever
     launches them (an eager autograd Function, or a compiled graph's library op)."""
-    from triton.runtime.jit import KernelInterface
-
     counts = collections.Counter()
-    launch = KernelInterface.__getitem__
+    ours = {id(kernel) for kernel in tigon_kernels().values()}
+    patched = {}
+    for cls in {type(kernel) for kernel in tigon_kernels().values()}:
+        launch = cls.__getitem__
 
-    def counted(kernel, grid):
-        fn = getattr(kernel, "fn", None)
-        if getattr(fn, "__module__", "").startswith("tigon."):
-            counts[fn.__name__] += 1
-        return launch(kernel, grid)
+        def counted(kernel, grid, launch=launch):
+            if id(kernel) in ours:
+                counts[kernel.fn.__name__] += 1
+            return launch(kernel, grid)
 
-    KernelInterface.__getitem__ = counted
+        patched[cls] = cls.__dict__.get("__getitem__")
+        cls.__getitem__ = counted
     try:
         yield counts
     finally:
-        KernelInterface.__getitem__ = launch
+        for cls, own in patched.items():
+            if own is None:
+                del cls.__getitem__
+            else:
+                cls.__getitem__ = own

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 import tigon.functional as F  # noqa: E402
 from tigon.peft import _GROUP, apply_lora_kernels, remove_lora_kernels  # noqa: E402
 from tests.helpers import assert_close, autograd_nodes  # noqa: E402
-from tests.ops.test_lora import one_cpu_thread  # noqa: E402,F401 (autouse fixture)
+from tests.ops.composite.test_lora import one_cpu_thread  # noqa: E402,F401 (autouse fixture)
 
 VOCAB = 101
 

@@ -73,7 +73,7 @@ def _leaves(p):
 
 
 def _step(p, x, target, cos, sin):
-    """A loss through every op that has a path of its own inside torch.compile."""
+    """A loss through every op (those without kernels trace their references inside torch.compile)."""
     h = F.rms_norm(x, p["w"])
     h, total = F.add_rms_norm(h, x, p["w"], offset=1.0, casting="gemma")
     h = F.layer_norm(h, p["w"], p["b"])
@@ -83,6 +83,8 @@ def _step(p, x, target, cos, sin):
     h = F.glu_mlp(h, p["gate"], p["up"], p["down"], activation="gelu_tanh")
     h, total = F.add_rms_norm_glu_mlp(h, total, p["w"], 1e-6, p["gate"], p["up"], p["down"])
     h = F.lora_gated_mlp(h + total, *p["loras"])
+    gate, up = F.linear_group(h, [p["gate"], p["up"]])
+    h = h + F.lora_linear(gate * up, *p["loras"][2])
     logits = torch.nn.functional.linear(h, p["head"])
     return F.linear_cross_entropy(h, p["head"], target) + F.cross_entropy(logits, target, z_loss_scale=1e-4)
 

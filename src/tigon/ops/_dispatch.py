@@ -164,7 +164,7 @@ class Op:
         compiled: what runs inside torch.compile (the kernels as library ops, see
             :func:`library_op`); None runs the reference there.
         uses_triton: False for an op of torch calls only, which runs its own code on any device.
-        parts: names of other ops whose kernels this op runs: TIGON_DISABLE naming one of them
+        parts: the other ops whose kernels this op runs: TIGON_DISABLE naming one of them
             disables this op too.
     """
 
@@ -196,16 +196,7 @@ class Op:
         lead = args[0]
         if not lead.numel():  # nothing to compute, nothing to say
             return self.reference(*args)
-        reason = unsupported
-        if reason is None:
-            if self.broken is not None:
-                reason = self.broken
-            else:
-                raw = _disable_value()
-                if raw is not None and not self.names.isdisjoint(_disabled_names(raw)):
-                    reason = DISABLED
-                else:
-                    reason = _placement_reason(lead.device, lead.dtype, self.uses_triton, INTERPRET)
+        reason = unsupported or self.reason(lead.device, lead.dtype)
         if reason is not None:
             if reason not in _noted:
                 _note_fallback(self, reason)
@@ -218,6 +209,15 @@ class Op:
         if _debug_value() is not None and _flag(_debug_value()):
             _debug_check(self, out, args)
         return out
+
+    def reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        """Why this op runs its reference on tensors of `dtype` on `device` (None if it need not)."""
+        if self.broken is not None:
+            return self.broken
+        raw = _disable_value()
+        if raw is not None and not self.names.isdisjoint(_disabled_names(raw)):
+            return DISABLED
+        return _placement_reason(device, dtype, self.uses_triton, INTERPRET)
 
     def without_autocast(self, autocast: torch.dtype | None, unsupported: str | None, *args: Any) -> Any:
         """:meth:`__call__` with autocast off when `autocast` (the dtype it would run in) is set:
@@ -254,11 +254,11 @@ def _covered(op: Op, reason: str) -> list[str]:
         return [name for name, other in _OPS.items() if other.uses_triton and name not in disabled]
     if reason == DISABLED:
         disabled = _disabled_now()
-        return [name for name in _OPS if name in disabled]
+        return [name for name, other in _OPS.items() if not other.names.isdisjoint(disabled)]
     return [op.name]
 
 
-def name_list(names: Sequence[str], shown: int = 3) -> str:
+def _name_list(names: Sequence[str], shown: int = 3) -> str:
     """``a, b, c and 4 more`` (or ``a and b``)."""
     if len(names) <= shown + 1:
         return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
@@ -269,17 +269,13 @@ def _note_fallback(op: Op, reason: str) -> None:
     _noted.add(reason)
     names = _covered(op, reason) or [op.name]
     verb = "runs its PyTorch reference" if len(names) == 1 else "run their PyTorch references"
-    log.warning("tigon: %s %s: %s", name_list(names), verb, reason)
+    log.warning("tigon: %s %s: %s", _name_list(names), verb, reason)
 
 
 @torch.compiler.assume_constant_result  # decided when the graph is traced, not on every call
 def _compiled_reason(name: str, device: torch.device, dtype: torch.dtype) -> str | None:
     op = _OPS[name]
-    reason = op.broken
-    if reason is None and not op.names.isdisjoint(_disabled_now()):
-        reason = DISABLED
-    if reason is None:
-        reason = _placement_reason(device, dtype, op.uses_triton, INTERPRET)
+    reason = op.reason(device, dtype)
     if reason is not None and reason not in _noted:
         _note_fallback(op, reason)
     return reason

@@ -65,6 +65,21 @@ class _LinearGroupFunction(torch.autograd.Function):
 LINEAR_GROUP = Op("linear_group", _LinearGroupFunction.apply, linear_group_reference, uses_triton=False)
 
 
+def _is_plain(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, device: torch.device) -> bool:
+    """Whether a projection is of the usual kind (2-D, x's width, dtype and device; a bias to
+    match), found without building any message: this op replaces three F.linear calls, so its
+    host time is most of its cost. Anything else goes through :func:`_check_projection`."""
+    dtype = x.dtype
+    return (
+        isinstance(weight, torch.Tensor) and weight.dtype == dtype and weight.dim() == 2
+        and weight.shape[1] == x.shape[-1] and weight.device == device
+        and (bias is None or (
+            isinstance(bias, torch.Tensor) and bias.dtype == dtype and bias.shape == weight.shape[:1]
+            and bias.device == device
+        ))
+    )
+
+
 def _check_projection(i: int, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, autocast: bool) -> None:
     name = f"weights[{i}]"
     check_float(name, weight)
@@ -111,8 +126,10 @@ def linear_group(
     if len(biases) != len(weights):
         raise ValueError(f"biases must hold one bias (or None) per weight: {len(weights)}, got {len(biases)}")
     dtype = autocast_dtype(x)
+    device = x.device
     for i, (weight, bias) in enumerate(zip(weights, biases)):
-        _check_projection(i, weight, bias, x, autocast=dtype is not None)
+        if not _is_plain(weight, bias, x, device):
+            _check_projection(i, weight, bias, x, autocast=dtype is not None)
     return run_linear_group(x, tuple(t for pair in zip(weights, biases) for t in pair), dtype)
 
 
