@@ -56,12 +56,15 @@ def test_opcheck(name):
     torch.library.opcheck(_dispatch.LIBRARY_OPS[name], OPCHECK_CASES[name]())
 
 
-def _params(grad=True):
-    p = {
-        "w": _t(16, grad=grad), "b": _t(16, grad=grad), "gate": _t(24, 16, grad=grad), "up": _t(24, 16, grad=grad),
-        "down": _t(16, 24, grad=grad), "head": _t(37, 16, grad=grad),
-    }
-    p["loras"] = [ops.LoraProjection(p[name], _t(2, p[name].shape[1], grad=grad), _t(p[name].shape[0], 2, grad=grad), 0.5)
+def _weight(*shape):
+    """A parameter scaled as nn.Linear's, so that a stack of layers keeps its activations ~1."""
+    return (torch.randn(*shape) / shape[-1] ** 0.5).requires_grad_()
+
+
+def _params():
+    p = {"w": _weight(16), "b": _weight(16), "gate": _weight(24, 16), "up": _weight(24, 16), "down": _weight(16, 24),
+         "head": _weight(37, 16)}
+    p["loras"] = [ops.LoraProjection(p[name], _weight(2, p[name].shape[1]), _weight(p[name].shape[0], 2), 0.5)
                   for name in ("gate", "up", "down")]
     return p
 
