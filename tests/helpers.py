@@ -1,5 +1,9 @@
 """Comparison helpers shared by the tests."""
 
+import collections
+import contextlib
+import sys
+
 import torch
 
 # Relative error ‖got − want‖ / ‖want‖ allowed per dtype (fp32 arithmetic lands far below 1e-3).
@@ -70,7 +74,6 @@ def saved_activation_bytes(module: torch.nn.Module, *args, **kwargs) -> tuple[in
     return sum(storages.values()), out
 
 
-
 def autograd_nodes(out: torch.Tensor) -> set:
     """Every node of the autograd graph that produced `out`."""
     seen, stack = set(), [out.grad_fn]
@@ -139,3 +142,41 @@ def run_without_host_sync(step) -> None:
         step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def tigon_kernels() -> dict[str, object]:
+    """Every Triton kernel object of tigon.ops, by kernel name (for counting launches)."""
+    from triton.runtime.jit import KernelInterface
+
+    return {
+        value.fn.__name__: value
+        for name, module in list(sys.modules.items()) if name.startswith("tigon.ops.")
+        for value in vars(module).values() if isinstance(value, KernelInterface)
+    }
+
+
+@contextlib.contextmanager
+def kernel_launches():
+    """Count the launches of tigon's Triton kernels, by kernel name, while the block runs: whoever
+    launches them (an eager autograd Function, or a compiled graph's library op)."""
+    counts = collections.Counter()
+    ours = {id(kernel) for kernel in tigon_kernels().values()}
+    patched = {}
+    for cls in {type(kernel) for kernel in tigon_kernels().values()}:
+        launch = cls.__getitem__
+
+        def counted(kernel, grid, launch=launch):
+            if id(kernel) in ours:
+                counts[kernel.fn.__name__] += 1
+            return launch(kernel, grid)
+
+        patched[cls] = cls.__dict__.get("__getitem__")
+        cls.__getitem__ = counted
+    try:
+        yield counts
+    finally:
+        for cls, own in patched.items():
+            if own is None:
+                del cls.__getitem__
+            else:
+                cls.__getitem__ = own

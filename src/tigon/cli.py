@@ -12,11 +12,9 @@ from typing import Callable
 
 import torch
 
-from tigon import _backend
-
 
 def _cmd_env(args: argparse.Namespace) -> int:
-    import tigon.functional  # noqa: F401  (imports every op, so each is registered)
+    from tigon import ops
 
     print(f"tigon      {__import__('tigon').__version__}")
     print(f"python     {platform.python_version()} ({platform.system()} {platform.machine()})")
@@ -41,16 +39,18 @@ def _cmd_env(args: argparse.Namespace) -> int:
     else:
         device = torch.device("cpu")
         print("gpu        none (CUDA not available)")
-    if _backend.INTERPRET:
+    if ops.INTERPRET:
         print("mode       TRITON_INTERPRET=1: kernels run in Triton's CPU interpreter (slow; for tests)")
+    # One row per op, each reason said once: ops are grouped by where they run and why.
+    groups: dict[tuple[str, str | None], list[str]] = {}
+    for op in ops.op_names():
+        groups.setdefault(ops.placement(op, device), []).append(op)
+    headings = {"triton": "Triton kernels", "torch": "torch calls only (no Triton kernel), on any device"}
     print(f"\nops on {device}:")
-    for op in _backend.OPS:
-        if op in _backend.TORCH_OPS:
-            where = "reference: disabled by TIGON_DISABLE" if _backend.disabled(op) else "torch (no Triton kernel needed)"
-        else:
-            reason = _backend.why_not_triton(op, device)
-            where = "triton" if reason is None else "reference: " + reason
-        print(f"  {op:<22} {where}")
+    for (where, reason), names in groups.items():
+        print(f"  {headings.get(where) or 'PyTorch reference: ' + reason}")
+        for name in names:
+            print(f"    {name}")
     return 0
 
 
