@@ -343,5 +343,4 @@ def build_app(runs_dir: str | Path) -> gr.Blocks:
 
 def launch(app: gr.Blocks, host: str, port: int) -> None:
     """Serve `app` from a thread; returns once it listens (OSError when it cannot)."""
-    app.launch(server_name=host, server_port=port, prevent_thread_lock=True, theme=_theme(), css=CSS, quiet=True,
-               footer_links=["api"])
+    app.launch(server_name=host, server_port=port, prevent_thread_lock=True, theme=_theme(), css=CSS, quiet=True)
