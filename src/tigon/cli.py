@@ -199,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tigon.serve.cli import add_serve_commands
 
     add_serve_commands(sub)
+    from tigon.webui.cli import add_webui_commands
+
+    add_webui_commands(sub)
     return parser
 
 
