@@ -399,13 +399,13 @@ def test_sft_and_the_command_line_never_import_trl():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tuner", ["full", "lora"])
-def test_gpu_bf16_kernels_and_fused_loss_train_like_trl(tmp_path, tuner):
+def test_gpu_bf16_kernels_and_fused_loss_train_like_trl(tmp_path, monkeypatch, tuner):
     """On the GPU, in bf16: `tigon rlhf --method dpo` with tigon's kernels and the fused loss's
     Triton path takes the steps of TRL's DPOTrainer on the unpatched model (bf16 tolerance)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, set_seed
 
-    os.environ.pop("TIGON_DISABLE", None)
+    monkeypatch.delenv("TIGON_DISABLE")  # the Triton paths, compiled
     tokenizer = tiny.build_tokenizer(load_samples([str(tiny.BUNDLED_DATASET)], seed=0))
     tiny.build_model(tokenizer, 0, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
                      num_attention_heads=8, num_key_value_heads=2, vocab_size=32003).save_pretrained(tmp_path / "m")
@@ -440,3 +440,47 @@ def test_gpu_bf16_kernels_and_fused_loss_train_like_trl(tmp_path, tuner):
     for a, b in zip(ours, theirs):
         assert a["loss"] == pytest.approx(b["loss"], rel=3e-2, abs=3e-3), a["step"]
     assert all(r["gpu_mem_gib"] > 0 for r in ours)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method, tuner", [("dpo", "lora"), ("dpo", "full"), ("kto", "lora")])
+def test_gpu_steps_never_wait_for_the_device(tmp_path, monkeypatch, method, tuner):
+    """Between logs nothing in a `tigon rlhf` step (the policy and reference forwards, the fused
+    loss, the metrics, the token count) reads the GPU back. Every sequence is cut to --max-length,
+    so the batches are unpadded and carry no attention mask, as in the benchmark."""
+    from transformers import TrainerCallback
+
+    monkeypatch.delenv("TIGON_DISABLE")  # the Triton paths, compiled
+    tokenizer = tiny.build_tokenizer(load_samples([str(tiny.BUNDLED_DATASET)], seed=0))
+    tiny.build_model(tokenizer, 0, hidden_size=256, intermediate_size=704, num_hidden_layers=2).save_pretrained(
+        tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    words = rlhf.BUNDLED_PREFERENCES.read_text().split()
+    rng = random.Random(0)
+    (tmp_path / "pairs.jsonl").write_text("".join(
+        json.dumps({"prompt": " ".join(rng.choices(words, k=20)), "chosen": " ".join(rng.choices(words, k=200)),
+                    "rejected": " ".join(rng.choices(words, k=200))}) + "\n" for _ in range(64)))
+
+    class StrictSteps(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 2:  # after the warm-up steps (compilation, first allocations)
+                torch.cuda.set_sync_debug_mode("error")
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == args.max_steps:  # before the final log reads the loss
+                torch.cuda.set_sync_debug_mode("default")
+
+    cls = rlhf.TigonKTOTrainer if method == "kto" else rlhf.TigonDPOTrainer
+
+    class Trainer(cls):
+        def __init__(self, *args, callbacks=(), **kwargs):
+            super().__init__(*args, callbacks=[*callbacks, StrictSteps()], **kwargs)
+
+    monkeypatch.setattr(rlhf, "TigonKTOTrainer" if method == "kto" else "TigonDPOTrainer", Trainer)
+    try:
+        assert main(["rlhf", "--model", str(tmp_path / "m"), "--dataset", str(tmp_path / "pairs.jsonl"),
+                     "--method", method, "--tuner", tuner, "--dtype", "bf16", "--max-length", "128",
+                     "--batch-size", "4", "--max-steps", "6", "--logging-steps", "100", "--save-steps", "0",
+                     "--samples", "0", "--output-dir", str(tmp_path / "out")]) == 0
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

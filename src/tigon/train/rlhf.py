@@ -121,7 +121,8 @@ class _FusedPreference:
     def method(self) -> str:
         return self.loss_options["method"]
 
-    def _hidden(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def _hidden(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+                ) -> torch.Tensor:
         """The model's last hidden states at the positions that predict a next token."""
         return model(input_ids=input_ids, attention_mask=attention_mask, **{HIDDEN: True})[:, :-1]
 
@@ -144,7 +145,7 @@ class _FusedPreference:
                 yield
 
     def _reference_states(self, model: torch.nn.Module, input_ids: torch.Tensor,
-                          attention_mask: torch.Tensor) -> dict[str, torch.Tensor | None]:
+                          attention_mask: torch.Tensor | None) -> dict[str, torch.Tensor | None]:
         """The reference's hidden states and head, as linear_preference_loss takes them."""
         with self._as_reference(model):
             hidden = self._hidden(model, input_ids, attention_mask)
@@ -214,12 +215,12 @@ class TigonDPOTrainer(_FusedPreference, TigonTrainer, DPOTrainer):
         return super()._precompute_ref_logps(dataset, name, batch_size)
 
     def compute_ref_log_probs(self, model, inputs):
-        states = self._reference_states(model, inputs["input_ids"], inputs["attention_mask"])
+        states = self._reference_states(model, inputs["input_ids"], inputs.get("attention_mask"))
         return self._log_prob_sums(states, _targets(inputs["input_ids"], inputs["completion_mask"])).chunk(2)
 
     def _compute_loss(self, model, inputs, return_outputs):
         mode = "train" if self.model.training else "eval"
-        input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
+        input_ids, attention_mask = inputs["input_ids"], inputs.get("attention_mask")
         target = _targets(input_ids, inputs["completion_mask"])
         weight, bias = self._head(model)
         hidden = self._hidden(model, input_ids, attention_mask).to(weight.dtype)
@@ -256,12 +257,12 @@ class TigonKTOTrainer(_FusedPreference, TigonTrainer, KTOTrainer):
                       for ids in [answers[min(start + size, len(answers)) - 1], *answers[start:start + size - 1]]]
         return dataset.add_column("KL_completion_ids", mismatched)
 
-    def _kl_inputs(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _kl_inputs(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         ids = inputs["KL_input_ids"]
-        return ids, inputs["KL_attention_mask"], _targets(ids, inputs["KL_completion_mask"])
+        return ids, inputs.get("KL_attention_mask"), _targets(ids, inputs["KL_completion_mask"])
 
     def compute_ref_log_probs(self, model, inputs):
-        states = self._reference_states(model, inputs["input_ids"], inputs["attention_mask"])
+        states = self._reference_states(model, inputs["input_ids"], inputs.get("attention_mask"))
         logps = self._log_prob_sums(states, _targets(inputs["input_ids"], inputs["completion_mask"]))
         if not self.calculate_KL:
             return logps, None
@@ -270,7 +271,7 @@ class TigonKTOTrainer(_FusedPreference, TigonTrainer, KTOTrainer):
 
     def _compute_loss(self, model, inputs, return_outputs):
         mode = "train" if self.model.training else "eval"
-        input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
+        input_ids, attention_mask = inputs["input_ids"], inputs.get("attention_mask")
         target = _targets(input_ids, inputs["completion_mask"])
         labels = inputs["label"].bool()
         weight, bias = self._head(model)
@@ -307,14 +308,19 @@ class TigonKTOTrainer(_FusedPreference, TigonTrainer, KTOTrainer):
 
 
 class PreferenceCollator:
-    """TRL's collator for the method, and the batch's token count on the host (`NUM_TOKENS`, as
-    sft's collator gives it) for the progress bar's tokens/s."""
+    """TRL's collator for the method, less the attention masks of unpadded sequences (as sft's
+    collator: without one the model runs plain causal attention and skips checking an all-ones
+    mask on the device, which waits for it), and the batch's token count on the host
+    (`NUM_TOKENS`) for the progress bar's tokens/s."""
 
     def __init__(self, pad_token_id: int, kto: bool):
         self.collate = (DataCollatorForUnpairedPreference if kto else DataCollatorForPreference)(pad_token_id)
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         batch = self.collate(features)
+        for key in ("attention_mask", "KL_attention_mask"):
+            if key in batch and bool(batch[key].all()):  # a host tensor: no device to wait for
+                del batch[key]
         batch[NUM_TOKENS] = sum(preference.sequence_tokens(f)[0] for f in features)
         return batch
 

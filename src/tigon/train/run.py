@@ -514,7 +514,7 @@ def train(cfg: SFTConfig, resume_from: Path | None, tokenizer: Any, job: Job) ->
         log.info("%s: the run is complete (%s) but has no %s/: writing it from %s", output_dir, done, FINAL_DIR,
                  resume_from.name)
 
-    built = build_model(cfg, tokenizer, dtype, args, resume_from, reference=job.reference and not complete)
+    built = build_model(cfg, tokenizer, dtype, args, resume_from, reference=job.reference)
     if cfg.samples and _sharded(args):
         log.info("samples: skipped under FSDP/DeepSpeed (a sharded model generates only with every rank); "
                  "try the saved model with `tigon chat`")
