@@ -88,6 +88,16 @@ def plain_model(root):
     return model
 
 
+def with_callbacks(trainer, *extra):
+    """`trainer` (a class) with the callbacks `extra` added to the ones it is made with."""
+
+    class Trainer(trainer):
+        def __init__(self, *args, callbacks=(), **kwargs):
+            super().__init__(*args, callbacks=[*callbacks, *extra], **kwargs)
+
+    return Trainer
+
+
 def assert_same_losses(ours, theirs, steps):
     assert [r["step"] for r in ours] == list(range(1, steps + 1)) and len(theirs) == steps
     for a, b in zip(ours, theirs):
@@ -337,15 +347,11 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes_exactly(tiny_run, uninterrupted,
             if state.global_step == 2:
                 os.kill(os.getpid(), signal.SIGINT)
 
-    class Trainer(rlhf.TigonDPOTrainer):
-        def __init__(self, *args, callbacks=(), **kwargs):
-            super().__init__(*args, callbacks=[*callbacks, CtrlC()], **kwargs)
-
     root, _ = tiny_run
     _, argv = settings(root)
     cut = tmp_path / "cut"
     with monkeypatch.context() as patched:
-        patched.setattr(rlhf, "TigonDPOTrainer", Trainer)
+        patched.setattr(rlhf, "TigonDPOTrainer", with_callbacks(rlhf.TigonDPOTrainer, CtrlC()))
         assert main(["rlhf", *argv, *RESUMABLE, "--save-steps", "0", "--output-dir", str(cut)]) == 130
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"tigon rlhf: stopped by Ctrl-C at step 3 of 6: saved {cut / 'checkpoint-3'}; rerun the same command with "
@@ -470,13 +476,8 @@ def test_gpu_steps_never_wait_for_the_device(tmp_path, monkeypatch, method, tune
             if state.global_step == args.max_steps:  # before the final log reads the loss
                 torch.cuda.set_sync_debug_mode("default")
 
-    cls = rlhf.TigonKTOTrainer if method == "kto" else rlhf.TigonDPOTrainer
-
-    class Trainer(cls):
-        def __init__(self, *args, callbacks=(), **kwargs):
-            super().__init__(*args, callbacks=[*callbacks, StrictSteps()], **kwargs)
-
-    monkeypatch.setattr(rlhf, "TigonKTOTrainer" if method == "kto" else "TigonDPOTrainer", Trainer)
+    name = "TigonKTOTrainer" if method == "kto" else "TigonDPOTrainer"
+    monkeypatch.setattr(rlhf, name, with_callbacks(getattr(rlhf, name), StrictSteps()))
     try:
         assert main(["rlhf", "--model", str(tmp_path / "m"), "--dataset", str(tmp_path / "pairs.jsonl"),
                      "--method", method, "--tuner", tuner, "--dtype", "bf16", "--max-length", "128",
