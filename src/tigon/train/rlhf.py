@@ -251,10 +251,11 @@ class TigonKTOTrainer(_FusedPreference, TigonTrainer, KTOTrainer):
             return dataset
         # Each answer goes to the next prompt of its batch (the last to the first), batch by batch
         # as the sequential sampler will read them.
-        size = args.per_device_train_batch_size
-        answers = dataset["completion_ids"]
-        mismatched = [ids for start in range(0, len(answers), size)
-                      for ids in [answers[min(start + size, len(answers)) - 1], *answers[start:start + size - 1]]]
+        size, answers = args.per_device_train_batch_size, list(dataset["completion_ids"])
+        mismatched = []
+        for start in range(0, len(answers), size):
+            batch = answers[start:start + size]
+            mismatched += batch[-1:] + batch[:-1]
         return dataset.add_column("KL_completion_ids", mismatched)
 
     def _kl_inputs(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
