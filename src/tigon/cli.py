@@ -90,6 +90,18 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_rlhf(args: argparse.Namespace) -> int:
+    from tigon.train.config import RLHFConfig
+
+    train = _train()
+    try:
+        from tigon.train.rlhf import run_rlhf
+    except ImportError as err:
+        raise ValueError(f"{err}: tigon rlhf runs on TRL's trainers (pip install 'trl>=1.16')") from None
+    run_rlhf(*train.config_from_args(args, RLHFConfig))
+    return 0
+
+
 def _cmd_merge(args: argparse.Namespace) -> int:
     _train().merge(args.adapter, args.output, base=args.base, dtype=args.dtype)
     return 0
@@ -134,8 +146,8 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def _add_train_commands(sub: argparse._SubParsersAction) -> None:
-    """`sft`, `merge`, `infer` and `chat` (the options of sft come from tigon.train.config)."""
-    from tigon.train.config import add_sft_arguments
+    """`sft`, `rlhf`, `merge`, `infer` and `chat` (the options of sft and rlhf come from tigon.train.config)."""
+    from tigon.train.config import RLHFConfig, add_sft_arguments
 
     debug = {"action": "store_true", "default": argparse.SUPPRESS, "help": "show full tracebacks"}
     sft = sub.add_parser("sft", help="fine-tune a model on a dataset with tigon's kernels (no arguments: "
@@ -143,6 +155,13 @@ def _add_train_commands(sub: argparse._SubParsersAction) -> None:
     add_sft_arguments(sft)
     sft.add_argument("--debug", **debug)
     sft.set_defaults(run=_cmd_sft)
+
+    rlhf = sub.add_parser("rlhf", help="preference-train a model (DPO, IPO, KTO, ORPO, SimPO, CPO) with tigon's "
+                          "fused preference loss (no arguments: DPO of the built-in tiny model after sft, on "
+                          "bundled pairs, on CPU in minutes)")
+    add_sft_arguments(rlhf, RLHFConfig)
+    rlhf.add_argument("--debug", **debug)
+    rlhf.set_defaults(run=_cmd_rlhf)
 
     merge = sub.add_parser("merge", help="fold a LoRA adapter into its base model (the same as tigon export ADAPTER --to merged)")
     merge.add_argument("adapter", help="adapter directory (e.g. tigon-out/final)")
