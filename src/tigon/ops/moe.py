@@ -48,21 +48,16 @@ ids must not be negative. Row indices, offsets and every ``row × stride`` are i
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as torch_f
 
-from tigon import _backend
-from tigon._backend import tl, triton
-from tigon._checks import KERNEL_DTYPES, check_choice, check_device, check_float
+from tigon.ops._checks import KERNEL_DTYPES, check_choice, check_device, check_float
+from tigon.ops._dispatch import Op, autocast_dtype, backward_fallback, tl, triton
 from tigon.ops._launch import cdiv, next_power_of_2, row_block_config
 from tigon.ops.glu import ACTIVATIONS, _activation, _activation_grad, _activation_reference
-from tigon.ops.lora import autocast_dtype
-
-MOE_EXPERTS = _backend.register("moe_experts")
 
 GEMMS = ("auto", "triton", "grouped_mm", "hybrid")
 # What "auto" runs for bfloat16 on a CUDA device of compute capability >= 9.0 (where
@@ -746,6 +741,16 @@ def _lora_or_none(a, b, scale):
     return None if a is None else _Lora(a, b, scale)
 
 
+def _reference_point(ctx, saved):
+    hidden, _, _, _, w1, w2, b1, b2, *adapters = saved[:12]
+    index, weights = saved[12:14]
+    # The adapters in their own dtypes: the reference casts them as the op does, so their
+    # gradients come back in those dtypes.
+    adapters = [None if t is None else t.to(dtype) for t, dtype in zip(adapters, ctx.adapter_dtypes)]
+    inputs = (hidden, index.view(-1, ctx.top_k), weights.view(-1, ctx.top_k), w1, w2, b1, b2, *adapters, ctx.config)
+    return MOE_EXPERTS, moe_experts_reference, inputs
+
+
 class _MoeExpertsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, top_k_index, top_k_weights, w1, w2, b1, b2, a1, l1, a2, l2, config):
@@ -771,20 +776,18 @@ class _MoeExpertsFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_out):
-        hidden, gu, xa, ha, w1, w2, b1, b2, a1, l1, a2, l2, *routing = ctx.saved_tensors
+    @backward_fallback(_reference_point)
+    def backward(ctx, saved, grad_out):
+        hidden, gu, xa, ha, w1, w2, b1, b2, a1, l1, a2, l2, *routing = saved
         routing = _Routing(*routing, ctx.block_m)
-        try:
-            grads = _backward(ctx, grad_out, hidden, gu, xa, ha, w1, w2, b1, b2, a1, l1, a2, l2, routing)
-        except Exception as err:
-            inputs = (hidden, routing.index.view(-1, ctx.top_k), routing.weights.view(-1, ctx.top_k),
-                      w1, w2, b1, b2, a1, l1, a2, l2, ctx.config)
-            grads = list(_backend.reference_backward(MOE_EXPERTS, err, moe_experts_reference, inputs, (grad_out,)))
-            grads = [g if need else None for g, need in zip(grads, ctx.needs_input_grad)]
+        grads = _backward(ctx, grad_out, hidden, gu, xa, ha, w1, w2, b1, b2, a1, l1, a2, l2, routing)
         for i, dtype in zip((7, 8, 9, 10), ctx.adapter_dtypes):
             if grads[i] is not None:
                 grads[i] = grads[i].to(dtype)
         return tuple(grads)
+
+
+MOE_EXPERTS = Op("moe_experts", _MoeExpertsFunction.apply, moe_experts_reference)
 
 
 def _backward(ctx, grad_out, hidden, gu, xa, ha, w1, w2, b1, b2, a1, l1, a2, l2, routing):
@@ -959,7 +962,6 @@ def _pick_gemm(gemm: str, hidden: torch.Tensor, widths, weights) -> str:
     return gemm
 
 
-@torch.compiler.disable  # a graph break under torch.compile: the op runs eagerly, as itself
 def moe_experts(
     hidden: torch.Tensor,
     top_k_index: torch.Tensor,
@@ -1029,19 +1031,10 @@ def moe_experts(
     else:
         hidden = hidden.to(dtype)
         params = [None if t is None else t.to(dtype) for t in params]
-    unsupported = None
-    if hidden.dtype not in KERNEL_DTYPES:
-        unsupported = f"dtype {hidden.dtype} runs on the reference"
-        gemm = "triton"
-    else:
+    if hidden.dtype in KERNEL_DTYPES:
         ranks = [t.shape[1] for t in (a1, a2) if t is not None]
         gemm = _pick_gemm(gemm, hidden, [width, inter, *ranks], params[:2])
+    else:  # float64 runs the reference, whichever back end was asked for
+        gemm = "triton"
     config = _Config(options, s1, s2, gemm)
-    args = (hidden, top_k_index, top_k_weights, *params, a1, l1, a2, l2, config)
-    with torch.autocast(device.type, enabled=False) if dtype is not None else contextlib.nullcontext():
-        if hidden.shape[0] == 0:
-            return moe_experts_reference(*args)
-        return _backend.dispatch(
-            MOE_EXPERTS, _MoeExpertsFunction.apply, moe_experts_reference, *args,
-            device=device, unsupported=unsupported,
-        )
+    return MOE_EXPERTS.without_autocast(dtype, None, hidden, top_k_index, top_k_weights, *params, a1, l1, a2, l2, config)
