@@ -557,7 +557,8 @@ def linear_distill_loss(
         ``(loss, metrics)``: the fp32 loss, differentiable in the student's hidden, weight and
         bias (the gradients formed in forward), and detached 0-dim metrics, without a host sync:
         ``divergence`` (its mean) and, with a target, ``cross_entropy``. An all-ignored batch
-        gives 0 and zero gradients.
+        gives 0 and zero gradients. Inside torch.compile the same kernels run as the library op
+        ``tigon::linear_distill_loss``.
     """
     if max_chunk_bytes is None:
         max_chunk_bytes = DEFAULT_MAX_CHUNK_BYTES

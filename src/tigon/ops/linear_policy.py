@@ -555,7 +555,8 @@ def linear_policy_loss(
         sync, as TRL logs them: ``entropy`` (mean over the scored tokens), ``kl`` (when
         ref_log_probs is given), ``clip_ratio/low_mean``, ``clip_ratio/high_mean``,
         ``clip_ratio/region_mean``, ``clip_ratio/low_min``, ``clip_ratio/high_max``. An
-        all-masked batch gives 0 and zero gradients.
+        all-masked batch gives 0 and zero gradients. Inside torch.compile the same kernels run as
+        the library op ``tigon::linear_policy_loss``, the metrics as torch ops around it.
     """
     if importance_level is None:
         importance_level = "sequence" if loss_type == "gspo" else "token"

@@ -672,7 +672,9 @@ def linear_preference_loss(
         average log-prob (simpo, orpo) or the log-prob sum (cpo). kto: ``rewards`` and
         ``logps`` ``(B,)``, and 0-dim ``kl``, ``chosen_rewards`` / ``rejected_rewards`` (means
         over the desirable / undesirable sequences), ``margin``, ``chosen_nll``. Gradients
-        reach hidden, weight and bias (never the reference); they are formed in forward.
+        reach hidden, weight and bias (never the reference); they are formed in forward. Inside
+        torch.compile the same kernels run as the library op ``tigon::linear_preference_loss``,
+        the metrics as torch ops around it.
     """
     if max_chunk_bytes is None:
         max_chunk_bytes = DEFAULT_MAX_CHUNK_BYTES
