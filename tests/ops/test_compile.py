@@ -9,7 +9,7 @@ import torch
 import tigon
 import tigon.functional as F
 from tigon import ops
-from tigon.ops import _dispatch
+from tigon.ops import _dispatch, moe
 from tests.helpers import assert_close, kernel_launches
 
 
@@ -21,6 +21,27 @@ def _target(*shape, vocab=37):
     target = torch.randint(0, vocab, shape)
     target.view(-1)[0] = -100
     return target
+
+
+def _moe_forward_args(gemm, rank=4):
+    """moe_experts' library-op arguments: 7 tokens, top-2 of 5 experts, H = 16, I = 12, LoRA on
+    the gate/up projection (triton) or the down one (the others), a gate/up bias."""
+    lora = (_t(5, rank, 16, grad=True), _t(5, 24, rank, grad=True), None, None)
+    if gemm != "triton":
+        lora = (None, None, _t(5, rank, 12, grad=True), _t(5, 16, rank, grad=True))
+    return (_t(7, 16, grad=True), torch.randint(0, 5, (7, 2)), torch.rand(7, 2, requires_grad=True),
+            _t(5, 24, 16, grad=True), _t(5, 16, 12, grad=True).transpose(1, 2).contiguous().transpose(1, 2),
+            _t(5, 24, grad=True), None, *lora,
+            *moe._config_args(moe._Config(moe.GateOptions(alpha=1.5, limit=2.0, up_offset=1.0), 0.5, 2.0, gemm)))
+
+
+def _moe_backward_args():
+    forward = _moe_forward_args("hybrid")
+    tensors, config = [a.detach() if isinstance(a, torch.Tensor) else a for a in forward[:11]], forward[11:]
+    with torch.no_grad():
+        _, *saved = _dispatch.LIBRARY_OPS["moe_experts"](*tensors, *config)
+    saved = [None if t.numel() == 0 else t for t in saved]  # absent: no gate/up adapter
+    return (_t(7, 16), *tensors, *saved, *config, [True, False, True, True, True, True, False, False, False, True, True])
 
 
 # Every library op, with arguments (those of ops with autograd require grad, so opcheck tests it).
@@ -44,6 +65,23 @@ OPCHECK_CASES = {
                                      torch.tensor(0.25), -100, 0.1, 0.0, None, 3, True, True, True),
     "linear_cross_entropy_rows": lambda: (_t(7, 16, grad=True), _t(37, 16, grad=True), None, _target(7),
                                           -100, 0.0, 1e-4, 20.0, 4),
+    # 600 bytes: chunks of 4 rows of 37 fp32 logits
+    "linear_log_probs": lambda: (_t(2, 5, 16, grad=True), _t(37, 16, grad=True), _t(37, grad=True), _target(2, 5),
+                                 -100, 0.7, True, 600, False),
+    "linear_log_probs_backward": lambda: (_t(2, 5, 16), _t(37, 16), _t(37), _target(2, 5), _t(2, 5) + 4, _t(2, 5),
+                                          _t(2, 5), _t(2, 5), None, -100, 0.7, 600, True, True, True),
+    "linear_preference_loss": lambda: (_t(4, 6, 16, grad=True), _t(37, 16, grad=True), None, _target(4, 6),
+                                       _t(4, 6, 16), _t(37, 16), None, None, None, None,
+                                       "dpo", 0.1, 0.1, 0.5, 0.5, 1.0, 1.0, -100, 1800, True, True, False),
+    "linear_policy_loss": lambda: (_t(3, 5, 16, grad=True), _t(37, 16, grad=True), _t(37, grad=True),
+                                   torch.randint(0, 37, (3, 5)), torch.rand(15) > 0.2, torch.rand(15) / 15, _t(15),
+                                   _t(15) - 4, _t(15) - 4, "grpo", "token", 0.04, 0.2, 0.28, 0.9, False, 600,
+                                   True, True, True),
+    "linear_distill_loss": lambda: (_t(2, 5, 16, grad=True), _t(37, 16, grad=True), None, _t(2, 5, 12), _t(37, 12),
+                                    _t(37), _target(2, 5), torch.tensor(1 / 9), "jsd", 0.3, 2.0, 0.25, -100, 1200,
+                                    True, True, False),
+    "moe_experts": lambda: _moe_forward_args("triton"),
+    "moe_experts_backward": _moe_backward_args,
 }
 
 

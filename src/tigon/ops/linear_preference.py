@@ -166,10 +166,61 @@ def _objective(options, logps, ref_logps, counts, labels, kl, n_units, nll_token
     return total
 
 
-def _objective_and_coefficients(options, logps, *context):
-    """The group objective and its derivative w.r.t. each sequence's log-prob sum. By torch.func,
-    which also differentiates inside a library op's implementation (where autograd records nothing)."""
-    coefficients, total = torch.func.grad_and_value(lambda sums: _objective(options, sums, *context))(logps.detach())
+def _unit_coefficients(options, logps, ref_logps, counts, labels, kl):
+    """d (sum of :func:`unit_losses`) / d logps in closed form: the kernels' per-sequence scale.
+    (Autograd cannot run inside a library op's implementation, which records no graph.)"""
+    method, beta, eps = options.method, options.beta, options.label_smoothing
+    if method == "kto":
+        rising = torch.sigmoid(beta * (logps - ref_logps - kl))
+        falling = torch.sigmoid(beta * (kl - logps + ref_logps))
+        d = torch.where(labels, -options.desirable_weight * beta * rising * (1.0 - rising),
+                        options.undesirable_weight * beta * falling * (1.0 - falling))
+        return torch.where(counts > 0, d, 0.0)
+    chosen, rejected = logps.chunk(2)
+    n_chosen, n_rejected = counts.chunk(2)
+    valid = (n_chosen > 0) & (n_rejected > 0)
+    per_chosen, per_rejected = n_chosen.clamp(min=1), n_rejected.clamp(min=1)
+    if method in REFERENCE_METHODS:
+        ref_chosen, ref_rejected = ref_logps.chunk(2)
+        u_chosen, u_rejected = chosen - ref_chosen, rejected - ref_rejected
+    if method == "ipo":
+        slope = 2.0 * (u_chosen / per_chosen - u_rejected / per_rejected - 1.0 / (2.0 * beta))
+        d_chosen, d_rejected = slope / per_chosen, -slope / per_rejected
+    elif method == "orpo":
+        a_chosen = torch.where(valid, chosen / per_chosen, -1.0)
+        a_rejected = torch.where(valid, rejected / per_rejected, -1.0)
+        log_odds = (a_chosen - a_rejected) - (_log1mexp(a_chosen) - _log1mexp(a_rejected))
+        slope = -beta * torch.sigmoid(-log_odds)
+        # d log_odds / d a = 1 + e^a / (1 - e^a) = -1 / expm1(a)
+        d_chosen = slope * (-1.0 / torch.expm1(a_chosen)) / per_chosen
+        d_rejected = slope / torch.expm1(a_rejected) / per_rejected
+    else:
+        # loss(z), z linear in the sums: d loss / d z times dz / dS of each side.
+        if method == "simpo":
+            z = beta * (chosen / per_chosen - rejected / per_rejected) - options.gamma
+            dz_chosen, dz_rejected = beta / per_chosen, -beta / per_rejected
+        else:
+            z = beta * ((u_chosen - u_rejected) if method != "cpo" else (chosen - rejected))
+            dz_chosen, dz_rejected = beta, -beta
+        if method == "hinge":
+            slope = -(z < 1.0).to(z.dtype)
+        elif method == "robust":
+            slope = (-(1.0 - eps) * torch.sigmoid(-z) - eps * torch.sigmoid(z)) / (1.0 - 2.0 * eps)
+        else:  # dpo, simpo, cpo: -(1 - eps) log sig(z) - eps log sig(-z)
+            slope = -(1.0 - eps) * torch.sigmoid(-z) + eps * torch.sigmoid(z)
+        d_chosen, d_rejected = slope * dz_chosen, slope * dz_rejected
+    return torch.cat([torch.where(valid, d_chosen, 0.0), torch.where(valid, d_rejected, 0.0)])
+
+
+def _objective_and_coefficients(options, logps, ref_logps, counts, labels, kl, n_units, nll_tokens):
+    """The group objective and its derivative w.r.t. each sequence's log-prob sum."""
+    total = _objective(options, logps, ref_logps, counts, labels, kl, n_units, nll_tokens)
+    coefficients = _unit_coefficients(options, logps, ref_logps, counts, labels, kl) / n_units
+    if options.nll_weight:
+        chosen = _chosen(options, torch.ones_like(logps), labels)
+        if options.method != "kto":
+            chosen = torch.cat([chosen, torch.zeros_like(chosen)])
+        coefficients = coefficients - options.nll_weight * chosen / nll_tokens
     return total, coefficients
 
 
