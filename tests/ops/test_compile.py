@@ -173,6 +173,68 @@ def test_compiled_step_runs_the_kernels_without_graph_breaks(dynamic):
         assert_close(ours.grad, theirs.grad, name=f"grad {i}")
 
 
+def _losses_of(out):
+    """A fused op's output as (the tensors to differentiate, the detached metrics)."""
+    if isinstance(out, tuple) and isinstance(out[1], dict):
+        return [out[0]], dict(out[1])
+    return ([out] if isinstance(out, torch.Tensor) else list(out)), {}
+
+
+def _fused_case(name):
+    """(fn, tensors) of a fused op with every option that changes what its library op computes."""
+    h, w, b, target = _t(4, 6, 16, grad=True), _t(37, 16, grad=True), _t(37, grad=True), _target(4, 6)
+    if name == "linear_log_probs":  # a frozen head: hidden's gradient is formed in forward
+        w.requires_grad_(False)
+        return (lambda h, w: F.linear_log_probs(h, w, target, temperature=0.8, return_entropy=True,
+                                                max_chunk_bytes=600)), (h, w)
+    if name == "linear_preference_loss":  # KTO's baseline estimated: the two-pass plan
+        labels, ref = torch.tensor([True, False, True, True]), _t(4) - 20
+        return (lambda h, w, b: F.linear_preference_loss(h, w, target, b, method="kto", labels=labels,
+                                                         ref_log_probs=ref, nll_weight=0.5)), (h, w, b)
+    if name == "linear_policy_loss":
+        old, ref, mask, advantages = _t(4, 6) - 4, _t(4, 6) - 4, torch.rand(4, 6) > 0.2, _t(4)
+        return (lambda h, w, b: F.linear_policy_loss(h, w, target.clamp(min=0), old, advantages, ref_log_probs=ref,
+                                                     beta=0.04, loss_type="gspo", mask=mask, bias=b)), (h, w, b)
+    if name == "linear_distill_loss":
+        teacher_h, teacher_w = _t(4, 6, 12), _t(37, 12)
+        return (lambda h, w, b: F.linear_distill_loss(h, w, teacher_h, teacher_w, target, loss="tvd", temperature=2.0,
+                                                      hard_weight=0.3, student_bias=b)), (h, w, b)
+    # moe_experts: top-2 of 5 experts, LoRA on the down projection in another dtype
+    index = torch.randint(0, 5, (7, 2))
+    tensors = (_t(7, 16, grad=True), torch.rand(7, 2, requires_grad=True), _t(5, 24, 16, grad=True),
+               _t(5, 16, 12, grad=True), _t(5, 3, 12, grad=True, dtype=torch.float16),
+               _t(5, 16, 3, grad=True, dtype=torch.float16))
+    return (lambda x, w, w1, w2, a2, l2: F.moe_experts(x, index, w, w1, w2, down_lora=(a2, l2, 0.5), limit=2.0)), tensors
+
+
+@pytest.mark.parametrize(
+    "name", ["linear_log_probs", "linear_preference_loss", "linear_policy_loss", "linear_distill_loss", "moe_experts"]
+)
+def test_fused_ops_compile_to_their_library_ops(name):
+    fn, tensors = _fused_case(name)
+    eager = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
+    want, want_metrics = _losses_of(fn(*eager))
+    grads = [torch.randn_like(o) for o in want]
+    torch.autograd.backward(want, grads)
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    graphs = []
+    compiled = torch.compile(fn, backend=_recording_backend(graphs), fullgraph=True)
+    got, got_metrics = _losses_of(compiled(*tensors))
+    torch.autograd.backward(got, grads)
+    assert not torch._dynamo.utils.counters["graph_break"]
+    assert _tigon_ops(graphs) == {name}  # its library op, the same name
+    for i, (ours, theirs) in enumerate(zip(got, want)):
+        assert_close(ours, theirs.detach(), name=f"{name} output {i}")
+    assert got_metrics.keys() == want_metrics.keys()
+    for key, value in want_metrics.items():
+        assert_close(got_metrics[key], value, name=f"{name} {key}")
+    for i, (ours, theirs) in enumerate(zip(tensors, eager)):
+        if theirs.requires_grad:
+            assert_close(ours.grad, theirs.grad, name=f"{name} grad {i}")
+
+
 def test_a_second_width_under_compile_keeps_the_kernels():
     # Qwen3's per-head q/k norms reach one compiled frame with a second width: dynamo recompiles it
     # with the width symbolic, which the library ops take (their kernels see the real sizes).
