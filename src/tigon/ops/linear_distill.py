@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from tigon.ops._checks import KERNEL_DTYPES, check_choice, check_device, rows_view
-from tigon.ops._dispatch import Op, backward_fallback, empty_if, library_op, tl, triton
+from tigon.ops._dispatch import Op, backward_fallback, library_op, tl, triton
 from tigon.ops._launch import next_power_of_2
 from tigon.ops.cross_entropy import check_target
 from tigon.ops.linear_cross_entropy import chunk_rows
@@ -49,6 +49,8 @@ from tigon.ops.linear_log_probs import (
     check_head,
     check_ignore_index,
     head_grad_needs,
+    head_grads_fake,
+    head_grads_out,
     head_logits,
     register_forward_grads_autograd,
     scaled_forward_grads,
@@ -422,8 +424,7 @@ def _loss_fake(student_hidden, student_weight, student_bias, teacher_hidden, tea
                need_bias):
     return (
         *(student_hidden.new_empty((), dtype=torch.float32) for _ in range(3)),
-        empty_if(need_hidden, student_hidden), empty_if(need_weight, student_weight),
-        empty_if(need_bias, student_weight, student_weight.shape[:1], None if student_bias is None else student_bias.dtype),
+        *head_grads_fake(student_hidden, student_weight, student_bias, (need_hidden, need_weight, need_bias)),
     )
 
 
@@ -444,9 +445,7 @@ def _loss_op(student_hidden, student_weight, student_bias, teacher_hidden, teach
         student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, target, scale,
         options, rows, (need_hidden, need_weight, need_bias),
     )
-    grad_hidden, grad_weight, grad_bias = (student_hidden.new_empty(0) if g is None else g for g in grads)
-    grad_hidden = grad_hidden.view(student_hidden.shape) if need_hidden else grad_hidden
-    return total, divergence, nll, grad_hidden, grad_weight, grad_bias
+    return total, divergence, nll, *head_grads_out(student_hidden, grads)
 
 
 register_forward_grads_autograd(_loss_op)

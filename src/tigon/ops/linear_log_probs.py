@@ -387,6 +387,21 @@ def register_forward_grads_autograd(op) -> None:
     op.register_autograd(backward, setup_context=setup_context)
 
 
+def head_grads_fake(hidden, weight, bias, needs):
+    """A library op's fake gradients of the head (hidden, weight, bias): empty where not needed."""
+    need_hidden, need_weight, need_bias = needs
+    return (empty_if(need_hidden, hidden), empty_if(need_weight, weight),
+            empty_if(need_bias, weight, weight.shape[:1], None if bias is None else bias.dtype))
+
+
+def head_grads_out(hidden, grads):
+    """The head's gradients (hidden's as rows or in its shape; None where not formed) as a library
+    op returns them: hidden's in its shape, an empty tensor for each one not formed."""
+    grad_hidden, grad_weight, grad_bias = grads
+    return (hidden.new_empty(0) if grad_hidden is None else grad_hidden.view(hidden.shape),
+            *(hidden.new_empty(0) if grad is None else grad for grad in (grad_weight, grad_bias)))
+
+
 def head_grad_needs(hidden, weight, bias) -> list[bool]:
     """Which of the head's tensors a library op must form a gradient for, decided when tracing."""
     grad_enabled = torch.is_grad_enabled()
@@ -519,10 +534,7 @@ def _forward_op(hidden, weight, bias, target, ignore_index, temperature, return_
 
 def _backward_fake(hidden, weight, bias, target, lse, entropy, grad_logp, grad_entropy, unit_grad_hidden,
                    ignore_index, temperature, max_chunk_bytes, need_hidden, need_weight, need_bias):
-    return (
-        empty_if(need_hidden, hidden), empty_if(need_weight, weight),
-        empty_if(need_bias, weight, weight.shape[:1], None if bias is None else bias.dtype),
-    )
+    return head_grads_fake(hidden, weight, bias, (need_hidden, need_weight, need_bias))
 
 
 @library_op(
@@ -542,7 +554,7 @@ def _backward_op(hidden, weight, bias, target, lse, entropy, grad_logp, grad_ent
         hidden, weight, bias, target, lse.reshape(-1), None if entropy is None else entropy.reshape(-1),
         grad_logp, grad_entropy, unit, options, rows, (need_hidden, need_weight, need_bias),
     )
-    return tuple(hidden.new_empty(0) if g is None else g for g in grads)
+    return head_grads_out(hidden, grads)
 
 
 def _setup_context(ctx, inputs, output):

@@ -53,7 +53,7 @@ from typing import NamedTuple
 import torch
 
 from tigon.ops._checks import check_choice, check_device, check_float, rows_view
-from tigon.ops._dispatch import Op, backward_fallback, empty_if, library_op
+from tigon.ops._dispatch import Op, backward_fallback, library_op
 from tigon.ops.cross_entropy import check_target
 from tigon.ops.linear_cross_entropy import chunk_rows
 from tigon.ops.linear_log_probs import (
@@ -65,6 +65,8 @@ from tigon.ops.linear_log_probs import (
     chunked_grads,
     chunked_log_probs,
     head_grad_needs,
+    head_grads_fake,
+    head_grads_out,
     linear_log_probs_reference,
     log_prob_grad_rows,
     log_prob_rows,
@@ -371,8 +373,7 @@ def _loss_fake(hidden, weight, bias, target, scored, weights, advantages, old, r
     return (
         hidden.new_empty((), dtype=torch.float32), hidden.new_empty((n_tokens,), dtype=torch.float32),
         hidden.new_empty((n_tokens,), dtype=torch.float32),
-        empty_if(need_hidden, hidden), empty_if(need_weight, weight),
-        empty_if(need_bias, weight, weight.shape[:1], None if bias is None else bias.dtype),
+        *head_grads_fake(hidden, weight, bias, (need_hidden, need_weight, need_bias)),
     )
 
 
@@ -393,8 +394,7 @@ def _loss_op(hidden, weight, bias, target, scored, weights, advantages, old, ref
     loss, logp, entropy, grads = _loss_and_pass(
         hidden, weight, bias, target, tokens, options, plan, (need_hidden, need_weight, need_bias)
     )
-    grad_hidden, grad_weight, grad_bias = (hidden.new_empty(0) if g is None else g for g in grads)
-    return loss, logp, entropy, grad_hidden.view(hidden.shape) if need_hidden else grad_hidden, grad_weight, grad_bias
+    return loss, logp, entropy, *head_grads_out(hidden, grads)
 
 
 register_forward_grads_autograd(_loss_op)

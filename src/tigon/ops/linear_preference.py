@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from tigon.ops._checks import check_choice, check_device, check_float, rows_view
-from tigon.ops._dispatch import Op, backward_fallback, empty_if, library_op
+from tigon.ops._dispatch import Op, backward_fallback, library_op
 from tigon.ops.cross_entropy import check_target
 from tigon.ops.linear_cross_entropy import chunk_rows
 from tigon.ops.linear_log_probs import (
@@ -57,6 +57,8 @@ from tigon.ops.linear_log_probs import (
     check_ignore_index,
     chunked_log_probs,
     head_grad_needs,
+    head_grads_fake,
+    head_grads_out,
     head_logits,
     linear_log_probs_reference,
     log_prob_grad_rows,
@@ -521,8 +523,7 @@ def _loss_fake(hidden, weight, bias, target, ref_hidden, ref_weight, ref_bias, r
         hidden.new_empty((), dtype=torch.float32), hidden.new_empty((n_seq,), dtype=torch.float32),
         hidden.new_empty((), dtype=torch.float32),
         hidden.new_empty((n_seq,) if ref_hidden is not None else (0,), dtype=torch.float32),
-        empty_if(need_hidden, hidden), empty_if(need_weight, weight),
-        empty_if(need_bias, weight, weight.shape[:1], None if bias is None else bias.dtype),
+        *head_grads_fake(hidden, weight, bias, (need_hidden, need_weight, need_bias)),
     )
 
 
@@ -553,11 +554,9 @@ def _loss_op(hidden, weight, bias, target, ref_hidden, ref_weight, ref_bias, ref
         _sequence_counts(target, ignore_index), labels, kl, options, plan, target.shape[-1],
         (need_hidden, need_weight, need_bias),
     )
-    grad_hidden, grad_weight, grad_bias = (hidden.new_empty(0) if g is None else g for g in grads)
     return (
         total, logps, kl_used.clone(),  # a copy: the baseline used may be the one given, an input
-        hidden.new_empty(0, dtype=torch.float32) if scored is None else scored,
-        grad_hidden.view(hidden.shape) if need_hidden else grad_hidden, grad_weight, grad_bias,
+        hidden.new_empty(0, dtype=torch.float32) if scored is None else scored, *head_grads_out(hidden, grads),
     )
 
 
