@@ -10,7 +10,7 @@ import torch
 import tigon.ops.moe as moe
 from tigon.nn.moe import experts_forward, register_experts_implementation, unsupported_reason
 from tests.helpers import assert_close
-from tests.ops.test_lora import one_cpu_thread  # noqa: F401 (autouse fixture)
+from tests.ops.composite.test_lora import one_cpu_thread  # noqa: F401 (autouse fixture)
 from tests.patch.tiny import batch, tiny_model
 
 N, K, E, H, I = 37, 2, 5, 48, 40

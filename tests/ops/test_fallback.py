@@ -9,6 +9,8 @@ import torch
 
 import tigon.functional as F
 from tigon import ops
+from tigon.ops import moe
+from tigon.ops.linear_log_probs import linear_log_probs_reference
 from tests.helpers import assert_close, tigon_kernels
 
 
@@ -38,6 +40,36 @@ def _target(*shape, vocab=37):
     return target
 
 
+def _token_log_probs(h, w, t):
+    """log_softmax(h @ w.T)[t], 0 where t is -100."""
+    valid = t != -100
+    picked = torch.log_softmax(h @ w.T, -1).gather(-1, torch.where(valid, t, 0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(valid, picked, 0.0)
+
+
+def _dpo(h, w, t, ref_h, beta=0.1):
+    u = _token_log_probs(h, w, t).sum(-1) - _token_log_probs(ref_h, w.detach(), t).sum(-1)
+    chosen, rejected = u.chunk(2)
+    return -torch.nn.functional.logsigmoid(beta * (chosen - rejected)).mean()
+
+
+def _grpo(h, w, t, old, advantages, eps=0.2):
+    ratio = torch.exp(_token_log_probs(h, w, t) - old)
+    a = advantages[:, None]
+    return -torch.minimum(ratio * a, ratio.clamp(1 - eps, 1 + eps) * a).mean(-1).mean()
+
+
+def _forward_kl(hs, ws, ht, wt, t):
+    log_p, log_q = torch.log_softmax(hs @ ws.T, -1), torch.log_softmax(ht @ wt.T, -1)
+    valid = t != -100
+    return torch.where(valid, (log_q.exp() * (log_q - log_p)).sum(-1), 0.0).sum() / valid.sum()
+
+
+def _experts_args():
+    return (_t(7, 16), torch.randint(0, 5, (7, 2)), torch.rand(7, 2, requires_grad=True), _t(5, 24, 16), _t(5, 16, 12),
+            _t(5, 3, 16), _t(5, 24, 3))
+
+
 # op -> (tigon's call, the reference's call, tensors to differentiate)
 CASES = {
     "rms_norm": (lambda x, w: F.rms_norm(x, w, offset=1.0), lambda x, w: ops.rms_norm_reference(x, w, 1e-6, 1.0),
@@ -59,6 +91,31 @@ CASES = {
         lambda h, w, t: F.linear_cross_entropy(h, w, t, reduction="none"),
         lambda h, w, t: ops.linear_cross_entropy_reference(h, w, t, reduction="none"),
         lambda: (_t(7, 16), _t(37, 16), _target(7)),
+    ),
+    "linear_log_probs": (
+        lambda h, w, t, b: F.linear_log_probs(h, w, t, b, temperature=0.7, return_entropy=True),
+        lambda h, w, t, b: linear_log_probs_reference(h, w, t, b, temperature=0.7, return_entropy=True),
+        lambda: (_t(2, 5, 16), _t(37, 16), _target(2, 5), _t(37)),
+    ),
+    "linear_log_probs-frozen_head": (  # the hidden-only path, its gradient formed in forward
+        lambda h, w, t: F.linear_log_probs(h, w, t, return_entropy=True),
+        lambda h, w, t: linear_log_probs_reference(h, w, t, return_entropy=True),
+        lambda: (_t(2, 5, 16), _t(37, 16, grad=False), _target(2, 5)),
+    ),
+    "linear_preference_loss": (lambda h, w, t, r: F.linear_preference_loss(h, w, t, method="dpo", ref_hidden=r)[0],
+                               _dpo, lambda: (_t(4, 6, 16), _t(37, 16), _target(4, 6), _t(4, 6, 16, grad=False))),
+    "linear_policy_loss": (lambda h, w, t, old, a: F.linear_policy_loss(h, w, t, old, a)[0], _grpo,
+                           lambda: (_t(3, 5, 16), _t(37, 16), torch.randint(0, 37, (3, 5)), torch.randn(3, 5) - 4,
+                                    torch.randn(3))),
+    "linear_distill_loss": (lambda hs, ws, ht, wt, t: F.linear_distill_loss(hs, ws, ht, wt, t, loss="forward_kl")[0],
+                            _forward_kl,
+                            lambda: (_t(2, 5, 16), _t(37, 16), _t(2, 5, 12, grad=False), _t(37, 12, grad=False),
+                                     _target(2, 5))),
+    "moe_experts": (
+        lambda x, i, w, w1, w2, a1, l1: F.moe_experts(x, i, w, w1, w2, gate_up_lora=(a1, l1, 0.5)),
+        lambda x, i, w, w1, w2, a1, l1: moe.moe_experts_reference(
+            x, i, w, w1, w2, None, None, a1, l1, None, None, moe._Config(moe.GateOptions(), 0.5, 1.0, "triton")),
+        _experts_args,
     ),
     "lora_gated_mlp": (_flat_lora(F.lora_gated_mlp), _flat_lora(lambda x, *p: ops.lora_gated_mlp_reference(
                            x, "silu", *(v for projection in p for v in projection))),

@@ -9,7 +9,7 @@ import torch
 import tigon.functional as F
 import tigon.ops.moe as moe
 from tests.helpers import assert_close, compare_fwd_bwd
-from tests.ops.test_lora import one_cpu_thread  # noqa: F401 (autouse fixture)
+from tests.ops.composite.test_lora import one_cpu_thread  # noqa: F401 (autouse fixture)
 
 N, K, E, H, I = 37, 2, 5, 48, 40
 GEMMS = ["triton", "grouped_mm", "hybrid"]

@@ -16,10 +16,15 @@ from tigon.ops import glu as _glu  # noqa: F401
 from tigon.ops.composite import glu_mlp as _glu_mlp  # noqa: F401
 from tigon.ops import cross_entropy as _cross_entropy  # noqa: F401
 from tigon.ops import linear_cross_entropy as _linear_cross_entropy  # noqa: F401
+from tigon.ops import linear_log_probs as _linear_log_probs  # noqa: F401
+from tigon.ops import linear_preference as _linear_preference  # noqa: F401
+from tigon.ops import linear_policy as _linear_policy  # noqa: F401
+from tigon.ops import linear_distill as _linear_distill  # noqa: F401
 from tigon.ops.composite import linear_group as _linear_group  # noqa: F401
 from tigon.ops.composite import lora as _lora  # noqa: F401
 from tigon.ops.composite import lora_mlp as _lora_mlp  # noqa: F401
 from tigon.ops.composite import norm_mlp as _norm_mlp  # noqa: F401
+from tigon.ops import moe as _moe  # noqa: F401
 from tigon.ops._dispatch import (
     INTERPRET,
     autocast_dtype,

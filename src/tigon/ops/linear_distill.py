@@ -38,17 +38,25 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from tigon import _backend
-from tigon._backend import tl, triton
-from tigon._checks import KERNEL_DTYPES, check_choice, check_device, rows_view
+from tigon.ops._checks import KERNEL_DTYPES, check_choice, check_device, rows_view
+from tigon.ops._dispatch import Op, backward_fallback, library_op, tl, triton
 from tigon.ops._launch import next_power_of_2
 from tigon.ops.cross_entropy import check_target
-from tigon.ops.linear_cross_entropy import _scale_in_place, chunk_rows
-from tigon.ops.linear_log_probs import backprop_head, check_chunk_bytes, check_head, check_ignore_index, head_logits
+from tigon.ops.linear_cross_entropy import chunk_rows
+from tigon.ops.linear_log_probs import (
+    backprop_head,
+    check_chunk_bytes,
+    check_head,
+    check_ignore_index,
+    head_grad_needs,
+    head_grads_fake,
+    head_grads_out,
+    head_logits,
+    register_forward_grads_autograd,
+    scaled_forward_grads,
+)
 from tigon.ops.linear_policy import check_divisor
 from tigon.ops.linear_preference import as_device_scalar, is_number
-
-LINEAR_DISTILL_LOSS = _backend.register("linear_distill_loss")
 
 LOSSES = ("forward_kl", "reverse_kl", "jsd", "tvd")
 _KINDS = {name: kind for kind, name in enumerate(LOSSES)}
@@ -308,20 +316,46 @@ def _distill_pass(student2d, student_weight, student_bias, teacher2d, teacher_we
     return divergence, nll, (grad_hidden, grad_weight, grad_bias)
 
 
+def _reference_in_function_order(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                                 teacher_bias, target, scale, options, *_):
+    return _distill_reference(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                              teacher_bias, target, scale, options)
+
+
+def _reference_point(ctx, saved):
+    options, rows = ctx.config
+    return LINEAR_DISTILL_LOSS, _reference_in_function_order, (*saved, options, rows, None)
+
+
+def _loss_and_pass(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, target,
+                   scale, options, rows, needs):
+    """(loss, mean divergence, mean cross-entropy or 0, the student's gradients for `needs`) by the kernels."""
+    divergence, nll, grads = _distill_pass(
+        rows_view(student_hidden), student_weight, student_bias, rows_view(teacher_hidden), teacher_weight,
+        teacher_bias, target.reshape(-1) if target is not None else None, scale, options, rows, needs,
+    )
+    divergence = divergence.sum() * scale
+    nll = nll.sum() * scale if nll is not None else torch.zeros_like(divergence)
+    return (1.0 - options.hard_weight) * divergence + options.hard_weight * nll, divergence, nll, grads
+
+
+def _rows(student_hidden, student_weight, teacher_hidden, max_chunk_bytes):
+    """Rows per chunk: the student's share of the budget, so that both chunks together fit it."""
+    student_size, teacher_size = student_hidden.dtype.itemsize, teacher_hidden.dtype.itemsize
+    return chunk_rows(max_chunk_bytes // (student_size + teacher_size) * student_size, student_weight.shape[0],
+                      student_hidden.dtype)
+
+
 class _LinearDistillFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias,
                 target, scale, options, rows, grad_enabled):
         # needs_input_grad follows requires_grad even under no_grad, when no backward can come.
         needs = tuple(grad_enabled and need for need in ctx.needs_input_grad[:3])
-        teacher = (rows_view(teacher_hidden), teacher_weight, teacher_bias)
-        divergence, nll, grads = _distill_pass(
-            rows_view(student_hidden), student_weight, student_bias, *teacher,
-            target.reshape(-1) if target is not None else None, scale, options, rows, needs,
+        loss, divergence, nll, grads = _loss_and_pass(
+            student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, target, scale,
+            options, rows, needs,
         )
-        divergence = divergence.sum() * scale
-        nll = nll.sum() * scale if nll is not None else torch.zeros_like(divergence)
-        loss = (1.0 - options.hard_weight) * divergence + options.hard_weight * nll
         ctx.save_for_backward(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
                               teacher_bias, target, scale)
         ctx.config = (options, rows)
@@ -331,28 +365,14 @@ class _LinearDistillFunction(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss, _grad_divergence, _grad_nll):
-        hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, target, scale = ctx.saved_tensors
+    @backward_fallback(_reference_point)
+    def backward(ctx, saved, grad_loss, _grad_divergence, _grad_nll):
+        hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, target, scale = saved
         options, rows = ctx.config
-        try:
-            if ctx.grads is not None:
-                # Formed in forward for grad_loss = 1; handed over once (retain_graph recomputes).
-                grads, ctx.grads = ctx.grads, None
-            else:
-                grads = _distill_pass(
-                    rows_view(hidden), weight, bias, rows_view(teacher_hidden), teacher_weight, teacher_bias,
-                    target.reshape(-1) if target is not None else None, scale, options, rows,
-                    tuple(ctx.needs_input_grad[:3]),
-                )[2]
-            for grad in grads:
-                if grad is not None:
-                    _scale_in_place(grad, grad_loss)
-        except Exception as err:
-            def reference(h, w, b):
-                return _distill_reference(h, w, b, teacher_hidden, teacher_weight, teacher_bias, target, scale, options)[0]
-
-            grads = _backend.reference_backward(LINEAR_DISTILL_LOSS, err, reference, (hidden, weight, bias), (grad_loss,))
-        grad_hidden, grad_weight, grad_bias = grads
+        grad_hidden, grad_weight, grad_bias = scaled_forward_grads(ctx, grad_loss, lambda: _distill_pass(
+            rows_view(hidden), weight, bias, rows_view(teacher_hidden), teacher_weight, teacher_bias,
+            target.reshape(-1) if target is not None else None, scale, options, rows, tuple(ctx.needs_input_grad[:3]),
+        )[2])
         if grad_hidden is not None:
             grad_hidden = grad_hidden.view(hidden.shape)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None
@@ -381,15 +401,69 @@ def _linear_distill_kernel(
     student_hidden, student_weight, teacher_hidden, teacher_weight, target, student_bias, teacher_bias, scale,
     options, max_chunk_bytes,
 ):
-    student_size, teacher_size = student_hidden.dtype.itemsize, teacher_hidden.dtype.itemsize
-    # The student's share of the budget, so that both chunks together fit it.
-    rows = chunk_rows(max_chunk_bytes // (student_size + teacher_size) * student_size, student_weight.shape[0],
-                      student_hidden.dtype)
     loss, divergence, nll = _LinearDistillFunction.apply(
         student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, target, scale,
-        options, rows, torch.is_grad_enabled(),
+        options, _rows(student_hidden, student_weight, teacher_hidden, max_chunk_bytes), torch.is_grad_enabled(),
     )
     return loss, _metrics(divergence, nll if target is not None else None)
+
+
+def _reference(student_hidden, student_weight, teacher_hidden, teacher_weight, target, student_bias, teacher_bias,
+               scale, options, max_chunk_bytes):
+    """:func:`linear_distill_loss_reference` with the kernel's arguments."""
+    return linear_distill_loss_reference(
+        student_hidden, student_weight, teacher_hidden, teacher_weight, target, student_bias, teacher_bias, scale,
+        options,
+    )
+
+
+# Inside torch.compile: both heads' chunk loop (the loss and the student's gradients, formed in
+# forward) as a library op.
+def _loss_fake(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, target,
+               scale, loss, beta, temperature, hard_weight, ignore_index, max_chunk_bytes, need_hidden, need_weight,
+               need_bias):
+    return (
+        *(student_hidden.new_empty((), dtype=torch.float32) for _ in range(3)),
+        *head_grads_fake(student_hidden, student_weight, student_bias, (need_hidden, need_weight, need_bias)),
+    )
+
+
+@library_op(
+    "linear_distill_loss",
+    "(Tensor student_hidden, Tensor student_weight, Tensor? student_bias, Tensor teacher_hidden, "
+    "Tensor teacher_weight, Tensor? teacher_bias, Tensor? target, Tensor scale, str loss, float beta, "
+    "float temperature, float hard_weight, int ignore_index, int max_chunk_bytes, bool need_hidden, "
+    "bool need_weight, bool need_bias) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _loss_fake,
+)
+def _loss_op(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, target, scale,
+             loss, beta, temperature, hard_weight, ignore_index, max_chunk_bytes, need_hidden, need_weight, need_bias):
+    """(loss, mean divergence, mean cross-entropy or 0, the student's gradients or empty)."""
+    options = DistillOptions(loss, beta, temperature, hard_weight, ignore_index)
+    rows = _rows(student_hidden, student_weight, teacher_hidden, max_chunk_bytes)
+    total, divergence, nll, grads = _loss_and_pass(
+        student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, target, scale,
+        options, rows, (need_hidden, need_weight, need_bias),
+    )
+    return total, divergence, nll, *head_grads_out(student_hidden, grads)
+
+
+register_forward_grads_autograd(_loss_op)
+
+
+def _linear_distill_compiled(
+    student_hidden, student_weight, teacher_hidden, teacher_weight, target, student_bias, teacher_bias, scale,
+    options, max_chunk_bytes,
+):
+    loss, divergence, nll, *_ = _loss_op(
+        student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, target, scale,
+        options.loss, *(float(value) for value in options[1:4]), options.ignore_index, max_chunk_bytes,
+        *head_grad_needs(student_hidden, student_weight, student_bias),
+    )
+    return loss, _metrics(divergence, nll if target is not None else None)
+
+
+LINEAR_DISTILL_LOSS = Op("linear_distill_loss", _linear_distill_kernel, _reference, compiled=_linear_distill_compiled)
 
 
 def _mean_scale(target, ignore_index, n_tokens, num_items_in_batch, device, dtype):
@@ -433,13 +507,11 @@ def _check(student_hidden, student_weight, teacher_hidden, teacher_weight, targe
     if num_items_in_batch is not None:
         check_divisor("num_items_in_batch", num_items_in_batch)
     check_chunk_bytes(max_chunk_bytes)
-    for name, t in (("student_hidden", student_hidden), ("teacher_hidden", teacher_hidden)):
-        if t.dtype not in KERNEL_DTYPES:
-            return f"{name} dtype {t.dtype} runs on the reference"
+    if teacher_hidden.dtype not in KERNEL_DTYPES:  # the student's dtype is the dispatcher's to check
+        return f"teacher_hidden dtype {teacher_hidden.dtype} runs on the reference"
     return None
 
 
-@torch.compiler.disable  # a graph break under torch.compile: the op runs eagerly, as itself
 def linear_distill_loss(
     student_hidden: torch.Tensor,
     student_weight: torch.Tensor,
@@ -484,7 +556,8 @@ def linear_distill_loss(
         ``(loss, metrics)``: the fp32 loss, differentiable in the student's hidden, weight and
         bias (the gradients formed in forward), and detached 0-dim metrics, without a host sync:
         ``divergence`` (its mean) and, with a target, ``cross_entropy``. An all-ignored batch
-        gives 0 and zero gradients.
+        gives 0 and zero gradients. Inside torch.compile the same kernels run as the library op
+        ``tigon::linear_distill_loss``.
     """
     if max_chunk_bytes is None:
         max_chunk_bytes = DEFAULT_MAX_CHUNK_BYTES
@@ -504,14 +577,7 @@ def linear_distill_loss(
     scale = _mean_scale(target, ignore_index, n_tokens, num_items_in_batch, device,
                         torch.promote_types(student_hidden.dtype, torch.float32))
     teacher = (teacher_hidden.detach(), teacher_weight.detach(), None if teacher_bias is None else teacher_bias.detach())
-    args = (student_hidden, student_weight, teacher[0], teacher[1], target, student_bias, teacher[2], scale, options)
-    if n_tokens == 0:
-        return linear_distill_loss_reference(*args)
-    return _backend.dispatch(
-        LINEAR_DISTILL_LOSS,
-        lambda *a: _linear_distill_kernel(*a, max_chunk_bytes),
-        linear_distill_loss_reference,
-        *args,
-        device=device,
-        unsupported=unsupported,
+    return LINEAR_DISTILL_LOSS(
+        unsupported, student_hidden, student_weight, teacher[0], teacher[1], target, student_bias, teacher[2], scale,
+        options, max_chunk_bytes,
     )

@@ -52,10 +52,10 @@ from typing import NamedTuple
 
 import torch
 
-from tigon import _backend
-from tigon._checks import KERNEL_DTYPES, check_choice, check_device, check_float, rows_view
+from tigon.ops._checks import check_choice, check_device, check_float, rows_view
+from tigon.ops._dispatch import Op, backward_fallback, library_op
 from tigon.ops.cross_entropy import check_target
-from tigon.ops.linear_cross_entropy import _scale_in_place, chunk_rows
+from tigon.ops.linear_cross_entropy import chunk_rows
 from tigon.ops.linear_log_probs import (
     DEFAULT_MAX_CHUNK_BYTES,
     LogProbOptions,
@@ -64,14 +64,17 @@ from tigon.ops.linear_log_probs import (
     check_head,
     chunked_grads,
     chunked_log_probs,
+    head_grad_needs,
+    head_grads_fake,
+    head_grads_out,
     linear_log_probs_reference,
     log_prob_grad_rows,
     log_prob_rows,
     logits_chunks,
+    register_forward_grads_autograd,
+    scaled_forward_grads,
 )
 from tigon.ops.linear_preference import as_device_scalar, is_number
-
-LINEAR_POLICY_LOSS = _backend.register("linear_policy_loss")
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "gspo")
 LEVELS = ("token", "sequence")
@@ -241,16 +244,29 @@ def _policy_reference(hidden, weight, target, bias, tokens, options):
     return loss, logp, entropy.reshape(-1)
 
 
+def _reference_in_function_order(hidden, weight, bias, target, tokens, options, *_):
+    return _policy_reference(hidden, weight, target, bias, tokens, options)
+
+
+def _reference_point(ctx, saved):
+    options, plan = ctx.config
+    return LINEAR_POLICY_LOSS, _reference_in_function_order, (*saved, ctx.tokens, options, plan, None)
+
+
+def _loss_and_pass(hidden, weight, bias, target, tokens, options, plan, needs):
+    """(loss, flat logp, flat entropy, the gradients for `needs`) by the kernels."""
+    seq_len = target.shape[-1]
+    logp, entropy, grads = _policy_pass(rows_view(hidden), weight, bias, target.reshape(-1), tokens, options, plan,
+                                        seq_len, needs)
+    return _objective(options, *_grouped(options.level, seq_len, logp, *tokens)), logp, entropy, grads
+
+
 class _LinearPolicyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, tokens, options, plan, grad_enabled):
-        seq_len = target.shape[-1]
         # needs_input_grad follows requires_grad even under no_grad, when no backward can come.
         needs = tuple(grad_enabled and need for need in ctx.needs_input_grad[:3])
-        logp, entropy, grads = _policy_pass(
-            rows_view(hidden), weight, bias, target.reshape(-1), tokens, options, plan, seq_len, needs
-        )
-        loss = _objective(options, *_grouped(options.level, seq_len, logp, *tokens))
+        loss, logp, entropy, grads = _loss_and_pass(hidden, weight, bias, target, tokens, options, plan, needs)
         ctx.save_for_backward(hidden, weight, bias, target)
         ctx.tokens, ctx.config = tokens, (options, plan)
         ctx.grads = grads if any(needs) else None
@@ -259,27 +275,14 @@ class _LinearPolicyFunction(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
-        hidden, weight, bias, target = ctx.saved_tensors
+    @backward_fallback(_reference_point)
+    def backward(ctx, saved, grad_loss, _grad_logp, _grad_entropy):
+        hidden, weight, bias, target = saved
         options, plan = ctx.config
-        try:
-            if ctx.grads is not None:
-                # Formed in forward for grad_loss = 1; handed over once (retain_graph recomputes).
-                grads, ctx.grads = ctx.grads, None
-            else:
-                grads = _policy_pass(
-                    rows_view(hidden), weight, bias, target.reshape(-1), ctx.tokens, options, plan,
-                    target.shape[-1], tuple(ctx.needs_input_grad[:3]),
-                )[2]
-            for grad in grads:
-                if grad is not None:
-                    _scale_in_place(grad, grad_loss)
-        except Exception as err:
-            def reference(h, w, b):
-                return _policy_reference(h, w, target, b, ctx.tokens, options)[0]
-
-            grads = _backend.reference_backward(LINEAR_POLICY_LOSS, err, reference, (hidden, weight, bias), (grad_loss,))
-        grad_hidden, grad_weight, grad_bias = grads
+        grad_hidden, grad_weight, grad_bias = scaled_forward_grads(ctx, grad_loss, lambda: _policy_pass(
+            rows_view(hidden), weight, bias, target.reshape(-1), ctx.tokens, options, plan, target.shape[-1],
+            tuple(ctx.needs_input_grad[:3]),
+        )[2])
         if grad_hidden is not None:
             grad_hidden = grad_hidden.view(hidden.shape)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
@@ -343,15 +346,70 @@ def linear_policy_loss_reference(hidden, weight, target, bias, tokens, options, 
     return loss, policy_metrics(options, logp, entropy, tokens, target.shape[-1], per_sequence_advantages)
 
 
-def _linear_policy_kernel(hidden, weight, target, bias, tokens, options, per_sequence_advantages, max_chunk_bytes):
+def _plan(hidden, weight, target, level, head_grad, max_chunk_bytes):
     n_seq, seq_len = target.shape
-    head_grad = weight.requires_grad or (bias is not None and bias.requires_grad)
-    whole_sequences = options.level == "sequence" and head_grad and torch.is_grad_enabled()
-    plan = plan_chunks(whole_sequences, n_seq, seq_len, weight.shape[0], hidden.dtype, max_chunk_bytes)
+    return plan_chunks(level == "sequence" and head_grad, n_seq, seq_len, weight.shape[0], hidden.dtype, max_chunk_bytes)
+
+
+def _linear_policy_kernel(hidden, weight, target, bias, tokens, options, per_sequence_advantages, max_chunk_bytes):
+    head_grad = torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad))
+    plan = _plan(hidden, weight, target, options.level, head_grad, max_chunk_bytes)
     loss, logp, entropy = _LinearPolicyFunction.apply(
         hidden, weight, bias, target, tokens, options, plan, torch.is_grad_enabled()
     )
-    return loss, policy_metrics(options, logp, entropy, tokens, seq_len, per_sequence_advantages)
+    return loss, policy_metrics(options, logp, entropy, tokens, target.shape[1], per_sequence_advantages)
+
+
+def _reference(hidden, weight, target, bias, tokens, options, per_sequence_advantages, max_chunk_bytes):
+    """:func:`linear_policy_loss_reference` with the kernel's arguments."""
+    return linear_policy_loss_reference(hidden, weight, target, bias, tokens, options, per_sequence_advantages)
+
+
+# Inside torch.compile: the policy's pass (the loss and its gradients, formed in forward) as a
+# library op; the per-token inputs and the metrics are torch ops around it.
+def _loss_fake(hidden, weight, bias, target, scored, weights, advantages, old, ref, loss_type, level, beta, epsilon_low,
+               epsilon_high, temperature, kl_bias_correction, max_chunk_bytes, need_hidden, need_weight, need_bias):
+    n_tokens = scored.shape[0]
+    return (
+        hidden.new_empty((), dtype=torch.float32), hidden.new_empty((n_tokens,), dtype=torch.float32),
+        hidden.new_empty((n_tokens,), dtype=torch.float32),
+        *head_grads_fake(hidden, weight, bias, (need_hidden, need_weight, need_bias)),
+    )
+
+
+@library_op(
+    "linear_policy_loss",
+    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, Tensor scored, Tensor weights, Tensor advantages, "
+    "Tensor? old, Tensor? ref, str loss_type, str level, float beta, float epsilon_low, float epsilon_high, "
+    "float temperature, bool kl_bias_correction, int? max_chunk_bytes, bool need_hidden, bool need_weight, "
+    "bool need_bias) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _loss_fake,
+)
+def _loss_op(hidden, weight, bias, target, scored, weights, advantages, old, ref, loss_type, level, beta, epsilon_low,
+             epsilon_high, temperature, kl_bias_correction, max_chunk_bytes, need_hidden, need_weight, need_bias):
+    """(loss, flat logp, flat entropy, the gradients of hidden, weight and bias or empty)."""
+    options = PolicyOptions(loss_type, level, beta, epsilon_low, epsilon_high, temperature, kl_bias_correction)
+    plan = _plan(hidden, weight, target, level, need_weight or need_bias, max_chunk_bytes)
+    tokens = PolicyTokens(scored, weights, advantages, old, ref)
+    loss, logp, entropy, grads = _loss_and_pass(
+        hidden, weight, bias, target, tokens, options, plan, (need_hidden, need_weight, need_bias)
+    )
+    return loss, logp, entropy, *head_grads_out(hidden, grads)
+
+
+register_forward_grads_autograd(_loss_op)
+
+
+def _linear_policy_compiled(hidden, weight, target, bias, tokens, options, per_sequence_advantages, max_chunk_bytes):
+    loss, logp, entropy, *_ = _loss_op(
+        hidden, weight, bias, target, *tokens, options.loss_type, options.level,
+        *(float(value) for value in options[2:6]), options.kl_bias_correction, max_chunk_bytes,
+        *head_grad_needs(hidden, weight, bias),
+    )
+    return loss, policy_metrics(options, logp, entropy, tokens, target.shape[1], per_sequence_advantages)
+
+
+LINEAR_POLICY_LOSS = Op("linear_policy_loss", _linear_policy_kernel, _reference, compiled=_linear_policy_compiled)
 
 
 def _token_weights(loss_type, scored, max_completion_length, num_items_in_batch, dtype):
@@ -389,7 +447,7 @@ def check_divisor(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive number or a 0-dim tensor, got {value!r}")
 
 
-def _check(hidden, weight, target, bias, advantages, mask, options, given, max_chunk_bytes) -> str | None:
+def _check(hidden, weight, target, bias, advantages, mask, options, given, max_chunk_bytes) -> None:
     check_choice("loss_type", options.loss_type, LOSS_TYPES)
     check_choice("importance_level", options.level, LEVELS)
     if options.loss_type == "gspo" and options.level != "sequence":
@@ -437,12 +495,8 @@ def _check(hidden, weight, target, bias, advantages, mask, options, given, max_c
         check_divisor("num_items_in_batch", items)
     if max_chunk_bytes is not None:
         check_chunk_bytes(max_chunk_bytes)
-    if hidden.dtype not in KERNEL_DTYPES:
-        return f"dtype {hidden.dtype} runs on the reference"
-    return None
 
 
-@torch.compiler.disable  # a graph break under torch.compile: the op runs eagerly, as itself
 def linear_policy_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -501,7 +555,8 @@ def linear_policy_loss(
         sync, as TRL logs them: ``entropy`` (mean over the scored tokens), ``kl`` (when
         ref_log_probs is given), ``clip_ratio/low_mean``, ``clip_ratio/high_mean``,
         ``clip_ratio/region_mean``, ``clip_ratio/low_min``, ``clip_ratio/high_max``. An
-        all-masked batch gives 0 and zero gradients.
+        all-masked batch gives 0 and zero gradients. Inside torch.compile the same kernels run as
+        the library op ``tigon::linear_policy_loss``, the metrics as torch ops around it.
     """
     if importance_level is None:
         importance_level = "sequence" if loss_type == "gspo" else "token"
@@ -511,7 +566,7 @@ def linear_policy_loss(
     )
     given = dict(ref_log_probs=ref_log_probs is not None, max_completion_length=max_completion_length,
                  num_items_in_batch=num_items_in_batch)
-    unsupported = _check(hidden, weight, target, bias, advantages, mask, options, given, max_chunk_bytes)
+    _check(hidden, weight, target, bias, advantages, mask, options, given, max_chunk_bytes)
     shape, device = target.shape, hidden.device
     dtype = torch.promote_types(hidden.dtype, torch.float32)  # of the per-token math (fp64 for fp64)
     old = None if old_log_probs is None else _per_token("old_log_probs", old_log_probs, shape, device, dtype)
@@ -526,12 +581,7 @@ def linear_policy_loss(
         _token_weights(loss_type, scored, max_completion_length or shape[1], num_items_in_batch, dtype).reshape(-1),
         advantages.expand(shape).reshape(-1), old, ref,
     )
-    args = (hidden, weight, torch.where(scored, target, UNSCORED), bias, tokens, options, per_sequence_advantages)
-    return _backend.dispatch(
-        LINEAR_POLICY_LOSS,
-        lambda *a: _linear_policy_kernel(*a, max_chunk_bytes),
-        linear_policy_loss_reference,
-        *args,
-        device=device,
-        unsupported=unsupported,
+    return LINEAR_POLICY_LOSS(
+        None, hidden, weight, torch.where(scored, target, UNSCORED), bias, tokens, options, per_sequence_advantages,
+        max_chunk_bytes,
     )

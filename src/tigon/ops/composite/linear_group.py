@@ -130,17 +130,9 @@ def linear_group(
     for i, (weight, bias) in enumerate(zip(weights, biases)):
         if not _is_plain(weight, bias, x, device):
             _check_projection(i, weight, bias, x, autocast=dtype is not None)
-    return run_linear_group(x, tuple(t for pair in zip(weights, biases) for t in pair), dtype)
-
-
-def run_linear_group(x: torch.Tensor, params: tuple, autocast: torch.dtype | None) -> tuple[torch.Tensor, ...]:
-    """:func:`linear_group` on arguments already checked: `params` is ``weight₁, bias₁, …`` and
-    `autocast` the dtype autocast runs a linear in on x's device (None when it is off).
-
-    Transitional: tigon/patch/forwards.py calls this until it calls tigon.functional.linear_group.
-    """
-    if autocast is not None:
+    params = tuple(t for pair in zip(weights, biases) for t in pair)
+    if dtype is not None:
         # As autocast casts a linear's operands; the casts are autograd nodes, so gradients come
         # back in the original dtypes.
-        x, params = x.to(autocast), tuple(None if t is None else t.to(autocast) for t in params)
-    return LINEAR_GROUP.without_autocast(autocast, None, x, *params)
+        x, params = x.to(dtype), tuple(None if t is None else t.to(dtype) for t in params)
+    return LINEAR_GROUP.without_autocast(dtype, None, x, *params)
