@@ -10,7 +10,8 @@ import torch
 REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float64: 1e-12}
 
 
-def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype | None = None, name: str = "") -> None:
+def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype | None = None, name: str = "",
+                 tol: float | None = None) -> None:
     """Same shape and dtype, finite where `want` is, and ‖got − want‖ / ‖want‖ within the dtype's
     bound (or every element within that bound absolutely, for values that are ~0)."""
     assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
@@ -19,7 +20,7 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype | Non
     assert (torch.isfinite(got64) | ~torch.isfinite(want64)).all(), f"{name}: NaN/inf where the reference is finite"
     diff = (got64 - want64).nan_to_num(nan=float("inf"))
     rel = (diff.norm() / want64.norm().clamp_min(1e-30)).item()
-    tol = REL_TOL[dtype or want.dtype]
+    tol = tol or REL_TOL[dtype or want.dtype]
     # Values that are ~0 (a width-1 row's input gradient) have no meaningful relative error.
     tiny = diff.numel() == 0 or diff.abs().max().item() <= tol
     assert rel <= tol or tiny, f"{name}: relative error {rel:.3e} > {tol:.0e}"
@@ -36,7 +37,7 @@ def _as_list(out):
     return [out] if isinstance(out, torch.Tensor) else [o for o in out if isinstance(o, torch.Tensor)]
 
 
-def compare_fwd_bwd(fn, reference, args, dtype=None, name=""):
+def compare_fwd_bwd(fn, reference, args, dtype=None, name="", tol=None):
     """Run `fn` on copies of `args` and `reference` on float64 copies (the oracle), backpropagate
     the same random output gradients through both, and assert that outputs and every input
     gradient agree within the tolerance of `dtype` (default: the least precise input dtype).
@@ -47,14 +48,14 @@ def compare_fwd_bwd(fn, reference, args, dtype=None, name=""):
     out, ref = _as_list(fn(*ours)), _as_list(reference(*theirs))
     assert len(out) == len(ref), f"{name}: {len(out)} outputs, reference has {len(ref)}"
     for i, (o, r) in enumerate(zip(out, ref)):
-        assert_close(o, r.to(o.dtype), dtype, f"{name} output {i}")
+        assert_close(o, r.to(o.dtype), dtype, f"{name} output {i}", tol)
     grads = [torch.randn_like(r) for r in ref]
     torch.autograd.backward(out, [g.to(o.dtype) for g, o in zip(grads, out)])
     torch.autograd.backward(ref, grads)
     for i, (a, b) in enumerate(zip(ours, theirs)):
         if isinstance(a, torch.Tensor) and a.requires_grad:
             assert a.grad is not None, f"{name}: no gradient for argument {i}"
-            assert_close(a.grad, b.grad.to(a.grad.dtype), dtype, f"{name} grad of argument {i}")
+            assert_close(a.grad, b.grad.to(a.grad.dtype), dtype, f"{name} grad of argument {i}", tol)
     return out
 
 

@@ -113,8 +113,11 @@ def _case(name, h, w, b, target, mask):
 def test_matches_paper_formula(poison_outputs, device, name, dtype, vocab):
     h, w, b, target, mask, adv = _inputs(dtype, device, vocab)
     kw, old, ref = _case(name, h, w, b, target, mask)
+    # fp16: the weight gradient sums every row's fp16-rounded logits gradient; 2.4e-3 was seen on
+    # one draw in ~70 against the fp16 bound of 2e-3, so the bound here leaves room for that sum.
+    tol = 4e-3 if dtype == torch.float16 else None
     out = compare_fwd_bwd(_ours(target, mask, old, adv, ref, **kw), _paper_loss(target, mask, old, adv, ref, **kw),
-                          (h, w, b), name=name)
+                          (h, w, b), name=name, tol=tol)
     with torch.no_grad():
         metrics = F.linear_policy_loss(h, w, target, old, adv, ref_log_probs=ref, mask=mask, bias=b, **kw)[1]
     assert metrics["clip_ratio/low_mean"] > 0 and metrics["clip_ratio/high_mean"] > 0, "the test needs both clips active"
