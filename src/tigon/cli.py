@@ -60,6 +60,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         records = run_max_context(args.max_context or SEQS, out_dir=Path(args.out) if args.out else None)
         return 1 if any("error" in r for r in records) else 0
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    if args.host:
+        from tigon.bench.host import run_host
+
+        records = run_host(args.ops, args.impls, dtype=dtype, out_dir=Path(args.out) if args.out else None)
+        return 1 if any("error" in r for r in records) else 0
     if args.e2e:
         from tigon.bench.e2e import run_e2e
 
@@ -68,7 +74,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from tigon.bench.registry import parse_size
 
     sizes = [parse_size(s) for s in args.sizes] if args.sizes else None
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     run_benchmarks(
         ops=args.ops, sizes=sizes, dtype=dtype, out_dir=Path(args.out) if args.out else None,
         impls=args.impls, headline=args.headline,
@@ -207,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="implementations to measure (default: all, in the same run; peer: the best-known peer "
                             "library, for the ops that name one, when it is installed)")
     bench.add_argument("--out", metavar="DIR", help="write bench.json and one PNG plot per op here")
+    bench.add_argument("--host", action="store_true",
+                       help="host time per fwd+bwd call (microseconds) at tiny sizes, where the GPU's work is negligible")
     bench.add_argument("--e2e", action="store_true",
                        help="end-to-end fine-tuning (full and LoRA) eager vs tigon instead of ops; "
                             "more knobs: python -m tigon.bench.e2e --help")
