@@ -2,7 +2,7 @@
 
 import time
 
-from tigon.train.callbacks import BusyMeter
+from tigon.timing import BusyMeter
 
 
 def _wait_for(condition, timeout=5.0):
