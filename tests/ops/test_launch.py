@@ -168,3 +168,11 @@ def test_prebound_rms_norm_matches_tritons_path_and_skips_it(monkeypatch):
         rms_norm(x, w).backward(g)
     graph.replay()
     torch.testing.assert_close(x.grad, slow[0], rtol=0, atol=0)
+
+
+def test_prebound_kernel_copies_and_forwards_attributes():
+    import copy
+
+    kernel = _launch.PreboundKernel(_compiled_jit(_toy))
+    assert kernel.arg_names == ["x_ptr", "y_ptr", "n", "scale", "FLAG", "BLOCK"]
+    assert copy.copy(kernel).fn is kernel.fn

@@ -118,7 +118,9 @@ class PreboundKernel:
         # (current device, stream of a device): Triton's active driver, known once it has launched
         self._driver: tuple[Callable[[], int], Callable[[int], int]] | None = None
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # the JITFunction's attributes (fn, arg_names, warmup, ...)
+        if name == "fn":  # not set yet (a copy being made): no recursion through self.fn
+            raise AttributeError(name)
         return getattr(self.fn, name)
 
     def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
