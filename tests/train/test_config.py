@@ -114,6 +114,10 @@ def test_cuda_graphs_is_refused_where_steps_cannot_be_captured(monkeypatch):
     with pytest.raises(SFTError, match="^--cuda-graphs needs a CUDA GPU and none is visible"):
         resolve(SFTConfig(cuda_graphs=True))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SFTError, match="^--cuda-graphs runs on one GPU, one process"):
+        resolve(SFTConfig(cuda_graphs=True))
+    monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(SFTError, match="^--cuda-graphs cannot capture --offload-activations"):
         resolve(SFTConfig(cuda_graphs=True, gradient_checkpointing=True, offload_activations=True))
     assert resolve(SFTConfig(cuda_graphs=True, packing=True)).cuda_graphs

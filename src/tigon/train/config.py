@@ -249,10 +249,15 @@ def config_from_args(args: argparse.Namespace, cls: type[SFTConfig] = SFTConfig)
 
 def check_cuda_graphs(cfg: SFTConfig) -> None:
     """Refuse, in one line, a --cuda-graphs run whose steps cannot be captured."""
+    import os
+
     import torch
 
     if not torch.cuda.is_available():
         raise SFTError("--cuda-graphs needs a CUDA GPU and none is visible: train without --cuda-graphs")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise SFTError("--cuda-graphs runs on one GPU, one process: launch without torchrun/accelerate (several "
+                       "processes)")
     if cfg.offload_activations:
         raise SFTError("--cuda-graphs cannot capture --offload-activations (its copies to host memory wait on "
                        "the host): give one or the other")

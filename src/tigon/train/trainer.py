@@ -18,12 +18,21 @@ not the GPU, sets the step time, so each millisecond of Python is a millisecond 
 
 Under DDP (``torchrun``) the gradients are views into DDP's all-reduce buckets instead of a second
 copy beside them.
+
+With ``--cuda-graphs`` and gradient accumulation, every trainable parameter has its gradient
+before each micro-batch's backward. torch.compile's CUDA-graph mode hands the backward's
+gradients out in memory its next replay overwrites; a parameter without a gradient adopts that
+tensor as its ``.grad`` (autograd takes an incoming gradient over rather than copy it), so the next
+micro-batch's replay would overwrite the sum being accumulated (pytorch/pytorch#169545: wrong
+gradients or an "overwritten by a subsequent run" error). Into an existing gradient autograd adds
+in place, which is what accumulation needs.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from accelerate.utils import DistributedType
 
 from tigon.train.batching import NUM_TOKENS
@@ -40,7 +49,18 @@ class TigonTrainer(AtomicTrainer):
     _trainable: list | None = None
     _in_training_mode: Any = None  # the model whose every module the last full train() walk set
 
+    def __init__(self, *args, static_grads: bool = False, **kwargs):
+        """`static_grads`: give every trainable parameter a (zero) gradient before each training
+        step that finds it without one (see the module docstring; for CUDA-graph replay with
+        gradient accumulation)."""
+        super().__init__(*args, **kwargs)
+        self.static_grads = static_grads
+
     def training_step(self, model, inputs: dict[str, Any], *args, **kwargs):
+        if self.static_grads:
+            for param in self._trainable_parameters(model):
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
         tokens = inputs.pop(NUM_TOKENS, 0)
         if self.args.include_num_input_tokens_seen == "no":
             self.state.num_input_tokens_seen += tokens
@@ -76,9 +96,13 @@ class TigonTrainer(AtomicTrainer):
         # one process clips the same trainable parameters every step (the others have no gradient).
         if self.accelerator.distributed_type != DistributedType.NO:
             return super()._clip_grad_norm(model)
+        return self.accelerator.clip_grad_norm_(self._trainable_parameters(model), self.args.max_grad_norm)
+
+    def _trainable_parameters(self, model) -> list:
+        """The parameters that train, collected once (they are the same every step)."""
         if self._trainable is None:
             self._trainable = [p for p in model.parameters() if p.requires_grad]
-        return self.accelerator.clip_grad_norm_(self._trainable, self.args.max_grad_norm)
+        return self._trainable
 
     def prediction_step(self, model, inputs: dict[str, Any], *args, **kwargs):
         inputs.pop(NUM_TOKENS, None)
