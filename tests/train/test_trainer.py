@@ -136,3 +136,8 @@ def test_static_grads_accumulate_into_gradients_that_exist_before_backward(token
     t.training_step(t.model, dict(batch))
     for name, p in trainable.items():
         torch.testing.assert_close(p.grad, 2 * once[name])
+    t.model.zero_grad()  # as the Trainer does after each optimizer step: the next step starts from zero
+    t.training_step(t.model, dict(batch))
+    for name, p in trainable.items():
+        assert p.grad is seen[name]
+        torch.testing.assert_close(p.grad, once[name])

@@ -25,7 +25,9 @@ gradients out in memory its next replay overwrites; a parameter without a gradie
 tensor as its ``.grad`` (autograd takes an incoming gradient over rather than copy it), so the next
 micro-batch's replay would overwrite the sum being accumulated (pytorch/pytorch#169545: wrong
 gradients or an "overwritten by a subsequent run" error). Into an existing gradient autograd adds
-in place, which is what accumulation needs.
+in place, which is what accumulation needs. The gradients are views into one flat buffer per
+dtype, zeroed by one kernel when the Trainer's zero_grad has dropped them (not one allocation and
+fill per parameter and step).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class TigonTrainer(AtomicTrainer):
     _flops_per_token: float | None = None
     _trainable: list | None = None
     _in_training_mode: Any = None  # the model whose every module the last full train() walk set
+    _grad_buffers: list | None = None  # static_grads: (flat buffer, [(parameter, its view)]) per dtype
 
     def __init__(self, *args, static_grads: bool = False, **kwargs):
         """`static_grads`: give every trainable parameter a (zero) gradient before each training
@@ -58,9 +61,7 @@ class TigonTrainer(AtomicTrainer):
 
     def training_step(self, model, inputs: dict[str, Any], *args, **kwargs):
         if self.static_grads:
-            for param in self._trainable_parameters(model):
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
+            self._give_gradients(model)
         tokens = inputs.pop(NUM_TOKENS, 0)
         if self.args.include_num_input_tokens_seen == "no":
             self.state.num_input_tokens_seen += tokens
@@ -97,6 +98,24 @@ class TigonTrainer(AtomicTrainer):
         if self.accelerator.distributed_type != DistributedType.NO:
             return super()._clip_grad_norm(model)
         return self.accelerator.clip_grad_norm_(self._trainable_parameters(model), self.args.max_grad_norm)
+
+    def _give_gradients(self, model) -> None:
+        """Point every trainable parameter's .grad at its view of a flat zeroed buffer, where the
+        Trainer's zero_grad has dropped them (between micro-batches they stay and accumulate)."""
+        if self._grad_buffers is None:
+            groups: dict[tuple, list] = {}
+            for param in self._trainable_parameters(model):
+                groups.setdefault((param.dtype, param.device), []).append(param)
+            self._grad_buffers = []
+            for (dtype, device), params in groups.items():
+                flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
+                views = flat.split([p.numel() for p in params])
+                self._grad_buffers.append((flat, [(p, v.view_as(p)) for p, v in zip(params, views)]))
+        for flat, pairs in self._grad_buffers:
+            if any(param.grad is not view for param, view in pairs):
+                flat.zero_()
+                for param, view in pairs:
+                    param.grad = view
 
     def _trainable_parameters(self, model) -> list:
         """The parameters that train, collected once (they are the same every step)."""
