@@ -114,11 +114,12 @@ def test_clipping_uses_the_trainable_parameters_once_collected(tokenizer, tmp_pa
     t._clip_grad_norm(t.model)
 
 
-def test_static_grads_accumulate_into_gradients_that_exist_before_backward(tokenizer, tmp_path):
+def test_cuda_graphs_accumulate_into_gradients_that_exist_before_backward(tokenizer, tmp_path):
     """--cuda-graphs with gradient accumulation: each trainable parameter has its gradient before
     the backward (none for frozen ones), and two micro-batches sum into it in place."""
     t = trainer(tokenizer, tmp_path, rows(tokenizer, 4, random.Random()), "no")
-    t.static_grads = True
+    t.cuda_graphs = True
+    t.args.gradient_accumulation_steps = 2
     frozen = t.model.model.embed_tokens.weight.requires_grad_(False)
     batch = Collator(tokenizer.pad_token_id)([{"input_ids": [7, 8, 9, 10], "labels": [7, 8, 9, 10]}] * 3)
     seen = {}

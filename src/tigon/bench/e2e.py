@@ -135,6 +135,7 @@ def timed_steps(
             last_read = time.perf_counter()
         if busy is not None and i == warmup:
             busy.window()
+        torch.compiler.cudagraph_mark_step_begin()  # under CUDA-graph replay: the last step's outputs are read
         loss = step_model(input_ids=ids, labels=ids).loss
         loss.backward()
         losses.append(loss.item())

@@ -556,7 +556,7 @@ def _run(cfg: SFTConfig) -> Path:
         return TigonTrainer(model=built.model, args=args, train_dataset=train_data, eval_dataset=eval_data,
                             data_collator=Collator(tokenizer.pad_token_id, cfg.max_length if cfg.cuda_graphs else None),
                             processing_class=tokenizer, save_limit=cfg.save_limit,
-                            static_grads=cfg.cuda_graphs and cfg.grad_accum > 1)
+                            cuda_graphs=cfg.cuda_graphs)
 
     job = Job("sft", train_data, train_data.num_tokens(), len(train_data),
               arguments=lambda dtype: training_arguments(cfg, dtype, eval_data is not None), trainer=trainer,

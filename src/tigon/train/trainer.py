@@ -50,18 +50,21 @@ class TigonTrainer(AtomicTrainer):
     _flops_per_token: float | None = None
     _trainable: list | None = None
     _in_training_mode: Any = None  # the model whose every module the last full train() walk set
-    _grad_buffers: list | None = None  # static_grads: (flat buffer, [(parameter, its view)]) per dtype
+    _grad_buffers: list | None = None  # cuda_graphs with accumulation: (flat buffer, [(parameter, its view)]) per dtype
 
-    def __init__(self, *args, static_grads: bool = False, **kwargs):
-        """`static_grads`: give every trainable parameter a (zero) gradient before each training
-        step that finds it without one (see the module docstring; for CUDA-graph replay with
-        gradient accumulation)."""
+    def __init__(self, *args, cuda_graphs: bool = False, **kwargs):
+        """`cuda_graphs`: the model runs under torch.compile's CUDA-graph mode (``--cuda-graphs``):
+        each micro-batch starts a new replay generation, and with gradient accumulation every
+        trainable parameter has its gradient before the backward (see the module docstring)."""
         super().__init__(*args, **kwargs)
-        self.static_grads = static_grads
+        self.cuda_graphs = cuda_graphs
 
     def training_step(self, model, inputs: dict[str, Any], *args, **kwargs):
-        if self.static_grads:
-            self._give_gradients(model)
+        if self.cuda_graphs:
+            # What this micro-batch's replay overwrites is the last one's outputs, all read by now.
+            torch.compiler.cudagraph_mark_step_begin()
+            if self.args.gradient_accumulation_steps > 1:
+                self._give_gradients(model)
         tokens = inputs.pop(NUM_TOKENS, 0)
         if self.args.include_num_input_tokens_seen == "no":
             self.state.num_input_tokens_seen += tokens
