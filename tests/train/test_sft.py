@@ -420,16 +420,23 @@ def test_used_output_dir_is_refused_and_debug_shows_the_traceback(tmp_path, caps
     assert "is not a LoRA adapter directory" in capsys.readouterr().err
 
 
+def _saved_llama(path: Path, **shape) -> str:
+    """A random Llama of `shape` (2 KV heads, a 32003-token vocabulary) with the bundled data's
+    tokenizer, saved to `path`; returns the path for --model."""
+    tokenizer = tiny.build_tokenizer(load_samples([str(tiny.BUNDLED_DATASET)], seed=0))
+    tiny.build_model(tokenizer, 0, num_key_value_heads=2, vocab_size=32003, **shape).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tuner", ["full", "lora"])
 def test_gpu_bf16_kernels_train_like_eager(tmp_path, tuner):
     """On the GPU, in bf16, the compiled kernels take the same steps as plain transformers (bf16
     tolerance), with packing, on a Llama big enough for the kernels' tiling to matter."""
-    tokenizer = tiny.build_tokenizer(load_samples([str(tiny.BUNDLED_DATASET)], seed=0))
-    tiny.build_model(tokenizer, 0, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
-                     num_attention_heads=8, num_key_value_heads=2, vocab_size=32003).save_pretrained(tmp_path / "m")
-    tokenizer.save_pretrained(tmp_path / "m")
-    args = ["--model", str(tmp_path / "m"), "--tuner", tuner, "--dtype", "bf16", "--lr", "1e-3", "--packing",
+    model = _saved_llama(tmp_path / "m", hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
+                         num_attention_heads=8)
+    args = ["--model", model, "--tuner", tuner, "--dtype", "bf16", "--lr", "1e-3", "--packing",
             "--max-length", "512", "--batch-size", "4", "--max-steps", "8", "--save-steps", "0", "--samples", "1",
             "--dataset", str(tiny.BUNDLED_DATASET)]
     assert main(["sft", *args, "--output-dir", str(tmp_path / "off"), "--no-kernels"]) == 0
@@ -448,11 +455,9 @@ def test_gpu_cuda_graphs_train_like_without(tmp_path, tuner):
     """--cuda-graphs (torch.compile's CUDA-graph mode over the patched model, batches padded to
     --max-length) takes the same steps as the same run without it, with gradient accumulation;
     the metrics say how busy the GPU was where NVML can be read."""
-    tokenizer = tiny.build_tokenizer(load_samples([str(tiny.BUNDLED_DATASET)], seed=0))
-    tiny.build_model(tokenizer, 0, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, vocab_size=32003).save_pretrained(tmp_path / "m")
-    tokenizer.save_pretrained(tmp_path / "m")
-    args = ["--model", str(tmp_path / "m"), "--tuner", tuner, "--dtype", "bf16", "--lr", "1e-3", "--packing",
+    model = _saved_llama(tmp_path / "m", hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                         num_attention_heads=4)
+    args = ["--model", model, "--tuner", tuner, "--dtype", "bf16", "--lr", "1e-3", "--packing",
             "--max-length", "256", "--batch-size", "2", "--grad-accum", "2", "--max-steps", "6", "--save-steps", "0",
             "--samples", "0", "--dataset", str(tiny.BUNDLED_DATASET)]
     assert main(["sft", *args, "--output-dir", str(tmp_path / "plain")]) == 0
