@@ -108,7 +108,7 @@ class PreboundKernel:
     Triton's path, which calls them; so does a call whose tensors sit where the first call had
     none (an optional pointer given at times)."""
 
-    __slots__ = ("fn", "_compiled", "_bind", "_tensors", "_driver")
+    __slots__ = ("_bind", "_compiled", "_driver", "_tensors", "fn")
 
     def __init__(self, fn: Any) -> None:
         self.fn = fn
