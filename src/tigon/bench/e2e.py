@@ -57,18 +57,19 @@ def build_model(
     mode: str, seq: int, device: torch.device, *, shape: dict, lora_rank: int, checkpointing: bool, seed: int = 0
 ):
     """A Llama of `shape` on `device`, in bf16, random weights from `seed`."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import LlamaConfig
+
+    from tigon.train.tiny import random_model
 
     config = LlamaConfig(**shape, max_position_embeddings=max(seq, 8192), use_cache=False)
     config._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = random_model(config, seed, device=device, dtype=torch.bfloat16)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if mode == "lora":
         from peft import LoraConfig, get_peft_model
 
+        torch.manual_seed(seed)  # the adapters' initialisation, the same for every implementation
         model = get_peft_model(
             model,
             LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, target_modules=list(LORA_TARGETS)),
