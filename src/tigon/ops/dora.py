@@ -201,8 +201,8 @@ class _DoraScaleFunction(torch.autograd.Function):
     @backward_fallback(_reference_point)
     def backward(ctx, saved, grad_out):
         z2d, magnitude, weight_norm, bias = saved
-        grad_z, grad_magnitude, grad_bias = DORA_SCALE_BACKWARD(
-            None, rows_view(grad_out), z2d, magnitude, weight_norm, bias is not None
+        grad_z, grad_magnitude, grad_bias = dora_scale_backward_launch(
+            rows_view(grad_out), z2d, magnitude, weight_norm, bias is not None
         )
         needs = ctx.needs_input_grad
         return (
