@@ -8,7 +8,7 @@ linear's output rescaled per output feature by the learned magnitude `m` over th
 adapted weight. As in PEFT (and section 4.3 of the DoRA paper) the norm is treated as a constant:
 it gets no gradient, so `m`, the LoRA output and the bias are all that backward reaches.
 
-``dora_norm`` forms each tile of ``B A`` from rank-1 products in registers and adds it to the
+``dora_norm`` forms each tile of ``B A`` in registers (a small fp32 dot) and adds it to the
 weight tile, so the adapted weight ``W + s B A`` never exists (PEFT builds it whole, and an
 ``in × in`` identity to get ``B A``, in every forward). ``dora_scale``'s backward writes
 ``dz = dy · m / n`` and reduces ``Σ dy · z / n`` (the magnitude's gradient) and ``Σ dy`` (the
@@ -24,9 +24,9 @@ import torch
 
 from tigon.ops._checks import check_device, check_float, check_vector, rows_view
 from tigon.ops._dispatch import Op, backward_fallback, tl, triton
-from tigon.ops._launch import cdiv
+from tigon.ops._launch import cdiv, next_power_of_2
 
-NORM_BLOCK_ROWS, NORM_BLOCK_COLS = 8, 256
+NORM_BLOCK_ROWS, NORM_BLOCK_COLS = 16, 128  # tl.dot takes 16 rows at least
 SCALE_BLOCK_ROWS, SCALE_BLOCK_COLS = 16, 128
 ROWS_PER_PROGRAM = 256  # rows each backward program reduces over (its share of the partial sums)
 NUM_WARPS = 4
@@ -38,9 +38,11 @@ def _dora_norm_kernel(
     n_rows, n_cols, rank, weight_row_stride, scaling,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
+    BLOCK_RANK: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < n_rows
+    ranks = tl.arange(0, BLOCK_RANK)
     total = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
     for start in range(0, n_cols, BLOCK_COLS):
         cols = start + tl.arange(0, BLOCK_COLS)
@@ -48,10 +50,14 @@ def _dora_norm_kernel(
         mask = row_mask[:, None] & col_mask[None, :]
         weight = tl.load(weight_ptr + rows[:, None] * weight_row_stride + cols[None, :], mask=mask, other=0.0)
         delta = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
-        for k in range(rank):
-            b = tl.load(lora_b_ptr + rows * rank + k, mask=row_mask, other=0.0).to(tl.float32)
-            a = tl.load(lora_a_ptr + k * n_cols + cols, mask=col_mask, other=0.0).to(tl.float32)
-            delta += b[:, None] * a[None, :]
+        for r0 in range(0, rank, BLOCK_RANK):
+            k = r0 + ranks
+            b = tl.load(lora_b_ptr + rows[:, None] * rank + k[None, :], mask=row_mask[:, None] & (k < rank)[None, :],
+                        other=0.0).to(tl.float32)
+            a = tl.load(lora_a_ptr + k[:, None] * n_cols + cols[None, :], mask=(k < rank)[:, None] & col_mask[None, :],
+                        other=0.0).to(tl.float32)
+            # Full fp32 products (no TF32): the norm is compared against PEFT's.
+            delta = tl.dot(b, a, delta, input_precision="ieee")
         adapted = weight.to(tl.float32) + scaling * delta
         total += adapted * adapted
     tl.store(out_ptr + rows, tl.sqrt(tl.sum(total, axis=1)), mask=row_mask)
@@ -95,8 +101,9 @@ def _dora_scale_bwd_kernel(
     scale = tl.load(magnitude_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) / norm
     magnitude_acc = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
     bias_acc = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
-    for offset in range(0, ROWS_PER_PROGRAM, BLOCK_ROWS):
-        rows = chunk.to(tl.int64) * ROWS_PER_PROGRAM + offset + tl.arange(0, BLOCK_ROWS)
+    first = chunk.to(tl.int64) * ROWS_PER_PROGRAM
+    for offset in range(0, tl.minimum(ROWS_PER_PROGRAM, n_rows - first), BLOCK_ROWS):
+        rows = first + offset + tl.arange(0, BLOCK_ROWS)
         mask = (rows < n_rows)[:, None] & col_mask[None, :]
         grad_out = tl.load(grad_out_ptr + rows[:, None] * grad_out_row_stride + cols[None, :], mask=mask, other=0.0)
         grad_out = grad_out.to(tl.float32)
@@ -143,10 +150,12 @@ def dora_norm_launch(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.T
     n_rows, n_cols = weight.shape
     weight = rows_view(weight)
     out = torch.empty(n_rows, dtype=torch.float32, device=weight.device)
+    rank = lora_a.shape[0]
     _dora_norm_kernel[(cdiv(n_rows, NORM_BLOCK_ROWS),)](
         weight, lora_a.contiguous(), lora_b.contiguous(), out,
-        n_rows, n_cols, lora_a.shape[0], weight.stride(0), float(scaling),
-        BLOCK_ROWS=NORM_BLOCK_ROWS, BLOCK_COLS=NORM_BLOCK_COLS, num_warps=NUM_WARPS,
+        n_rows, n_cols, rank, weight.stride(0), float(scaling),
+        BLOCK_ROWS=NORM_BLOCK_ROWS, BLOCK_COLS=NORM_BLOCK_COLS, BLOCK_RANK=min(64, max(16, next_power_of_2(rank))),
+        num_warps=NUM_WARPS,
     )
     return out
 
