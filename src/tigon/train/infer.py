@@ -48,9 +48,11 @@ def _adapter_model(adapter: str, base: str, dtype: torch.dtype, dequantize: bool
     else:
         device = _inference_device()
         check_bitsandbytes(quantization_name(quantization), device)
-        model = load_model(base, getattr(quantization, "bnb_4bit_compute_dtype", None) or dtype, quantization, device)
+        # 4-bit training loaded the weights in its compute dtype before quantising them
+        loaded = quantization.bnb_4bit_compute_dtype if quantization.load_in_4bit else dtype
+        model = load_model(base, loaded, quantization, device)
         if dequantize:
-            model = model.dequantize(dtype=dtype)
+            model = model.dequantize(dtype=dtype).to(dtype)  # the unquantised layers too
     with peft_quiet():
         return PeftModel.from_pretrained(model, adapter)
 
