@@ -9,7 +9,7 @@ import torch
 
 from tigon.cli import main
 from tigon.train import tiny
-from tigon.train.config import SFTConfig, resolve
+from tigon.train.config import SFTConfig, SFTError, resolve
 from tigon.train.modeling import QUANT_FILE, add_lora, lora_config, loraplus_optimizer
 from tigon.train.run import training_arguments
 
@@ -51,6 +51,12 @@ def test_dora_and_rslora_build_peft_dora_layers_with_rslora_scaling():
     (layer,) = [m for n, m in model.named_modules() if n.endswith("q_proj")]
     assert "default" in layer.lora_magnitude_vector
     assert layer.scaling["default"] == pytest.approx(6 / 4 ** 0.5)
+
+
+def test_loftq_off_cuda_is_one_line():
+    cfg = resolve(SFTConfig(model="m", quant="nf4", init_lora_weights="loftq"))
+    with pytest.raises(SFTError, match=r"^--init-lora-weights loftq needs a CUDA GPU .* the model is on cpu$"):
+        add_lora(tiny_llama(), cfg)
 
 
 def test_loraplus_puts_b_matrices_at_ratio_times_the_rate(tmp_path):
@@ -132,3 +138,16 @@ def test_gpu_qlora_kernels_train_like_peft_bitsandbytes(tmp_path, quant):
                 if "loss" in r] for d in ("off", "on"))
     assert len(off) == len(on) == 4
     torch.testing.assert_close(torch.tensor(on), torch.tensor(off), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_loftq_starts_from_the_quantisation_error(tmp_path):
+    """--init-lora-weights loftq on an nf4 base: the adapters start non-zero (fitted to W - dequant(W))."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    assert main(["sft", *SHORT[:-1], "--quant", "nf4", "--init-lora-weights", "loftq", "--max-steps", "1",
+                 "--lr", "1e-9", "--output-dir", str(out)]) == 0
+    saved = load_file(out / "final" / "adapter_model.safetensors")
+    b = [v for k, v in saved.items() if "lora_B" in k]
+    assert b and all(v.abs().max() > 1e-4 for v in b)  # PEFT starts B at zero, and --lr 1e-9 moves it ~1e-9

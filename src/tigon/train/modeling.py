@@ -261,6 +261,10 @@ def add_lora(model: torch.nn.Module, cfg: SFTConfig, weights_file: str | None = 
     if cfg.init_lora_weights == "loftq":
         from peft import replace_lora_weights_loftq
 
+        device = next(model.parameters()).device
+        if device.type != "cuda":  # PEFT's LoftQ takes its SVDs on a CUDA device, whatever the model's
+            raise SFTError(f"--init-lora-weights loftq needs a CUDA GPU (PEFT's LoftQ runs there); the model is on "
+                           f"{device.type}")
         try:
             with peft_quiet():
                 replace_lora_weights_loftq(model, model_path=weights_file)
