@@ -131,6 +131,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     parser.add_argument("--work", default="/tmp/qlora-bench")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--prep-only", action="store_true", help="only write the random model under --work")
     args = parser.parse_args()
 
     import tigon
@@ -139,6 +140,8 @@ def main() -> None:
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     sweep = [int(s) for s in args.seq_sweep.split(",") if s]
     path = saved_model(Path(args.work), args.shape, max([args.seq, *sweep]))
+    if args.prep_only:
+        return
     model = load(path, args.quant, dtype, device, args.rank, args.variant, args.checkpointing)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
     vocab = model.config.vocab_size
@@ -164,8 +167,8 @@ def main() -> None:
             run["sweep"] = {n: steps(model, b, 1, dtype, device) for n, b in sweeps.items()}
         except ImportError as err:
             run = {"error": f"not installed: {err}"}
-        except torch.cuda.OutOfMemoryError as err:
-            run.setdefault("error", f"out of memory: {str(err).splitlines()[0]}")
+        except Exception as err:  # one implementation failing (out of memory, a peer's bug) spoils no other's figures
+            run.setdefault("error", f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}")
         finally:
             if impl == "tigon":
                 tigon.unpatch(model)

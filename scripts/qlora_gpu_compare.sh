@@ -8,7 +8,8 @@
 #            Targets: >= 1.8x PEFT DoRA tok/s, peak <= 0.5x.
 #   int8     the 1B shape on an LLM.int8 base, r=16, 4 x 2048 (no target; a check that it runs)
 #   tests    the dequantise / DoRA op tests with compiled kernels, the gpu-marked QLoRA / DoRA tests
-# Usage: bash scripts/qlora_gpu_compare.sh [qlora8b|dora1b|int8|tests ...]   (default: all four)
+# Usage: bash scripts/qlora_gpu_compare.sh [prep|qlora8b|dora1b|int8|tests ...]   (default: all)
+#   prep     only write the random 8B and 1B models to $WORK (the others write theirs when missing)
 # Wheels the machine lacks: bitsandbytes from $BNB_WHEELS (default .whl-bnb), Liger-Kernel (and others)
 # from .whl, installed to /tmp/site. Results: $OUT/qlora-*.json and logs. STEPS sets the timed steps.
 set -uo pipefail
@@ -25,7 +26,7 @@ done
 export PYTHONPATH=src:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TIGON_STRICT=1
 python3 -c "import bitsandbytes" || { echo "bitsandbytes is not importable: carry its wheel in \$BNB_WHEELS"; exit 1; }
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(qlora8b dora1b int8 tests)
+[ ${#stages[@]} -eq 0 ] && stages=(prep qlora8b dora1b int8 tests)
 bench() {  # name, timeout, then qlora_bench.py arguments
   local name=$1 limit=$2
   shift 2
@@ -36,6 +37,9 @@ bench() {  # name, timeout, then qlora_bench.py arguments
 }
 for stage in "${stages[@]}"; do
   case "$stage" in
+    prep)    for shape in 8b 1b; do  # the random models alone (an 8B one takes minutes to write)
+               python3 scripts/qlora_bench.py --prep-only --shape $shape --seq-sweep "$SWEEP" --work "$WORK" --out /dev/null
+             done; ls "$WORK" ;;
     qlora8b) bench qlora8b 580 --shape 8b --quant nf4 --checkpointing --batch 4 --seq 2048 --seq-sweep "$SWEEP" ;;
     dora1b)  bench dora1b 580 --shape 1b --variant dora --batch 4 --seq 2048 --seq-sweep "$SWEEP" ;;
     int8)    bench int8 300 --shape 1b --quant int8 --batch 4 --seq 2048 ;;
@@ -45,6 +49,6 @@ for stage in "${stages[@]}"; do
              timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/train/test_qlora.py \
                tests/patch/test_lora_quantized.py >> "$OUT/qlora-gpu-tests.txt" 2>&1
              grep -E "passed|failed|error" "$OUT/qlora-gpu-tests.txt" | tail -6 ;;
-    *) echo "unknown stage $stage: choose from qlora8b dora1b int8 tests"; exit 2 ;;
+    *) echo "unknown stage $stage: choose from prep qlora8b dora1b int8 tests"; exit 2 ;;
   esac
 done
