@@ -177,12 +177,13 @@ def _add_train_commands(sub: argparse._SubParsersAction) -> None:
     rlhf.add_argument("--debug", **debug)
     rlhf.set_defaults(run=_cmd_rlhf)
 
-    merge = sub.add_parser("merge", help="fold a LoRA adapter into its base model (the same as tigon export ADAPTER --to merged)")
+    merge = sub.add_parser("merge", help="fold a LoRA adapter into its base model (the same as tigon export ADAPTER --to merged); "
+                           "a QLoRA adapter into its dequantised base")
     merge.add_argument("adapter", help="adapter directory (e.g. tigon-out/final)")
     merge.add_argument("--output", required=True, metavar="DIR", help="where to write the merged model")
     merge.add_argument("--base", metavar="MODEL", help="base model (default: the one the adapter names)")
     merge.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
-                       help="stored dtype (auto: the base model's)")
+                       help="stored dtype (auto: the base model's; bf16 for a QLoRA adapter)")
     merge.add_argument("--debug", **debug)
     merge.set_defaults(run=_cmd_merge)
 

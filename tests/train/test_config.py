@@ -60,6 +60,7 @@ def test_defaults_depend_on_builtin_or_real_model():
     builtin = resolve(SFTConfig())
     real = resolve(SFTConfig(model="m"))
     assert (builtin.tuner, real.tuner) == ("full", "lora")
+    assert resolve(SFTConfig(quant="nf4")).tuner == "lora"  # a quantised built-in model is QLoRA-tuned
     assert builtin.max_length < real.max_length and builtin.lr > real.lr
     assert resolve(SFTConfig(model="m", tuner="full")).lr < real.lr
     assert real.lora_alpha == 2 * real.lora_rank
@@ -81,6 +82,15 @@ def test_defaults_depend_on_builtin_or_real_model():
     ({"eval_split": 1.5}, set(), r"--eval-split must be in \[0, 1\)"),
     ({"save_limit": 0}, set(), "--save-limit must be >= 1"),
     ({"warmup": -1.0}, set(), "--warmup must be >= 0"),
+    ({"tuner": "full", "quant": "nf4"}, {"tuner", "quant"}, "--quant nf4 with --tuner full: quantised weights cannot"),
+    ({"tuner": "full", "lora_variant": "dora"}, {"tuner", "lora_variant"}, "--lora-variant: only for --tuner lora"),
+    ({"loraplus_lr_ratio": 0.0}, set(), "--loraplus-lr-ratio must be > 0"),
+    ({"neftune_alpha": -5.0}, set(), "--neftune-alpha must be > 0"),
+    ({"init_lora_weights": "pissa", "quant": "nf4"}, set(), "--init-lora-weights pissa rewrites the base weights"),
+    ({"init_lora_weights": "loftq"}, set(), "--init-lora-weights loftq .* add --quant nf4"),
+    ({"init_lora_weights": "loftq", "quant": "int8"}, set(), "--init-lora-weights loftq .* add --quant nf4"),
+    ({"init_lora_weights": "loftq", "quant": "nf4", "lora_variant": "dora"}, set(),
+     "--init-lora-weights loftq with --lora-variant dora"),
 ])
 def test_incompatible_or_bad_settings(changes, given, message):
     with pytest.raises(SFTError, match=message):
@@ -137,3 +147,13 @@ def test_cuda_graphs_option_turns_on_torch_compiles_graph_mode(tmp_path):
     parser = argparse.ArgumentParser()
     add_sft_arguments(parser, RLHFConfig)  # tigon rlhf does not take it (yet): no silent no-op option
     assert "--cuda-graphs" not in parser.format_help()
+
+
+def test_quant_without_bitsandbytes_names_the_pip_install(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else find_spec(name, *a))
+    with pytest.raises(SFTError, match=r"^--quant int8: bitsandbytes is not installed \(pip install bitsandbytes\)$"):
+        resolve(SFTConfig(model="m", quant="int8"))
+    assert resolve(SFTConfig(model="m")).quant is None

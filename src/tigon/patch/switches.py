@@ -51,8 +51,9 @@ TABLE: tuple[Switch, ...] = (
            ("linear_cross_entropy",)),
     Switch("cross_entropy", False, "the loss from materialised logits (exclusive with linear_cross_entropy)",
            ("cross_entropy",)),
-    Switch("lora", True, "PEFT LoRA linears, gated MLPs and q/k/v groups on the fused LoRA ops",
-           ("lora_linear", "lora_linear_group", "lora_gated_mlp")),
+    Switch("lora", True, "PEFT LoRA linears (DoRA, 4-/8-bit bases too), gated MLPs and q/k/v groups on the fused LoRA ops",
+           ("lora_linear", "lora_linear_group", "lora_gated_mlp", "dequantize", "dora_norm", "dora_scale",
+            "dora_scale_backward")),
     Switch("offload_activations", False, "under gradient checkpointing, the checkpointed hidden states in host memory"),
     Switch("tiled_mlp", False, "the MLP over chunks of tokens: its intermediates never exist whole"),
 )
