@@ -910,9 +910,16 @@ def _forward_fake(hidden, top_k_index, top_k_weights, w1, w2, b1, b2, a1, l1, a2
 def _forward_op(hidden, top_k_index, top_k_weights, w1, w2, b1, b2, a1, l1, a2, l2, *config):
     """(out, gu, xa, ha, order, token, pos, offsets, ends32, tile_expert, tile_row), empty where
     absent; the adapters in hidden's dtype, dense."""
-    out, gu, xa, ha, routing = _forward(hidden, top_k_index, top_k_weights, w1, w2, b1, b2, a1, l1, a2, l2,
-                                        _config_of(*config))
+    config = _config_of(*config)
+    w1, w2 = _op_weights(config, w1, w2)
+    out, gu, xa, ha, routing = _forward(hidden, top_k_index, top_k_weights, w1, w2, b1, b2, a1, l1, a2, l2, config)
     return tuple(hidden.new_empty(0) if t is None else t for t in (out, gu, xa, ha, *routing[2:-1]))
+
+
+def _op_weights(config: _Config, w1: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The expert weights a library op's GEMMs take: torch's grouped GEMM was chosen while tracing,
+    blind to their addresses (:func:`_misaligned`), so a misaligned one is copied here."""
+    return (_aligned(w1), _aligned(w2)) if _GEMMS[config.gemm].torch_gemm else (w1, w2)
 
 
 # The gradients the backward op returns: of hidden, top_k_weights and the weights, in input order.
@@ -944,6 +951,7 @@ def _backward_op(grad_out, hidden, top_k_index, top_k_weights, w1, w2, b1, b2, a
                  order, token, pos, offsets, ends32, tile_expert, tile_row, *config_and_needs):
     *config, needs = config_and_needs
     config = _config_of(*config)
+    w1, w2 = _op_weights(config, w1, w2)
     block_m = _routing_block_m(config.gemm, hidden.device)
     routing = _Routing(top_k_index.reshape(-1), top_k_weights.reshape(-1), order, token, pos, offsets, ends32,
                        tile_expert, tile_row, block_m or 0)
@@ -1082,9 +1090,24 @@ def _torch_gemm_reason(hidden: torch.Tensor, widths, weights) -> str | None:
     per_16_bytes = 16 // hidden.element_size()
     if any(width % per_16_bytes for width in widths):
         return f"hidden, intermediate and LoRA widths {sorted(set(widths))} must be multiples of {per_16_bytes}"
-    if any(w.data_ptr() % 16 or any(s != 1 and s % per_16_bytes for s in w.stride()) for w in weights):
+    if any(_misaligned(w) or any(s != 1 and s % per_16_bytes for s in w.stride()) for w in weights):
         return "an expert weight's address or strides are not multiples of 16 bytes"
     return None
+
+
+def _misaligned(t: torch.Tensor) -> bool:
+    """Whether `t`'s first element is not 16-byte aligned, as far as can be told now. Dynamo can
+    trace neither data_ptr() nor storage_offset(): inside torch.compile the weights are taken as
+    aligned (parameters are), and the library ops copy one that is not (:func:`_aligned`)."""
+    return not torch.compiler.is_compiling() and t.data_ptr() % 16 != 0
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy of it at a fresh (aligned) address, in its layout where it is dense: what
+    torch's grouped GEMM can take when the choice of it was made while tracing."""
+    if t.data_ptr() % 16 == 0:
+        return t
+    return torch.empty_like(t, memory_format=torch.preserve_format).copy_(t)
 
 
 def _pick_gemm(gemm: str, hidden: torch.Tensor, widths, weights) -> str:
@@ -1139,8 +1162,9 @@ def moe_experts(
             expert e is ``scaling · lora_b[e] @ lora_a[e]`` in the weight's layout. Adapters may
             have another float dtype (gradients come back in it).
         gemm: ``"auto"``, ``"triton"``, ``"grouped_mm"`` or ``"hybrid"`` (see the module
-            docstring); ``"grouped_mm"``/``"hybrid"`` need widths that are multiples of 16 bytes
-            (and bfloat16 on a GPU).
+            docstring); ``"grouped_mm"``/``"hybrid"`` need widths that are multiples of 16 bytes,
+            16-byte aligned weights (bfloat16 on a GPU). Inside torch.compile, which cannot trace an
+            address, a misaligned weight is copied for them instead of refused.
 
     Weights, biases and hidden share a dtype unless autocast is on (then all are computed in the
     autocast dtype, as ``F.linear`` would). Weights that do not require grad get no
