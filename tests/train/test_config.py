@@ -105,3 +105,35 @@ def test_tracker_that_is_not_installed_names_the_pip_install(monkeypatch):
     with pytest.raises(SFTError, match=message):
         resolve(SFTConfig(report_to="wandb"))
     assert resolve(SFTConfig(report_to="none")).report_to == "none"
+
+
+def test_cuda_graphs_is_refused_where_steps_cannot_be_captured(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SFTError, match="^--cuda-graphs needs a CUDA GPU and none is visible"):
+        resolve(SFTConfig(cuda_graphs=True))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SFTError, match="^--cuda-graphs runs on one GPU, one process"):
+        resolve(SFTConfig(cuda_graphs=True))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(SFTError, match="^--cuda-graphs cannot capture --offload-activations"):
+        resolve(SFTConfig(cuda_graphs=True, gradient_checkpointing=True, offload_activations=True))
+    assert resolve(SFTConfig(cuda_graphs=True, packing=True)).cuda_graphs
+
+
+def test_cuda_graphs_option_turns_on_torch_compiles_graph_mode(tmp_path):
+    import torch
+
+    from tigon.train.config import RLHFConfig
+    from tigon.train.run import training_arguments
+
+    cfg, given = parse(["--cuda-graphs", "--packing", "--output-dir", str(tmp_path)])
+    assert cfg.cuda_graphs and "cuda_graphs" in given
+    args = training_arguments(cfg, torch.float32, False)
+    assert args.torch_compile and args.torch_compile_mode == "reduce-overhead"
+    assert not training_arguments(SFTConfig(output_dir=str(tmp_path)), torch.float32, False).torch_compile
+    parser = argparse.ArgumentParser()
+    add_sft_arguments(parser, RLHFConfig)  # tigon rlhf does not take it (yet): no silent no-op option
+    assert "--cuda-graphs" not in parser.format_help()

@@ -14,11 +14,12 @@ import torch
 
 from tigon.ops._checks import KERNEL_DTYPES, check_eps, check_float, check_vector, rows_view
 from tigon.ops._dispatch import Op, backward_fallback, empty_if, library_op, tl, triton
-from tigon.ops._launch import cdiv, persistent_programs, row_block_config
+from tigon.ops._launch import cdiv, launched, persistent_programs, row_block_config
 
 MAX_KERNEL_COLS = 65536  # a whole row lives in registers; wider rows run the reference
 
 
+@launched
 @triton.jit
 def _layer_norm_fwd_kernel(
     x_ptr, weight_ptr, bias_ptr, out_ptr, mean_ptr, rstd_ptr,
@@ -52,6 +53,7 @@ def _layer_norm_fwd_kernel(
     tl.store(out_ptr + rows[:, None] * out_row_stride + cols[None, :], out, mask=mask)
 
 
+@launched
 @triton.jit
 def _layer_norm_bwd_kernel(
     grad_out_ptr, x_ptr, weight_ptr, mean_ptr, rstd_ptr, grad_x_ptr,

@@ -56,7 +56,7 @@ import torch.nn.functional as torch_f
 
 from tigon.ops._checks import KERNEL_DTYPES, check_choice, check_device, check_float
 from tigon.ops._dispatch import Op, autocast_dtype, backward_fallback, empty_if, library_op, tl, triton
-from tigon.ops._launch import cdiv, next_power_of_2, row_block_config
+from tigon.ops._launch import cdiv, launched, next_power_of_2, row_block_config
 from tigon.ops.glu import ACTIVATIONS, _activation, _activation_grad, _activation_reference
 
 GEMMS = ("auto", "triton", "grouped_mm", "hybrid")
@@ -124,6 +124,7 @@ def _gate_columns(cols, inter, INTERLEAVED: tl.constexpr):
     return first, second
 
 
+@launched
 @triton.jit
 def _gmm_rows_kernel(
     a_ptr, a_rows_ptr, b_ptr, a2_ptr, b2_ptr, out_ptr, gu_ptr, bias_ptr,
@@ -235,6 +236,7 @@ def _gmm_rows_kernel(
             tl.store(partial_ptr + pid_n.to(tl.int64) * n_rows + rows, tl.sum(tl.where(mask, acc * h, 0.0), axis=1), mask=row_mask)
 
 
+@launched
 @triton.jit
 def _gmm_weights_kernel(
     a_ptr, a_rows_ptr, b_ptr, b_rows_ptr, out_ptr, offsets_ptr,
@@ -276,6 +278,7 @@ def _gmm_weights_kernel(
              (acc * scale).to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@launched
 @triton.jit
 def _gate_fwd_kernel(
     gu_ptr, h_ptr, bias_ptr, experts_ptr, offsets_ptr,
@@ -305,6 +308,7 @@ def _gate_fwd_kernel(
     tl.store(h_ptr + rows[:, None] * stride_h + cols[None, :], h, mask=mask)
 
 
+@launched
 @triton.jit
 def _gate_bwd_kernel(
     g_ptr, gu_ptr, weights_ptr, order_ptr, offsets_ptr, partial_ptr,
@@ -337,6 +341,7 @@ def _gate_bwd_kernel(
     tl.store(partial_ptr + rows, tl.sum(total, axis=1), mask=row_mask)
 
 
+@launched
 @triton.jit
 def _combine_kernel(
     src_ptr, pos_ptr, index_ptr, weights_ptr, bias_ptr, out_ptr,
@@ -364,6 +369,7 @@ def _combine_kernel(
     tl.store(out_ptr + tokens[:, None] * stride_out + cols[None, :], acc, mask=mask)
 
 
+@launched
 @triton.jit
 def _segment_sum_kernel(
     src_ptr, rows_ptr, weights_ptr, order_ptr, offsets_ptr, out_ptr,

@@ -25,12 +25,13 @@ import torch
 
 from tigon.ops._checks import KERNEL_DTYPES, check_choice, check_eps, check_float, check_vector, rows_view
 from tigon.ops._dispatch import Op, backward_fallback, empty_if, library_op, tl, triton
-from tigon.ops._launch import cdiv, persistent_programs, row_block_config
+from tigon.ops._launch import cdiv, launched, persistent_programs, row_block_config
 
 CASTINGS = ("llama", "gemma", "none")
 MAX_KERNEL_COLS = 65536  # a whole row lives in registers; wider rows run the reference
 
 
+@launched
 @triton.jit
 def _rms_norm_fwd_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, rstd_ptr,
@@ -71,6 +72,7 @@ def _rms_norm_fwd_kernel(
     tl.store(out_ptr + rows[:, None] * out_row_stride + cols[None, :], out, mask=mask)
 
 
+@launched
 @triton.jit
 def _rms_norm_bwd_kernel(
     grad_out_ptr, grad_sum_ptr, x_ptr, weight_ptr, rstd_ptr, grad_x_ptr, grad_weight_partial_ptr,

@@ -105,6 +105,10 @@ class SFTConfig:
     logging_steps: int = _opt(1, "log loss/lr/speed every N steps (each log waits for the GPU to catch up)")
     samples: int = _opt(3, "prompts from the data answered before and after training (0: none)")
     max_new_tokens: int = _opt(48, "length of those sample answers")
+    cuda_graphs: bool = _opt(False, "capture each step's forward and backward as CUDA graphs (torch.compile, "
+                             "mode reduce-overhead) and replay them, so a small batch does not leave the GPU "
+                             "waiting for Python; every batch is padded to --max-length (one shape); needs a "
+                             "CUDA GPU")
     report_to: str = _opt("none", "experiment tracking through the Trainer's integration (tensorboard: event files "
                           "in OUTPUT_DIR/runs)", choices=["none", *TRACKERS])
 
@@ -243,6 +247,22 @@ def config_from_args(args: argparse.Namespace, cls: type[SFTConfig] = SFTConfig)
     return cls(**settings), set(settings)
 
 
+def check_cuda_graphs(cfg: SFTConfig) -> None:
+    """Refuse, in one line, a --cuda-graphs run whose steps cannot be captured."""
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SFTError("--cuda-graphs needs a CUDA GPU and none is visible: train without --cuda-graphs")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise SFTError("--cuda-graphs runs on one GPU, one process: launch without torchrun/accelerate (several "
+                       "processes)")
+    if cfg.offload_activations:
+        raise SFTError("--cuda-graphs cannot capture --offload-activations (its copies to host memory wait on "
+                       "the host): give one or the other")
+
+
 def resolve(cfg: SFTConfig, given: set[str] = frozenset()) -> SFTConfig:
     """Fill the run-dependent defaults and reject bad or incompatible settings, one line each."""
     builtin = cfg.model is None
@@ -292,6 +312,8 @@ def resolve(cfg: SFTConfig, given: set[str] = frozenset()) -> SFTConfig:
     if memory and not cfg.kernels:
         raise SFTError(f"{', '.join(memory)}: applied by tigon.patch, which --no-kernels turns off "
                        "(leave out single kernels with --kernels-off)")
+    if cfg.cuda_graphs:
+        check_cuda_graphs(cfg)
     if cfg.kernels_off and not cfg.kernels:
         raise SFTError("--kernels-off has no effect with --no-kernels: give one or the other")
     package = TRACKERS.get(cfg.report_to)
@@ -321,7 +343,7 @@ class RLHFConfig(SFTConfig):
     """Every `tigon rlhf` setting: sft's (less --packing), with preference training's defaults, and
     the method with its constants. ``None`` means "the default for this run and method"."""
 
-    LEFT_OUT: ClassVar[tuple[str, ...]] = ("packing",)
+    LEFT_OUT: ClassVar[tuple[str, ...]] = ("packing", "cuda_graphs")
 
     dataset: list[str] | None = _opt(
         None, "preference files (.jsonl .json .csv .parquet): prompt/chosen/rejected, messages + rejected_response "

@@ -240,6 +240,9 @@ def training_arguments(cfg: SFTConfig, dtype: torch.dtype, has_eval: bool, cls: 
         remove_unused_columns=False,
         report_to=cfg.report_to,
         disable_tqdm=True,  # tigon's Reporter draws the bar
+        # --cuda-graphs: torch.compile's CUDA-graph mode records the forward and the backward per
+        # input shape (tigon's kernels are custom ops there, so the graphs keep them) and replays them.
+        **({"torch_compile": True, "torch_compile_mode": "reduce-overhead"} if getattr(cfg, "cuda_graphs", False) else {}),
         **extra,
     )
     # One process counts its tokens on the host (TigonTrainer); several need the Trainer's
@@ -543,11 +546,17 @@ def _run(cfg: SFTConfig) -> Path:
     eval_data = sft_rows(tokenizer, eval_samples, cfg, "evaluation data") if eval_samples else None
     log.info("tokens: %d training rows%s, %d tokens, max length %d", len(train_data),
              " (packed)" if cfg.packing else "", train_data.num_tokens(), cfg.max_length)
+    if cfg.cuda_graphs:
+        fill = train_data.num_tokens() / (len(train_data) * cfg.max_length)
+        log.info("--cuda-graphs: every batch padded to %d tokens a row (one shape; a last, smaller batch of an "
+                 "epoch is a second one); rows are %.0f%% full%s", cfg.max_length, 100 * fill,
+                 "" if cfg.packing or fill > 0.8 else ": --packing would fill them")
 
     def trainer(built: Built, args: Any) -> TigonTrainer:
         return TigonTrainer(model=built.model, args=args, train_dataset=train_data, eval_dataset=eval_data,
-                            data_collator=Collator(tokenizer.pad_token_id), processing_class=tokenizer,
-                            save_limit=cfg.save_limit)
+                            data_collator=Collator(tokenizer.pad_token_id, cfg.max_length if cfg.cuda_graphs else None),
+                            processing_class=tokenizer, save_limit=cfg.save_limit,
+                            cuda_graphs=cfg.cuda_graphs)
 
     job = Job("sft", train_data, train_data.num_tokens(), len(train_data),
               arguments=lambda dtype: training_arguments(cfg, dtype, eval_data is not None), trainer=trainer,
