@@ -13,10 +13,14 @@ import types
 import pytest
 
 import tigon.ops
+from tigon.ops._launch import PreboundKernel
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
+# What wraps a kernel's Python function: Triton's JITFunction / InterpretedFunction (and any
+# autotuner or heuristics around them), and tigon's launcher for compiled kernels (@launched).
+WRAPPERS = (triton.runtime.KernelInterface, PreboundKernel)
 # The builtins triton.compiler.code_generator resolves (CodeGenerator.builtin_namespace); any
 # other Python builtin is a NameError in compiled code.
 TRITON_BUILTINS = {"len", "list", "range", "float", "int", "isinstance", "getattr", "hasattr", "print", "min", "max"}
@@ -29,7 +33,7 @@ def _jit_functions():
         module = importlib.import_module(info.name)
         for name, obj in vars(module).items():
             fn = obj
-            while isinstance(fn, triton.runtime.KernelInterface):  # JITFunction, InterpretedFunction
+            while isinstance(fn, WRAPPERS):
                 fn = fn.fn
             if fn is not obj and getattr(fn, "__module__", None) == module.__name__:
                 found.append((f"{module.__name__}.{name}", fn))
@@ -45,7 +49,8 @@ def _global_names(fn) -> set[str]:
 
 def _allowed(fn, name: str) -> bool:
     """Whether compiled code may read the global `name` of `fn`: the rule of Triton's code
-    generator (CodeGenerator's global lookup), less the opt-out environment variable."""
+    generator (CodeGenerator's global lookup), less the opt-out environment variable. A kernel
+    wrapped by @launched is no JITFunction there: only the host may launch one."""
     if name not in fn.__globals__:
         return name in TRITON_BUILTINS
     value = fn.__globals__[name]
