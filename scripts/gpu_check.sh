@@ -2,16 +2,17 @@
 # One device-machine call: gpu-marked tests, op benchmarks at the TARGETS.md shapes, the linear-CE
 # chunk-budget sweep and the end-to-end benchmark. Everything lands in $OUT/results.tar.gz (the
 # device tool returns at most 8 files) plus the text logs.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|ops|norms|rope|sweep|e2e|small|host|sft|profile|headstart|maxctx ...]
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|moetests|ops|norms|rope|sweep|e2e|small|host|sft|profile|headstart|maxctx ...]
 # (host: per-call host time of the small ops; small: the host-bound 1x1024 e2e with CUDA-graph replay)
 # GPU_TESTS narrows the tests stage (pytest arguments); E2E_TIMEOUT bounds the e2e stage; MC_ARGS
 # are the maxctx stage's arguments to tigon.bench.max_context (its results merge into those already
 # recorded in docs/bench/max_context.json); PROFILE_ARGS are scripts/profile_e2e.py's; BENCH_OPS narrows
 # the ops stage to those op cases. Wheels carried in .whl/ (the device tool's way to bring packages
-# the machine lacks: trl, liger-kernel, ...) are installed to /tmp/site first.
+# the machine lacks: trl, liger-kernel, ...) are installed to /tmp/site first, with those of the
+# other .whl* folders carried (.whl-bnb: bitsandbytes). GPU_WORKERS runs the tests on that many xdist workers.
 set -uo pipefail
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+if compgen -G ".whl*/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl*/*.whl || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TIGON_STRICT=1
@@ -25,8 +26,14 @@ python3 -m tigon.cli env >> "$RES/env.txt" 2>&1
 for stage in "${stages[@]}"; do
   start=$(date +%s)
   case "$stage" in
-    tests) timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests} > "$RES/gpu_tests.txt" 2>&1
+    tests) timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_WORKERS:+-n $GPU_WORKERS} \
+             ${GPU_TESTS:-tests} > "$RES/gpu_tests.txt" 2>&1
            tail -25 "$RES/gpu_tests.txt" ;;
+    # Run apart from the rest: a device-side assert leaves its process's CUDA context unusable.
+    moetests) timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_moe.py \
+             tests/nn/test_moe.py > "$RES/gpu_moe_tests.txt" 2>&1
+           timeout 120 python3 -m pytest -q -p no:cacheprovider tests/ops/test_kernel_globals.py >> "$RES/gpu_moe_tests.txt" 2>&1
+           tail -15 "$RES/gpu_moe_tests.txt" ;;
     ops)   timeout ${OPS_TIMEOUT:-420} python3 -m tigon.cli bench --headline ${BENCH_OPS:+--ops $BENCH_OPS} --out "$RES/ops" > "$RES/ops.txt" 2>&1
            grep -A60 "^op " "$RES/ops.txt" | tail -45 ;;
     norms) timeout 420 python3 -m tigon.cli bench --ops rms_norm add_rms_norm layer_norm \
