@@ -83,7 +83,7 @@ def unsupported_reason(module: torch.nn.Module) -> str | None:
         return f"{name} is not a transformers experts module with 3-D gate_up_proj / down_proj weights"
     if not module.has_gate:
         return f"{name} has no gate (has_gate=False)"
-    if module.has_post_expert_norm:
+    if getattr(module, "has_post_expert_norm", False):  # (transformers < 5.2x has no such option)
         return f"{name} normalises each expert's output (has_post_expert_norm=True)"
     options = _gate_options(module)
     return options if isinstance(options, str) else None
