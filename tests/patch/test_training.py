@@ -9,7 +9,7 @@ import torch
 
 import tigon
 from tests.patch.test_patch import assert_same_run, run
-from tests.patch.tiny import batch, tiny_config, tiny_model
+from tests.patch.tiny import batch, family_params, tiny_config, tiny_model
 from tigon.patch import FAMILIES
 
 
@@ -145,7 +145,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+@pytest.mark.parametrize("model_type", family_params())
 def test_bf16_on_gpu_no_less_accurate_than_hf(model_type, device):
     """In bf16 neither side is exact: both are held against the same model in fp32, and tigon's
     error in the loss and every gradient must stay within twice HF's own bf16 error (+ slack)."""

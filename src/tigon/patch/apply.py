@@ -30,7 +30,7 @@ import torch
 
 from tigon.patch import forwards, handoff, offload, tiled
 from tigon.patch import lora as peft_lora
-from tigon.patch.families import FAMILIES, Family
+from tigon.patch.families import FAMILIES, Family, modeling_module
 from tigon.patch.modules import forward_attr
 from tigon.patch.switches import check_switch_names
 
@@ -156,7 +156,17 @@ def _family(model_type: str) -> tuple[Family, types.ModuleType]:
             f"tigon.patch does not support model_type {model_type!r}; supported: "
             f"{', '.join(sorted(FAMILIES))}"
         )
-    module = importlib.import_module(f"transformers.models.{family.module}.modeling_{family.module}")
+    try:
+        module = importlib.import_module(modeling_module(family))
+    except ModuleNotFoundError as err:
+        if not err.name or not modeling_module(family).startswith(err.name):
+            raise
+        import transformers
+
+        raise ValueError(
+            f"tigon.patch: model_type {model_type!r} needs {modeling_module(family)}, which transformers "
+            f"{transformers.__version__} does not have; nothing was patched"
+        ) from None
     return family, module
 
 
@@ -185,15 +195,25 @@ def _plan(
         return getattr(module, name, None)
 
     plan: list[_Replacement] = []
-    norm = family.norm
-    if switches[norm.switch] and norm.kind == "rms":
-        plan.append(_Replacement("rms_norm", find(norm.cls), "forward", forwards.rms_norm_forward(norm)))
-    elif switches[norm.switch]:
-        layer_norm = forwards.layer_norm_forward(_original(torch.nn.LayerNorm, "forward"))
-        plan.append(_Replacement("layer_norm", torch.nn.LayerNorm, "forward", layer_norm, foreign=True))
-    if switches["rope"] and find(family.rope.function) is not None:
-        original = _original(module, family.rope.function)
-        plan.append(_Replacement("rope", module, family.rope.function, forwards.rope_function(family.rope, original)))
+    for norm in family.norms:
+        if not switches[norm.switch]:
+            continue
+        if norm.in_torch:
+            layer_norm = forwards.layer_norm_forward(norm, _original(torch.nn.LayerNorm, "forward"))
+            plan.append(_Replacement("layer_norm", torch.nn.LayerNorm, "forward", layer_norm, foreign=True))
+            continue
+        cls = find(norm.cls)
+        if cls is None:
+            continue
+        if norm.kind == "rms":
+            forward = forwards.rms_norm_forward(norm)
+        else:
+            forward = forwards.layer_norm_forward(norm, _original(cls, "forward"))
+        plan.append(_Replacement(norm.switch, cls, "forward", forward))
+    for rope in family.ropes if switches["rope"] else ():
+        if find(rope.function) is not None:
+            original = _original(module, rope.function)
+            plan.append(_Replacement("rope", module, rope.function, forwards.rope_function(rope, original)))
     lora_forward = peft_lora.linear_forward(_original(lora_linear, "forward")) if lora_linear is not None else None
     mlp = family.mlp
     mlp_cls = find(mlp.cls) if mlp is not None else None
@@ -221,7 +241,7 @@ def _plan(
         # tigon's own forward (not under tiled_mlp, which wraps it).
         joins_mlp = glu_ops and not switches["tiled_mlp"]
         fused = forwards.decoder_layer_forward(
-            family.layer, norm, _original(layer, "forward"),
+            family.layer, family.norm, _original(layer, "forward"),
             mlp if joins_mlp else None, patched_mlp if joins_mlp else None,
         )
         plan.append(_Replacement("add_rms_norm", layer, "forward", fused))
@@ -247,11 +267,13 @@ def _plan(
 
 
 def _lora_mlp(family: Family, switches: dict[str, bool]) -> bool:
-    """Whether the family's MLP gets the fused LoRA path: a gated one of three projections, not
-    under tiled_mlp (a fused LoRA MLP would replace the tiled forward: the chunks run the LoRA
+    """Whether the family's MLP gets the fused LoRA path: a gated one of three projections without
+    multipliers, not under tiled_mlp (a fused LoRA MLP would replace the tiled forward: the chunks run the LoRA
     linears' kernels instead)."""
     mlp = family.mlp
-    return mlp is not None and mlp.gated and not mlp.packed and not switches["tiled_mlp"]
+    return (
+        mlp is not None and mlp.gated and not mlp.packed and mlp.multipliers is None and not switches["tiled_mlp"]
+    )
 
 
 def _switches(kwargs: dict[str, bool]) -> dict[str, bool]:
@@ -351,15 +373,16 @@ def _link_next_norms(
     patched it to take what the layer leaves), so its closing residual add fuses with it; returns
     the layers told (:data:`handoff.NEXT_NORM`)."""
     layer_cls, norm_cls = getattr(module, family.layer.cls), getattr(module, family.norm.cls)
+    input_norm = family.layer.norms[0]
     linked = []
     for sub in model.modules():
         layers = getattr(sub, "layers", None)
         if not isinstance(layers, torch.nn.ModuleList) or not layers:
             continue
-        if not all(isinstance(layer, layer_cls) and isinstance(layer.input_layernorm, norm_cls) for layer in layers):
+        if not all(isinstance(layer, layer_cls) and isinstance(getattr(layer, input_norm), norm_cls) for layer in layers):
             continue
         final = getattr(sub, "norm", None)
-        nexts = [layer.input_layernorm for layer in layers[1:]]
+        nexts = [getattr(layer, input_norm) for layer in layers[1:]]
         nexts.append(final if final_norm and isinstance(final, norm_cls) else None)
         for layer, next_norm in zip(layers, nexts):
             if next_norm is not None:
