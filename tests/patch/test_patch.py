@@ -11,6 +11,7 @@ import torch
 
 import tigon
 from tests.helpers import assert_close, saved_activation_bytes
+from tigon.patch import handoff
 from tests.patch.tiny import batch, family_params, tiny_model
 from tigon.patch import FAMILIES
 from tigon.patch.families import Family, Norm, modeling_module
@@ -93,6 +94,9 @@ def test_instance_patch_matches_hf(model_type, monkeypatch, device):
     assert result.layers == 2
     got = run(patched)
     assert got[1] is None, "training with labels must not materialise the logits"
+    if family.layer.fuse:  # each layer's closing add runs with the norm after it
+        layers = [m for m in patched.modules() if type(m).__name__ == family.layer.cls]
+        assert all(handoff.NEXT_NORM.get(layer) is not None for layer in layers)
     # (Hybrid models hold their attention in some layers only.)
     attentions = sum(type(m).__name__ == family.attention.cls for m in patched.modules()) if family.attention else 0
     assert len(groups) == attentions
@@ -135,27 +139,40 @@ def test_class_patch_matches_hf_and_unpatch_restores(model_type):
     assert changed(before, snapshot(module)) == []
 
 
+def build_norm(cls: type, norm: Norm, width: int) -> torch.nn.Module:
+    """A norm module of `cls`, `width` wide, with random parameters."""
+    module = cls(*((width,) if norm.weight or norm.kind == "layer" else ()),
+                 **({} if isinstance(norm.eps, float) else {"eps": 1e-5}))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen))
+    return module
+
+
 # The interpreter rounds bf16 differently from the GPU, so bf16 runs on the GPU only.
 @pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("model_type", family_params(t for t, f in FAMILIES.items() if f.norm.kind == "rms"))
+@pytest.mark.parametrize("model_type", family_params(
+    t for t, f in FAMILIES.items() if any(not norm.in_torch for norm in f.norms)
+))
 def test_norm_rounding_matches_hf_in_low_precision(model_type, dtype, device):
     """fp32 models cannot tell the families' rounding orders apart; 16-bit inputs can: with the
     right one almost every element is bit-identical to HF's module, with a wrong one many are not."""
     family = FAMILIES[model_type]
-    cls = getattr(modeling(family), family.norm.cls)
     gen = torch.Generator().manual_seed(1)
-    for weight_dtype in (dtype, torch.float32):
-        norm = cls(96, eps=1e-5).to(device, weight_dtype)
-        with torch.no_grad():
-            norm.weight.copy_(torch.randn(96, generator=gen))
-        x = (torch.randn(64, 96, generator=gen) * 3).to(device, dtype)
-        want = norm(x)
-        tigon.patch(model_type, add_rms_norm=False)
-        got = norm(x)
-        tigon.unpatch(model_type)
-        assert got.dtype == want.dtype
-        mismatched = (got != want).float().mean().item()
-        assert mismatched < 0.02, f"{mismatched:.1%} of elements differ from HF's {cls.__name__}"
+    for norm in (norm for norm in family.norms if not norm.in_torch):
+        cls = getattr(modeling(family), norm.cls)
+        # (A subclass of torch's LayerNorm takes no weight of another dtype than its input.)
+        for weight_dtype in (dtype,) if norm.casting == "torch" else (dtype, torch.float32):
+            module = build_norm(cls, norm, 96).to(device, weight_dtype)
+            x = (torch.randn(64, 96, generator=gen) * 3).to(device, dtype)
+            want = module(x)
+            tigon.patch(model_type, add_rms_norm=False)
+            got = module(x)
+            tigon.unpatch(model_type)
+            assert got.dtype == want.dtype
+            mismatched = (got != want).float().mean().item()
+            assert mismatched < 0.02, f"{mismatched:.1%} of elements differ from HF's {cls.__name__}"
 
 
 def test_instance_unpatch_restores_hf_forwards():
@@ -274,8 +291,6 @@ def test_fused_layer_mlp_keeps_the_residual_sum_not_the_normed_input(model_type,
     """The MLP after the fused add + RMSNorm saves the sum the norm keeps anyway, not its normed
     output: one tokens x hidden tensor less per layer, and the same loss and gradients. So it does
     as one op with the add + RMSNorm, and as a module of its own (an MLP with a hook)."""
-    from tigon.patch import handoff
-
     model = tiny_model(model_type)
     ids, mask, labels = batch(seed=3)
     tigon.patch(model)
@@ -316,8 +331,6 @@ def test_residual_add_fuses_with_the_next_layers_norm(model_type, monkeypatch):
     layer's input norm (and Gemma 2's sublayer-output norms), and loss, logits and gradients are
     those of the unpatched model."""
     from tigon import functional
-    from tigon.patch import handoff
-
     model = tiny_model(model_type)
     want = run(model)
     calls = {"add_rms_norm": 0, "add_rms_norm_glu_mlp": 0, "rms_norm": 0}
@@ -429,7 +442,12 @@ def test_qkv_group_leaves_projections_with_hooks_or_without_grad_alone(monkeypat
     assert len(groups) == 4
 
 
-@pytest.mark.parametrize("model_type", family_params())
+# Made positions reach HF's mask code the same way in every family: one of each kind of decoder
+# (dense, sliding window, MoE, hybrid linear attention, LayerNorm, scaled), at ~7 s a family.
+POSITION_CASES = ["llama", "gemma2", "gemma3_text", "granite", "olmo2", "phi", "phi3", "qwen3_moe", "qwen3_next"]
+
+
+@pytest.mark.parametrize("model_type", family_params(POSITION_CASES))
 def test_positions_it_makes_need_no_look_for_packed_sequences(model_type, monkeypatch):
     """With no attention mask and no position ids, HF's mask code looks for packed sequences in the
     positions it made (on a GPU, a device-to-host sync that stalls every step). The patched model
