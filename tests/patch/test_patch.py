@@ -537,21 +537,22 @@ def test_gelu_new_mlp_fuses_as_tanh_gelu_with_and_without_lora(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_layer_norm_forward_matches_torch_with_and_without_autocast(dtype, device):
-    """The LayerNorm forward (phi) gives torch's dtype and values, plain and under autocast (CUDA's
-    runs LayerNorm in float32; the CPU's keeps the input's dtype)."""
+@pytest.mark.parametrize("model_type", family_params(["phi", "olmo", "cohere", "nemotron"]))
+def test_layer_norm_forward_matches_hf_with_and_without_autocast(model_type, dtype, device):
+    """The LayerNorm forwards give the module's dtype and values, plain and under autocast: torch's
+    (phi: CUDA's autocast runs it in float32, the CPU's keeps the input's dtype), a family's own in
+    float32 (OLMo's without weight or bias, Cohere's without bias), a subclass of torch's scaled
+    by 1 + weight (Nemotron's)."""
     from tigon.patch import forwards
 
-    gen = torch.Generator().manual_seed(4)
-    norm = torch.nn.LayerNorm(37).to(device)
-    with torch.no_grad():
-        norm.weight.copy_(torch.randn(37, generator=gen))
-        norm.bias.copy_(torch.randn(37, generator=gen))
-    forward = forwards.layer_norm_forward(torch.nn.LayerNorm.forward)
-    x = (torch.randn(3, 11, 37, generator=gen) * 2).to(device, dtype)
+    norm = FAMILIES[model_type].norm
+    cls = torch.nn.LayerNorm if norm.in_torch else getattr(modeling(FAMILIES[model_type]), norm.cls)
+    module = build_norm(cls, norm, 37).to(device)
+    forward = forwards.layer_norm_forward(norm, cls.forward)
+    x = (torch.randn(3, 11, 37, generator=torch.Generator().manual_seed(4)) * 2).to(device, dtype)
     for autocast in (False, True):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            want, got = norm(x), forward(norm, x)
+            want, got = module(x), forward(module, x)
         assert got.dtype == want.dtype
         assert_close(got, want, want.dtype, name=f"autocast={autocast}")
-    assert_close(forward(norm.half(), x.half()), norm(x.half()), torch.float16, name="fp16 weights")
+    assert_close(forward(module.half(), x.half()), module(x.half()), torch.float16, name="fp16 weights")
