@@ -86,7 +86,7 @@ def test_instance_patch_matches_hf(model_type, monkeypatch, device):
     forbid_hf_code(monkeypatch, family)
     groups = count_groups(monkeypatch)
     result = tigon.patch(patched)
-    expected = {family.norm.switch, "rope", "linear_cross_entropy"}
+    expected = {family.norm.switch, "linear_cross_entropy"} | ({"rope"} if family.ropes else set())
     expected |= {family.mlp.switch} if family.mlp and family.mlp.gated else set()
     expected |= {"add_rms_norm"} if family.layer.fuse else set()
     expected |= {"qkv_group"} if family.attention else set()

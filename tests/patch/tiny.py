@@ -46,6 +46,10 @@ EXTRA = {
     ),
     "gemma2": dict(final_logit_softcapping=30.0, attn_logit_softcapping=50.0, sliding_window=8),
     "gemma3_text": dict(final_logit_softcapping=30.0, sliding_window=8),
+    "gemma4_text": dict(
+        final_logit_softcapping=30.0, sliding_window=8, hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB,
+        global_head_dim=16,
+    ),
     "granite": dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=4.0),
     # (No router logits: transformers 5.17's GraniteMoe records none, and its own loss then fails.)
     "granitemoe": dict(

@@ -311,6 +311,12 @@ FAMILIES: dict[str, Family] = {
         "gemma3", "Gemma3", norm=_norm("Gemma3", GEMMA_NORM), mlp=MLP("Gemma3MLP", "geglu"), head=SOFTCAP_HEAD,
         norms=SANDWICH,
     ),
+    # A layer of its own (per-layer inputs, an optional expert block beside the MLP, a layer scalar)
+    # and a RoPE applied to q and k apart keep HF's code; norms with and without a weight.
+    "gemma4_text": _family(
+        "gemma4", "Gemma4Text", norm=Norm("Gemma4RMSNorm", casting=FLOAT_WEIGHT, eps="eps"),
+        mlp=MLP("Gemma4TextMLP", "geglu"), rope=(), head=SOFTCAP_HEAD, causal_lm="Gemma4ForCausalLM", norms=None,
+    ),
     "granite": _family("granite", "Granite", head=Head(scale="logits_scaling"), scale="residual_multiplier"),
     "granitemoe": _family(
         "granitemoe", "GraniteMoe", mlp=None, head=Head(scale="logits_scaling", aux_loss="load_balancing_loss_func"),

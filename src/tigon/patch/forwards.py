@@ -39,7 +39,8 @@ def rms_norm_forward(norm: Norm) -> Callable[[torch.nn.Module, torch.Tensor], to
         normed = _take_normed(hidden_states, self)
         if normed is not None:
             return normed
-        weight = self.weight if norm.weight else None
+        # (Gemma 4 builds some modules of its norm class without a weight.)
+        weight = getattr(self, "weight", None) if norm.weight else None
         return F.rms_norm(hidden_states, weight, norm_eps(norm, self), offset=norm.offset, casting=norm.casting)
 
     forward.__qualname__ = f"tigon_{norm.cls}.forward"
