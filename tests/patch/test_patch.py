@@ -556,3 +556,16 @@ def test_layer_norm_forward_matches_hf_with_and_without_autocast(model_type, dty
         assert got.dtype == want.dtype
         assert_close(got, want, want.dtype, name=f"autocast={autocast}")
     assert_close(forward(module.half(), x.half()), module(x.half()), torch.float16, name="fp16 weights")
+
+
+def test_readme_lists_every_family_as_the_table_says():
+    """README.md's family table is the one tests/patch/families_doc.py renders from FAMILIES
+    (regenerate it with ``python -m tests.patch.families_doc``)."""
+    from pathlib import Path
+
+    from tests.patch import families_doc
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    assert families_doc.BEGIN in readme and families_doc.END in readme
+    listed = readme.split(families_doc.BEGIN, 1)[1].split(families_doc.END, 1)[0].strip()
+    assert listed == families_doc.table(), "README's family table is stale: python -m tests.patch.families_doc"
