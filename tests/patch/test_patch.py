@@ -569,3 +569,15 @@ def test_readme_lists_every_family_as_the_table_says():
     assert families_doc.BEGIN in readme and families_doc.END in readme
     listed = readme.split(families_doc.BEGIN, 1)[1].split(families_doc.END, 1)[0].strip()
     assert listed == families_doc.table(), "README's family table is stale: python -m tests.patch.families_doc"
+
+
+def test_a_family_the_installed_transformers_lacks_is_refused_in_one_line(monkeypatch):
+    import dataclasses
+
+    from tigon.patch import families
+
+    monkeypatch.setitem(FAMILIES, "nosuch", dataclasses.replace(FAMILIES["llama"], module="nosuch"))
+    assert not families.available("nosuch") and families.available("llama")
+    with pytest.raises(ValueError, match=r"'nosuch' needs transformers\.models\.nosuch\.modeling_nosuch, which "
+                                         r"transformers \S+ does not have; nothing was patched"):
+        tigon.patch("nosuch")

@@ -63,23 +63,19 @@ def layer_norm_forward(
     `original` under autocast.
     """
 
-    def weight_and_bias(module: torch.nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        weight = module.weight if norm.weight else None
-        if weight is not None and norm.offset:
-            weight = weight + norm.offset
-        return weight, getattr(module, "bias", None)
-
     def forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        autocast = autocast_dtype(x) is not None
-        weight = self.weight if norm.weight else None
+        weight = getattr(self, "weight", None) if norm.weight else None
         if weight is not None and weight.dim() != 1:
             return original(self, x)
-        if norm.casting == "float32":
-            return F.layer_norm(x, *weight_and_bias(self), norm_eps(norm, self))
-        if len(self.normalized_shape) != 1 or (autocast and (x.device.type != "cuda" or norm.casting == "torch")):
+        autocast = autocast_dtype(x) is not None
+        if norm.casting != "float32" and (
+            len(self.normalized_shape) != 1 or (autocast and (x.device.type != "cuda" or norm.casting == "torch"))
+        ):
             return original(self, x)
-        weight, bias = weight_and_bias(self)
-        if autocast:
+        if weight is not None and norm.offset:
+            weight = weight + norm.offset
+        bias = getattr(self, "bias", None)
+        if autocast and norm.casting != "float32":
             x, weight, bias = (None if t is None else t.float() for t in (x, weight, bias))
         return F.layer_norm(x, weight, bias, norm_eps(norm, self))
 

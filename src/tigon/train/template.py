@@ -55,7 +55,7 @@ def _rewritten_span(
     generation prompt part, through the turn's end-of-turn marker, which follows the content's last
     characters as in the turn rendered last. None unless the chat before the turn (`history`)
     renders as it does in the whole chat."""
-    tail = content.rstrip()[-_TAIL:]
+    tail = content.rstrip().rsplit("\n", 1)[-1][-_TAIL:]  # (its last line: reasoning may be dropped before it)
     if not full.startswith(history) or len(history) < cursor or not tail:
         return None
     start = len(os.path.commonprefix([full, before]))
