@@ -27,9 +27,10 @@ demo: $(BIN)/tigon
 	$(BIN)/tigon env
 	$(BIN)/tigon sft --output-dir demo-out --overwrite
 
-# The whole suite on CPU: the real Triton kernels run in Triton's interpreter.
+# The whole suite on CPU: the real Triton kernels run in Triton's interpreter. loadgroup keeps
+# the tests of one xdist_group (tests/webui's, which share one training run) on one worker.
 test: $(BIN)/tigon
-	TRITON_INTERPRET=1 TIGON_STRICT=1 $(BIN)/python -m pytest -q -n 2 -m "not gpu" $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 TIGON_STRICT=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not gpu" $(PYTEST_ARGS)
 
 # On a CUDA machine: the gpu-marked tests (bf16, large shapes) with compiled kernels.
 test-gpu: $(BIN)/tigon

@@ -5,9 +5,15 @@
 # Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|ops|norms|rope|sweep|e2e|sft|profile|headstart|maxctx ...]
 # GPU_TESTS narrows the tests stage (pytest arguments); E2E_TIMEOUT bounds the e2e stage; MC_ARGS
 # are the maxctx stage's arguments to tigon.bench.max_context (its results merge into those already
-# recorded in docs/bench/max_context.json); PROFILE_ARGS are scripts/profile_e2e.py's.
+# recorded in docs/bench/max_context.json); PROFILE_ARGS are scripts/profile_e2e.py's; BENCH_OPS narrows
+# the ops stage to those op cases. Wheels carried in .whl/ (the device tool's way to bring packages
+# the machine lacks: trl, liger-kernel, ...) are installed to /tmp/site first.
 set -uo pipefail
-export PYTHONPATH=src PYTHONUNBUFFERED=1 TIGON_STRICT=1
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TIGON_STRICT=1
 OUT=${OUT:-gpu-out}
 RES="$OUT/results"
 mkdir -p "$RES"
@@ -18,9 +24,9 @@ python3 -m tigon.cli env >> "$RES/env.txt" 2>&1
 for stage in "${stages[@]}"; do
   start=$(date +%s)
   case "$stage" in
-    tests) timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests} > "$RES/gpu_tests.txt" 2>&1
+    tests) timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests} > "$RES/gpu_tests.txt" 2>&1
            tail -25 "$RES/gpu_tests.txt" ;;
-    ops)   timeout 420 python3 -m tigon.cli bench --headline --out "$RES/ops" > "$RES/ops.txt" 2>&1
+    ops)   timeout ${OPS_TIMEOUT:-420} python3 -m tigon.cli bench --headline ${BENCH_OPS:+--ops $BENCH_OPS} --out "$RES/ops" > "$RES/ops.txt" 2>&1
            grep -A60 "^op " "$RES/ops.txt" | tail -45 ;;
     norms) timeout 420 python3 -m tigon.cli bench --ops rms_norm add_rms_norm layer_norm \
              --sizes 16384x4096 16384x1024 4096x16384 16384x8192 --out "$RES/norms" > "$RES/norms.txt" 2>&1

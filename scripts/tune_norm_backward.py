@@ -54,19 +54,19 @@ def sweep(module, run_backward, shapes):
 def rms_backward(x, dy):
     w = torch.ones(x.shape[1], device="cuda", dtype=x.dtype)
     rstd = torch.ones(x.shape[0], device="cuda", dtype=torch.float32)
-    rn._rms_norm_backward(dy, None, x, w, rstd, 0.0, "llama", True)
+    rn.rms_norm_backward(dy, None, x, w, rstd, 0.0, "llama", True)
 
 
 def ln_backward(x, dy):
     w = torch.ones(x.shape[1], device="cuda", dtype=x.dtype)
     stat = torch.ones(x.shape[0], device="cuda", dtype=torch.float32)
-    ln._layer_norm_backward(dy, x, w, stat, stat, True, True, w)
+    ln.layer_norm_backward(dy, x, w, w, stat, stat, True, True)
 
 
 def add_rms_backward(x, dy):
     w = torch.ones(x.shape[1], device="cuda", dtype=x.dtype)
     rstd = torch.ones(x.shape[0], device="cuda", dtype=torch.float32)
-    rn._rms_norm_backward(dy, dy, x, w, rstd, 0.0, "llama", True)
+    rn.rms_norm_backward(dy, dy, x, w, rstd, 0.0, "llama", True)
 
 
 if __name__ == "__main__":

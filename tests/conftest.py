@@ -10,10 +10,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TIGON_STRICT", "1")  # a kernel error fails the test instead of falling back
 
-from tigon import _backend  # noqa: E402
+from tigon import ops  # noqa: E402
+
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available() and not _backend.INTERPRET:
+    if torch.cuda.is_available() and not ops.INTERPRET:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU with compiled Triton kernels")
     for item in items:
@@ -24,15 +25,15 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device() -> torch.device:
     """Where kernel tests run: the GPU when there is one, else the CPU under the interpreter."""
-    return torch.device("cuda" if torch.cuda.is_available() and not _backend.INTERPRET else "cpu")
+    return torch.device("cuda" if torch.cuda.is_available() and not ops.INTERPRET else "cpu")
 
 
 @pytest.fixture(autouse=True)
-def fresh_backend():
-    """Each test starts with no remembered warnings or broken kernels."""
-    _backend.reset()
+def fresh_dispatch():
+    """Each test starts with no logged fallbacks or broken kernels."""
+    ops.reset()
     yield
-    _backend.reset()
+    ops.reset()
 
 
 @pytest.fixture

@@ -1,12 +1,17 @@
 """Comparison helpers shared by the tests."""
 
+import collections
+import contextlib
+import sys
+
 import torch
 
 # Relative error ‖got − want‖ / ‖want‖ allowed per dtype (fp32 arithmetic lands far below 1e-3).
 REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float64: 1e-12}
 
 
-def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype | None = None, name: str = "") -> None:
+def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype | None = None, name: str = "",
+                 tol: float | None = None) -> None:
     """Same shape and dtype, finite where `want` is, and ‖got − want‖ / ‖want‖ within the dtype's
     bound (or every element within that bound absolutely, for values that are ~0)."""
     assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
@@ -15,7 +20,7 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype | Non
     assert (torch.isfinite(got64) | ~torch.isfinite(want64)).all(), f"{name}: NaN/inf where the reference is finite"
     diff = (got64 - want64).nan_to_num(nan=float("inf"))
     rel = (diff.norm() / want64.norm().clamp_min(1e-30)).item()
-    tol = REL_TOL[dtype or want.dtype]
+    tol = tol or REL_TOL[dtype or want.dtype]
     # Values that are ~0 (a width-1 row's input gradient) have no meaningful relative error.
     tiny = diff.numel() == 0 or diff.abs().max().item() <= tol
     assert rel <= tol or tiny, f"{name}: relative error {rel:.3e} > {tol:.0e}"
@@ -32,7 +37,7 @@ def _as_list(out):
     return [out] if isinstance(out, torch.Tensor) else [o for o in out if isinstance(o, torch.Tensor)]
 
 
-def compare_fwd_bwd(fn, reference, args, dtype=None, name=""):
+def compare_fwd_bwd(fn, reference, args, dtype=None, name="", tol=None):
     """Run `fn` on copies of `args` and `reference` on float64 copies (the oracle), backpropagate
     the same random output gradients through both, and assert that outputs and every input
     gradient agree within the tolerance of `dtype` (default: the least precise input dtype).
@@ -43,14 +48,14 @@ def compare_fwd_bwd(fn, reference, args, dtype=None, name=""):
     out, ref = _as_list(fn(*ours)), _as_list(reference(*theirs))
     assert len(out) == len(ref), f"{name}: {len(out)} outputs, reference has {len(ref)}"
     for i, (o, r) in enumerate(zip(out, ref)):
-        assert_close(o, r.to(o.dtype), dtype, f"{name} output {i}")
+        assert_close(o, r.to(o.dtype), dtype, f"{name} output {i}", tol)
     grads = [torch.randn_like(r) for r in ref]
     torch.autograd.backward(out, [g.to(o.dtype) for g, o in zip(grads, out)])
     torch.autograd.backward(ref, grads)
     for i, (a, b) in enumerate(zip(ours, theirs)):
         if isinstance(a, torch.Tensor) and a.requires_grad:
             assert a.grad is not None, f"{name}: no gradient for argument {i}"
-            assert_close(a.grad, b.grad.to(a.grad.dtype), dtype, f"{name} grad of argument {i}")
+            assert_close(a.grad, b.grad.to(a.grad.dtype), dtype, f"{name} grad of argument {i}", tol)
     return out
 
 
@@ -68,7 +73,6 @@ def saved_activation_bytes(module: torch.nn.Module, *args, **kwargs) -> tuple[in
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = module(*args, **kwargs)
     return sum(storages.values()), out
-
 
 
 def autograd_nodes(out: torch.Tensor) -> set:
@@ -92,3 +96,88 @@ def head_inputs(lead, hidden, vocab, dtype, device, bias=True, ignore_index=-100
     flat = target.view(-1)
     flat[torch.randperm(flat.numel(), device=device)[: max(1, flat.numel() // 4)]] = ignore_index
     return h, w, b, target
+
+
+def count_gemms(monkeypatch):
+    """Record the output shape of every torch.mm / addmm / addmm_ the op runs."""
+    shapes = []
+    real_mm, real_addmm, real_addmm_ = torch.mm, torch.addmm, torch.Tensor.addmm_
+
+    def mm(*a, **k):
+        out = real_mm(*a, **k)
+        shapes.append(tuple(out.shape))
+        return out
+
+    def addmm(*a, **k):
+        out = real_addmm(*a, **k)
+        shapes.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(torch, "mm", mm)
+    monkeypatch.setattr(torch, "addmm", addmm)
+    monkeypatch.setattr(torch.Tensor, "addmm_", lambda self, *a, **k: shapes.append(tuple(self.shape)) or real_addmm_(self, *a, **k))
+    return shapes
+
+
+def peak_bytes_beyond_grads(step, leaves) -> int:
+    """CUDA bytes one call of `step` (a fwd+bwd, run once before to warm up) allocates at its peak
+    beyond what was allocated before it, less the `.grad` buffers of `leaves` it produces: the
+    measure of shared/TARGETS.md."""
+    step()
+    for leaf in leaves:
+        leaf.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base - sum(leaf.grad.nbytes for leaf in leaves if leaf.grad is not None)
+
+
+def run_without_host_sync(step) -> None:
+    """Run `step` once to warm up, then again with CUDA's sync debug mode raising on any host sync."""
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def tigon_kernels() -> dict[str, object]:
+    """Every Triton kernel object of tigon.ops, by kernel name (for counting launches)."""
+    from triton.runtime.jit import KernelInterface
+
+    return {
+        value.fn.__name__: value
+        for name, module in list(sys.modules.items()) if name.startswith("tigon.ops.")
+        for value in vars(module).values() if isinstance(value, KernelInterface)
+    }
+
+
+@contextlib.contextmanager
+def kernel_launches():
+    """Count the launches of tigon's Triton kernels, by kernel name, while the block runs: whoever
+    launches them (an eager autograd Function, or a compiled graph's library op)."""
+    counts = collections.Counter()
+    ours = {id(kernel) for kernel in tigon_kernels().values()}
+    patched = {}
+    for cls in {type(kernel) for kernel in tigon_kernels().values()}:
+        launch = cls.__getitem__
+
+        def counted(kernel, grid, launch=launch):
+            if id(kernel) in ours:
+                counts[kernel.fn.__name__] += 1
+            return launch(kernel, grid)
+
+        patched[cls] = cls.__dict__.get("__getitem__")
+        cls.__getitem__ = counted
+    try:
+        yield counts
+    finally:
+        for cls, own in patched.items():
+            if own is None:
+                del cls.__getitem__
+            else:
+                cls.__getitem__ = own

@@ -5,30 +5,51 @@ import re
 
 import pytest
 
+from tigon import ops
 from tigon.cli import build_parser, main
+from tigon.ops import _dispatch
 
 
-def test_env_lists_every_op(capsys):
+def _env_groups(out):
+    """`tigon env`'s op listing: {heading: [op, ...]}."""
+    groups, heading = {}, None
+    for line in out.split("\nops on ")[1].splitlines()[1:]:
+        if line.startswith("    "):
+            groups[heading].append(line.strip())
+        elif line.strip():
+            heading = line.strip()
+            groups[heading] = []
+    return groups
+
+
+def test_env_lists_every_op_once(capsys):
+    assert main(["env"]) == 0
+    groups = _env_groups(capsys.readouterr().out)
+    assert sorted(op for names in groups.values() for op in names) == sorted(ops.op_names())
+    assert "rms_norm" in groups["Triton kernels"]
+    # linear_group has no Triton kernel: its fused backward runs wherever torch does.
+    assert "linear_group" in groups["torch calls only (no Triton kernel), on any device"]
+
+
+def test_env_says_each_fallback_reason_once(monkeypatch, capsys):
+    monkeypatch.setattr(_dispatch, "INTERPRET", False)
+    monkeypatch.setenv("TIGON_DISABLE", "linear_group,rope")
     assert main(["env"]) == 0
     out = capsys.readouterr().out
-    for op in ("rms_norm", "add_rms_norm", "layer_norm"):
-        assert op in out
-    assert "torch" in out and "triton" in out
-    # linear_group has no Triton kernel: its fused backward runs wherever torch does.
-    assert "linear_group           torch (no Triton kernel needed)" in out
-
-
-def test_env_reports_a_disabled_torch_op(monkeypatch, capsys):
-    monkeypatch.setenv("TIGON_DISABLE", "linear_group")
-    assert main(["env"]) == 0
-    assert "linear_group           reference: disabled by TIGON_DISABLE" in capsys.readouterr().out
+    groups = _env_groups(out)
+    assert out.count("tensors are on cpu") == 1 and out.count("disabled by TIGON_DISABLE") == 1
+    assert groups["PyTorch reference: disabled by TIGON_DISABLE"] == ["rope", "linear_group"]
+    on_cpu = next(names for heading, names in groups.items() if "tensors are on cpu" in heading)
+    assert "rms_norm" in on_cpu and "rope" not in on_cpu
 
 
 def test_bench_writes_json_and_plot(tmp_path, capsys):
     assert main(["bench", "--ops", "rms_norm", "--sizes", "64x100", "--dtype", "fp32", "--out", str(tmp_path)]) == 0
     payload = json.loads((tmp_path / "bench.json").read_text())
     impls = {r["impl"]: r for r in payload["results"]}
-    assert set(impls) == {"tigon", "eager", "compile"}
+    assert set(impls) == {"tigon", "eager", "compile", "peer"}
+    peer = impls.pop("peer")  # Liger-Kernel's rms_norm, or why it could not run here
+    assert "error" not in peer or "liger_kernel" in peer["error"], peer
     for record in impls.values():
         assert "error" not in record, record
         assert record["fwd_bwd_ms"] > 0 and record["roofline_pct"] > 0

@@ -12,11 +12,9 @@ from typing import Callable
 
 import torch
 
-from tigon import _backend
-
 
 def _cmd_env(args: argparse.Namespace) -> int:
-    import tigon.functional  # noqa: F401  (imports every op, so each is registered)
+    from tigon import ops
 
     print(f"tigon      {__import__('tigon').__version__}")
     print(f"python     {platform.python_version()} ({platform.system()} {platform.machine()})")
@@ -41,16 +39,18 @@ def _cmd_env(args: argparse.Namespace) -> int:
     else:
         device = torch.device("cpu")
         print("gpu        none (CUDA not available)")
-    if _backend.INTERPRET:
+    if ops.INTERPRET:
         print("mode       TRITON_INTERPRET=1: kernels run in Triton's CPU interpreter (slow; for tests)")
+    # One row per op, each reason said once: ops are grouped by where they run and why.
+    groups: dict[tuple[str, str | None], list[str]] = {}
+    for op in ops.op_names():
+        groups.setdefault(ops.placement(op, device), []).append(op)
+    headings = {"triton": "Triton kernels", "torch": "torch calls only (no Triton kernel), on any device"}
     print(f"\nops on {device}:")
-    for op in _backend.OPS:
-        if op in _backend.TORCH_OPS:
-            where = "reference: disabled by TIGON_DISABLE" if _backend.disabled(op) else "torch (no Triton kernel needed)"
-        else:
-            reason = _backend.why_not_triton(op, device)
-            where = "triton" if reason is None else "reference: " + reason
-        print(f"  {op:<22} {where}")
+    for (where, reason), names in groups.items():
+        print(f"  {headings.get(where) or 'PyTorch reference: ' + reason}")
+        for name in names:
+            print(f"    {name}")
     return 0
 
 
@@ -87,6 +87,18 @@ def _train():
 def _cmd_sft(args: argparse.Namespace) -> int:
     train = _train()
     train.run_sft(*train.config_from_args(args))
+    return 0
+
+
+def _cmd_rlhf(args: argparse.Namespace) -> int:
+    from tigon.train.config import RLHFConfig
+
+    train = _train()
+    try:
+        from tigon.train.rlhf import run_rlhf
+    except ImportError as err:
+        raise ValueError(f"{err}: tigon rlhf runs on TRL's trainers (pip install 'trl>=1.16')") from None
+    run_rlhf(*train.config_from_args(args, RLHFConfig))
     return 0
 
 
@@ -134,8 +146,8 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def _add_train_commands(sub: argparse._SubParsersAction) -> None:
-    """`sft`, `merge`, `infer` and `chat` (the options of sft come from tigon.train.config)."""
-    from tigon.train.config import add_sft_arguments
+    """`sft`, `rlhf`, `merge`, `infer` and `chat` (the options of sft and rlhf come from tigon.train.config)."""
+    from tigon.train.config import RLHFConfig, add_sft_arguments
 
     debug = {"action": "store_true", "default": argparse.SUPPRESS, "help": "show full tracebacks"}
     sft = sub.add_parser("sft", help="fine-tune a model on a dataset with tigon's kernels (no arguments: "
@@ -143,6 +155,13 @@ def _add_train_commands(sub: argparse._SubParsersAction) -> None:
     add_sft_arguments(sft)
     sft.add_argument("--debug", **debug)
     sft.set_defaults(run=_cmd_sft)
+
+    rlhf = sub.add_parser("rlhf", help="preference-train a model (DPO, IPO, KTO, ORPO, SimPO, CPO) with tigon's "
+                          "fused preference loss (no arguments: DPO of the built-in tiny model after sft, on "
+                          "bundled pairs, on CPU in minutes)")
+    add_sft_arguments(rlhf, RLHFConfig)
+    rlhf.add_argument("--debug", **debug)
+    rlhf.set_defaults(run=_cmd_rlhf)
 
     merge = sub.add_parser("merge", help="fold a LoRA adapter into its base model (the same as tigon export ADAPTER --to merged)")
     merge.add_argument("adapter", help="adapter directory (e.g. tigon-out/final)")
@@ -199,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tigon.serve.cli import add_serve_commands
 
     add_serve_commands(sub)
+    from tigon.webui.cli import add_webui_commands
+
+    add_webui_commands(sub)
     return parser
 
 

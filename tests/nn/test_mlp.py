@@ -81,7 +81,7 @@ def test_fp16_and_intermediate_size_override(device):
     ours = tigon.nn.SwiGLUMLP(config, intermediate_size=72).to(device, torch.float16)
     assert ours.up_proj.weight.shape == (72, 48) and ours.down_proj.weight.shape == (48, 72)
     x = torch.randn(5, 48, device=device, dtype=torch.float16)
-    from tigon.ops.glu import glu_mlp_reference
+    from tigon.ops import glu_mlp_reference
 
     want = glu_mlp_reference(
         x.double(), ours.gate_proj.weight.double(), ours.up_proj.weight.double(), ours.down_proj.weight.double()

@@ -1,7 +1,7 @@
 import torch
 
 import tigon.nn
-from tigon.ops.rms_norm import rms_norm_reference
+from tigon.ops import rms_norm_reference
 
 
 def test_rms_norm_module_loads_hf_llama_state_dict_and_matches(device):

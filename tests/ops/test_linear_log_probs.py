@@ -4,7 +4,7 @@ import torch.nn.functional as TF
 
 import tigon.functional as F
 from tigon.ops.linear_log_probs import linear_log_probs_reference
-from tests.helpers import assert_close, compare_fwd_bwd, head_inputs as _inputs
+from tests.helpers import assert_close, compare_fwd_bwd, count_gemms as _count_gemms, head_inputs as _inputs
 
 IGNORE = -100
 
@@ -27,27 +27,6 @@ def _torch_log_probs(target, temperature=1.0, entropy=False):
         ent = torch.distributions.Categorical(logits=z).entropy()
         return logp, torch.where(valid, ent, 0.0).view(target.shape)
     return fn
-
-
-def _count_gemms(monkeypatch):
-    """Record the output shape of every torch.mm / addmm / addmm_ the op runs."""
-    shapes = []
-    real_mm, real_addmm, real_addmm_ = torch.mm, torch.addmm, torch.Tensor.addmm_
-
-    def mm(*a, **k):
-        out = real_mm(*a, **k)
-        shapes.append(tuple(out.shape))
-        return out
-
-    def addmm(*a, **k):
-        out = real_addmm(*a, **k)
-        shapes.append(tuple(out.shape))
-        return out
-
-    monkeypatch.setattr(torch, "mm", mm)
-    monkeypatch.setattr(torch, "addmm", addmm)
-    monkeypatch.setattr(torch.Tensor, "addmm_", lambda self, *a, **k: shapes.append(tuple(self.shape)) or real_addmm_(self, *a, **k))
-    return shapes
 
 
 def test_reference_matches_torch(device):

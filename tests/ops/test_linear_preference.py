@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as TF
 
 import tigon.functional as F
+from tigon.ops import linear_preference as preference
 from tests.helpers import assert_close, compare_fwd_bwd
 
 IGNORE = -100
@@ -601,3 +602,21 @@ def test_no_host_sync_on_gpu(method):
         (loss * 0.5).backward()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.parametrize("method", preference.METHODS)
+def test_closed_form_coefficients_are_the_objectives_gradient(method):
+    # The kernels scale each sequence's rows by d loss / d (its log-prob sum), written in closed form.
+    n = 6 if method == "kto" else 12
+    counts = torch.randint(0, 4, (n,), dtype=torch.float64)  # empty sequences included
+    logps = -3 * torch.rand(n, dtype=torch.float64) * counts.clamp(min=1) - 0.01
+    ref = logps + torch.randn(n, dtype=torch.float64) if method in preference.REFERENCE_METHODS else None
+    labels = torch.rand(n) > 0.5 if method == "kto" else None
+    kl = torch.tensor(0.2, dtype=torch.float64) if method == "kto" else None
+    eps = 0.2 if method in preference.SMOOTHED_METHODS else 0.0
+    options = preference.PreferenceOptions(method, 0.3, eps, 0.7, 0.4, 1.3, 0.6)
+    context = (ref, counts, labels, kl, n if method == "kto" else n // 2, preference._nll_tokens(options, counts, labels))
+    leaf = logps.clone().requires_grad_()
+    (want,) = torch.autograd.grad(preference._objective(options, leaf, *context), leaf)
+    _, got = preference._objective_and_coefficients(options, logps, *context)
+    assert_close(got, want, name=f"{method} coefficients")

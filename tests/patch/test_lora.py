@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 import tigon  # noqa: E402
 import tigon.functional as F  # noqa: E402
 from tests.helpers import assert_close, autograd_nodes  # noqa: E402
-from tests.ops.test_lora import one_cpu_thread  # noqa: E402,F401 (autouse fixture)
+from tests.ops.composite.test_lora import one_cpu_thread  # noqa: E402,F401 (autouse fixture)
 from tigon.patch import SWITCHES  # noqa: E402
 
 VOCAB = 101

@@ -139,6 +139,22 @@ def timed_steps(
     return times, losses
 
 
+def measure_training(
+    model: torch.nn.Module, step_model: Callable[..., Any], vocab: int, batch: int, seq: int, warmup: int,
+    steps: int, sync_steps: bool = False,
+) -> dict[str, Any]:
+    """:func:`timed_steps` in train mode; tokens/s, median step ms, peak GiB (CUDA) and losses."""
+    device = next(model.parameters()).device
+    model.train()
+    times, losses = timed_steps(model, step_model, vocab, batch, seq, warmup, steps, sync_steps=sync_steps)
+    return dict(
+        tokens_per_s=batch * seq * len(times) / sum(times),
+        step_ms=1e3 * statistics.median(times),
+        peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan"),
+        losses=losses,
+    )
+
+
 def run_case(
     mode: str,
     impl: str,
@@ -164,16 +180,7 @@ def run_case(
             record["applied"] = str(tigon.patch(model))
             log(record["applied"])
         step_model = torch.compile(model) if impl.endswith("compile") else model
-        model.train()
-        times, losses = timed_steps(
-            model, step_model, shape["vocab_size"], batch, seq, warmup, steps, sync_steps=sync_steps
-        )
-        record.update(
-            tokens_per_s=batch * seq * len(times) / sum(times),
-            step_ms=1e3 * statistics.median(times),
-            peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan"),
-            losses=losses,
-        )
+        record.update(measure_training(model, step_model, shape["vocab_size"], batch, seq, warmup, steps, sync_steps))
     except Exception as err:  # one failing case must not hide the others' numbers
         record["error"] = f"{type(err).__name__}: {err}"
     finally:
@@ -229,36 +236,65 @@ def run_e2e(
     """Run every (mode, impl) pair on the current CUDA device (or `device`: a CPU run of a small
     `shape` checks the pipeline, not speed); print a table, optionally write ``e2e.json`` to
     `out_dir`, and return the records."""
-    for name, values, known in (("modes", modes, MODES), ("impls", impls, IMPLS)):
-        unknown = [v for v in values if v not in known]
+    cadence = "synchronised around each step" if sync_steps else "each loss read after its backward, as the HF Trainer does"
+    settings = dict(
+        batch=batch, seq=seq, steps=steps, warmup=warmup, lora_rank=lora_rank, checkpointing=checkpointing,
+        sync_steps=sync_steps, shape=shape,
+    )
+
+    def run_one(mode: str, impl: str, device: torch.device) -> dict[str, Any]:
+        return run_case(
+            mode, impl, device, batch=batch, seq=seq, steps=steps, warmup=warmup, shape=shape,
+            lora_rank=lora_rank, checkpointing=checkpointing, sync_steps=sync_steps, log=log,
+        )
+
+    return run_all(
+        "e2e bench", "the end-to-end benchmark", modes, impls, (MODES, IMPLS), run_one, settings=settings,
+        summary=f"batch {batch} x {seq} tokens, {steps} timed steps after {warmup}, {cadence}",
+        out_dir=out_dir, out_name="e2e.json", log=log, device=device,
+    )
+
+
+def run_all(
+    title: str,
+    needs: str,
+    modes: Sequence[str],
+    impls: Sequence[str],
+    known: tuple[Sequence[str], Sequence[str]],
+    run_one: Callable[[str, str, torch.device], dict[str, Any]],
+    *,
+    settings: dict,
+    summary: str,
+    out_dir: Path | None,
+    out_name: str,
+    log: Callable[[str], None],
+    device: torch.device | None,
+) -> list[dict[str, Any]]:
+    """``run_one(mode, impl, device)`` for every pair (`known`: the valid modes and impls), each
+    compared with eager and logged as it ends, then the whole table; ``out_dir/out_name`` gets
+    the environment, `settings` and the records. `needs` names the bench in the no-GPU error."""
+    for name, values, valid in (("modes", modes, known[0]), ("impls", impls, known[1])):
+        unknown = [v for v in values if v not in valid]
         if unknown:
-            raise ValueError(f"{name} must be among {', '.join(known)}, got {', '.join(unknown)}")
-    device = device or current_cuda_device("the end-to-end benchmark")
+            raise ValueError(f"{name} must be among {', '.join(valid)}, got {', '.join(unknown)}")
+    device = device or current_cuda_device(needs)
     env = environment(device)
     import transformers
 
     env["transformers"] = transformers.__version__
-    cadence = "synchronised around each step" if sync_steps else "each loss read after its backward, as the HF Trainer does"
-    log(f"tigon e2e bench on {env['device']} (torch {env['torch']}, triton {env['triton']}, "
-        f"transformers {env['transformers']}): batch {batch} x {seq} tokens, {steps} timed steps after {warmup}, {cadence}")
+    log(f"tigon {title} on {env['device']} (torch {env['torch']}, triton {env['triton']}, "
+        f"transformers {env['transformers']}): {summary}")
     records = []
     for mode in modes:
         for impl in impls:
-            records.append(run_case(
-                mode, impl, device, batch=batch, seq=seq, steps=steps, warmup=warmup, shape=shape,
-                lora_rank=lora_rank, checkpointing=checkpointing, sync_steps=sync_steps, log=log,
-            ))
+            records.append(run_one(mode, impl, device))
             compare(records)
             log(format_table(records[-1:]))
     log("\n" + format_table(records))
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        settings = dict(
-            batch=batch, seq=seq, steps=steps, warmup=warmup, lora_rank=lora_rank, checkpointing=checkpointing,
-            sync_steps=sync_steps, shape=shape,
-        )
-        (out_dir / "e2e.json").write_text(json.dumps({"environment": env, "settings": settings, "results": records}, indent=1))
-        log(f"wrote {out_dir / 'e2e.json'}")
+        (out_dir / out_name).write_text(json.dumps({"environment": env, "settings": settings, "results": records}, indent=1))
+        log(f"wrote {out_dir / out_name}")
     return records
 
 

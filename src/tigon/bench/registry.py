@@ -38,6 +38,19 @@ class BenchOp:
 BENCH_OPS: dict[str, BenchOp] = {}
 
 
+def liger(name: str, **fixed: Any) -> Callable[[], Callable[..., Any]]:
+    """A `peer` factory: Liger-Kernel's ``liger_kernel.transformers.functional.<name>``, called
+    with the case's arguments and then `fixed` (the settings tigon's default has, such as eps)."""
+
+    def load() -> Callable[..., Any]:
+        from liger_kernel.transformers import functional
+
+        fn = getattr(functional, name)
+        return (lambda *args: fn(*args, **fixed)) if fixed else fn
+
+    return load
+
+
 def register(op: BenchOp) -> BenchOp:
     BENCH_OPS[op.name] = op
     return op

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tigon import functional as F
-from tigon.ops.cross_entropy import LossOptions, check_loss_options
+from tigon.ops import LossOptions, check_loss_options
 
 
 class CrossEntropyLoss(torch.nn.Module):

@@ -1,12 +1,10 @@
-"""Launch shapes shared by the row-wise kernels (norms and friends)."""
+"""Launch shapes shared by the kernels."""
 
 from __future__ import annotations
 
 import functools
 
 import torch
-
-from tigon import _backend
 
 
 # Host-side integer helpers for launch shapes. triton.cdiv / triton.next_power_of_2 are constexpr
@@ -30,8 +28,6 @@ def row_block_config(n_cols: int) -> tuple[int, int, int]:
     scripts/tune_norm_backward.py) 16 warps beat 32 up to 16K-wide rows; only wider rows need 32
     to keep the row in registers.
     """
-    # int(): under torch.compile a symbolic width would reach the launch as a SymInt num_warps,
-    # which dynamo cannot pass to Triton; specialising on the width is what the kernel needs anyway.
     block_cols = next_power_of_2(n_cols)
     block_rows = max(1, 2048 // block_cols)
     max_warps = 16 if block_cols <= 16384 else 32
@@ -39,6 +35,15 @@ def row_block_config(n_cols: int) -> tuple[int, int, int]:
     return block_rows, block_cols, num_warps
 
 
+@functools.lru_cache(maxsize=None)
+def multiprocessor_count(device: torch.device) -> int:
+    """Streaming multiprocessors on `device`; a small number on CPU so persistent kernels still
+    run several programs under the interpreter."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def persistent_programs(n_blocks: int, device: torch.device) -> int:
     """Programs for a persistent kernel over `n_blocks` row blocks: two per multiprocessor at most."""
-    return max(1, min(n_blocks, 2 * _backend.multiprocessor_count(device)))
+    return max(1, min(n_blocks, 2 * multiprocessor_count(device)))

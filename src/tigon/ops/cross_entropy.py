@@ -34,12 +34,9 @@ from typing import NamedTuple
 
 import torch
 
-from tigon import _backend
-from tigon._backend import tl, triton
-from tigon._checks import KERNEL_DTYPES, check_choice, check_device, check_float, rows_view
+from tigon.ops._checks import check_choice, check_device, check_float, rows_view
+from tigon.ops._dispatch import Op, backward_fallback, debug_enabled, library_op, tl, triton
 from tigon.ops._launch import next_power_of_2
-
-CROSS_ENTROPY = _backend.register("cross_entropy")
 
 REDUCTIONS = ("mean", "sum", "none")
 TARGET_DTYPES = (torch.int64, torch.int32)
@@ -296,7 +293,10 @@ def _scale_stride(scale: torch.Tensor) -> int:
     return scale.stride(0) if scale.dim() else 0
 
 
-def _cross_entropy_backward(logits2d, target1d, lse, scale, options):
+def cross_entropy_backward(logits, target, lse, scale, options):
+    """The logits' gradient, of the logits' shape, by the backward kernel; `scale` is 0-dim or one
+    value per row (the loss's gradient)."""
+    logits2d, target1d = rows_view(logits), target.reshape(-1)
     n_rows, n_cols = logits2d.shape
     grad = torch.empty((n_rows, n_cols), dtype=logits2d.dtype, device=logits2d.device)
     _ce_bwd_kernel[(n_rows,)](
@@ -304,49 +304,53 @@ def _cross_entropy_backward(logits2d, target1d, lse, scale, options):
         n_cols, logits2d.stride(0), grad.stride(0), _scale_stride(scale),
         **_kernel_options(options, n_cols, True),
     )
-    return grad
+    return grad.view(logits.shape)
+
+
+def _row_losses(logits, target, options):
+    """Each row's fp32 loss (shape of `target`) and lse (one per row) by the forward kernel."""
+    loss = torch.empty(target.shape, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(target.shape, dtype=torch.float32, device=logits.device)
+    cross_entropy_rows(rows_view(logits), target.reshape(-1), loss.view(-1), lse.view(-1), options)
+    return loss, lse
+
+
+def _reference_point(ctx, saved):
+    logits, target, _ = saved
+    options, reduction = ctx.config
+    return CROSS_ENTROPY, _reference_in_function_order, (logits, target, options, reduction)
+
+
+def _reference_in_function_order(logits, target, options, reduction):
+    ignore_index, label_smoothing, z_loss_scale, softcap = options
+    return cross_entropy_reference(logits, target, ignore_index, reduction, label_smoothing, z_loss_scale, softcap)
 
 
 class _CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, options, reduction):
-        logits2d, target1d = rows_view(logits), target.reshape(-1)
-        n_rows = logits2d.shape[0]
-        loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-        lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-        cross_entropy_rows(logits2d, target1d, loss, lse, options)
-        ctx.save_for_backward(logits2d, target1d, lse)
-        ctx.config = (options, reduction, logits.shape, target.shape)
+        loss, lse = _row_losses(logits, target, options)
+        ctx.save_for_backward(logits, target, lse)
+        ctx.config = (options, reduction)
         if reduction == "none":
-            return loss.view(target.shape)
+            return loss
         total = loss.sum()
         if reduction == "sum":
             return total
-        ctx.denominator = mean_denominator(target1d, options.ignore_index, None, torch.float32)
+        ctx.denominator = mean_denominator(target, options.ignore_index, None, torch.float32)
         return total / ctx.denominator
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_output):
-        logits2d, target1d, lse = ctx.saved_tensors
-        options, reduction, shape, target_shape = ctx.config
+    @backward_fallback(_reference_point)
+    def backward(ctx, saved, grad_output):
+        logits, target, lse = saved
+        options, reduction = ctx.config
         if reduction == "none":
             scale = grad_output.reshape(-1)
         else:
             scale = grad_output / ctx.denominator if reduction == "mean" else grad_output
-        try:
-            grad = _cross_entropy_backward(logits2d, target1d, lse, scale, options)
-        except Exception as err:
-            def reference(x):
-                return cross_entropy_reference(
-                    x, target1d.view(target_shape), options.ignore_index, reduction,
-                    options.label_smoothing, options.z_loss_scale, options.softcap,
-                )
-
-            (grad,) = _backend.reference_backward(
-                CROSS_ENTROPY, err, reference, (logits2d.view(shape),), (grad_output,)
-            )
-        return grad.view(shape), None, None, None
+        return cross_entropy_backward(logits, target, lse, scale, options), None, None, None
 
 
 def check_loss_options(options: LossOptions, reduction: str) -> None:
@@ -390,15 +394,12 @@ def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int) 
         )
 
 
-def _check(logits, target, options, reduction) -> str | None:
+def _check(logits, target, options, reduction) -> None:
     check_float("logits", logits)
     if logits.dim() == 0 or logits.shape[-1] == 0:
         raise ValueError(f"logits must have a non-empty last (vocabulary) dim, got shape {tuple(logits.shape)}")
     check_target(target, logits.shape[:-1], logits.device, "logits")
     check_loss_options(options, reduction)
-    if logits.dtype not in KERNEL_DTYPES:
-        return f"dtype {logits.dtype} runs on the reference"
-    return None
 
 
 def _cross_entropy_kernel(logits, target, ignore_index, reduction, label_smoothing, z_loss_scale, softcap):
@@ -406,7 +407,56 @@ def _cross_entropy_kernel(logits, target, ignore_index, reduction, label_smoothi
     return _CrossEntropyFunction.apply(logits, target, options, reduction)
 
 
-@torch.compiler.disable  # a graph break under torch.compile: the op runs eagerly, as itself
+# Inside torch.compile: the same launchers as library ops, reduced by torch ops around them.
+def _forward_fake(logits, target, ignore_index, label_smoothing, z_loss_scale, softcap):
+    return tuple(torch.empty(target.shape, dtype=torch.float32, device=logits.device) for _ in range(2))
+
+
+@library_op(
+    "cross_entropy",
+    "(Tensor logits, Tensor target, int ignore_index, float label_smoothing, float z_loss_scale, float? softcap) "
+    "-> (Tensor, Tensor)",
+    _forward_fake,
+)
+def _forward_op(logits, target, ignore_index, label_smoothing, z_loss_scale, softcap):
+    return _row_losses(logits, target, LossOptions(ignore_index, label_smoothing, z_loss_scale, softcap))
+
+
+@library_op(
+    "cross_entropy_backward",
+    "(Tensor logits, Tensor target, Tensor lse, Tensor scale, int ignore_index, float label_smoothing, "
+    "float z_loss_scale, float? softcap) -> Tensor",
+    lambda logits, *_: torch.empty(logits.shape, dtype=logits.dtype, device=logits.device),
+)
+def _backward_op(logits, target, lse, scale, ignore_index, label_smoothing, z_loss_scale, softcap):
+    return cross_entropy_backward(logits, target, lse, scale, LossOptions(ignore_index, label_smoothing, z_loss_scale, softcap))
+
+
+def _setup_context(ctx, inputs, output):
+    logits, target, *options = inputs
+    ctx.save_for_backward(logits, target, output[1])
+    ctx.options = options
+
+
+def _op_backward(ctx, grad_losses, _):
+    logits, target, lse = ctx.saved_tensors
+    return _backward_op(logits, target, lse, grad_losses.reshape(-1), *ctx.options), None, None, None, None, None
+
+
+_forward_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+def _cross_entropy_compiled(logits, target, ignore_index, reduction, label_smoothing, z_loss_scale, softcap):
+    losses, _ = _forward_op(
+        logits, target, ignore_index, float(label_smoothing), float(z_loss_scale),
+        None if softcap is None else float(softcap),
+    )
+    return reduce_losses(losses, target, ignore_index, reduction)
+
+
+CROSS_ENTROPY = Op("cross_entropy", _cross_entropy_kernel, cross_entropy_reference, compiled=_cross_entropy_compiled)
+
+
 def cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -437,14 +487,7 @@ def cross_entropy(
         row's loss NaN, as in torch (the module docstring has the details). The gradient is written
         to a fresh buffer in backward.
     """
-    options = LossOptions(ignore_index, label_smoothing, z_loss_scale, softcap)
-    unsupported = _check(logits, target, options, reduction)
-    if _backend._env_flag("TIGON_DEBUG"):
+    _check(logits, target, LossOptions(ignore_index, label_smoothing, z_loss_scale, softcap), reduction)
+    if debug_enabled():
         check_target_range(target, logits.shape[-1], ignore_index)
-    args = (logits, target, ignore_index, reduction, label_smoothing, z_loss_scale, softcap)
-    if target.numel() == 0:
-        return cross_entropy_reference(*args)
-    return _backend.dispatch(
-        CROSS_ENTROPY, _cross_entropy_kernel, cross_entropy_reference, *args,
-        device=logits.device, unsupported=unsupported,
-    )
+    return CROSS_ENTROPY(None, logits, target, ignore_index, reduction, label_smoothing, z_loss_scale, softcap)

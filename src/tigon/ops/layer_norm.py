@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from tigon import _backend
-from tigon._backend import tl, triton
+from tigon.ops._checks import KERNEL_DTYPES, check_eps, check_float, check_vector, rows_view
+from tigon.ops._dispatch import Op, backward_fallback, empty_if, library_op, tl, triton
 from tigon.ops._launch import cdiv, persistent_programs, row_block_config
-from tigon._checks import KERNEL_DTYPES, check_eps, check_float, check_vector, rows_view
 
-LAYER_NORM = _backend.register("layer_norm")
 MAX_KERNEL_COLS = 65536  # a whole row lives in registers; wider rows run the reference
 
 
@@ -112,47 +110,66 @@ def layer_norm_reference(
     ).to(x.dtype)
 
 
+def _forward_buffers(x):
+    """The forward kernel's outputs, unwritten: ``(out, mean, rstd)``, mean and rstd one fp32 value per row."""
+    stats = [torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device) for _ in range(2)]
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device), *stats
+
+
+def layer_norm_rows(x, weight, bias, eps):
+    """The forward kernel outside autograd: ``(out, mean, rstd)``."""
+    x2d = rows_view(x)
+    n_rows, n_cols = x2d.shape
+    out, mean, rstd = _forward_buffers(x)
+    block_rows, block_cols, num_warps = row_block_config(n_cols)
+    _layer_norm_fwd_kernel[(cdiv(n_rows, block_rows),)](
+        x2d, weight if weight is not None else x2d, bias if bias is not None else x2d, out, mean, rstd,
+        n_rows, n_cols, x2d.stride(0), n_cols, eps,
+        HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None,
+        BLOCK_ROWS=block_rows,
+        BLOCK_COLS=block_cols,
+        num_warps=num_warps,
+    )
+    return out, mean, rstd
+
+
+def _reference_point(ctx, saved):
+    x, weight, bias, _, _ = saved
+    return LAYER_NORM, layer_norm_reference, (x, weight, bias, ctx.eps)
+
+
+def _grads(ctx, saved, grad_out, backward):
+    """The Function's (and the library op's) input gradients, by `backward` (the kernel's
+    launcher, or its library op)."""
+    x, weight, bias, mean, rstd = saved
+    needs_weight = weight is not None and ctx.needs_input_grad[1]
+    needs_bias = bias is not None and ctx.needs_input_grad[2]
+    grad_x, grad_weight, grad_bias = backward(grad_out, x, weight, bias, mean, rstd, needs_weight, needs_bias)
+    return (
+        grad_x.view(ctx.shape), grad_weight if needs_weight else None, grad_bias if needs_bias else None, None
+    )
+
+
 class _LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
-        x2d = rows_view(x)
-        n_rows, n_cols = x2d.shape
-        out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
-        mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        block_rows, block_cols, num_warps = row_block_config(n_cols)
-        _layer_norm_fwd_kernel[(cdiv(n_rows, block_rows),)](
-            x2d, weight if weight is not None else x2d, bias if bias is not None else x2d, out, mean, rstd,
-            n_rows, n_cols, x2d.stride(0), out.stride(0), eps,
-            HAS_WEIGHT=weight is not None,
-            HAS_BIAS=bias is not None,
-            BLOCK_ROWS=block_rows,
-            BLOCK_COLS=block_cols,
-            num_warps=num_warps,
-        )
-        ctx.save_for_backward(x2d, weight, bias, mean, rstd)
+        out, mean, rstd = layer_norm_rows(x, weight, bias, eps)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.eps = eps
         ctx.shape = x.shape
-        return out.view(x.shape)
+        return out
 
     @staticmethod
-    def backward(ctx, grad_out):
-        x2d, weight, bias, mean, rstd = ctx.saved_tensors
-        needs_weight = weight is not None and ctx.needs_input_grad[1]
-        needs_bias = bias is not None and ctx.needs_input_grad[2]
-        try:
-            grad_x, grad_weight, grad_bias = _layer_norm_backward(
-                grad_out, x2d, weight, mean, rstd, needs_weight, needs_bias, bias
-            )
-        except Exception as err:
-            grad_x, grad_weight, grad_bias = _backend.reference_backward(
-                LAYER_NORM, err, lambda x, w, b: layer_norm_reference(x, w, b, ctx.eps),
-                (x2d.view(ctx.shape), weight, bias), (grad_out,),
-            )
-        return grad_x.view(ctx.shape), grad_weight, grad_bias, None
+    @backward_fallback(_reference_point)
+    def backward(ctx, saved, grad_out):
+        return _grads(ctx, saved, grad_out, layer_norm_backward)
 
 
-def _layer_norm_backward(grad_out, x2d, weight, mean, rstd, needs_weight, needs_bias, bias):
+def layer_norm_backward(grad_out, x, weight, bias, mean, rstd, needs_weight, needs_bias):
+    """(dx as 2-D rows, dweight or None, dbias or None) by the backward kernel, from the forward's
+    input `x` (any shape, or its 2-D rows) and its per-row `mean` and `rstd`."""
+    x2d = rows_view(x)
     n_rows, n_cols = x2d.shape
     grad_out2d = rows_view(grad_out)
     grad_x = torch.empty_like(x2d)
@@ -176,6 +193,46 @@ def _layer_norm_backward(grad_out, x2d, weight, mean, rstd, needs_weight, needs_
     grad_weight = grad_weight_partial.sum(0).to(weight.dtype) if needs_weight else None
     grad_bias = grad_bias_partial.sum(0).to(bias.dtype) if needs_bias else None
     return grad_x, grad_weight, grad_bias
+
+
+# Inside torch.compile: the same launchers as library ops, with the Function's gradients.
+@library_op(
+    "layer_norm", "(Tensor x, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor, Tensor)",
+    lambda x, weight, bias, eps: _forward_buffers(x),
+)
+def _forward_op(x, weight, bias, eps):
+    return layer_norm_rows(x, weight, bias, eps)
+
+
+def _backward_fake(grad_out, x, weight, bias, mean, rstd, needs_weight, needs_bias):
+    return x.new_empty(x.shape), empty_if(needs_weight, x if weight is None else weight), empty_if(needs_bias, x if bias is None else bias)
+
+
+@library_op(
+    "layer_norm_backward",
+    "(Tensor grad_out, Tensor x, Tensor? weight, Tensor? bias, Tensor mean, Tensor rstd, bool needs_weight, "
+    "bool needs_bias) -> (Tensor, Tensor, Tensor)",
+    _backward_fake,
+)
+def _backward_op(grad_out, x, weight, bias, mean, rstd, needs_weight, needs_bias):
+    grad_x, grad_weight, grad_bias = layer_norm_backward(grad_out, x, weight, bias, mean, rstd, needs_weight, needs_bias)
+    return grad_x.view(x.shape), *(g if g is not None else x.new_empty(0) for g in (grad_weight, grad_bias))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, eps = inputs
+    ctx.save_for_backward(x, weight, bias, output[1], output[2])
+    ctx.eps, ctx.shape = eps, x.shape
+
+
+_forward_op.register_autograd(
+    lambda ctx, grad_out, *_: _grads(ctx, ctx.saved_tensors, grad_out, _backward_op), setup_context=_setup_context
+)
+
+LAYER_NORM = Op(
+    "layer_norm", _LayerNormFunction.apply, layer_norm_reference,
+    compiled=lambda x, weight, bias, eps: _forward_op(x, weight, bias, eps)[0],
+)
 
 
 def layer_norm(
@@ -205,14 +262,9 @@ def layer_norm(
     if bias is not None:
         check_vector("bias", bias, x.shape[-1], x.device)
     check_eps(eps)
-    if x.numel() == 0:
-        return layer_norm_reference(x, weight, bias, eps)
     unsupported = None
-    if any(t.dtype not in KERNEL_DTYPES for t in [x, *params]):
-        unsupported = "float64 runs on the reference"
+    if any(t.dtype not in KERNEL_DTYPES for t in params):
+        unsupported = "float64 weight or bias runs on the reference"
     elif x.shape[-1] > MAX_KERNEL_COLS:
         unsupported = f"last dim {x.shape[-1]} is wider than the kernel's {MAX_KERNEL_COLS}"
-    return _backend.dispatch(
-        LAYER_NORM, _LayerNormFunction.apply, layer_norm_reference, x, weight, bias, float(eps),
-        device=x.device, unsupported=unsupported,
-    )
+    return LAYER_NORM(unsupported, x, weight, bias, float(eps))

@@ -34,10 +34,9 @@ from __future__ import annotations
 
 import torch
 
-from tigon import _backend
-from tigon._backend import tl, triton
-from tigon._checks import KERNEL_DTYPES, check_device, check_float, check_vector, rows_view
-from tigon.ops._launch import cdiv
+from tigon.ops._checks import check_device, check_float, check_vector, rows_view
+from tigon.ops._dispatch import Op, backward_fallback, debug_enabled, empty_if, library_op, tl, triton
+from tigon.ops._launch import cdiv, multiprocessor_count
 from tigon.ops.cross_entropy import (
     LossOptions,
     check_loss_options,
@@ -48,8 +47,6 @@ from tigon.ops.cross_entropy import (
     mean_denominator,
     reduce_losses,
 )
-
-LINEAR_CROSS_ENTROPY = _backend.register("linear_cross_entropy")
 
 # The logits chunk's budget; 128 MiB keeps the op's extra memory under the TARGETS.md bound at
 # V = 128256 in bf16 (512 rows = 125 MiB). A larger chunk makes the weight-gradient GEMM
@@ -148,8 +145,30 @@ def _chunked_loss_and_grads(
 
 def _scale_in_place(t: torch.Tensor, scale: torch.Tensor) -> None:
     n_blocks = cdiv(t.numel(), SCALE_BLOCK)
-    programs = max(1, min(n_blocks, 8 * _backend.multiprocessor_count(t.device)))
+    programs = max(1, min(n_blocks, 8 * multiprocessor_count(t.device)))
     _scale_in_place_kernel[(programs,)](t, scale, t.numel(), BLOCK=SCALE_BLOCK, num_warps=8)
+
+
+def _reference(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss_scale, softcap,
+               num_items_in_batch, max_chunk_bytes):
+    """:func:`linear_cross_entropy_reference` with the public function's arguments."""
+    return linear_cross_entropy_reference(
+        hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss_scale, softcap, num_items_in_batch
+    )
+
+
+def _reference_in_function_order(hidden, weight, bias, target, num_items_in_batch, options, reduction, *_):
+    ignore_index, label_smoothing, z_loss_scale, softcap = options
+    return linear_cross_entropy_reference(
+        hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss_scale, softcap, num_items_in_batch
+    )
+
+
+def _reference_point(ctx, saved):
+    hidden, weight, bias, target = saved
+    options, reduction, _ = ctx.config
+    inputs = (hidden, weight, bias, target, ctx.num_items_in_batch, options, reduction, None, None)
+    return LINEAR_CROSS_ENTROPY, _reference_in_function_order, inputs
 
 
 class _LinearCrossEntropyFunction(torch.autograd.Function):
@@ -182,40 +201,30 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_output):
-        hidden, weight, bias, target = ctx.saved_tensors
+    @backward_fallback(_reference_point)
+    def backward(ctx, saved, grad_output):
+        hidden, weight, bias, target = saved
         options, reduction, chunk = ctx.config
-        try:
-            if ctx.grads is not None:
-                # Computed in forward for grad_output = 1. Handed over once: a second backward
-                # (retain_graph=True) recomputes below.
-                grads, ctx.grads = ctx.grads, None
-                for grad in grads:
-                    if grad is not None:
-                        _scale_in_place(grad, grad_output)
-            else:
-                scale = grad_output.reshape(-1) if reduction == "none" else grad_output * ctx.inverse_denominator
-                grads = _chunked_loss_and_grads(
-                    rows_view(hidden), weight, bias, target.reshape(-1), options, chunk, scale,
-                    *ctx.needs_input_grad[:3],
-                )[1:]
-        except Exception as err:
-            def reference(h, w, b):
-                return linear_cross_entropy_reference(
-                    h, w, target, b, options.ignore_index, reduction,
-                    options.label_smoothing, options.z_loss_scale, options.softcap, ctx.num_items_in_batch,
-                )
-
-            grads = _backend.reference_backward(
-                LINEAR_CROSS_ENTROPY, err, reference, (hidden, weight, bias), (grad_output,)
-            )
+        if ctx.grads is not None:
+            # Computed in forward for grad_output = 1. Handed over once: a second backward
+            # (retain_graph=True) recomputes below.
+            grads, ctx.grads = ctx.grads, None
+            for grad in grads:
+                if grad is not None:
+                    _scale_in_place(grad, grad_output)
+        else:
+            scale = grad_output.reshape(-1) if reduction == "none" else grad_output * ctx.inverse_denominator
+            grads = _chunked_loss_and_grads(
+                rows_view(hidden), weight, bias, target.reshape(-1), options, chunk, scale,
+                *ctx.needs_input_grad[:3],
+            )[1:]
         grad_hidden, grad_weight, grad_bias = grads
         if grad_hidden is not None:
             grad_hidden = grad_hidden.view(hidden.shape)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
-def _check(hidden, weight, target, bias, options, reduction, num_items_in_batch, max_chunk_bytes) -> str | None:
+def _check(hidden, weight, target, bias, options, reduction, num_items_in_batch, max_chunk_bytes) -> None:
     check_float("hidden", hidden)
     if hidden.dim() == 0:
         raise ValueError("hidden must have at least one dimension (the hidden size), got a scalar")
@@ -245,9 +254,6 @@ def _check(hidden, weight, target, bias, options, reduction, num_items_in_batch,
             check_device("num_items_in_batch", num_items_in_batch, hidden.device)
     if not isinstance(max_chunk_bytes, int) or isinstance(max_chunk_bytes, bool) or max_chunk_bytes <= 0:
         raise ValueError(f"max_chunk_bytes must be a positive int, got {max_chunk_bytes!r}")
-    if hidden.dtype not in KERNEL_DTYPES:
-        return f"dtype {hidden.dtype} runs on the reference"
-    return None
 
 
 def _linear_cross_entropy_kernel(
@@ -261,7 +267,101 @@ def _linear_cross_entropy_kernel(
     )
 
 
-@torch.compiler.disable  # a graph break under torch.compile: the op runs eagerly, as itself
+# Inside torch.compile: the chunk loop as library ops (opaque, so the loop's count can follow a
+# symbolic row count), the reduction's divisor and the gradients' scaling as torch ops around them.
+_OPTIONS_SCHEMA = "int ignore_index, float label_smoothing, float z_loss_scale, float? softcap, int chunk"
+
+
+def _loss_fake(hidden, weight, bias, target, scale, ignore_index, label_smoothing, z_loss_scale, softcap, chunk,
+               need_hidden, need_weight, need_bias):
+    return (
+        hidden.new_empty((), dtype=torch.float32), empty_if(need_hidden, hidden), empty_if(need_weight, weight),
+        empty_if(need_bias, weight, weight.shape[:1], None if bias is None else bias.dtype),
+    )
+
+
+@library_op(
+    "linear_cross_entropy",
+    f"(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, Tensor scale, {_OPTIONS_SCHEMA}, bool need_hidden, "
+    "bool need_weight, bool need_bias) -> (Tensor, Tensor, Tensor, Tensor)",
+    _loss_fake,
+)
+def _loss_op(hidden, weight, bias, target, scale, ignore_index, label_smoothing, z_loss_scale, softcap, chunk,
+             need_hidden, need_weight, need_bias):
+    """``sum(scale * losses)`` (`scale` 0-dim or one value per row) and its gradients."""
+    options = LossOptions(ignore_index, label_smoothing, z_loss_scale, softcap)
+    losses, *grads = _chunked_loss_and_grads(
+        rows_view(hidden), weight, bias, target.reshape(-1), options, chunk, scale, need_hidden, need_weight, need_bias
+    )
+    loss = losses.sum() * scale if scale.dim() == 0 else (losses * scale).sum()
+    if grads[0] is not None:
+        grads[0] = grads[0].view(hidden.shape)
+    return (loss, *(hidden.new_empty(0) if g is None else g for g in grads))
+
+
+def _loss_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*output[1:])
+    ctx.needs = inputs[-3:]
+
+
+def _loss_backward(ctx, grad_loss, *_):
+    grads = [g * grad_loss if need else None for g, need in zip(ctx.saved_tensors, ctx.needs)]
+    return (*grads, *[None] * 10)
+
+
+_loss_op.register_autograd(_loss_backward, setup_context=_loss_setup_context)
+
+
+@library_op(
+    "linear_cross_entropy_rows",
+    f"(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, {_OPTIONS_SCHEMA}) -> Tensor",
+    lambda hidden, weight, bias, target, *_: hidden.new_empty(target.shape, dtype=torch.float32),
+)
+def _rows_op(hidden, weight, bias, target, ignore_index, label_smoothing, z_loss_scale, softcap, chunk):
+    """Each row's loss (reduction "none"); backward recomputes the chunks with their gradients."""
+    options = LossOptions(ignore_index, label_smoothing, z_loss_scale, softcap)
+    losses = _chunked_loss_and_grads(
+        rows_view(hidden), weight, bias, target.reshape(-1), options, chunk, None, False, False, False
+    )[0]
+    return losses.view(target.shape)
+
+
+def _rows_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:4])
+    ctx.options = inputs[4:]
+
+
+def _rows_backward(ctx, grad_losses):
+    needs = ctx.needs_input_grad[:3]
+    _, *grads = _loss_op(*ctx.saved_tensors, grad_losses.reshape(-1), *ctx.options, *needs)
+    return (*(g if need else None for g, need in zip(grads, needs)), *[None] * 6)
+
+
+_rows_op.register_autograd(_rows_backward, setup_context=_rows_setup_context)
+
+
+def _linear_cross_entropy_compiled(
+    hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss_scale, softcap,
+    num_items_in_batch, max_chunk_bytes,
+):
+    chunk = chunk_rows(max_chunk_bytes, weight.shape[0], hidden.dtype)
+    options = (ignore_index, float(label_smoothing), float(z_loss_scale), None if softcap is None else float(softcap), chunk)
+    if reduction == "none":
+        return _rows_op(hidden, weight, bias, target, *options)
+    if reduction == "mean":
+        scale = 1.0 / mean_denominator(target, ignore_index, num_items_in_batch, torch.float32)
+    else:
+        scale = torch.ones((), dtype=torch.float32, device=hidden.device)
+    grad_enabled = torch.is_grad_enabled()
+    needs = [grad_enabled and t is not None and t.requires_grad for t in (hidden, weight, bias)]
+    return _loss_op(hidden, weight, bias, target, scale, *options, *needs)[0]
+
+
+LINEAR_CROSS_ENTROPY = Op(
+    "linear_cross_entropy", _linear_cross_entropy_kernel, _reference, compiled=_linear_cross_entropy_compiled
+)
+
+
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -301,17 +401,10 @@ def linear_cross_entropy(
     if max_chunk_bytes is None:
         max_chunk_bytes = DEFAULT_MAX_CHUNK_BYTES
     options = LossOptions(ignore_index, label_smoothing, z_loss_scale, softcap)
-    unsupported = _check(hidden, weight, target, bias, options, reduction, num_items_in_batch, max_chunk_bytes)
-    if _backend._env_flag("TIGON_DEBUG"):
+    _check(hidden, weight, target, bias, options, reduction, num_items_in_batch, max_chunk_bytes)
+    if debug_enabled():
         check_target_range(target, weight.shape[0], ignore_index)
-    args = (hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss_scale, softcap, num_items_in_batch)
-    if target.numel() == 0:
-        return linear_cross_entropy_reference(*args)
-    return _backend.dispatch(
-        LINEAR_CROSS_ENTROPY,
-        lambda *a: _linear_cross_entropy_kernel(*a, max_chunk_bytes),
-        linear_cross_entropy_reference,
-        *args,
-        device=hidden.device,
-        unsupported=unsupported,
+    return LINEAR_CROSS_ENTROPY(
+        None, hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss_scale, softcap,
+        num_items_in_batch, max_chunk_bytes,
     )

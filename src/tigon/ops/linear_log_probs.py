@@ -31,13 +31,10 @@ from typing import NamedTuple
 
 import torch
 
-from tigon import _backend
-from tigon._backend import tl, triton
-from tigon._checks import KERNEL_DTYPES, check_device, check_float, check_vector, rows_view
+from tigon.ops._checks import check_device, check_float, check_vector, rows_view
+from tigon.ops._dispatch import Op, backward_fallback, empty_if, library_op, tl, triton
 from tigon.ops.cross_entropy import check_target, vocab_block_config
-from tigon.ops.linear_cross_entropy import chunk_rows
-
-LINEAR_LOG_PROBS = _backend.register("linear_log_probs")
+from tigon.ops.linear_cross_entropy import _scale_in_place, chunk_rows
 
 # The logits chunk's budget: 896 rows at V = 128256 in bf16 (219 MiB), inside the 256 MiB that
 # the op may take beyond its gradients. Backward's weight-gradient GEMM has K = chunk rows, so a
@@ -286,7 +283,7 @@ def chunked_log_probs(
     return logp, lse, entropy
 
 
-def _chunked_grads(
+def chunked_grads(
     hidden2d, weight, bias, target1d, lse, entropy, grad_logp, grad_entropy, options, rows, needs, grad_hidden=None
 ):
     """Recompute the logits chunk by chunk and return the gradients (hidden, weight, bias) of
@@ -318,73 +315,138 @@ def _chunked_grads(
     return grad_hidden if need_hidden else None, grad_weight, grad_bias
 
 
+def _forward(hidden, weight, bias, target, options, rows, unit_grad):
+    """Per-row fp32 (logp, lse, entropy or None) and, with `unit_grad`, the (N, H) gradient of
+    ``sum(logp)`` w.r.t. the hidden rows (else None)."""
+    hidden2d = rows_view(hidden)
+    grad_hidden = torch.empty(hidden2d.shape, dtype=hidden.dtype, device=hidden.device) if unit_grad else None
+    logp, lse, entropy = chunked_log_probs(
+        hidden2d, weight, bias, target.reshape(-1), rows, options.ignore_index, 1.0 / options.temperature,
+        options.return_entropy, grad_hidden,
+    )
+    return logp, lse, entropy, grad_hidden
+
+
+def log_prob_grads(hidden, weight, bias, target, lse, entropy, grad_logp, grad_entropy, unit_grad_hidden, options,
+                   rows, needs):
+    """The gradients (hidden, weight, bias; None where `needs` says so) for the upstream gradients of
+    logp and entropy (each None when it has none). `unit_grad_hidden`: the (N, H) gradient of
+    ``sum(logp)`` formed in forward when only hidden needs one, or None; it is scaled in place."""
+    target1d = target.reshape(-1)
+    valid = target1d != options.ignore_index
+    zero = torch.zeros((), dtype=torch.float32, device=target.device)
+    # An ignored token's outputs are constants: its upstream gradients (whatever they hold) add nothing.
+    if grad_logp is not None:
+        grad_logp = torch.where(valid, grad_logp.reshape(-1).float(), zero)
+    if grad_entropy is not None:
+        grad_entropy = torch.where(valid, grad_entropy.reshape(-1).float(), zero)
+    hidden2d = rows_view(hidden)
+    if unit_grad_hidden is not None:
+        grad_hidden = unit_grad_hidden.zero_() if grad_logp is None else unit_grad_hidden.mul_(grad_logp.unsqueeze(1))
+        if grad_entropy is not None:
+            grad_hidden = chunked_grads(
+                hidden2d, weight, bias, target1d, lse, entropy, None, grad_entropy, options, rows,
+                (True, False, False), grad_hidden,
+            )[0]
+        grads = (grad_hidden, None, None)
+    elif grad_logp is None and grad_entropy is None:
+        grads = (None, None, None)
+    else:
+        grads = chunked_grads(hidden2d, weight, bias, target1d, lse, entropy, grad_logp, grad_entropy, options, rows, needs)
+    grad_hidden, grad_weight, grad_bias = grads
+    return (None if grad_hidden is None else grad_hidden.view(hidden.shape)), grad_weight, grad_bias
+
+
+def scaled_forward_grads(ctx, grad_loss, recompute):
+    """The gradients a fused loss formed in forward (``ctx.grads``, for an upstream gradient of 1),
+    scaled in place by `grad_loss`, read on the device. Handed over once: a second backward through
+    a retained graph gets them from `recompute()`."""
+    if ctx.grads is not None:
+        grads, ctx.grads = ctx.grads, None
+    else:
+        grads = recompute()
+    for grad in grads:
+        if grad is not None:
+            _scale_in_place(grad, grad_loss)
+    return grads
+
+
+def register_forward_grads_autograd(op) -> None:
+    """Autograd for a fused loss's library op whose first three inputs are (hidden, weight, bias),
+    whose last three say which of them need a gradient, and whose last three outputs are those
+    gradients (formed in forward for an upstream gradient of 1) after the loss, its first output."""
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*output[-3:])
+        ctx.needs, ctx.n_inputs = inputs[-3:], len(inputs)
+
+    def backward(ctx, grad_loss, *_):
+        grads = [grad * grad_loss if need else None for grad, need in zip(ctx.saved_tensors, ctx.needs)]
+        return (*grads, *[None] * (ctx.n_inputs - 3))
+
+    op.register_autograd(backward, setup_context=setup_context)
+
+
+def head_grads_fake(hidden, weight, bias, needs):
+    """A library op's fake gradients of the head (hidden, weight, bias): empty where not needed."""
+    need_hidden, need_weight, need_bias = needs
+    return (empty_if(need_hidden, hidden), empty_if(need_weight, weight),
+            empty_if(need_bias, weight, weight.shape[:1], None if bias is None else bias.dtype))
+
+
+def head_grads_out(hidden, grads):
+    """The head's gradients (hidden's as rows or in its shape; None where not formed) as a library
+    op returns them: hidden's in its shape, an empty tensor for each one not formed."""
+    grad_hidden, grad_weight, grad_bias = grads
+    return (hidden.new_empty(0) if grad_hidden is None else grad_hidden.view(hidden.shape),
+            *(hidden.new_empty(0) if grad is None else grad for grad in (grad_weight, grad_bias)))
+
+
+def head_grad_needs(hidden, weight, bias) -> list[bool]:
+    """Which of the head's tensors a library op must form a gradient for, decided when tracing."""
+    grad_enabled = torch.is_grad_enabled()
+    return [grad_enabled and t is not None and t.requires_grad for t in (hidden, weight, bias)]
+
+
+def _reference_in_function_order(hidden, weight, bias, target, options, *_):
+    return linear_log_probs_reference(hidden, weight, target, bias, *options)
+
+
+def _reference_point(ctx, saved):
+    hidden, weight, bias, target = saved[:4]
+    options, rows = ctx.config
+    return LINEAR_LOG_PROBS, _reference_in_function_order, (hidden, weight, bias, target, options, rows, None)
+
+
 class _LinearLogProbsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, options, rows, grad_enabled):
-        hidden2d, target1d = rows_view(hidden), target.reshape(-1)
         # needs_input_grad follows requires_grad even under no_grad, when no backward can come.
         needs = [grad_enabled and need for need in ctx.needs_input_grad[:3]]
         # Only hidden needs a gradient: its logp part is linear in the upstream gradient per row,
         # so it is formed now, while each chunk's logits are at hand.
-        hidden_only = needs[0] and not needs[1] and not needs[2]
-        grad_hidden = torch.empty(hidden2d.shape, dtype=hidden.dtype, device=hidden.device) if hidden_only else None
-        logp, lse, entropy = chunked_log_probs(
-            hidden2d, weight, bias, target1d, rows, options.ignore_index, 1.0 / options.temperature,
-            options.return_entropy, grad_hidden,
+        logp, lse, entropy, ctx.grad_hidden = _forward(
+            hidden, weight, bias, target, options, rows, needs[0] and not needs[1] and not needs[2]
         )
         ctx.set_materialize_grads(False)  # an unused entropy gets no gradient (and costs no pass)
         ctx.save_for_backward(hidden, weight, bias, target, lse, entropy)
         ctx.config = (options, rows)
-        ctx.grad_hidden = grad_hidden
         if options.return_entropy:
             return logp.view(target.shape), entropy.view(target.shape)
         return logp.view(target.shape)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_logp, grad_entropy=None):
-        hidden, weight, bias, target, lse, entropy = ctx.saved_tensors
+    @backward_fallback(_reference_point)
+    def backward(ctx, saved, grad_logp, grad_entropy=None):
+        hidden, weight, bias, target, lse, entropy = saved
         options, rows = ctx.config
-        needs = ctx.needs_input_grad[:3]
-        target1d = target.reshape(-1)
-        valid = target1d != options.ignore_index
-        zero = torch.zeros((), dtype=torch.float32, device=target.device)
-        # An ignored token's outputs are constants: its upstream gradients (whatever they hold) add nothing.
-        if grad_logp is not None:
-            grad_logp = torch.where(valid, grad_logp.reshape(-1).float(), zero)
-        if grad_entropy is not None:
-            grad_entropy = torch.where(valid, grad_entropy.reshape(-1).float(), zero)
-        grad_hidden, ctx.grad_hidden = ctx.grad_hidden, None  # handed over once (retain_graph recomputes)
-        hidden2d = rows_view(hidden)
-        try:
-            if grad_hidden is not None:
-                if grad_logp is None:
-                    grad_hidden.zero_()
-                else:
-                    grad_hidden.mul_(grad_logp.unsqueeze(1))
-                if grad_entropy is not None:
-                    grad_hidden = _chunked_grads(
-                        hidden2d, weight, bias, target1d, lse, entropy, None, grad_entropy, options, rows,
-                        (True, False, False), grad_hidden,
-                    )[0]
-                grads = (grad_hidden, None, None)
-            elif grad_logp is None and grad_entropy is None:
-                grads = (None, None, None)
-            else:
-                grads = _chunked_grads(
-                    hidden2d, weight, bias, target1d, lse, entropy, grad_logp, grad_entropy, options, rows, needs
-                )
-        except Exception as err:
-            def reference(h, w, b):
-                return linear_log_probs_reference(h, w, target, b, *options)
-
-            upstream = (grad_logp, grad_entropy) if options.return_entropy else (grad_logp,)
-            upstream = tuple(None if g is None else g.view(target.shape) for g in upstream)
-            grads = _backend.reference_backward(LINEAR_LOG_PROBS, err, reference, (hidden, weight, bias), upstream)
-        grad_hidden, grad_weight, grad_bias = grads
-        if grad_hidden is not None:
-            grad_hidden = grad_hidden.view(hidden.shape)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        unit_grad_hidden, ctx.grad_hidden = ctx.grad_hidden, None  # handed over once (retain_graph recomputes)
+        grads = log_prob_grads(
+            hidden, weight, bias, target, lse, entropy, grad_logp, grad_entropy, unit_grad_hidden, options, rows,
+            ctx.needs_input_grad[:3],
+        )
+        return (*grads, None, None, None, None)
 
 
 def check_head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, names: tuple[str, str, str]) -> None:
@@ -418,7 +480,7 @@ def check_ignore_index(ignore_index: int) -> None:
         raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
 
 
-def _check(hidden, weight, target, bias, options, max_chunk_bytes) -> str | None:
+def _check(hidden, weight, target, bias, options, max_chunk_bytes) -> None:
     check_head(hidden, weight, bias, ("hidden", "weight", "bias"))
     check_target(target, hidden.shape[:-1], hidden.device, "hidden")
     check_ignore_index(options.ignore_index)
@@ -428,9 +490,11 @@ def _check(hidden, weight, target, bias, options, max_chunk_bytes) -> str | None
     if not isinstance(options.return_entropy, bool):
         raise ValueError(f"return_entropy must be a bool, got {options.return_entropy!r}")
     check_chunk_bytes(max_chunk_bytes)
-    if hidden.dtype not in KERNEL_DTYPES:
-        return f"dtype {hidden.dtype} runs on the reference"
-    return None
+
+
+def _reference(hidden, weight, target, bias, ignore_index, temperature, return_entropy, max_chunk_bytes):
+    """:func:`linear_log_probs_reference` with the public function's arguments."""
+    return linear_log_probs_reference(hidden, weight, target, bias, ignore_index, temperature, return_entropy)
 
 
 def _linear_log_probs_kernel(hidden, weight, target, bias, ignore_index, temperature, return_entropy, max_chunk_bytes):
@@ -439,7 +503,94 @@ def _linear_log_probs_kernel(hidden, weight, target, bias, ignore_index, tempera
     return _LinearLogProbsFunction.apply(hidden, weight, bias, target, options, rows, torch.is_grad_enabled())
 
 
-@torch.compiler.disable  # a graph break under torch.compile: the op runs eagerly, as itself
+# Inside torch.compile: the chunk loops as library ops (the chunk size picked from the real sizes),
+# with the Function's gradients.
+_OPTIONS_SCHEMA = "int ignore_index, float temperature"
+
+
+def _forward_fake(hidden, weight, bias, target, ignore_index, temperature, return_entropy, max_chunk_bytes, unit_grad):
+    per_row = [hidden.new_empty(target.shape, dtype=torch.float32) for _ in range(2)]
+    entropy = hidden.new_empty(target.shape if return_entropy else (0,), dtype=torch.float32)
+    return (*per_row, entropy, empty_if(unit_grad, hidden))
+
+
+@library_op(
+    "linear_log_probs",
+    f"(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, {_OPTIONS_SCHEMA}, bool return_entropy, "
+    "int max_chunk_bytes, bool unit_grad) -> (Tensor, Tensor, Tensor, Tensor)",
+    _forward_fake,
+)
+def _forward_op(hidden, weight, bias, target, ignore_index, temperature, return_entropy, max_chunk_bytes, unit_grad):
+    """(logp, lse, entropy or empty, the unit hidden gradient or empty), per row of `target`'s shape."""
+    rows = chunk_rows(max_chunk_bytes, weight.shape[0], hidden.dtype)
+    options = LogProbOptions(ignore_index, temperature, return_entropy)
+    logp, lse, entropy, grad_hidden = _forward(hidden, weight, bias, target, options, rows, unit_grad)
+    return (
+        logp.view(target.shape), lse.view(target.shape),
+        entropy.view(target.shape) if return_entropy else hidden.new_empty(0, dtype=torch.float32),
+        grad_hidden.view(hidden.shape) if unit_grad else hidden.new_empty(0),
+    )
+
+
+def _backward_fake(hidden, weight, bias, target, lse, entropy, grad_logp, grad_entropy, unit_grad_hidden,
+                   ignore_index, temperature, max_chunk_bytes, need_hidden, need_weight, need_bias):
+    return head_grads_fake(hidden, weight, bias, (need_hidden, need_weight, need_bias))
+
+
+@library_op(
+    "linear_log_probs_backward",
+    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, Tensor lse, Tensor? entropy, Tensor? grad_logp, "
+    f"Tensor? grad_entropy, Tensor? unit_grad_hidden, {_OPTIONS_SCHEMA}, int max_chunk_bytes, bool need_hidden, "
+    "bool need_weight, bool need_bias) -> (Tensor, Tensor, Tensor)",
+    _backward_fake,
+)
+def _backward_op(hidden, weight, bias, target, lse, entropy, grad_logp, grad_entropy, unit_grad_hidden,
+                 ignore_index, temperature, max_chunk_bytes, need_hidden, need_weight, need_bias):
+    rows = chunk_rows(max_chunk_bytes, weight.shape[0], hidden.dtype)
+    options = LogProbOptions(ignore_index, temperature, entropy is not None)
+    # The unit gradient is an input of this op, which must not write over it.
+    unit = None if unit_grad_hidden is None else unit_grad_hidden.reshape(-1, hidden.shape[-1]).clone()
+    grads = log_prob_grads(
+        hidden, weight, bias, target, lse.reshape(-1), None if entropy is None else entropy.reshape(-1),
+        grad_logp, grad_entropy, unit, options, rows, (need_hidden, need_weight, need_bias),
+    )
+    return head_grads_out(hidden, grads)
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, bias, target, ignore_index, temperature, return_entropy, max_chunk_bytes, unit_grad = inputs
+    _, lse, entropy, unit_grad_hidden = output
+    ctx.save_for_backward(
+        hidden, weight, bias, target, lse, entropy if return_entropy else None, unit_grad_hidden if unit_grad else None
+    )
+    ctx.options = (ignore_index, temperature, max_chunk_bytes)
+
+
+def _op_backward(ctx, grad_logp, _grad_lse, grad_entropy, _grad_unit):
+    hidden, weight, bias, target, lse, entropy, unit_grad_hidden = ctx.saved_tensors
+    needs = ctx.needs_input_grad[:3]
+    grads = _backward_op(
+        hidden, weight, bias, target, lse, entropy, grad_logp, grad_entropy if entropy is not None else None,
+        unit_grad_hidden, *ctx.options, *needs,
+    )
+    return (*(g if need else None for g, need in zip(grads, needs)), *[None] * 6)
+
+
+_forward_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+def _linear_log_probs_compiled(hidden, weight, target, bias, ignore_index, temperature, return_entropy, max_chunk_bytes):
+    needs = head_grad_needs(hidden, weight, bias)
+    logp, _, entropy, _ = _forward_op(
+        hidden, weight, bias, target, ignore_index, float(temperature), return_entropy, max_chunk_bytes,
+        needs[0] and not needs[1] and not needs[2],
+    )
+    return (logp, entropy) if return_entropy else logp
+
+
+LINEAR_LOG_PROBS = Op("linear_log_probs", _linear_log_probs_kernel, _reference, compiled=_linear_log_probs_compiled)
+
+
 def linear_log_probs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -470,20 +621,13 @@ def linear_log_probs(
     Returns:
         fp32 log-probabilities of the shape of `target` (float64 for float64 inputs), and with
         `return_entropy` the entropies, as ``(log_probs, entropy)``. Differentiable in hidden,
-        weight and bias for any upstream gradients; no host sync.
+        weight and bias for any upstream gradients; no host sync. Inside torch.compile the same
+        kernels run as the library ops ``tigon::linear_log_probs`` and ``_backward`` (there a
+        returned entropy always passes its gradient, zero if unused).
     """
     if max_chunk_bytes is None:
         max_chunk_bytes = DEFAULT_MAX_CHUNK_BYTES
-    options = LogProbOptions(ignore_index, temperature, return_entropy)
-    unsupported = _check(hidden, weight, target, bias, options, max_chunk_bytes)
-    args = (hidden, weight, target, bias, ignore_index, temperature, return_entropy)
-    if target.numel() == 0:
-        return linear_log_probs_reference(*args)
-    return _backend.dispatch(
-        LINEAR_LOG_PROBS,
-        lambda *a: _linear_log_probs_kernel(*a, max_chunk_bytes),
-        linear_log_probs_reference,
-        *args,
-        device=hidden.device,
-        unsupported=unsupported,
+    _check(hidden, weight, target, bias, LogProbOptions(ignore_index, temperature, return_entropy), max_chunk_bytes)
+    return LINEAR_LOG_PROBS(
+        None, hidden, weight, target, bias, ignore_index, temperature, return_entropy, max_chunk_bytes
     )

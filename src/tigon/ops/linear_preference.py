@@ -46,24 +46,27 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from tigon import _backend
-from tigon._checks import KERNEL_DTYPES, check_choice, check_device, check_float, rows_view
+from tigon.ops._checks import check_choice, check_device, check_float, rows_view
+from tigon.ops._dispatch import Op, backward_fallback, library_op
 from tigon.ops.cross_entropy import check_target
-from tigon.ops.linear_cross_entropy import _scale_in_place, chunk_rows
+from tigon.ops.linear_cross_entropy import chunk_rows
 from tigon.ops.linear_log_probs import (
     backprop_head,
     check_chunk_bytes,
     check_head,
     check_ignore_index,
     chunked_log_probs,
+    head_grad_needs,
+    head_grads_fake,
+    head_grads_out,
     head_logits,
     linear_log_probs_reference,
     log_prob_grad_rows,
     log_prob_rows,
     logits_chunks,
+    register_forward_grads_autograd,
+    scaled_forward_grads,
 )
-
-LINEAR_PREFERENCE_LOSS = _backend.register("linear_preference_loss")
 
 METHODS = ("dpo", "ipo", "hinge", "robust", "simpo", "cpo", "orpo", "kto")
 REFERENCE_METHODS = ("dpo", "ipo", "hinge", "robust", "kto")
@@ -165,13 +168,62 @@ def _objective(options, logps, ref_logps, counts, labels, kl, n_units, nll_token
     return total
 
 
-def _objective_and_coefficients(options, logps, *context):
+def _unit_coefficients(options, logps, ref_logps, counts, labels, kl):
+    """d (sum of :func:`unit_losses`) / d logps in closed form: the kernels' per-sequence scale.
+    (Autograd cannot run inside a library op's implementation, which records no graph.)"""
+    method, beta, eps = options.method, options.beta, options.label_smoothing
+    if method == "kto":
+        rising = torch.sigmoid(beta * (logps - ref_logps - kl))
+        falling = torch.sigmoid(beta * (kl - logps + ref_logps))
+        d = torch.where(labels, -options.desirable_weight * beta * rising * (1.0 - rising),
+                        options.undesirable_weight * beta * falling * (1.0 - falling))
+        return torch.where(counts > 0, d, 0.0)
+    chosen, rejected = logps.chunk(2)
+    n_chosen, n_rejected = counts.chunk(2)
+    valid = (n_chosen > 0) & (n_rejected > 0)
+    per_chosen, per_rejected = n_chosen.clamp(min=1), n_rejected.clamp(min=1)
+    if method in REFERENCE_METHODS:
+        ref_chosen, ref_rejected = ref_logps.chunk(2)
+        u_chosen, u_rejected = chosen - ref_chosen, rejected - ref_rejected
+    if method == "ipo":
+        slope = 2.0 * (u_chosen / per_chosen - u_rejected / per_rejected - 1.0 / (2.0 * beta))
+        d_chosen, d_rejected = slope / per_chosen, -slope / per_rejected
+    elif method == "orpo":
+        a_chosen = torch.where(valid, chosen / per_chosen, -1.0)
+        a_rejected = torch.where(valid, rejected / per_rejected, -1.0)
+        log_odds = (a_chosen - a_rejected) - (_log1mexp(a_chosen) - _log1mexp(a_rejected))
+        slope = -beta * torch.sigmoid(-log_odds)
+        # d log_odds / d a = 1 + e^a / (1 - e^a) = -1 / expm1(a)
+        d_chosen = slope * (-1.0 / torch.expm1(a_chosen)) / per_chosen
+        d_rejected = slope / torch.expm1(a_rejected) / per_rejected
+    else:
+        # loss(z), z linear in the sums: d loss / d z times dz / dS of each side.
+        if method == "simpo":
+            z = beta * (chosen / per_chosen - rejected / per_rejected) - options.gamma
+            dz_chosen, dz_rejected = beta / per_chosen, -beta / per_rejected
+        else:
+            z = beta * ((u_chosen - u_rejected) if method != "cpo" else (chosen - rejected))
+            dz_chosen, dz_rejected = beta, -beta
+        if method == "hinge":
+            slope = -(z < 1.0).to(z.dtype)
+        elif method == "robust":
+            slope = (-(1.0 - eps) * torch.sigmoid(-z) - eps * torch.sigmoid(z)) / (1.0 - 2.0 * eps)
+        else:  # dpo, simpo, cpo: -(1 - eps) log sig(z) - eps log sig(-z)
+            slope = -(1.0 - eps) * torch.sigmoid(-z) + eps * torch.sigmoid(z)
+        d_chosen, d_rejected = slope * dz_chosen, slope * dz_rejected
+    return torch.cat([torch.where(valid, d_chosen, 0.0), torch.where(valid, d_rejected, 0.0)])
+
+
+def _objective_and_coefficients(options, logps, ref_logps, counts, labels, kl, n_units, nll_tokens):
     """The group objective and its derivative w.r.t. each sequence's log-prob sum."""
-    with torch.enable_grad():
-        leaf = logps.detach().requires_grad_()
-        total = _objective(options, leaf, *context)
-        (coefficients,) = torch.autograd.grad(total, leaf)
-    return total.detach(), coefficients
+    total = _objective(options, logps, ref_logps, counts, labels, kl, n_units, nll_tokens)
+    coefficients = _unit_coefficients(options, logps, ref_logps, counts, labels, kl) / n_units
+    if options.nll_weight:
+        chosen = _chosen(options, torch.ones_like(logps), labels)
+        if options.method != "kto":
+            chosen = torch.cat([chosen, torch.zeros_like(chosen)])
+        coefficients = coefficients - options.nll_weight * chosen / nll_tokens
+    return total, coefficients
 
 
 def _estimate_kl(logps, ref_logps, counts):
@@ -299,6 +351,15 @@ def _policy_pass(hidden2d, weight, bias, target1d, ref_logps, counts, labels, kl
     return total, logps, kl, (grad_hidden, grad_weight, grad_bias)
 
 
+def _reference_in_function_order(hidden, weight, bias, target, ref_logps, labels, kl, options, *_):
+    return _policy_reference(hidden, weight, target, bias, ref_logps, labels, kl, options)
+
+
+def _reference_point(ctx, saved):
+    options, plan = ctx.config
+    return LINEAR_PREFERENCE_LOSS, _reference_in_function_order, (*saved, options, plan, None)
+
+
 class _LinearPreferenceFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, ref_logps, labels, kl, options, plan, grad_enabled):
@@ -317,28 +378,15 @@ class _LinearPreferenceFunction(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss, _grad_logps, _grad_kl):
-        hidden, weight, bias, target, ref_logps, labels, kl = ctx.saved_tensors
+    @backward_fallback(_reference_point)
+    def backward(ctx, saved, grad_loss, _grad_logps, _grad_kl):
+        hidden, weight, bias, target, ref_logps, labels, kl = saved
         options, plan = ctx.config
-        try:
-            if ctx.grads is not None:
-                # Formed in forward for grad_loss = 1; handed over once (retain_graph recomputes).
-                grads, ctx.grads = ctx.grads, None
-            else:
-                grads = _policy_pass(
-                    rows_view(hidden), weight, bias, target.reshape(-1), ref_logps,
-                    _sequence_counts(target, options.ignore_index), labels, kl, options, plan, target.shape[-1],
-                    tuple(ctx.needs_input_grad[:3]),
-                )[3]
-            for grad in grads:
-                if grad is not None:
-                    _scale_in_place(grad, grad_loss)
-        except Exception as err:
-            def reference(h, w, b):
-                return _policy_reference(h, w, target, b, ref_logps, labels, kl, options)[0]
-
-            grads = _backend.reference_backward(LINEAR_PREFERENCE_LOSS, err, reference, (hidden, weight, bias), (grad_loss,))
-        grad_hidden, grad_weight, grad_bias = grads
+        grad_hidden, grad_weight, grad_bias = scaled_forward_grads(ctx, grad_loss, lambda: _policy_pass(
+            rows_view(hidden), weight, bias, target.reshape(-1), ref_logps,
+            _sequence_counts(target, options.ignore_index), labels, kl, options, plan, target.shape[-1],
+            tuple(ctx.needs_input_grad[:3]),
+        )[3])
         if grad_hidden is not None:
             grad_hidden = grad_hidden.view(hidden.shape)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
@@ -397,14 +445,15 @@ def preference_metrics(
     }
 
 
-def _as_kl(kl_baseline, device, dtype=torch.float32):
-    """The baseline as a 0-dim tensor on `device`, without a gradient or a host sync."""
-    if kl_baseline is None:
+def as_device_scalar(value, device, dtype=torch.float32):
+    """A float or 0-dim tensor (a KL baseline, a loss's divisor) as a 0-dim tensor on `device`,
+    without a gradient or a host sync; None stays None."""
+    if value is None:
         return None
-    if isinstance(kl_baseline, torch.Tensor) and kl_baseline.device == device:
-        return kl_baseline.detach().to(dtype)
+    if isinstance(value, torch.Tensor) and value.device == device:
+        return value.detach().to(dtype)
     # A float, or a CPU tensor (reading host memory is no device sync; copying it over would be).
-    return torch.full((), float(kl_baseline), dtype=dtype, device=device)
+    return torch.full((), float(value), dtype=dtype, device=device)
 
 
 def linear_preference_loss_reference(
@@ -417,27 +466,37 @@ def linear_preference_loss_reference(
             ref_log_probs = linear_log_probs_reference(
                 ref_hidden, ref_weight, target, ref_bias, options.ignore_index
             ).sum(-1)
-    kl = _as_kl(kl_baseline, hidden.device, torch.promote_types(hidden.dtype, torch.float32))
+    kl = as_device_scalar(kl_baseline, hidden.device, torch.promote_types(hidden.dtype, torch.float32))
     total, logps, kl = _policy_reference(hidden, weight, target, bias, ref_log_probs, labels, kl, options)
     return total, preference_metrics(options, logps, ref_log_probs, target, labels, kl)
+
+
+def _score_reference(hidden, weight, target, ref_hidden, ref_weight, ref_bias, options, plan, max_chunk_bytes):
+    """The reference model's per-sequence log-prob sums, fp32, without gradient."""
+    n_seq, seq_len = target.shape
+    with torch.no_grad():
+        same_logits = ref_weight.shape[0] == weight.shape[0] and ref_hidden.dtype == hidden.dtype
+        # The policy's chunk size where the logits match, so both passes reuse one buffer size.
+        rows = plan.rows if same_logits else chunk_rows(max_chunk_bytes, ref_weight.shape[0], ref_hidden.dtype)
+        return chunked_log_probs(
+            rows_view(ref_hidden), ref_weight, ref_bias, target.reshape(-1), rows, options.ignore_index, 1.0
+        )[0].view(n_seq, seq_len).sum(1)
+
+
+def _plan(options, hidden, weight, target, max_chunk_bytes, kl):
+    n_seq, seq_len = target.shape
+    return plan_chunks(options, n_seq, seq_len, weight.shape[0], hidden.dtype, max_chunk_bytes, kl is not None)
 
 
 def _linear_preference_kernel(
     hidden, weight, target, bias, ref_hidden, ref_weight, ref_bias, ref_log_probs, labels, kl_baseline, options,
     max_chunk_bytes,
 ):
-    n_seq, seq_len = target.shape
-    kl = _as_kl(kl_baseline, hidden.device)
-    plan = plan_chunks(options, n_seq, seq_len, weight.shape[0], hidden.dtype, max_chunk_bytes, kl is not None)
+    kl = as_device_scalar(kl_baseline, hidden.device)
+    plan = _plan(options, hidden, weight, target, max_chunk_bytes, kl)
     if ref_hidden is not None:
-        with torch.no_grad():
-            ref2d = rows_view(ref_hidden)
-            same_logits = ref_weight.shape[0] == weight.shape[0] and ref_hidden.dtype == hidden.dtype
-            # The policy's chunk size where the logits match, so both passes reuse one buffer size.
-            ref_rows = plan.rows if same_logits else chunk_rows(max_chunk_bytes, ref_weight.shape[0], ref_hidden.dtype)
-            ref_log_probs = chunked_log_probs(
-                ref2d, ref_weight, ref_bias, target.reshape(-1), ref_rows, options.ignore_index, 1.0
-            )[0].view(n_seq, seq_len).sum(1)
+        ref_log_probs = _score_reference(hidden, weight, target, ref_hidden, ref_weight, ref_bias, options, plan,
+                                         max_chunk_bytes)
     elif ref_log_probs is not None:
         ref_log_probs = ref_log_probs.detach().float()
     total, logps, kl_used = _LinearPreferenceFunction.apply(
@@ -446,14 +505,93 @@ def _linear_preference_kernel(
     return total, preference_metrics(options, logps, ref_log_probs, target, labels, kl_used)
 
 
-def _is_number(x) -> bool:
+def _reference(hidden, weight, target, bias, ref_hidden, ref_weight, ref_bias, ref_log_probs, labels, kl_baseline,
+               options, max_chunk_bytes):
+    """:func:`linear_preference_loss_reference` with the kernel's arguments."""
+    return linear_preference_loss_reference(
+        hidden, weight, target, bias, ref_hidden, ref_weight, ref_bias, ref_log_probs, labels, kl_baseline, options
+    )
+
+
+# Inside torch.compile: the reference's scoring and the policy's pass (the loss and its gradients,
+# formed in forward) as one library op; the metrics are torch ops around it.
+def _loss_fake(hidden, weight, bias, target, ref_hidden, ref_weight, ref_bias, ref_log_probs, labels, kl, method,
+               beta, label_smoothing, nll_weight, gamma, desirable_weight, undesirable_weight, ignore_index,
+               max_chunk_bytes, need_hidden, need_weight, need_bias):
+    n_seq = target.shape[0]
+    return (
+        hidden.new_empty((), dtype=torch.float32), hidden.new_empty((n_seq,), dtype=torch.float32),
+        hidden.new_empty((), dtype=torch.float32),
+        hidden.new_empty((n_seq,) if ref_hidden is not None else (0,), dtype=torch.float32),
+        *head_grads_fake(hidden, weight, bias, (need_hidden, need_weight, need_bias)),
+    )
+
+
+@library_op(
+    "linear_preference_loss",
+    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, Tensor? ref_hidden, Tensor? ref_weight, "
+    "Tensor? ref_bias, Tensor? ref_log_probs, Tensor? labels, Tensor? kl, str method, float beta, "
+    "float label_smoothing, float nll_weight, float gamma, float desirable_weight, float undesirable_weight, "
+    "int ignore_index, int max_chunk_bytes, bool need_hidden, bool need_weight, bool need_bias) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _loss_fake,
+)
+def _loss_op(hidden, weight, bias, target, ref_hidden, ref_weight, ref_bias, ref_log_probs, labels, kl, method, beta,
+             label_smoothing, nll_weight, gamma, desirable_weight, undesirable_weight, ignore_index, max_chunk_bytes,
+             need_hidden, need_weight, need_bias):
+    """(loss, per-sequence sums, KL baseline used, the reference's sums scored from ref_hidden or
+    empty, the gradients of hidden, weight and bias or empty)."""
+    options = PreferenceOptions(method, beta, label_smoothing, nll_weight, gamma, desirable_weight, undesirable_weight,
+                                ignore_index)
+    plan = _plan(options, hidden, weight, target, max_chunk_bytes, kl)
+    scored = None
+    if ref_hidden is not None:
+        scored = ref_log_probs = _score_reference(
+            hidden, weight, target, ref_hidden, ref_weight, ref_bias, options, plan, max_chunk_bytes
+        )
+    total, logps, kl_used, grads = _policy_pass(
+        rows_view(hidden), weight, bias, target.reshape(-1), ref_log_probs,
+        _sequence_counts(target, ignore_index), labels, kl, options, plan, target.shape[-1],
+        (need_hidden, need_weight, need_bias),
+    )
+    return (
+        total, logps, kl_used.clone(),  # a copy: the baseline used may be the one given, an input
+        hidden.new_empty(0, dtype=torch.float32) if scored is None else scored, *head_grads_out(hidden, grads),
+    )
+
+
+register_forward_grads_autograd(_loss_op)
+
+
+def _linear_preference_compiled(
+    hidden, weight, target, bias, ref_hidden, ref_weight, ref_bias, ref_log_probs, labels, kl_baseline, options,
+    max_chunk_bytes,
+):
+    kl = as_device_scalar(kl_baseline, hidden.device)
+    if ref_log_probs is not None:
+        ref_log_probs = ref_log_probs.detach().float()
+    total, logps, kl_used, scored, *_ = _loss_op(
+        hidden, weight, bias, target, ref_hidden, ref_weight, ref_bias, ref_log_probs, labels, kl, options.method,
+        *(float(value) for value in options[1:-1]), options.ignore_index, max_chunk_bytes,
+        *head_grad_needs(hidden, weight, bias),
+    )
+    ref_log_probs = scored if ref_hidden is not None else ref_log_probs
+    return total, preference_metrics(options, logps, ref_log_probs, target, labels, kl_used)
+
+
+LINEAR_PREFERENCE_LOSS = Op(
+    "linear_preference_loss", _linear_preference_kernel, _reference, compiled=_linear_preference_compiled
+)
+
+
+def is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _check(
     hidden, weight, target, bias, ref_hidden, ref_weight, ref_bias, ref_log_probs, labels, kl_baseline, options,
     max_chunk_bytes, given,
-) -> str | None:
+) -> None:
     method = options.method
     check_choice("method", method, METHODS)
     check_head(hidden, weight, bias, ("hidden", "weight", "bias"))
@@ -491,24 +629,24 @@ def _check(
         if ref_log_probs.shape != (n_seq,):
             raise ValueError(f"ref_log_probs must have shape ({n_seq},) (one log-prob sum per sequence), got {tuple(ref_log_probs.shape)}")
         check_device("ref_log_probs", ref_log_probs, hidden.device)
-    if not _is_number(options.beta) or not options.beta > 0:
+    if not is_number(options.beta) or not options.beta > 0:
         raise ValueError(f"beta must be a positive float, got {options.beta!r}")
     eps = options.label_smoothing
-    if method == "robust" and not (_is_number(eps) and 0.0 <= eps < 0.5):
+    if method == "robust" and not (is_number(eps) and 0.0 <= eps < 0.5):
         raise ValueError(f"label_smoothing must be a float in [0, 0.5) for method 'robust', got {eps!r}")
-    if not (_is_number(eps) and 0.0 <= eps <= 1.0):
+    if not (is_number(eps) and 0.0 <= eps <= 1.0):
         raise ValueError(f"label_smoothing must be a float in [0, 1], got {eps!r}")
     if eps and method not in SMOOTHED_METHODS:
         raise ValueError(f"label_smoothing is for methods {', '.join(SMOOTHED_METHODS)}; method {method!r} has none")
-    if not _is_number(options.nll_weight) or options.nll_weight < 0:
+    if not is_number(options.nll_weight) or options.nll_weight < 0:
         raise ValueError(f"nll_weight must be a non-negative float, got {options.nll_weight!r}")
     if given["gamma"] and method != "simpo":
         raise ValueError(f"gamma is SimPO's margin; method {method!r} has none")
-    if not _is_number(options.gamma):
+    if not is_number(options.gamma):
         raise ValueError(f"gamma must be a float, got {options.gamma!r}")
     for name in ("desirable_weight", "undesirable_weight"):
         value = getattr(options, name)
-        if not _is_number(value) or not value > 0:
+        if not is_number(value) or not value > 0:
             raise ValueError(f"{name} must be a positive float, got {value!r}")
         if value != 1.0 and method != "kto":
             raise ValueError(f"{name} is for method 'kto', not {method!r}")
@@ -516,16 +654,12 @@ def _check(
         if method != "kto":
             raise ValueError(f"kl_baseline is for method 'kto', not {method!r}")
         is_scalar_tensor = isinstance(kl_baseline, torch.Tensor) and kl_baseline.dim() == 0
-        if not (_is_number(kl_baseline) or is_scalar_tensor):
+        if not (is_number(kl_baseline) or is_scalar_tensor):
             raise ValueError(f"kl_baseline must be a float or a 0-dim tensor, got {kl_baseline!r}")
     check_ignore_index(options.ignore_index)
     check_chunk_bytes(max_chunk_bytes)
-    if hidden.dtype not in KERNEL_DTYPES:
-        return f"dtype {hidden.dtype} runs on the reference"
-    return None
 
 
-@torch.compiler.disable  # a graph break under torch.compile: the op runs eagerly, as itself
 def linear_preference_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -588,7 +722,9 @@ def linear_preference_loss(
         average log-prob (simpo, orpo) or the log-prob sum (cpo). kto: ``rewards`` and
         ``logps`` ``(B,)``, and 0-dim ``kl``, ``chosen_rewards`` / ``rejected_rewards`` (means
         over the desirable / undesirable sequences), ``margin``, ``chosen_nll``. Gradients
-        reach hidden, weight and bias (never the reference); they are formed in forward.
+        reach hidden, weight and bias (never the reference); they are formed in forward. Inside
+        torch.compile the same kernels run as the library op ``tigon::linear_preference_loss``,
+        the metrics as torch ops around it.
     """
     if max_chunk_bytes is None:
         max_chunk_bytes = DEFAULT_MAX_CHUNK_BYTES
@@ -601,14 +737,5 @@ def linear_preference_loss(
         desirable_weight, undesirable_weight, ignore_index,
     )
     args = (hidden, weight, target, bias, ref_hidden, ref_weight, ref_bias, ref_log_probs, labels, kl_baseline, options)
-    unsupported = _check(*args, max_chunk_bytes, {"gamma": gamma is not None})
-    if target.numel() == 0:
-        return linear_preference_loss_reference(*args)
-    return _backend.dispatch(
-        LINEAR_PREFERENCE_LOSS,
-        lambda *a: _linear_preference_kernel(*a, max_chunk_bytes),
-        linear_preference_loss_reference,
-        *args,
-        device=hidden.device,
-        unsupported=unsupported,
-    )
+    _check(*args, max_chunk_bytes, {"gamma": gamma is not None})
+    return LINEAR_PREFERENCE_LOSS(None, *args, max_chunk_bytes)

@@ -19,13 +19,9 @@ from typing import NamedTuple
 
 import torch
 
-from tigon import _backend
-from tigon._backend import tl, triton
+from tigon.ops._checks import KERNEL_DTYPES, check_choice, check_eps, check_float, check_vector, rows_view
+from tigon.ops._dispatch import Op, backward_fallback, empty_if, library_op, tl, triton
 from tigon.ops._launch import cdiv, persistent_programs, row_block_config
-from tigon._checks import KERNEL_DTYPES, check_choice, check_eps, check_float, check_vector, rows_view
-
-RMS_NORM = _backend.register("rms_norm")
-ADD_RMS_NORM = _backend.register("add_rms_norm")
 
 CASTINGS = ("llama", "gemma", "none")
 MAX_KERNEL_COLS = 65536  # a whole row lives in registers; wider rows run the reference
@@ -148,9 +144,9 @@ def add_rms_norm_reference(
 class NormedInput(NamedTuple):
     """Says that a tensor is ``rms_norm(source, weight, eps, offset=offset, casting=casting)``.
 
-    An op consuming such a tensor (:func:`tigon.ops.glu.glu_mlp`) may save `source` for backward
-    instead of it and recompute it there: the norm keeps `source` for its own backward anyway, so
-    one hidden-sized tensor per layer is not kept twice. The recomputation runs the same kernel on
+    An op consuming such a tensor (:func:`tigon.ops.composite.glu_mlp.glu_mlp`) may save `source`
+    for backward instead of it and recompute it there: the norm keeps `source` for its own backward
+    anyway, so one hidden-sized tensor per layer is not kept twice. The recomputation runs the same kernel on
     the same rows, so it is bit for bit the tensor of the forward.
     """
 
@@ -169,6 +165,15 @@ def _output_dtype(x: torch.Tensor, weight: torch.Tensor, casting: str) -> torch.
     return x.dtype if casting == "gemma" else torch.promote_types(x.dtype, weight.dtype)
 
 
+def _forward_buffers(x, residual, weight, casting):
+    """The forward kernel's outputs, unwritten: ``(normed, sum or None, rstd)``, rstd one fp32 value
+    per row. Allocated in x's shape (no views to make of them): contiguous, row stride n_cols."""
+    out = torch.empty(x.shape, dtype=_output_dtype(x, weight, casting), device=x.device)
+    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    total = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
+    return out, total, rstd
+
+
 def rms_norm_rows(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, offset: float, casting: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -177,12 +182,9 @@ def rms_norm_rows(
     and `rstd` one fp32 value per row: what :func:`rms_norm_backward` takes."""
     x2d = rows_view(x)
     n_rows, n_cols = x2d.shape
-    # Outputs are allocated in x's shape (no views to make of them): contiguous, row stride n_cols.
-    out = torch.empty(x.shape, dtype=_output_dtype(x, weight, casting), device=x.device)
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    out, total, rstd = _forward_buffers(x, residual, weight, casting)
     if residual is not None:
         residual2d = rows_view(residual)
-        total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     else:
         residual2d = total = x2d  # unused by the kernel; any pointer will do
     block_rows, block_cols, num_warps = row_block_config(n_cols)
@@ -200,6 +202,35 @@ def rms_norm_rows(
     return out, total, rstd
 
 
+def _norm_and_sum(x, residual, weight, eps, offset, casting):
+    """What :class:`_RMSNormFunction` returns, by the references."""
+    if residual is None:
+        return rms_norm_reference(x, weight, eps, offset, casting), None
+    return add_rms_norm_reference(x, residual, weight, eps, offset, casting)
+
+
+def _reference_point(ctx, saved):
+    source, weight, _ = saved
+    eps, offset, casting, shape, has_residual = ctx.config
+    x = source.view(shape)
+    # x and the residual enter only through their sum, so (sum, 0) stands in for them.
+    residual = torch.zeros_like(x) if has_residual else None
+    return (ADD_RMS_NORM if has_residual else RMS_NORM), _norm_and_sum, (x, residual, weight, eps, offset, casting)
+
+
+def _grads(ctx, saved, grad_out, grad_sum, backward):
+    """The Function's (and the library op's) input gradients, by `backward` (the kernel's
+    launcher, or its library op)."""
+    source, weight, rstd = saved
+    eps, offset, casting, shape, has_residual = ctx.config
+    need_weight = ctx.needs_input_grad[2]
+    grad_x, grad_weight = backward(
+        grad_out, grad_sum if has_residual else None, source, weight, rstd, offset, casting, need_weight
+    )
+    grad_x = grad_x.view(shape)
+    return grad_x, (grad_x if has_residual else None), (grad_weight if need_weight else None), None, None, None
+
+
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, eps, offset, casting):
@@ -210,24 +241,9 @@ class _RMSNormFunction(torch.autograd.Function):
         return out, (source if residual is not None else None)
 
     @staticmethod
-    def backward(ctx, grad_out, grad_sum):
-        source, weight, rstd = ctx.saved_tensors
-        x2d = rows_view(source)
-        eps, offset, casting, shape, has_residual = ctx.config
-        try:
-            grad_x, grad_weight = rms_norm_backward(
-                grad_out, grad_sum, x2d, weight, rstd, offset, casting, ctx.needs_input_grad[2]
-            )
-        except Exception as err:
-            op = ADD_RMS_NORM if has_residual else RMS_NORM
-            reference = (lambda s, w: rms_norm_reference(s, w, eps, offset, casting))
-            grad_x, grad_weight = _backend.reference_backward(
-                op, err, reference, (x2d.view(shape), weight), (grad_out,)
-            )
-            if grad_sum is not None:
-                grad_x = grad_x + grad_sum
-        grad_x = grad_x.view(shape)
-        return grad_x, (grad_x if has_residual else None), grad_weight, None, None, None
+    @backward_fallback(_reference_point)
+    def backward(ctx, saved, grad_out, grad_sum):
+        return _grads(ctx, saved, grad_out, grad_sum, rms_norm_backward)
 
 
 def _backward_block_config(n_cols: int) -> tuple[int, int, int]:
@@ -241,9 +257,11 @@ def _backward_block_config(n_cols: int) -> tuple[int, int, int]:
     return max(1, 8192 // block_cols), block_cols, 4
 
 
-def rms_norm_backward(grad_out, grad_sum, x2d, weight, rstd, offset, casting, compute_grad_weight):
-    """(dx, dweight or None) by the backward kernel, from the rows `x2d` the forward normalised and
-    their `rstd`; `grad_sum` (or None) is the gradient reaching the sum ``x + residual`` directly."""
+def rms_norm_backward(grad_out, grad_sum, source, weight, rstd, offset, casting, compute_grad_weight):
+    """(dx as 2-D rows, dweight or None) by the backward kernel, from the `source` the forward
+    normalised (any shape, or its 2-D rows) and its `rstd`; `grad_sum` (or None) is the gradient
+    reaching the sum ``x + residual`` directly."""
+    x2d = rows_view(source)
     n_rows, n_cols = x2d.shape
     grad_out2d = rows_view(grad_out)
     grad_sum2d = rows_view(grad_sum) if grad_sum is not None else grad_out2d
@@ -287,8 +305,8 @@ def _check(x, weight, eps, casting, residual=None) -> str | None:
             raise ValueError(f"residual must have the dtype of x ({x.dtype}), got {residual.dtype}")
         if residual.device != x.device:
             raise ValueError(f"residual is on {residual.device}, expected {x.device} like x")
-    if x.dtype not in KERNEL_DTYPES or weight.dtype not in KERNEL_DTYPES:
-        return f"dtype {x.dtype}/{weight.dtype} runs on the reference"
+    if weight.dtype not in KERNEL_DTYPES:
+        return f"weight dtype {weight.dtype} runs on the reference"
     if x.shape[-1] > MAX_KERNEL_COLS:
         return f"last dim {x.shape[-1]} is wider than the kernel's {MAX_KERNEL_COLS}"
     return None
@@ -300,6 +318,62 @@ def _rms_norm_kernel(x, weight, eps, offset, casting):
 
 def _add_rms_norm_kernel(x, residual, weight, eps, offset, casting):
     return _RMSNormFunction.apply(x, residual, weight, float(eps), float(offset), casting)
+
+
+# Inside torch.compile: the same launchers as library ops, with the Function's gradients.
+def _forward_fake(x, residual, weight, eps, offset, casting):
+    out, total, rstd = _forward_buffers(x, residual, weight, casting)
+    return out, (total if total is not None else x.new_empty(0)), rstd
+
+
+@library_op(
+    "rms_norm",
+    "(Tensor x, Tensor? residual, Tensor weight, float eps, float offset, str casting) -> (Tensor, Tensor, Tensor)",
+    _forward_fake,
+)
+def _forward_op(x, residual, weight, eps, offset, casting):
+    out, total, rstd = rms_norm_rows(x, residual, weight, eps, offset, casting)
+    return out, (total if residual is not None else x.new_empty(0)), rstd
+
+
+def _backward_fake(grad_out, grad_sum, source, weight, rstd, offset, casting, compute_grad_weight):
+    return source.new_empty(source.shape), empty_if(compute_grad_weight, weight)
+
+
+@library_op(
+    "rms_norm_backward",
+    "(Tensor grad_out, Tensor? grad_sum, Tensor source, Tensor weight, Tensor rstd, float offset, str casting, "
+    "bool compute_grad_weight) -> (Tensor, Tensor)",
+    _backward_fake,
+)
+def _backward_op(grad_out, grad_sum, source, weight, rstd, offset, casting, compute_grad_weight):
+    grad_x, grad_weight = rms_norm_backward(grad_out, grad_sum, source, weight, rstd, offset, casting, compute_grad_weight)
+    return grad_x.view(source.shape), (grad_weight if compute_grad_weight else weight.new_empty(0))
+
+
+def _setup_context(ctx, inputs, output):
+    x, residual, weight, eps, offset, casting = inputs
+    ctx.save_for_backward(output[1] if residual is not None else x, weight, output[2])
+    ctx.config = (eps, offset, casting, x.shape, residual is not None)
+
+
+_forward_op.register_autograd(
+    lambda ctx, grad_out, grad_sum, _: _grads(ctx, ctx.saved_tensors, grad_out, grad_sum, _backward_op),
+    setup_context=_setup_context,
+)
+
+
+def _rms_norm_compiled(x, weight, eps, offset, casting):
+    return _forward_op(x, None, weight, float(eps), float(offset), casting)[0]
+
+
+def _add_rms_norm_compiled(x, residual, weight, eps, offset, casting):
+    out, total, _ = _forward_op(x, residual, weight, float(eps), float(offset), casting)
+    return out, total
+
+
+RMS_NORM = Op("rms_norm", _rms_norm_kernel, rms_norm_reference, compiled=_rms_norm_compiled)
+ADD_RMS_NORM = Op("add_rms_norm", _add_rms_norm_kernel, add_rms_norm_reference, compiled=_add_rms_norm_compiled)
 
 
 def rms_norm(
@@ -329,13 +403,7 @@ def rms_norm(
     if weight is None and isinstance(x, torch.Tensor) and x.dim():
         # A scale of ones in x's dtype: the kernels' own rounding, and no gradient to compute.
         weight = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
-    unsupported = _check(x, weight, eps, casting)
-    if x.numel() == 0:
-        return rms_norm_reference(x, weight, eps, offset, casting)
-    return _backend.dispatch(
-        RMS_NORM, _rms_norm_kernel, rms_norm_reference, x, weight, eps, offset, casting,
-        device=x.device, unsupported=unsupported,
-    )
+    return RMS_NORM(_check(x, weight, eps, casting), x, weight, eps, offset, casting)
 
 
 def add_rms_norm(
@@ -352,10 +420,4 @@ def add_rms_norm(
     The sum is rounded to the input dtype before it is normalised, as in the unfused code. Arguments
     are those of :func:`rms_norm`; `residual` has the shape and dtype of `x`.
     """
-    unsupported = _check(x, weight, eps, casting, residual)
-    if x.numel() == 0:
-        return add_rms_norm_reference(x, residual, weight, eps, offset, casting)
-    return _backend.dispatch(
-        ADD_RMS_NORM, _add_rms_norm_kernel, add_rms_norm_reference, x, residual, weight, eps, offset, casting,
-        device=x.device, unsupported=unsupported,
-    )
+    return ADD_RMS_NORM(_check(x, weight, eps, casting, residual), x, residual, weight, eps, offset, casting)

@@ -23,12 +23,9 @@ import functools
 
 import torch
 
-from tigon import _backend
-from tigon._backend import tl, triton
-from tigon._checks import KERNEL_DTYPES, check_device, check_float
+from tigon.ops._checks import KERNEL_DTYPES, check_device, check_float
+from tigon.ops._dispatch import Op, backward_fallback, library_op, tl, triton
 from tigon.ops._launch import cdiv, next_power_of_2
-
-ROPE = _backend.register("rope")
 
 # Elements of one half-tile (tokens x heads x pairs) that a program loads at a time.
 TILE_ELEMENTS = 4096
@@ -223,40 +220,61 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _outputs(q, k, cos):
+    """Rotated q and k, unwritten, in the promotion of q's and cos's dtypes; empty_like keeps q's
+    layout (HF passes (B, T, H, D) memory transposed to (B, H, T, D))."""
+    dtype = torch.promote_types(q.dtype, cos.dtype)
+    return torch.empty_like(q, dtype=dtype), torch.empty_like(k, dtype=dtype)
+
+
+def rope_forward(q, k, cos, sin, interleaved):
+    """``(q_embed, k_embed)`` by the kernel, outside autograd."""
+    q, k = _unit_last_stride(q), _unit_last_stride(k)
+    cos, sin = _unit_last_stride(cos), _unit_last_stride(sin)
+    q_out, k_out = _outputs(q, k, cos)
+    _launch(q, k, cos, sin, q_out, k_out, interleaved, backward=False)
+    return q_out, k_out
+
+
+def rope_backward(grad_q_out, grad_k_out, cos, sin, interleaved, dtype):
+    """The gradients of q and k (in `dtype`; None for a None output gradient) by the kernel: the
+    rotation by the transpose."""
+    grad_q_out = _unit_last_stride(grad_q_out) if grad_q_out is not None else None
+    grad_k_out = _unit_last_stride(grad_k_out) if grad_k_out is not None else None
+    grad_q = torch.empty_like(grad_q_out, dtype=dtype) if grad_q_out is not None else None
+    grad_k = torch.empty_like(grad_k_out, dtype=dtype) if grad_k_out is not None else None
+    if grad_q is not None or grad_k is not None:
+        _launch(grad_q_out, grad_k_out, _unit_last_stride(cos), _unit_last_stride(sin), grad_q, grad_k, interleaved, backward=True)
+    return grad_q, grad_k
+
+
+def _reference_point(ctx, saved):
+    cos, sin = saved
+    interleaved, dtype, shapes = ctx.config
+    # The rotation is linear, so its gradient is the same at any point: zeros will do.
+    at = [torch.zeros(shape, dtype=dtype, device=cos.device) for shape in shapes]
+    return ROPE, rope_reference, (*at, cos, sin, interleaved)
+
+
 class _RopeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin, interleaved):
         # An unused output gets no gradient (None, not zeros): its tensor is skipped in backward.
         ctx.set_materialize_grads(False)
-        q, k = _unit_last_stride(q), _unit_last_stride(k)
-        cos, sin = _unit_last_stride(cos), _unit_last_stride(sin)
-        out_dtype = torch.promote_types(q.dtype, cos.dtype)
-        # empty_like keeps q's layout (HF passes (B, T, H, D) memory transposed to (B, H, T, D)).
-        q_out = torch.empty_like(q, dtype=out_dtype)
-        k_out = torch.empty_like(k, dtype=out_dtype)
-        _launch(q, k, cos, sin, q_out, k_out, interleaved, backward=False)
-        ctx.save_for_backward(cos, sin)
+        q_out, k_out = rope_forward(q, k, cos, sin, interleaved)
+        ctx.save_for_backward(_unit_last_stride(cos), _unit_last_stride(sin))
         ctx.config = (interleaved, q.dtype, (q.shape, k.shape))
         return q_out, k_out
 
     @staticmethod
-    def backward(ctx, grad_q_out, grad_k_out):
-        cos, sin = ctx.saved_tensors
-        interleaved, dtype, shapes = ctx.config
-        grad_q_out = _unit_last_stride(grad_q_out) if ctx.needs_input_grad[0] and grad_q_out is not None else None
-        grad_k_out = _unit_last_stride(grad_k_out) if ctx.needs_input_grad[1] and grad_k_out is not None else None
-        grad_q = torch.empty_like(grad_q_out, dtype=dtype) if grad_q_out is not None else None
-        grad_k = torch.empty_like(grad_k_out, dtype=dtype) if grad_k_out is not None else None
-        if grad_q is None and grad_k is None:
-            return None, None, None, None, None
-        try:
-            _launch(grad_q_out, grad_k_out, cos, sin, grad_q, grad_k, interleaved, backward=True)
-        except Exception as err:
-            # The rotation is linear, so its gradient is the same at any point: zeros will do.
-            at = [torch.zeros(shape, dtype=dtype, device=cos.device) for shape in shapes]
-            grad_q, grad_k = _backend.reference_backward(
-                ROPE, err, lambda q, k: rope_reference(q, k, cos, sin, interleaved), at, (grad_q_out, grad_k_out)
-            )
+    @backward_fallback(_reference_point)
+    def backward(ctx, saved, grad_q_out, grad_k_out):
+        cos, sin = saved
+        interleaved, dtype, _ = ctx.config
+        grad_q, grad_k = rope_backward(
+            grad_q_out if ctx.needs_input_grad[0] else None, grad_k_out if ctx.needs_input_grad[1] else None,
+            cos, sin, interleaved, dtype,
+        )
         return grad_q, grad_k, None, None, None
 
 
@@ -300,8 +318,52 @@ def _check(q, k, cos, sin, interleaved) -> str | None:
     return None
 
 
-def _rope_kernel_fn(q, k, cos, sin, interleaved):
-    return _RopeFunction.apply(q, k, cos, sin, interleaved)
+# Inside torch.compile: the same launchers as library ops.
+@library_op(
+    "rope", "(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved) -> (Tensor, Tensor)",
+    lambda q, k, cos, sin, interleaved: _outputs(_unit_last_stride(q), _unit_last_stride(k), cos),
+)
+def _forward_op(q, k, cos, sin, interleaved):
+    return rope_forward(q, k, cos, sin, interleaved)
+
+
+def _grads_or_empty(grads, cos, dtype):
+    # A library op's outputs cannot be None: an empty tensor stands for a gradient not computed.
+    return tuple(g if g is not None else cos.new_empty(0, dtype=dtype) for g in grads)
+
+
+def _backward_fake(grad_q_out, grad_k_out, cos, sin, interleaved, dtype):
+    grads = [torch.empty_like(_unit_last_stride(g), dtype=dtype) if g is not None else None for g in (grad_q_out, grad_k_out)]
+    return _grads_or_empty(grads, cos, dtype)
+
+
+@library_op(
+    "rope_backward",
+    "(Tensor? grad_q_out, Tensor? grad_k_out, Tensor cos, Tensor sin, bool interleaved, ScalarType dtype) "
+    "-> (Tensor, Tensor)",
+    _backward_fake,
+)
+def _backward_op(grad_q_out, grad_k_out, cos, sin, interleaved, dtype):
+    grads = rope_backward(grad_q_out, grad_k_out, cos, sin, interleaved, dtype)
+    return _grads_or_empty(grads, cos, dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, cos, sin, interleaved = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.config = (interleaved, q.dtype)
+
+
+def _op_backward(ctx, grad_q_out, grad_k_out):
+    cos, sin = ctx.saved_tensors
+    grad_q, grad_k = _backward_op(grad_q_out, grad_k_out, cos, sin, *ctx.config)
+    return grad_q if grad_q_out is not None else None, grad_k if grad_k_out is not None else None, None, None, None
+
+
+_forward_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+ROPE = Op("rope", _RopeFunction.apply, rope_reference, compiled=_forward_op)
+
 
 
 def rope(
@@ -330,10 +392,4 @@ def rope(
         ``(q_embed, k_embed)`` with the shapes and layouts of q and k, in the promotion of q's and
         cos's dtypes (as HF's formula gives).
     """
-    unsupported = _check(q, k, cos, sin, interleaved)
-    if q.numel() == 0 or k.numel() == 0:
-        return rope_reference(q, k, cos, sin, interleaved)
-    return _backend.dispatch(
-        ROPE, _rope_kernel_fn, rope_reference, q, k, cos, sin, interleaved,
-        device=q.device, unsupported=unsupported,
-    )
+    return ROPE(_check(q, k, cos, sin, interleaved), q, k, cos, sin, interleaved)

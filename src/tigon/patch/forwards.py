@@ -18,7 +18,7 @@ import torch
 
 from tigon import functional as F
 from tigon.nn.activations import glu, glu_kind, module_activation
-from tigon.ops.lora import autocast_dtype
+from tigon.ops import autocast_dtype
 from tigon.ops.rms_norm import NormedInput
 from tigon.patch import handoff, lora
 from tigon.patch.families import MLP, Attention, Head, Layer, Norm, Rope

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from tigon import functional as F
-from tigon.ops.lora import LoraProjection, autocast_dtype
+from tigon.ops import LoraProjection, autocast_dtype
 from tigon.patch.modules import forward_attr, has_hooks
 
 

@@ -57,12 +57,20 @@ TABLE: tuple[Switch, ...] = (
     Switch("tiled_mlp", False, "the MLP over chunks of tokens: its intermediates never exist whole"),
 )
 
+# The ops tigon.patch does not apply, so no switch covers them (TIGON_DISABLE still takes them):
+# the fused RL and preference losses, which a trainer calls on the hidden states itself, and the
+# MoE experts op, which transformers' experts dispatch calls once tigon.nn.moe registers it.
+UNPATCHED_OPS: tuple[str, ...] = (
+    "linear_log_probs", "linear_preference_loss", "linear_policy_loss", "linear_distill_loss", "moe_experts",
+)
+
 SWITCHES: tuple[str, ...] = tuple(switch.name for switch in TABLE)
 DEFAULTS: dict[str, bool] = {switch.name: switch.default for switch in TABLE}
 
 
 def covering(op: str) -> tuple[str, ...]:
-    """The switches covering the op named `op` (empty for a name no switch covers)."""
+    """The switches covering the op named `op` (empty for a name no switch covers, such as the
+    :data:`UNPATCHED_OPS`)."""
     return tuple(switch.name for switch in TABLE if op in switch.ops)
 
 
@@ -72,6 +80,11 @@ def check_switch_names(names: Iterable[str], where: str) -> None:
     unknown = [name for name in names if name not in DEFAULTS]
     for name in unknown:
         switches = covering(name)
+        if name in UNPATCHED_OPS:
+            raise ValueError(
+                f"{where}: {name!r} is an op name (TIGON_DISABLE takes those) that tigon.patch does not apply, "
+                "so no switch covers it"
+            )
         if switches:
             raise ValueError(
                 f"{where}: {name!r} is an op name (TIGON_DISABLE takes those), not a switch; "

@@ -1,6 +1,7 @@
 """What a run shows and records: a progress bar (loss, lr, tok/s, MFU, GPU memory and
-utilisation), metrics.jsonl, a PNG loss curve and a closing summary. Only the main process
-reports."""
+utilisation, and any figures of the objective's own: reward margin and accuracy for `tigon
+rlhf`), metrics.jsonl, a PNG of the loss curve (and of the reward margin) and a closing summary.
+Only the main process reports."""
 
 from __future__ import annotations
 
@@ -42,8 +43,13 @@ def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot_loss(output_dir: Path) -> Path | None:
-    """loss.png from metrics.jsonl (training loss per step, evaluation loss as points)."""
+MARGIN = "rewards/margins"  # the preference trainers' reward margin (TRL's name)
+ACCURACY = "rewards/accuracies"
+
+
+def plot_loss(output_dir: Path, title: str = "tigon sft") -> Path | None:
+    """loss.png from metrics.jsonl (training loss per step, evaluation loss as points), with a
+    second panel for the reward margin (and accuracy) when the run logged one."""
     try:
         import matplotlib
 
@@ -55,18 +61,34 @@ def plot_loss(output_dir: Path) -> Path | None:
     records = read_metrics(output_dir)
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
     evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    margins = [(r["step"], r[MARGIN]) for r in records if MARGIN in r]
     if not train and not evals:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, axes = plt.subplots(1, 2 if margins else 1, figsize=(12 if margins else 7, 4), squeeze=False)
+    ax = axes[0][0]
     if train:
         ax.plot(*zip(*train), label="train loss", linewidth=1.2)
     if evals:
         ax.plot(*zip(*evals), "o-", label="eval loss")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_title(f"tigon sft: {output_dir.name}")
+    ax.set_title(f"{title}: {output_dir.name}")
     ax.grid(alpha=0.3)
     ax.legend()
+    if margins:
+        ax = axes[0][1]
+        ax.plot(*zip(*margins), color="tab:green", linewidth=1.2, label="reward margin (chosen - rejected)")
+        ax.set_xlabel("step")
+        ax.set_ylabel("reward margin")
+        ax.grid(alpha=0.3)
+        accuracy = [(r["step"], r[ACCURACY]) for r in records if ACCURACY in r]
+        if accuracy:
+            twin = ax.twinx()
+            twin.plot(*zip(*accuracy), color="tab:orange", linewidth=1.0, alpha=0.8, label="reward accuracy")
+            twin.set_ylabel("reward accuracy")
+            twin.set_ylim(-0.05, 1.05)
+            twin.legend(loc="lower right")
+        ax.legend(loc="upper left")
     fig.tight_layout()
     path = output_dir / PLOT_FILE
     fig.savefig(path, dpi=110)
@@ -74,18 +96,34 @@ def plot_loss(output_dir: Path) -> Path | None:
     return path
 
 
+def _first_and_last(values: list[float]) -> tuple[float, float] | None:
+    """The mean of the first and of the last tenth of `values`, when both are finite."""
+    if not values:
+        return None
+    n = max(1, len(values) // 10)
+    first, last = sum(values[:n]) / n, sum(values[-n:]) / n
+    return (first, last) if math.isfinite(first) and math.isfinite(last) else None
+
+
 class Reporter(TrainerCallback):
     """Progress bar, metrics.jsonl and summary. Speed is measured between logs from the
     tokens the Trainer counted (all processes), so MFU divides by every process's peak."""
 
-    def __init__(self, output_dir: Path, flops_per_token: float, peak_flops: float, world_size: int):
+    def __init__(self, output_dir: Path, flops_per_token: float, peak_flops: float, world_size: int,
+                 command: str = "sft", metrics: dict[str, str] | None = None):
+        """`metrics`: log keys of the objective's own to record in metrics.jsonl (and their
+        evaluation values, prefixed ``eval_``), each with its label on the progress bar and in
+        the summary ("": recorded only)."""
         self.output_dir = output_dir
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops * world_size
+        self.title = f"tigon {command}"
+        self.metrics = metrics or {}
         self.bar: Any = None
         self.window: tuple[float, int] | None = None
         self.start: tuple[float, int] | None = None
         self.losses: list[float] = []
+        self.series: dict[str, list[float]] = {key: [] for key, label in self.metrics.items() if label}
         self.rates: list[float] = []
         self.postfix = ""
 
@@ -97,7 +135,7 @@ class Reporter(TrainerCallback):
             return
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="tigon sft",
+        self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc=self.title,
                         dynamic_ncols=True, unit="step")
         now = (time.perf_counter(), state.num_input_tokens_seen)
         self.window = self.start = now
@@ -130,14 +168,21 @@ class Reporter(TrainerCallback):
         record: dict[str, Any] = {"step": state.global_step, "epoch": round(state.epoch or 0.0, 4)}
         if "loss" in logs:
             record.update(loss=logs["loss"], lr=logs.get("learning_rate"), grad_norm=logs.get("grad_norm"))
+            record.update({key: logs[key] for key in self.metrics if key in logs})
             speed = self._speed(state)
             record.update(speed)
             logs.update(speed)  # for the trackers of --report-to, which run after this callback
             self.losses.append(logs["loss"])
+            for key, values in self.series.items():
+                if key in logs:
+                    values.append(logs[key])
             self._show(record)
         elif "eval_loss" in logs:
             record["eval_loss"] = logs["eval_loss"]
-            log_line = f"step {state.global_step}: eval loss {logs['eval_loss']:.4f}"
+            record.update({f"eval_{key}": logs[f"eval_{key}"] for key in self.metrics if f"eval_{key}" in logs})
+            shown = [f"{label} {logs['eval_' + key]:.4f}" for key, label in self.metrics.items()
+                     if label and f"eval_{key}" in logs]
+            log_line = ", ".join([f"step {state.global_step}: eval loss {logs['eval_loss']:.4f}", *shown])
             (self.bar.write if self.bar is not None else log.info)(log_line)
         else:
             return
@@ -146,6 +191,7 @@ class Reporter(TrainerCallback):
 
     def _show(self, r: dict[str, Any]) -> None:
         parts = [f"loss {r['loss']:.4f}"]
+        parts += [f"{label} {r[key]:.3f}" for key, label in self.metrics.items() if label and key in r]
         if r.get("lr") is not None:
             parts.append(f"lr {r['lr']:.2e}")
         if "tokens_per_s" in r:
@@ -162,7 +208,7 @@ class Reporter(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
-            plot_loss(self.output_dir)
+            plot_loss(self.output_dir, self.title)
 
     def close(self) -> None:
         """End the progress bar's line, when training raised (and so never ends)."""
@@ -189,13 +235,11 @@ class Reporter(TrainerCallback):
             lines[-1] += f", MFU {100 * rate * self.flops_per_token / self.peak_flops:.1f}%"
         if torch.cuda.is_available():
             lines[-1] += f", peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"
-        if self.losses:
-            head = self.losses[: max(1, len(self.losses) // 10)]
-            tail = self.losses[-max(1, len(self.losses) // 10):]
-            first, last = sum(head) / len(head), sum(tail) / len(tail)
-            if math.isfinite(first) and math.isfinite(last):
-                lines.append(f"loss: {first:.4f} (first steps) -> {last:.4f} (last steps)")
-        plot = plot_loss(self.output_dir)
+        for label, values in [("loss", self.losses), *((self.metrics[k], v) for k, v in self.series.items())]:
+            ends = _first_and_last(values)
+            if ends is not None:
+                lines.append(f"{label}: {ends[0]:.4f} (first steps) -> {ends[1]:.4f} (last steps)")
+        plot = plot_loss(self.output_dir, self.title)
         lines.append(f"metrics: {self.output_dir / METRICS_FILE}" + (f", loss curve: {plot}" if plot else ""))
         for line in lines:
             log.info("%s", line)

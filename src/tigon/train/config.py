@@ -1,5 +1,6 @@
-"""`tigon sft` settings: one dataclass, read from a YAML/JSON file and the command line (the command
-line wins), then checked and completed with defaults in one place, before anything is loaded."""
+"""`tigon sft` and `tigon rlhf` settings: one dataclass per command (rlhf's extends sft's), read
+from a YAML/JSON file and the command line (the command line wins), then checked and completed
+with defaults in one place, before anything is loaded."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import json
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from tigon.patch import check_switch_names
 
@@ -108,8 +109,15 @@ class SFTConfig:
                           "in OUTPUT_DIR/runs)", choices=["none", *TRACKERS])
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(SFTConfig)}
+    # Fields of this class that its command does not take (no option, unknown in a config file).
+    LEFT_OUT: ClassVar[tuple[str, ...]] = ()
+
+
 _LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules")
+
+
+def _fields(cls: type[SFTConfig]) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls) if f.name not in cls.LEFT_OUT}
 
 
 def _scalar_type(f: dataclasses.Field) -> type:
@@ -120,12 +128,12 @@ def _scalar_type(f: dataclasses.Field) -> type:
     return str
 
 
-def add_sft_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one option per `SFTConfig` field (``--lora-rank``, ``--no-kernels`` ...) plus ``--config``.
+def add_sft_arguments(parser: argparse.ArgumentParser, cls: type[SFTConfig] = SFTConfig) -> None:
+    """Add one option per field of `cls` (``--lora-rank``, ``--no-kernels`` ...) plus ``--config``.
     Options not given stay absent from the namespace, so a config file can fill them."""
     parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
                         help="YAML or JSON file of settings (keys as below, - or _); options given here win")
-    for name, f in _FIELDS.items():
+    for name, f in _fields(cls).items():
         flag = "--" + name.replace("_", "-")
         kind = _scalar_type(f)
         kwargs = {**f.metadata, "help": help_with_default(f.metadata["help"], _shown_default(f))}
@@ -164,9 +172,9 @@ def _comma_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
-def _coerce(name: str, value: Any, source: str) -> Any:
+def _coerce(f: dataclasses.Field, value: Any, source: str) -> Any:
     """A config-file value converted to the field's type, or an SFTError naming the key."""
-    f = _FIELDS[name]
+    name = f.name
     kind = _scalar_type(f)
     if value is None:
         if f.default is not None:
@@ -197,8 +205,8 @@ def _coerce(name: str, value: Any, source: str) -> Any:
     return converted
 
 
-def load_config_file(path: str | Path) -> dict[str, Any]:
-    """The settings in a YAML (.yaml/.yml) or JSON file, keys normalised to field names."""
+def load_config_file(path: str | Path, cls: type[SFTConfig] = SFTConfig) -> dict[str, Any]:
+    """The settings of `cls` in a YAML (.yaml/.yml) or JSON file, keys normalised to field names."""
     path = Path(path)
     if not path.is_file():
         raise SFTError(f"config file not found: {path}")
@@ -217,21 +225,22 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         return {}
     if not isinstance(raw, dict):
         raise SFTError(f"{path}: expected a mapping of setting: value, got {type(raw).__name__}")
+    fields = _fields(cls)
     settings = {}
     for key, value in raw.items():
         name = str(key).replace("-", "_")
-        if name not in _FIELDS:
+        if name not in fields:
             raise SFTError(f"{path}: unknown setting {key!r}")
-        settings[name] = _coerce(name, value, str(path))
+        settings[name] = _coerce(fields[name], value, str(path))
     return settings
 
 
-def config_from_args(args: argparse.Namespace) -> tuple[SFTConfig, set[str]]:
-    """The config from ``--config`` overlaid with the options given on the command line, and the
-    names of the settings the user chose (file or command line), for the checks in `resolve`."""
-    settings = load_config_file(args.config) if getattr(args, "config", None) else {}
-    settings.update({name: getattr(args, name) for name in _FIELDS if hasattr(args, name)})
-    return SFTConfig(**settings), set(settings)
+def config_from_args(args: argparse.Namespace, cls: type[SFTConfig] = SFTConfig) -> tuple[SFTConfig, set[str]]:
+    """The `cls` config from ``--config`` overlaid with the options given on the command line, and
+    the names of the settings the user chose (file or command line), for the checks in `resolve`."""
+    settings = load_config_file(args.config, cls) if getattr(args, "config", None) else {}
+    settings.update({name: getattr(args, name) for name in _fields(cls) if hasattr(args, name)})
+    return cls(**settings), set(settings)
 
 
 def resolve(cfg: SFTConfig, given: set[str] = frozenset()) -> SFTConfig:
@@ -292,4 +301,95 @@ def resolve(cfg: SFTConfig, given: set[str] = frozenset()) -> SFTConfig:
         check_switch_names(cfg.kernels_off, "--kernels-off")
     except ValueError as err:
         raise SFTError(str(err)) from None
+    return cfg
+
+
+# --- tigon rlhf ---------------------------------------------------------------------------------
+
+METHODS = ("dpo", "ipo", "kto", "orpo", "simpo", "cpo")
+REFERENCE_METHODS = ("dpo", "ipo", "kto")  # the others score the policy alone
+_DEFAULT_BETA = {"simpo": 2.0}  # SimPO's beta scales average log-probs, not sums (its paper's range)
+_DEFAULT_NLL_WEIGHT = {"cpo": 1.0, "orpo": 1.0}  # part of those methods' objectives
+_SMOOTHED = ("dpo", "simpo", "cpo")
+# Which method each method-specific setting belongs to.
+_METHOD_KEYS = {"simpo_gamma": ("simpo",), "desirable_weight": ("kto",), "undesirable_weight": ("kto",),
+                "label_smoothing": _SMOOTHED, "precompute_ref_log_probs": REFERENCE_METHODS}
+
+
+@dataclass
+class RLHFConfig(SFTConfig):
+    """Every `tigon rlhf` setting: sft's (less --packing), with preference training's defaults, and
+    the method with its constants. ``None`` means "the default for this run and method"."""
+
+    LEFT_OUT: ClassVar[tuple[str, ...]] = ("packing",)
+
+    dataset: list[str] | None = _opt(
+        None, "preference files (.jsonl .json .csv .parquet): prompt/chosen/rejected, messages + rejected_response "
+        "or rejected_messages, chosen/rejected conversations, or (kto) prompt/completion/label; PATH#N takes N "
+        "random rows (default: bundled preference pairs)", nargs="+", metavar="PATH")
+    tuner: str | None = _opt(None, "lora (default; its reference is the model with the adapter switched off) or "
+                             "full (a frozen copy; default for the built-in model)", choices=["lora", "full"])
+    max_length: int | None = _opt(None, "truncate each prompt + answer to this many tokens, cutting the answer; a "
+                                  "prompt this long drops its row (default 1024; 128 for the built-in model)")
+    epochs: float | None = _opt(None, "passes over the data (default 1; 3 for the built-in model)")
+    lr: float | None = _opt(None, "peak learning rate (default: 5e-6 LoRA, 5e-7 full, 1e-4 built-in)")
+    batch_size: int | None = _opt(None, "pairs (kto: answers) per device per step (default 4; 16 built-in)")
+    output_dir: str = _opt("tigon-rlhf-out", "where checkpoints, metrics.jsonl and loss.png go", metavar="DIR")
+
+    method: str = _opt("dpo", "the preference objective", choices=list(METHODS))
+    beta: float | None = _opt(None, "the method's beta: how far from the reference (dpo, ipo, kto), the reward "
+                              "scale (simpo, cpo), the odds-ratio weight (orpo) (default 0.1; 2 for simpo)")
+    label_smoothing: float = _opt(0.0, "dpo (conservative DPO), simpo, cpo: the assumed chance that a pair's "
+                                  "preference is flipped, < 0.5")
+    simpo_gamma: float = _opt(1.0, "simpo: the target reward margin")
+    nll_weight: float | None = _opt(None, "weight of the chosen answers' NLL added to the loss (default 1 for cpo "
+                                    "and orpo, part of those methods; 0 for the others)")
+    desirable_weight: float = _opt(1.0, "kto: weight of the desirable answers' loss")
+    undesirable_weight: float = _opt(1.0, "kto: weight of the undesirable answers' loss")
+    precompute_ref_log_probs: bool = _opt(False, "score the data with the reference once before training, instead "
+                                          "of a reference forward per step (a full fine-tune then keeps no copy)")
+    max_prompt_length: int | None = _opt(None, "keep only the last N tokens of each prompt (default: no limit "
+                                         "but --max-length)")
+
+
+def resolve_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> RLHFConfig:
+    """`resolve` for `tigon rlhf`: its own defaults first, then sft's checks, then the method's."""
+    builtin = cfg.model is None
+    lora = (cfg.tuner or ("full" if builtin else "lora")) == "lora"
+    method = cfg.method
+    if method not in METHODS:
+        raise SFTError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
+    cfg = dataclasses.replace(
+        cfg,
+        max_length=cfg.max_length if cfg.max_length is not None else (128 if builtin else 1024),
+        epochs=cfg.epochs if cfg.epochs is not None else (3.0 if builtin else 1.0),
+        lr=cfg.lr if cfg.lr is not None else (1e-4 if builtin else 5e-6 if lora else 5e-7),
+        batch_size=cfg.batch_size if cfg.batch_size is not None else (16 if builtin else 4),
+        # The built-in model is tiny: fp32, where bf16 would only lose the small updates.
+        dtype="fp32" if builtin and cfg.dtype == "auto" else cfg.dtype,
+        beta=cfg.beta if cfg.beta is not None else _DEFAULT_BETA.get(method, 0.1),
+        nll_weight=cfg.nll_weight if cfg.nll_weight is not None else _DEFAULT_NLL_WEIGHT.get(method, 0.0),
+    )
+    cfg = resolve(cfg, given)
+    for key, methods in _METHOD_KEYS.items():
+        if key in given and method not in methods and getattr(cfg, key) != getattr(RLHFConfig, key, None):
+            raise SFTError(f"--{key.replace('_', '-')}: only for --method {' / '.join(methods)}, not {method}")
+    if not cfg.beta > 0:
+        raise SFTError(f"--beta must be > 0, got {cfg.beta}")
+    if not 0.0 <= cfg.label_smoothing < 0.5:
+        raise SFTError(f"--label-smoothing must be in [0, 0.5), got {cfg.label_smoothing}")
+    if cfg.nll_weight < 0:
+        raise SFTError(f"--nll-weight must be >= 0, got {cfg.nll_weight}")
+    for key in ("desirable_weight", "undesirable_weight"):
+        if not getattr(cfg, key) > 0:
+            raise SFTError(f"--{key.replace('_', '-')} must be > 0, got {getattr(cfg, key)}")
+    if cfg.max_prompt_length is not None and not 0 < cfg.max_prompt_length < cfg.max_length:
+        raise SFTError(f"--max-prompt-length must be in [1, --max-length {cfg.max_length}), got "
+                       f"{cfg.max_prompt_length} (it leaves the answer the rest)")
+    if method == "kto" and cfg.batch_size < 2:
+        raise SFTError("--method kto estimates its KL baseline from the other answers of a batch: --batch-size "
+                       f"must be >= 2, got {cfg.batch_size}")
+    if cfg.lora_dropout:
+        raise SFTError("--lora-dropout: preference training switches dropout off, so that the policy and its "
+                       "reference score an answer alike")
     return cfg

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import json
 import logging
 import random
@@ -135,8 +136,12 @@ def _check_chat(messages: list[dict[str, str]]) -> tuple[dict[str, str], ...]:
     return tuple(messages)
 
 
-def _messages(row: dict, key: str, role_key: str, content_key: str, roles: dict[str, str]) -> tuple:
-    turns = _json_cell(row[key], key)
+def turn_list(value: Any, key: str, role_key: str = "role", content_key: str = "content",
+              roles: dict[str, str] | None = None) -> list[dict[str, str]]:
+    """`value` (a list, or a CSV cell holding one as JSON) as role/content messages; `key` names
+    it in errors."""
+    roles = roles or {r: r for r in ROLES}
+    turns = _json_cell(value, key)
     if not isinstance(turns, list) or not turns:
         raise RowError(f"{key} must be a non-empty list of messages")
     messages = []
@@ -151,7 +156,11 @@ def _messages(row: dict, key: str, role_key: str, content_key: str, roles: dict[
         if role is None:
             raise RowError(f"{key}[{i}] has {rk} {turn[rk]!r}; expected one of {', '.join(sorted(roles))}")
         messages.append({"role": role, "content": _content(turn[ck], f"{key}[{i}].{ck}")})
-    return _check_chat(messages)
+    return messages
+
+
+def _messages(row: dict, key: str, role_key: str, content_key: str, roles: dict[str, str]) -> tuple:
+    return _check_chat(turn_list(row[key], key, role_key, content_key, roles))
 
 
 def _from_messages(row: dict) -> Sample:
@@ -196,7 +205,8 @@ def _from_text(row: dict) -> Sample:
 
 
 # name shown to the user, the keys that identify the format, the converter.
-FORMATS: list[tuple[str, tuple[str, ...], Callable[[dict], Sample]]] = [
+Format = tuple[str, tuple[str, ...], Callable[[dict], Any]]
+FORMATS: list[Format] = [
     ("OpenAI messages", ("messages",), _from_messages),
     ("ShareGPT conversations", ("conversations",), _from_sharegpt),
     ("Alpaca", ("instruction", "output"), _from_alpaca),
@@ -205,13 +215,18 @@ FORMATS: list[tuple[str, tuple[str, ...], Callable[[dict], Sample]]] = [
 ]
 
 
-def detect_format(row: Any) -> tuple[str, tuple[str, ...], Callable[[dict], Sample]] | None:
-    """The entry of `FORMATS` whose keys `row` has (the first that fits), or None."""
+def detect_format(row: Any, formats: list[Format] = FORMATS) -> Format | None:
+    """The entry of `formats` whose keys `row` has (the first that fits), or None."""
     if isinstance(row, dict):
-        for fmt in FORMATS:
+        for fmt in formats:
             if all(k in row for k in fmt[1]):
                 return fmt
     return None
+
+
+def _expected(formats: list[Format]) -> str:
+    names = ["+".join(keys) for _, keys, _ in formats]
+    return ", ".join(names[:-1]) + " or " + names[-1]
 
 
 def split_spec(spec: str) -> tuple[Path, int | None]:
@@ -224,25 +239,25 @@ def split_spec(spec: str) -> tuple[Path, int | None]:
     return Path(spec), None
 
 
-def read_file(spec: str, seed: int) -> tuple[list[Sample], str]:
-    """All rows of one data file as Samples, and the name of its detected format. ``PATH#N`` keeps
-    N rows chosen at random (fixed by `seed`), in file order."""
+def read_file(spec: str, seed: int, formats: list[Format] = FORMATS) -> tuple[list[Any], str]:
+    """All rows of one data file, each converted by its format in `formats` (Samples, for the
+    default table), and the name of the file's format, detected from its first row. ``PATH#N``
+    keeps N rows chosen at random (fixed by `seed`), in file order. Each row's ``where`` names
+    its file and line."""
     path, count = split_spec(spec)
     if not path.is_file():
         raise SFTError(f"dataset file not found: {path}")
     reader = _READERS.get(path.suffix.lower())
     if reader is None:
         raise SFTError(f"{path}: unknown file type {path.suffix!r}; use .jsonl, .json, .csv or .parquet")
-    samples: list[Sample] = []
+    items: list[Any] = []
     fmt = None
     for where, row in reader(path):
         if fmt is None:
-            fmt = detect_format(row)
+            fmt = detect_format(row, formats)
             if fmt is None:
                 keys = sorted(row) if isinstance(row, dict) else type(row).__name__
-                raise SFTError(
-                    f"{path} {where}: unknown data format (keys {keys}); expected messages, conversations, "
-                    "instruction+output, query+response or text")
+                raise SFTError(f"{path} {where}: unknown data format (keys {keys}); expected {_expected(formats)}")
         name, keys, convert = fmt
         if not isinstance(row, dict):
             raise SFTError(f"{path} {where}: expected an object, got {type(row).__name__}")
@@ -250,25 +265,25 @@ def read_file(spec: str, seed: int) -> tuple[list[Sample], str]:
         if missing:
             raise SFTError(f"{path} {where}: missing {', '.join(missing)} (the file is {name} format)")
         try:
-            sample = convert(row)
+            item = convert(row)
         except RowError as err:
             raise SFTError(f"{path} {where}: {err}") from None
-        samples.append(Sample(f"{path} {where}", sample.messages, sample.text))
-    if not samples:
+        items.append(dataclasses.replace(item, where=f"{path} {where}"))
+    if not items:
         raise SFTError(f"{path}: no rows")
     if count is not None:
-        if count > len(samples):
-            raise SFTError(f"{spec}: asks for {count} rows but the file has {len(samples)}")
-        keep = sorted(random.Random(seed).sample(range(len(samples)), count))
-        samples = [samples[i] for i in keep]
-    return samples, fmt[0]
+        if count > len(items):
+            raise SFTError(f"{spec}: asks for {count} rows but the file has {len(items)}")
+        keep = sorted(random.Random(seed).sample(range(len(items)), count))
+        items = [items[i] for i in keep]
+    return items, fmt[0]
 
 
-def load_samples(specs: list[str], seed: int) -> list[Sample]:
+def load_samples(specs: list[str], seed: int, formats: list[Format] = FORMATS) -> list[Any]:
     """The rows of every file in `specs`, in order; logs each file's format and row count."""
     samples = []
     for spec in specs:
-        rows, fmt = read_file(spec, seed)
+        rows, fmt = read_file(spec, seed, formats)
         log.info("data: %s: %d rows, %s", spec, len(rows), fmt)
         samples += rows
     return samples

@@ -200,10 +200,11 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     return trainable, total
 
 
-def flops_per_token(model: torch.nn.Module, seq_len: float) -> float:
+def flops_per_token(model: torch.nn.Module, seq_len: float, backward: bool = True) -> float:
     """Model FLOPs per trained token: 2 per weight for the forward, 2 for the input gradients and
     2 more for the weight gradients of trainable weights (so LoRA skips the frozen ones'), plus
-    causal attention scores and values (6 * layers * seq * width). Recomputation is not counted."""
+    causal attention scores and values (6 * layers * seq * width). Recomputation is not counted.
+    Without `backward`, those of a forward alone (2 per weight, 2 * layers * seq * width)."""
     forward = trainable = 0
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
@@ -214,5 +215,7 @@ def flops_per_token(model: torch.nn.Module, seq_len: float) -> float:
     if config is not None and getattr(config, "num_hidden_layers", None):
         heads = getattr(config, "num_attention_heads", 0) or 0
         head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 0)
-        attention = 6.0 * config.num_hidden_layers * seq_len * heads * head_dim
-    return 4.0 * forward + 2.0 * trainable + attention
+        attention = 2.0 * config.num_hidden_layers * seq_len * heads * head_dim
+    if not backward:
+        return 2.0 * forward + attention
+    return 4.0 * forward + 2.0 * trainable + 3.0 * attention

@@ -8,9 +8,10 @@
     trainer       `make_reporter`, the Trainer, `fit` (stops cleanly on Ctrl-C / SIGTERM)
     final         `finish`: final/, samples before and after
 
-`run_sft` chains them. A run with another objective (`tigon rlhf`) reuses every stage and
-replaces only the two that make its rows and its Trainer. Everything that can be wrong with the
-settings, data or model is found before the output directory is touched."""
+`run_sft` chains them: its own data and token stages, then `train`, which runs the rest for a
+`Job` (the rows, and how to make the Trainer). A run with another objective (`tigon rlhf`)
+brings its own rows and Trainer in a Job and shares everything else. Everything that can be wrong
+with the settings, data or model is found before the output directory is touched."""
 
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ import math
 import os
 import random
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -117,7 +118,8 @@ def start(cfg: SFTConfig) -> Path | None:
 
 # --- data -------------------------------------------------------------------------------------
 
-def _split(samples: list[Sample], fraction: float, seed: int) -> tuple[list[Sample], list[Sample]]:
+def split_off(samples: list[Any], fraction: float, seed: int) -> tuple[list[Any], list[Any]]:
+    """`samples` less a seeded random `fraction` of them (at least one), and those, for evaluation."""
     order = list(range(len(samples)))
     random.Random(seed).shuffle(order)
     n_eval = max(1, round(fraction * len(samples)))
@@ -134,7 +136,7 @@ def load_data(cfg: SFTConfig) -> tuple[list[Sample], list[Sample]]:
     if cfg.eval_dataset:
         return samples, load_samples(cfg.eval_dataset, cfg.seed)
     if cfg.eval_split:
-        return _split(samples, cfg.eval_split, cfg.seed)
+        return split_off(samples, cfg.eval_split, cfg.seed)
     return samples, []
 
 
@@ -253,10 +255,13 @@ class Built:
     model: torch.nn.Module  # on the device, LoRA-wrapped if asked, tigon's kernels patched in
     base: torch.nn.Module | None  # the built-in model's initial weights, which its LoRA adapter needs on disk
     use_cache: bool  # the config's own setting, off while training and restored for the final save
+    reference: torch.nn.Module | None = None  # a frozen copy of the initial weights, when the Job asks for one
 
 
-def build_model(cfg: SFTConfig, tokenizer: Any, dtype: torch.dtype, args: Any, resume_from: Path | None) -> Built:
-    """The model stage: load (or build) the model, LoRA-wrap it if asked, patch in tigon's kernels."""
+def build_model(cfg: SFTConfig, tokenizer: Any, dtype: torch.dtype, args: Any, resume_from: Path | None,
+                reference: bool = False) -> Built:
+    """The model stage: load (or build) the model, LoRA-wrap it if asked, patch in tigon's kernels.
+    With `reference`, also a frozen copy of the weights as loaded (patched too, in eval mode)."""
     builtin = cfg.model is None
     model = tiny.build_model(tokenizer, cfg.seed).to(dtype) if builtin else load_model(cfg.model, dtype)
     base_model = None
@@ -268,6 +273,7 @@ def build_model(cfg: SFTConfig, tokenizer: Any, dtype: torch.dtype, args: Any, r
         model.name_or_path = str(base.resolve())
         base_model = copy.deepcopy(model)  # LoRA wraps `model` in place; written out by start_output
     use_cache, model.config.use_cache = model.config.use_cache, False  # see tigon.train.batching
+    frozen = copy.deepcopy(model).eval().requires_grad_(False) if reference else None  # before LoRA and patching
     # DDP's search for unused parameters costs a graph walk per step; only routed experts need it.
     args.ddp_find_unused_parameters = any(getattr(model.config, k, None) for k in ("num_local_experts", "num_experts"))
     if cfg.gradient_checkpointing:
@@ -281,7 +287,10 @@ def build_model(cfg: SFTConfig, tokenizer: Any, dtype: torch.dtype, args: Any, r
              trainable / 1e6, total / 1e6)
     apply_kernels(model, cfg)
     model.to(args.device)
-    return Built(model, base_model, use_cache)
+    if frozen is not None:
+        apply_kernels(frozen, cfg)
+        frozen.to(args.device)
+    return Built(model, base_model, use_cache, frozen)
 
 
 # --- output directory -------------------------------------------------------------------------
@@ -323,9 +332,10 @@ def _peak_flops(device: torch.device, dtype: torch.dtype) -> float:
 
 
 def make_reporter(output_dir: Path, model: torch.nn.Module, tokens_per_row: float, args: Any,
-                  dtype: torch.dtype) -> Reporter:
-    return Reporter(output_dir, flops_per_token(model, tokens_per_row), _peak_flops(args.device, dtype),
-                    args.world_size)
+                  dtype: torch.dtype, job: Job) -> Reporter:
+    """The Reporter of a run of `job`, its MFU counted from the model's FLOPs per trained token."""
+    return Reporter(output_dir, job.flops(model, tokens_per_row), _peak_flops(args.device, dtype), args.world_size,
+                    command=job.command, metrics=job.metrics)
 
 
 def attach_reporter(trainer: Any, reporter: Reporter) -> None:
@@ -449,35 +459,51 @@ def _stopped_line(output_dir: Path) -> str:
     return "interrupted; no checkpoint saved"
 
 
-def run_sft(cfg: SFTConfig, given: set[str] = frozenset()) -> Path:
-    """Fine-tune as `cfg` says; returns the directory of the final model (or adapter). Raises
-    `Interrupted` when stopped by Ctrl-C or SIGTERM (during training, after saving a checkpoint)."""
+def guarded(cfg: SFTConfig, body: Callable[[], Path]) -> Path:
+    """Run `body` (a whole run of `cfg`) with the thread count the model wants, a Ctrl-C outside
+    training turned into `Interrupted` saying what there is to resume from."""
     threads = torch.get_num_threads()
     if cfg.model is None and not torch.cuda.is_available():
         # The built-in model's matrices are too small to gain from threads, and with more threads
         # than idle cores OpenMP's spinning made each step 16x slower (a busy 2-core machine).
         torch.set_num_threads(1)
     try:
-        return _run(resolve(cfg, given))
+        return body()
     except KeyboardInterrupt:
         raise Interrupted(_stopped_line(Path(cfg.output_dir))) from None
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(cfg: SFTConfig) -> Path:
-    output_dir = Path(cfg.output_dir)
-    resume_from = start(cfg)
-    samples, eval_samples = load_data(cfg)
-    tokenizer = tokenizer_for(cfg, samples, resume_from)
-    train_data = sft_rows(tokenizer, samples, cfg, "training data")
-    eval_data = sft_rows(tokenizer, eval_samples, cfg, "evaluation data") if eval_samples else None
-    log.info("tokens: %d training rows%s, %d tokens, max length %d", len(train_data),
-             " (packed)" if cfg.packing else "", train_data.num_tokens(), cfg.max_length)
+def run_sft(cfg: SFTConfig, given: set[str] = frozenset()) -> Path:
+    """Fine-tune as `cfg` says; returns the directory of the final model (or adapter). Raises
+    `Interrupted` when stopped by Ctrl-C or SIGTERM (during training, after saving a checkpoint)."""
+    return guarded(cfg, lambda: _run(resolve(cfg, given)))
 
+
+@dataclass
+class Job:
+    """What an objective brings to the stages it shares (`train`): its rows and its Trainer."""
+
+    command: str  # the command running it, named on the progress bar and the loss plot
+    rows: Any  # the training rows (one per Trainer sample)
+    tokens: int  # the tokens they hold
+    sequences: int  # the sequences they hold (a preference pair is two): tokens / sequences is the MFU's length
+    arguments: Callable[[torch.dtype], Any]  # the Trainer's arguments, for the run's weight dtype
+    trainer: Callable[[Built, Any], Any]  # the Trainer, for the model stage's output and those arguments
+    prompts: Callable[[], list[Prompt]]  # candidate prompts answered before and after training
+    reference: bool = False  # the model stage keeps a frozen copy of the initial weights
+    metrics: dict[str, str] = field(default_factory=dict)  # log keys the Reporter records: their bar labels
+    flops: Callable[[torch.nn.Module, float], float] = flops_per_token  # per trained token, of a sequence length
+
+
+def train(cfg: SFTConfig, resume_from: Path | None, tokenizer: Any, job: Job) -> Path:
+    """The stages from the model on, for `job`: model, output directory, Trainer, training and
+    final/ (or, for a finished run resumed, only what is missing of it)."""
+    output_dir = Path(cfg.output_dir)
     dtype = run_dtype(cfg)
-    args = training_arguments(cfg, dtype, eval_data is not None)
-    planned = planned_steps(args, len(train_data))
+    args = job.arguments(dtype)
+    planned = planned_steps(args, len(job.rows))
     complete = already_trained(cfg, resume_from, planned)
     if complete:
         done = f"step {_checkpoint_step(resume_from)} of {planned}" if resume_from else "no checkpoint kept"
@@ -488,24 +514,42 @@ def _run(cfg: SFTConfig) -> Path:
         log.info("%s: the run is complete (%s) but has no %s/: writing it from %s", output_dir, done, FINAL_DIR,
                  resume_from.name)
 
-    built = build_model(cfg, tokenizer, dtype, args, resume_from)
+    built = build_model(cfg, tokenizer, dtype, args, resume_from, reference=job.reference)
     if cfg.samples and _sharded(args):
         log.info("samples: skipped under FSDP/DeepSpeed (a sharded model generates only with every rank); "
                  "try the saved model with `tigon chat`")
     main_only = args.process_index == 0 and not _sharded(args)
-    prompts = pick_prompts(tokenizer, samples, cfg.samples, cfg.max_length) if main_only else []
+    prompts = job.prompts() if main_only else []
     before = answer(built, tokenizer, prompts, cfg)
     for prompt, reply in zip(prompts, before):
         log.info("before training: %s -> %s", _shown(_prompt_text(prompt)), _shown(reply))
 
     start_output(output_dir, resume_from, built, tokenizer, args)
-    reporter = make_reporter(output_dir, built.model, train_data.num_tokens() / len(train_data), args, dtype)
-    trainer = TigonTrainer(model=built.model, args=args, train_dataset=train_data, eval_dataset=eval_data,
-                           data_collator=Collator(tokenizer.pad_token_id), processing_class=tokenizer,
-                           save_limit=cfg.save_limit)
+    reporter = make_reporter(output_dir, built.model, job.tokens / job.sequences, args, dtype, job)
+    trainer = job.trainer(built, args)
     attach_reporter(trainer, reporter)
     if complete:
         trainer._load_from_checkpoint(str(resume_from))
     else:
         fit(trainer, resume_from)
     return finish(trainer, built, tokenizer, cfg, prompts, before)
+
+
+def _run(cfg: SFTConfig) -> Path:
+    resume_from = start(cfg)
+    samples, eval_samples = load_data(cfg)
+    tokenizer = tokenizer_for(cfg, samples, resume_from)
+    train_data = sft_rows(tokenizer, samples, cfg, "training data")
+    eval_data = sft_rows(tokenizer, eval_samples, cfg, "evaluation data") if eval_samples else None
+    log.info("tokens: %d training rows%s, %d tokens, max length %d", len(train_data),
+             " (packed)" if cfg.packing else "", train_data.num_tokens(), cfg.max_length)
+
+    def trainer(built: Built, args: Any) -> TigonTrainer:
+        return TigonTrainer(model=built.model, args=args, train_dataset=train_data, eval_dataset=eval_data,
+                            data_collator=Collator(tokenizer.pad_token_id), processing_class=tokenizer,
+                            save_limit=cfg.save_limit)
+
+    job = Job("sft", train_data, train_data.num_tokens(), len(train_data),
+              arguments=lambda dtype: training_arguments(cfg, dtype, eval_data is not None), trainer=trainer,
+              prompts=lambda: pick_prompts(tokenizer, samples, cfg.samples, cfg.max_length))
+    return train(cfg, resume_from, tokenizer, job)

@@ -3,6 +3,8 @@
 from tigon.bench.ops import cross_entropy  # noqa: F401
 from tigon.bench.ops import glu  # noqa: F401
 from tigon.bench.ops import lora  # noqa: F401
+from tigon.bench.ops import moe  # noqa: F401
 from tigon.bench.ops import norms  # noqa: F401
 from tigon.bench.ops import preference  # noqa: F401
+from tigon.bench.ops import rl  # noqa: F401
 from tigon.bench.ops import rope  # noqa: F401

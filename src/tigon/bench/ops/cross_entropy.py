@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import tigon.functional as F
-from tigon.bench.registry import BenchOp, register
+from tigon.bench.registry import BenchOp, liger, register
 
 VOCAB, HIDDEN = 128256, 4096
 TOKENS = [8192, 1024, 2048, 4096, 16384, 32768]
@@ -53,6 +53,7 @@ register(BenchOp(
     sizes=[(n, VOCAB) for n in TOKENS] + [(4096, 262144)],
     cpu_sizes=[(256, 4099)],
     size_names="tokens x vocab",
+    peer=liger("liger_cross_entropy"),
 ))
 
 register(BenchOp(
@@ -65,6 +66,7 @@ register(BenchOp(
     sizes=[(n, HIDDEN, VOCAB) for n in TOKENS],
     cpu_sizes=[(256, 256, 4099)],
     size_names="tokens x hidden x vocab",
+    peer=liger("liger_fused_linear_cross_entropy"),
 ))
 
 register(BenchOp(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import tigon.functional as F
-from tigon.bench.registry import BenchOp, register
+from tigon.bench.registry import BenchOp, liger, register
 
 SIZES = [(16384, 14336), (16384, 8192), (8192, 11008), (16384, 4096), (4096, 28672)]
 CPU_SIZES = [(512, 1376)]
@@ -29,6 +29,7 @@ register(BenchOp(
     bytes_moved=_glu_bytes,
     sizes=SIZES,
     cpu_sizes=CPU_SIZES,
+    peer=liger("liger_swiglu"),
 ))
 
 register(BenchOp(
@@ -39,6 +40,7 @@ register(BenchOp(
     bytes_moved=_glu_bytes,
     sizes=SIZES,
     cpu_sizes=CPU_SIZES,
+    peer=liger("liger_geglu"),
 ))
 
 

@@ -8,8 +8,7 @@ import torch
 
 import tigon.functional as F
 from tigon.bench.registry import BenchOp, register
-from tigon.ops.lora import LoraProjection, lora_linear_reference
-from tigon.ops.lora_mlp import lora_gated_mlp_reference
+from tigon.ops import LoraProjection, lora_gated_mlp_reference, lora_linear_reference
 
 SCALING = 2.0  # lora_alpha = 2 r
 

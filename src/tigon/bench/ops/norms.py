@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import tigon.functional as F
-from tigon.bench.registry import BenchOp, register
+from tigon.bench.registry import BenchOp, liger, register
 
 SIZES = [(16384, 4096), (16384, 1024), (16384, 2048), (16384, 8192), (4096, 16384), (1024, 65536)]
 CPU_SIZES = [(512, 1024), (512, 4096)]
@@ -39,6 +39,7 @@ register(BenchOp(
     bytes_moved=_norm_bytes(5),  # x, y | dy, x, dx
     sizes=SIZES,
     cpu_sizes=CPU_SIZES,
+    peer=liger("liger_rms_norm", eps=1e-6),
 ))
 
 register(BenchOp(
@@ -49,6 +50,7 @@ register(BenchOp(
     bytes_moved=_norm_bytes(8),  # x, r, y, sum | dy, dsum, sum, dx (= dr)
     sizes=SIZES,
     cpu_sizes=CPU_SIZES,
+    peer=liger("liger_fused_add_rms_norm", eps=1e-6),
 ))
 
 register(BenchOp(
@@ -59,4 +61,5 @@ register(BenchOp(
     bytes_moved=_norm_bytes(5),
     sizes=SIZES,
     cpu_sizes=CPU_SIZES,
+    peer=liger("liger_layer_norm", eps=1e-5),
 ))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import tigon.functional as F
-from tigon.bench.registry import BenchOp, register
+from tigon.bench.registry import BenchOp, liger, register
 
 
 def _rope_inputs(size, dtype, device):
@@ -58,4 +58,5 @@ register(BenchOp(
     ],
     cpu_sizes=[(2, 4, 2, 128, 64)],
     size_names="batch x q_heads x kv_heads x tokens x head_dim",
+    peer=liger("liger_rope"),
 ))

@@ -22,6 +22,13 @@ def check_float(name: str, t: torch.Tensor) -> None:
         )
 
 
+def check_input(x: torch.Tensor) -> None:
+    """`x` is a float tensor with a last dim (the features of a linear layer)."""
+    check_float("x", x)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (the features), got a scalar")
+
+
 def check_vector(name: str, t: torch.Tensor, length: int, device: torch.device) -> None:
     """`t` is a 1-D float tensor of `length` elements on `device`."""
     check_float(name, t)

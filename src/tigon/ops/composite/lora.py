@@ -28,23 +28,20 @@ one skinny GEMM forms every ``x Aᵢᵀ`` side by side, x is saved once, and the
 tensor that each projection's base GEMM accumulates into, so autograd never sums per-projection
 copies of dx (:func:`lora_linear_group`).
 
-Everything is cuBLAS: the full-size work is two GEMMs that cuBLAS runs near the matmul roofline,
-and the rest is skinny (K or N = r) GEMMs that move each tensor once.
+Everything is cuBLAS, on any device: the full-size work is two GEMMs that cuBLAS runs near the matmul
+roofline, and the rest is skinny (K or N = r) GEMMs that move each tensor once. Inside torch.compile
+the ops trace their references (inductor schedules the same GEMMs).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import NamedTuple, Sequence
 
 import torch
 
-from tigon import _backend
-from tigon._checks import check_device, check_float, rows_view
-
-LORA_LINEAR = _backend.register("lora_linear")
-LORA_LINEAR_GROUP = _backend.register("lora_linear_group")
+from tigon.ops._checks import check_device, check_float, check_input, rows_view
+from tigon.ops._dispatch import Op, autocast_dtype
 
 
 class LoraProjection(NamedTuple):
@@ -304,7 +301,8 @@ def check_projection(
         raise ValueError(f"{name} lora_a must have shape (r, {in_features}) with r >= 1, got {tuple(lora_a.shape)}")
     if tuple(lora_b.shape) != (out_features, rank):
         raise ValueError(f"{name} lora_b must have shape ({out_features}, {rank}), got {tuple(lora_b.shape)}")
-    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not math.isfinite(scaling):
+    # A comparison, not math.isfinite: under torch.compile(dynamic=True) the scaling is a SymFloat.
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not -math.inf < scaling < math.inf:
         raise ValueError(f"{name} scaling must be a finite number, got {scaling!r}")
     if bias is not None:
         check_float(f"{name} bias", bias)
@@ -315,20 +313,6 @@ def check_projection(
         for arg, t in ((f"{name} weight", weight), (f"{name} bias", bias)):
             if t is not None and t.dtype != x.dtype:
                 raise ValueError(f"{arg} must have the dtype of x ({x.dtype}), got {t.dtype}")
-
-
-def check_input(x: torch.Tensor) -> None:
-    check_float("x", x)
-    if x.dim() == 0:
-        raise ValueError("x must have at least one dimension (the features), got a scalar")
-
-
-def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
-    """The dtype autocast would run a linear in on `x`'s device, or None when autocast is off."""
-    device_type = x.device.type
-    if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
-        return None
-    return torch.get_autocast_dtype(device_type)
 
 
 def projections_for_autocast(
@@ -347,18 +331,10 @@ def projections_for_autocast(
     return x.to(dtype), flatten_projections(cast)
 
 
-def run_op(op: str, kernel, reference, x: torch.Tensor, flat: Sequence, autocast: torch.dtype | None):
-    """Dispatch `op` on `x` and `flat` (already in the autocast dtype, if any) with autocast off, so
-    the GEMMs inside run in the dtype the operands have."""
-    if x.numel() == 0:
-        return reference(x, *flat)
-    unsupported = "float64 runs on the reference" if x.dtype == torch.float64 else None
-    with torch.autocast(x.device.type, enabled=False) if autocast is not None else contextlib.nullcontext():
-        return _backend.dispatch(op, kernel, reference, x, *flat, device=x.device, unsupported=unsupported)
-
-
-def _apply_first(x: torch.Tensor, *flat) -> torch.Tensor:
-    return _LoraGroupFunction.apply(x, *flat)[0]
+LORA_LINEAR = Op(
+    "lora_linear", lambda x, *flat: _LoraGroupFunction.apply(x, *flat)[0], lora_linear_reference, uses_triton=False
+)
+LORA_LINEAR_GROUP = Op("lora_linear_group", _LoraGroupFunction.apply, lora_linear_group_reference, uses_triton=False)
 
 
 def lora_linear(
@@ -393,7 +369,7 @@ def lora_linear(
     projection = LoraProjection(weight, lora_a, lora_b, scaling, bias)
     check_projection("lora", projection, x, autocast=dtype is not None)
     x, flat = projections_for_autocast(x, [projection], dtype)
-    return run_op(LORA_LINEAR, _apply_first, lora_linear_reference, x, flat, dtype)
+    return LORA_LINEAR.without_autocast(dtype, None, x, *flat)
 
 
 def lora_linear_group(x: torch.Tensor, projections: Sequence[LoraProjection]) -> tuple[torch.Tensor, ...]:
@@ -418,4 +394,4 @@ def lora_linear_group(x: torch.Tensor, projections: Sequence[LoraProjection]) ->
     for i, projection in enumerate(projections):
         check_projection(f"projections[{i}]", projection, x, autocast=dtype is not None)
     x, flat = projections_for_autocast(x, projections, dtype)
-    return run_op(LORA_LINEAR_GROUP, _LoraGroupFunction.apply, lora_linear_group_reference, x, flat, dtype)
+    return LORA_LINEAR_GROUP.without_autocast(dtype, None, x, *flat)

@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from tigon.ops.lora import LoraProjection, restore_projections, saved_tensors
-from tigon.ops.lora_mlp import lora_gated_mlp, lora_gated_mlp_reference
+from tigon.ops.composite.lora import LoraProjection, restore_projections, saved_tensors
+from tigon.ops.composite.lora_mlp import lora_gated_mlp, lora_gated_mlp_reference
 from tests.helpers import compare_fwd_bwd
-from tests.ops.test_lora import _float32_adapters, _graph_node_names, _projection, one_cpu_thread  # noqa: F401 (autouse fixture)
+from tests.ops.composite.test_lora import _float32_adapters, _graph_node_names, _projection, one_cpu_thread  # noqa: F401 (autouse fixture)
 
 ACTIVATIONS = ["silu", "gelu_tanh", "gelu"]
 

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-import tigon.ops.linear_group as linear_group_module
-from tigon.ops.linear_group import linear_group, linear_group_reference
+import tigon.ops.composite.linear_group as linear_group_module
+from tigon.ops.composite.linear_group import linear_group, linear_group_reference
 from tests.helpers import assert_close, autograd_nodes, compare_fwd_bwd
 
 
@@ -86,7 +86,7 @@ def test_autocast_casts_like_f_linear(device):
 
 def test_float64_and_tigon_disable_run_the_reference(device, monkeypatch):
     calls = []
-    monkeypatch.setattr(linear_group_module, "linear_group_reference",
+    monkeypatch.setattr(linear_group_module.LINEAR_GROUP, "reference",
                         lambda *a: calls.append(1) or linear_group_reference(*a))
     params = _params(16, (8,), torch.float64, device, bias=False, trainable=False)
     _grouped(torch.randn(4, 16, dtype=torch.float64, device=device), *params)

@@ -11,7 +11,7 @@ compute-bound GEMM), so no add runs. Forward runs the same GEMMs as the separate
 saved once, as autograd saves it for them.
 
 Everything is cuBLAS, on any device; float64, ``TIGON_DISABLE=linear_group`` and torch.compile run
-the reference (autograd over the separate linears).
+the reference (autograd over the separate linears), as the dispatcher's rules say for every op.
 """
 
 from __future__ import annotations
@@ -20,11 +20,8 @@ from typing import Sequence
 
 import torch
 
-from tigon import _backend
-from tigon._checks import check_device, check_float, rows_view
-from tigon.ops.lora import autocast_dtype, check_input
-
-LINEAR_GROUP = _backend.register("linear_group", triton=False)
+from tigon.ops._checks import check_device, check_float, check_input, rows_view
+from tigon.ops._dispatch import Op, autocast_dtype
 
 
 def linear_group_reference(x: torch.Tensor, *params: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
@@ -63,6 +60,24 @@ class _LinearGroupFunction(torch.autograd.Function):
             param_grads.append(torch.mm(dy.t(), x2d) if need_weight and dy is not None else None)
             param_grads.append(dy.sum(0) if need_bias and dy is not None else None)
         return (grad_x, *param_grads)
+
+
+LINEAR_GROUP = Op("linear_group", _LinearGroupFunction.apply, linear_group_reference, uses_triton=False)
+
+
+def _is_plain(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, device: torch.device) -> bool:
+    """Whether a projection is of the usual kind (2-D, x's width, dtype and device; a bias to
+    match), found without building any message: this op replaces three F.linear calls, so its
+    host time is most of its cost. Anything else goes through :func:`_check_projection`."""
+    dtype = x.dtype
+    return (
+        isinstance(weight, torch.Tensor) and weight.dtype == dtype and weight.dim() == 2
+        and weight.shape[1] == x.shape[-1] and weight.device == device
+        and (bias is None or (
+            isinstance(bias, torch.Tensor) and bias.dtype == dtype and bias.shape == weight.shape[:1]
+            and bias.device == device
+        ))
+    )
 
 
 def _check_projection(i: int, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, autocast: bool) -> None:
@@ -111,24 +126,13 @@ def linear_group(
     if len(biases) != len(weights):
         raise ValueError(f"biases must hold one bias (or None) per weight: {len(weights)}, got {len(biases)}")
     dtype = autocast_dtype(x)
+    device = x.device
     for i, (weight, bias) in enumerate(zip(weights, biases)):
-        _check_projection(i, weight, bias, x, autocast=dtype is not None)
-    return run_linear_group(x, tuple(t for pair in zip(weights, biases) for t in pair), dtype)
-
-
-def run_linear_group(x: torch.Tensor, params: tuple, autocast: torch.dtype | None) -> tuple[torch.Tensor, ...]:
-    """:func:`linear_group` on arguments already checked: `params` is ``weight₁, bias₁, …`` and
-    `autocast` the dtype autocast runs a linear in on x's device (None when it is off).
-
-    Plain torch on any device, so there is no Triton dispatch: this op's host time is most of its
-    cost (it replaces three F.linear calls), and a training step on a fast GPU waits for the host.
-    """
-    if x.numel() == 0 or x.dtype == torch.float64 or torch.compiler.is_compiling() or _backend.disabled(LINEAR_GROUP):
-        return linear_group_reference(x, *params)
-    if autocast is None:
-        return _LinearGroupFunction.apply(x, *params)
-    # As autocast casts a linear's operands; the casts are autograd nodes, so gradients come
-    # back in the original dtypes.
-    x, params = x.to(autocast), tuple(None if t is None else t.to(autocast) for t in params)
-    with torch.autocast(x.device.type, enabled=False):
-        return _LinearGroupFunction.apply(x, *params)
+        if not _is_plain(weight, bias, x, device):
+            _check_projection(i, weight, bias, x, autocast=dtype is not None)
+    params = tuple(t for pair in zip(weights, biases) for t in pair)
+    if dtype is not None:
+        # As autocast casts a linear's operands; the casts are autograd nodes, so gradients come
+        # back in the original dtypes.
+        x, params = x.to(dtype), tuple(None if t is None else t.to(dtype) for t in params)
+    return LINEAR_GROUP.without_autocast(dtype, None, x, *params)

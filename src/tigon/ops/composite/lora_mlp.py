@@ -6,7 +6,7 @@ with act SiLU (SwiGLU: Llama, Mistral, Qwen) or GELU (GeGLU: Gemma). Eager PEFT 
 LoRA linears (each with its full-size low-rank term, scale and add, forward and backward) around an
 activation that saves ``act(gate)``, ``up`` and the product for backward. Here:
 
-* gate and up are one LoRA group (:func:`tigon.ops.lora.lora_linear_group`'s code): x is read once
+* gate and up are one LoRA group (:func:`tigon.ops.composite.lora.lora_linear_group`'s code): x is read once
   for both adapters, each output is written once, and dx is one tensor both base GEMMs accumulate
   into;
 * the activation is the gated-activation kernel of :mod:`tigon.ops.glu`;
@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import torch
 
-from tigon import _backend
-from tigon._checks import check_choice, rows_view
-from tigon.ops.glu import ACTIVATIONS, _glu_backward_or_reference, _glu_forward, glu_reference
-from tigon.ops.lora import (
+from tigon.ops._checks import check_choice, check_input, rows_view
+from tigon.ops._dispatch import Op, autocast_dtype, backward_fallback
+from tigon.ops.composite.lora import (
     LoraProjection,
     adapter_grads_back,
     adapters_in,
-    autocast_dtype,
-    check_input,
     check_projection,
+    flatten_projections,
     lora_backward_from_input,
     lora_backward_without_input,
     lora_forward,
@@ -37,12 +35,10 @@ from tigon.ops.lora import (
     lora_linear_reference,
     projections_for_autocast,
     restore_projections,
-    run_op,
     saved_tensors,
     unflatten_projections,
 )
-
-LORA_GATED_MLP = _backend.register("lora_gated_mlp")
+from tigon.ops.glu import ACTIVATIONS, glu_backward, glu_forward, glu_op, glu_reference
 
 
 def lora_gated_mlp_reference(x: torch.Tensor, activation: str, *flat) -> torch.Tensor:
@@ -53,13 +49,19 @@ def lora_gated_mlp_reference(x: torch.Tensor, activation: str, *flat) -> torch.T
     return lora_linear_reference(h, *down)
 
 
+def _reference_point(ctx, saved):
+    x = saved[0].view(*ctx.lead_shape, saved[0].shape[1])
+    flat = flatten_projections(restore_projections(saved[5:], ctx.scalings))
+    return LORA_GATED_MLP, lora_gated_mlp_reference, (x, ctx.activation, *flat)
+
+
 class _LoraGatedMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, activation, *flat):
         (gate_proj, up_proj, down_proj), ctx.adapter_dtypes = adapters_in(x.dtype, unflatten_projections(flat))
         x2d = rows_view(x)
         (gate, up), xa = lora_group_forward(x2d, [gate_proj, up_proj])
-        h = _glu_forward(gate, up, activation)
+        h = glu_forward(gate, up, activation)
         ha = torch.mm(h, down_proj.lora_a.t())
         out = lora_forward(h, ha, down_proj)
         del h  # recomputed in backward
@@ -70,8 +72,9 @@ class _LoraGatedMLPFunction(torch.autograd.Function):
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
-    def backward(ctx, grad_out):
-        x2d, gate, up, xa, ha, *tensors = ctx.saved_tensors
+    @backward_fallback(_reference_point)
+    def backward(ctx, saved, grad_out):
+        x2d, gate, up, xa, ha, *tensors = saved
         gate_proj, up_proj, down_proj = restore_projections(tensors, ctx.scalings)
         width = len(LoraProjection._fields)
         needs = ctx.needs_input_grad
@@ -83,9 +86,7 @@ class _LoraGatedMLPFunction(torch.autograd.Function):
         # activation's backward writes its results over them.
         grad_h, grad_ha, down_grads = lora_backward_without_input(ha, [dy], [down_proj], down_needs)
         needs_h = down_needs[1] or down_needs[2]  # the down projection's dW or dA reads h
-        grad_gate, grad_up, h = _glu_backward_or_reference(
-            LORA_GATED_MLP, grad_h, gate, up, ctx.activation, store_product=needs_h, in_place=True,
-        )
+        grad_gate, grad_up, h = glu_backward(grad_h, gate, up, ctx.activation, store_product=needs_h, in_place=True)
         if needs_h:
             lora_backward_from_input(h, grad_ha, [dy], [down_proj], down_needs, down_grads)
         del h, grad_h
@@ -96,6 +97,17 @@ class _LoraGatedMLPFunction(torch.autograd.Function):
         if grad_x is not None:
             grad_x = grad_x.view(*ctx.lead_shape, x2d.shape[1])
         return (grad_x, None, *adapter_grads_back(gate_up_grads + down_grads, ctx.adapter_dtypes))
+
+
+def _lora_gated_mlp_compiled(x, activation, *flat):
+    # Inside torch.compile: the LoRA projections trace their references around the GLU kernel.
+    gate, up, down = unflatten_projections(flat)
+    return lora_linear_reference(glu_op(lora_linear_reference(x, *gate), lora_linear_reference(x, *up), activation), *down)
+
+
+LORA_GATED_MLP = Op(
+    "lora_gated_mlp", _LoraGatedMLPFunction.apply, lora_gated_mlp_reference, compiled=_lora_gated_mlp_compiled
+)
 
 
 def lora_gated_mlp(
@@ -111,8 +123,8 @@ def lora_gated_mlp(
 
     Args:
         x: ``(..., hidden)`` input, float16/bfloat16/float32 (float64 runs the reference).
-        gate, up: :class:`~tigon.ops.lora.LoraProjection` of shape ``(intermediate, hidden)``.
-        down: :class:`~tigon.ops.lora.LoraProjection` of shape ``(hidden, intermediate)``.
+        gate, up: :class:`~tigon.ops.LoraProjection` of shape ``(intermediate, hidden)``.
+        down: :class:`~tigon.ops.LoraProjection` of shape ``(hidden, intermediate)``.
         activation: ``"silu"`` (SwiGLU), ``"gelu_tanh"`` (GeGLU with gelu_pytorch_tanh) or
             ``"gelu"`` (exact erf GeGLU).
 
@@ -140,7 +152,4 @@ def lora_gated_mlp(
             f"got {tuple(down.weight.shape)}"
         )
     x, flat = projections_for_autocast(x, [gate, up, down], dtype)
-    return run_op(
-        LORA_GATED_MLP, lambda x, *flat: _LoraGatedMLPFunction.apply(x, activation, *flat),
-        lambda x, *flat: lora_gated_mlp_reference(x, activation, *flat), x, flat, dtype,
-    )
+    return LORA_GATED_MLP.without_autocast(dtype, None, x, activation, *flat)

@@ -3,7 +3,7 @@
     add_rms_norm_glu_mlp(x, r, w, ...) = (glu_mlp(rms_norm(x + r, w), ...), x + r)
 
 the second half of a pre-norm decoder layer (Llama's ``post_attention_layernorm`` and MLP). It runs
-the kernels of :func:`tigon.ops.rms_norm.add_rms_norm` and :func:`tigon.ops.glu.glu_mlp`, so the
+the kernels of :func:`tigon.ops.rms_norm.add_rms_norm` and :func:`tigon.ops.composite.glu_mlp.glu_mlp`, so the
 numbers are theirs; as one op it costs the host one autograd Function, one dispatch and one set of
 checks instead of two, and the MLP's input is recomputed in backward by a bare kernel launch. A
 training step on a fast GPU waits for the host to issue each layer, so this is time on the step.
@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import torch
 
-from tigon import _backend
-from tigon._checks import rows_view
-from tigon.ops.glu import GLU_MLP, _check_mlp, glu_mlp_backward, glu_mlp_forward, glu_mlp_reference
-from tigon.ops.rms_norm import (
-    ADD_RMS_NORM, _check as _check_norm, add_rms_norm_reference, rms_norm_backward, rms_norm_rows,
+from tigon.ops._checks import rows_view
+from tigon.ops._dispatch import Op, backward_fallback
+from tigon.ops.composite.glu_mlp import (
+    GLU_MLP, _check_mlp, _glu_mlp_compiled, glu_mlp_backward, glu_mlp_forward, glu_mlp_reference,
 )
-
-ADD_RMS_NORM_GLU_MLP = _backend.register("add_rms_norm_glu_mlp")
+from tigon.ops.rms_norm import (
+    ADD_RMS_NORM, _add_rms_norm_compiled, _check as _check_norm, add_rms_norm_reference, rms_norm_backward,
+    rms_norm_rows,
+)
 
 
 def add_rms_norm_glu_mlp_reference(
@@ -34,6 +35,22 @@ def add_rms_norm_glu_mlp_reference(
     """The two ops' references, one after the other: the test oracle and the fallback."""
     normed, total = add_rms_norm_reference(x, residual, norm_weight, eps, offset, casting)
     return glu_mlp_reference(normed, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation), total
+
+
+def _reference_in_function_order(x, residual, norm_weight, gate_weight, up_weight, down_weight, gate_bias, up_bias,
+                            down_bias, eps, offset, casting, activation):
+    """The reference with the Function's argument order."""
+    return add_rms_norm_glu_mlp_reference(
+        x, residual, norm_weight, eps, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias,
+        offset, casting, activation,
+    )
+
+
+def _reference_point(ctx, saved):
+    total, _, norm_weight, _, _, *weights_and_biases = saved
+    # x and the residual enter only through their sum, so (sum, 0) stands in for them.
+    inputs = (total, torch.zeros_like(total), norm_weight, *weights_and_biases, *ctx.config)
+    return ADD_RMS_NORM_GLU_MLP, _reference_in_function_order, inputs
 
 
 class _AddNormGLUMLPFunction(torch.autograd.Function):
@@ -52,38 +69,28 @@ class _AddNormGLUMLPFunction(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
-    def backward(ctx, grad_out, grad_total):
-        total, rstd, norm_weight, gate, up, gate_weight, up_weight, down_weight, *biases = ctx.saved_tensors
+    @backward_fallback(_reference_point)
+    def backward(ctx, saved, grad_out, grad_total):
+        total, rstd, norm_weight, gate, up, gate_weight, up_weight, down_weight, *_ = saved
         eps, offset, casting, activation = ctx.config
         needs = ctx.needs_input_grad
         need_normed = any(needs[:3])  # the MLP's input gradient feeds x's, the residual's and the norm weight's
-        total2d = rows_view(total)
-        try:
-            def normed_rows() -> torch.Tensor:
-                return rms_norm_rows(total2d, None, norm_weight, eps, offset, casting)[0]
 
-            mlp_grads = glu_mlp_backward(
-                ADD_RMS_NORM_GLU_MLP, grad_out, normed_rows, gate, up, gate_weight, up_weight, down_weight,
-                activation, (need_normed, *needs[3:9]),
+        def normed_rows() -> torch.Tensor:
+            return rms_norm_rows(rows_view(total), None, norm_weight, eps, offset, casting)[0]
+
+        mlp_grads = glu_mlp_backward(
+            grad_out, normed_rows, gate, up, gate_weight, up_weight, down_weight, activation, (need_normed, *needs[3:9]),
+        )
+        grad_sum = grad_norm_weight = None
+        if need_normed:
+            grad_sum, grad_norm_weight = rms_norm_backward(
+                mlp_grads[0], grad_total, total, norm_weight, rstd, offset, casting, needs[2]
             )
-            grad_sum = grad_norm_weight = None
-            if need_normed:
-                grad_sum, grad_norm_weight = rms_norm_backward(
-                    mlp_grads[0], grad_total, total2d, norm_weight, rstd, offset, casting, needs[2]
-                )
-                grad_sum = grad_sum.view(total.shape)
-            param_grads = mlp_grads[1:]
-        except Exception as err:
-            # x and the residual enter only through their sum, so (sum, 0) stands in for them.
-            def reference(x, r, w, gw, uw, dw, gb, ub, db):
-                return add_rms_norm_glu_mlp_reference(x, r, w, eps, gw, uw, dw, gb, ub, db, offset, casting, activation)
-
-            at = (total, torch.zeros_like(total), norm_weight, gate_weight, up_weight, down_weight, *biases)
-            grads = _backend.reference_backward(ADD_RMS_NORM_GLU_MLP, err, reference, at, (grad_out, grad_total))
-            grad_sum, _, grad_norm_weight, *param_grads = grads
+            grad_sum = grad_sum.view(total.shape)
         return (
             grad_sum if needs[0] else None, grad_sum if needs[1] else None, grad_norm_weight if needs[2] else None,
-            *(g if need else None for g, need in zip(param_grads, needs[3:9])), None, None, None, None,
+            *(g if need else None for g, need in zip(mlp_grads[1:], needs[3:9])), None, None, None, None,
         )
 
 
@@ -93,6 +100,19 @@ def _kernel(x, residual, norm_weight, eps, gate_weight, up_weight, down_weight, 
         x, residual, norm_weight, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias,
         float(eps), float(offset), casting, activation,
     )
+
+
+def _compiled(x, residual, norm_weight, eps, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias,
+              offset, casting, activation):
+    # Inside torch.compile: the two ops' library ops, one after the other.
+    normed, total = _add_rms_norm_compiled(x, residual, norm_weight, eps, offset, casting)
+    out = _glu_mlp_compiled(normed, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, None)
+    return out, total
+
+
+ADD_RMS_NORM_GLU_MLP = Op(
+    "add_rms_norm_glu_mlp", _kernel, add_rms_norm_glu_mlp_reference, compiled=_compiled, parts=(ADD_RMS_NORM, GLU_MLP)
+)
 
 
 def add_rms_norm_glu_mlp(
@@ -119,7 +139,7 @@ def add_rms_norm_glu_mlp(
             runs the reference).
         norm_weight, eps, offset, casting: the RMSNorm's, as for :func:`tigon.ops.rms_norm.rms_norm`.
         gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation: the gated
-            MLP's, as for :func:`tigon.ops.glu.glu_mlp`.
+            MLP's, as for :func:`tigon.ops.composite.glu_mlp.glu_mlp`.
 
     Returns:
         The MLP's output ``(..., hidden)`` and the sum (the residual stream after the add). Works
@@ -132,11 +152,4 @@ def add_rms_norm_glu_mlp(
     unsupported = _check_norm(x, norm_weight, eps, casting, residual) or _check_mlp(
         x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation
     )
-    if x.numel() == 0:
-        return add_rms_norm_glu_mlp_reference(*args, offset, casting, activation)
-    if unsupported is None and (_backend.disabled(ADD_RMS_NORM) or _backend.disabled(GLU_MLP)):
-        unsupported = "disabled by TIGON_DISABLE (add_rms_norm or glu_mlp)"
-    return _backend.dispatch(
-        ADD_RMS_NORM_GLU_MLP, _kernel, add_rms_norm_glu_mlp_reference, *args, offset, casting, activation,
-        device=x.device, unsupported=unsupported,
-    )
+    return ADD_RMS_NORM_GLU_MLP(unsupported, *args, offset, casting, activation)

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-import tigon.ops.lora as lora_module
-from tigon.ops.lora import (
+import tigon.ops.composite.lora as lora_module
+from tigon.ops.composite.lora import (
     LoraProjection, lora_linear, lora_linear_group, lora_linear_reference, restore_projections, saved_tensors,
 )
 from tests.helpers import assert_close, autograd_nodes, compare_fwd_bwd
@@ -243,7 +243,7 @@ def test_autocast_leaves_float32_adapters_to_the_op(device, grouped):
 def test_tigon_disable_runs_the_reference(device, monkeypatch):
     monkeypatch.setenv("TIGON_DISABLE", "lora_linear")
     calls = []
-    monkeypatch.setattr(lora_module, "lora_linear_reference",
+    monkeypatch.setattr(lora_module.LORA_LINEAR, "reference",
                         lambda *a: calls.append(1) or lora_linear_reference(*a))
     x = torch.randn(4, 16, device=device)
     lora_linear(x, *_projection(16, 8, 2, torch.float32, device))

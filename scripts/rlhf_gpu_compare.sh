@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# `tigon rlhf --method dpo` against TRL's DPOTrainer on the unpatched model, on the TARGETS.md Llama
+# shape (random weights, the built-in tokenizer), LoRA r=16 all-linear, 4 pairs x 2 x 1024 tokens
+# (every sequence exactly 1024 tokens: no padding), bf16, the same pairs, order and seed. Runs:
+#   tigon            tigon rlhf (kernels, fused preference loss)
+#   tigon-nokernels  tigon rlhf --no-kernels (the fused loss alone)
+#   trl              TRL's DPOTrainer, gradient checkpointing off as in the tigon runs
+#   trl-ckpt         TRL's DPOTrainer as TRL configures it by default (checkpointing on)
+# and prints tok/s (median after the first logs), peak GiB and the largest per-step loss difference
+# to TRL's. Targets (TARGETS.md): tigon >= 1.6x trl's tok/s, peak <= 0.5x trl's.
+# Device machine, repo root. TRL is not installed there: WHEELS=dir of wheels (trl, datasets, dill,
+# multiprocess) is installed into $WORK/pylib first. PREP_ONLY=1 writes the model and data and stops.
+set -uo pipefail
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+OUT=${OUT:-gpu-out}
+WORK=${WORK:-/tmp/rlhf-compare}
+STEPS=${STEPS:-30}
+WHEELS=${WHEELS:-wheels}
+mkdir -p "$OUT" "$WORK"
+if ! python3 -c "import trl" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target "$WORK/pylib" "$WHEELS"/*.whl || exit 1
+  export PYTHONPATH="src:$WORK/pylib"
+fi
+# The model: sft_gpu_compare.sh's (the same random Llama and built-in tokenizer, in $WORK/model).
+[ -f "$WORK/model/config.json" ] || PREP_ONLY=1 WORK="$WORK" OUT="$OUT" bash scripts/sft_gpu_compare.sh || exit 1
+python3 - "$WORK" <<'PY'
+import json, random, sys
+from tigon.train import tiny
+from tigon.train.data import load_samples
+rows = load_samples([str(tiny.BUNDLED_DATASET)], 0)
+words = " ".join(m["content"] for s in rows for m in s.messages).split()
+rng = random.Random(0)
+with open(f"{sys.argv[1]}/pairs.jsonl", "w") as f:
+    for _ in range(200):  # a ~300-token prompt, answers cut to the rest of 1024 tokens
+        f.write(json.dumps({"prompt": " ".join(rng.choices(words, k=150)),
+                            "chosen": " ".join(rng.choices(words, k=1000)),
+                            "rejected": " ".join(rng.choices(words, k=1000))}) + "\n")
+PY
+[ "${PREP_ONLY:-0}" = 1 ] && exit 0
+COMMON=(--model "$WORK/model" --dataset "$WORK/pairs.jsonl" --max-length 1024 --batch-size 4 --max-steps "$STEPS")
+for kernels in --kernels --no-kernels; do
+  name=tigon; [ "$kernels" = --no-kernels ] && name=tigon-nokernels
+  timeout 300 python3 -m tigon.cli rlhf --method dpo "${COMMON[@]}" --tuner lora --lora-rank 16 --dtype bf16 \
+    --lr 1e-5 --save-steps 0 --samples 0 --overwrite --output-dir "$WORK/$name" $kernels > "$OUT/rlhf-$name.log" 2>&1
+  echo "$name: $(grep -E '^done:|tigon: applied' "$OUT/rlhf-$name.log" | tr '\n' ' ')"
+  cp "$WORK/$name/metrics.jsonl" "$OUT/rlhf-$name.metrics.jsonl" 2>/dev/null
+done
+for ckpt in "" --checkpointing; do
+  name=trl${ckpt:+-ckpt}
+  timeout 300 python3 scripts/rlhf_trl_baseline.py "${COMMON[@]}" --lora-rank 16 --lr 1e-5 $ckpt \
+    --output-dir "$WORK/$name" > "$OUT/rlhf-$name.log" 2>&1
+  echo "$name: $(grep -E '^done:' "$OUT/rlhf-$name.log")"
+  cp "$WORK/$name/metrics.jsonl" "$OUT/rlhf-$name.metrics.jsonl" 2>/dev/null
+done
+python3 - "$OUT" <<'PY'
+import json, statistics, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+def load(name):
+    path = out / f"rlhf-{name}.metrics.jsonl"
+    return [json.loads(l) for l in path.read_text().splitlines() if '"loss"' in l] if path.is_file() else []
+runs = {n: load(n) for n in ("tigon", "tigon-nokernels", "trl", "trl-ckpt")}
+base = runs["trl"]
+summary = {}
+print(f"{'run':<16} {'tok/s':>9} {'x trl':>6} {'peak GiB':>9} {'x trl':>6} {'max |dloss| vs trl':>19}  steps")
+for name, recs in runs.items():
+    if not recs:
+        print(f"{name:<16} (no metrics: see {out}/rlhf-{name}.log)")
+        continue
+    rate = statistics.median(r["tokens_per_s"] for r in recs[3:] or recs)
+    peak = max(r.get("gpu_mem_gib", 0) for r in recs)
+    diff = max((abs(a["loss"] - b["loss"]) for a, b in zip(recs, base)), default=float("nan"))
+    base_rate = statistics.median(r["tokens_per_s"] for r in base[3:] or base) if base else float("nan")
+    base_peak = max(r.get("gpu_mem_gib", 0) for r in base) if base else float("nan")
+    summary[name] = {"tokens_per_s": rate, "peak_gib": peak, "max_loss_diff_vs_trl": diff,
+                     "losses": [r["loss"] for r in recs], "margins": [r.get("rewards/margins") for r in recs]}
+    print(f"{name:<16} {rate:>9.0f} {rate / base_rate:>6.2f} {peak:>9.2f} {peak / base_peak:>6.2f} {diff:>19.4g}  {len(recs)}")
+(out / "rlhf-compare.json").write_text(json.dumps(summary, indent=1))
+PY

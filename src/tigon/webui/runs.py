@@ -1,0 +1,430 @@
+"""Runs as the web UI sees them: each one is a `tigon sft` / `tigon rlhf` process of the command
+line, started with ``--output-dir RUNS/NAME``, and everything shown about it is read back from
+that directory (metrics.jsonl, checkpoints, the process's log) or from the process itself.
+
+Nothing here imports gradio: the UI (tigon.webui.app) only lays these functions out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tigon
+
+RUN_FILE = "tigon-webui.json"  # the command, pid and exit of a run the UI started
+LOG_FILE = "tigon-webui.log"  # the process's stdout and stderr, interleaved as written
+METRICS_FILE = "metrics.jsonl"  # as tigon.train.callbacks writes it
+FINAL_DIR = "final"
+UPLOADS_DIR = "uploads"
+EXPORT_PREFIX = "export-"
+_CHECKPOINT = re.compile(r"checkpoint-(\d+)")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+# tqdm's "12/20 [" (steps done / planned), the last one on a line being what a terminal shows.
+_PROGRESS = re.compile(r"(\d+)/(\d+) \[")
+
+RUNNING, FINISHED, FAILED, STOPPED = "running", "finished", "failed", "stopped"
+# A run the UI did not start (or whose exit it did not see) that has no final model: it may have
+# crashed, been stopped, or be running elsewhere; nothing on disk says which.
+INCOMPLETE = "incomplete"
+
+
+class WebUIError(ValueError):
+    """A problem with what was asked in the UI, shown there as one line."""
+
+
+@dataclass
+class TrainSettings:
+    """What the Train tab asks for. ``None`` (or an empty string) leaves the option to the
+    command's own default, so the command line shown is the shortest that does the same."""
+
+    method: str = "sft"
+    model: str = ""
+    dataset: str = ""  # paths separated by spaces (shell quoting for paths with spaces)
+    tuner: str = "full"
+    lora_rank: int | None = None
+    lora_alpha: float | None = None
+    lr: float | None = None
+    max_steps: int | None = None
+    max_length: int | None = None
+    save_steps: int | None = None
+    packing: bool = False
+    kernels: bool = True
+    extra: str = ""  # further options, as typed on a command line
+    name: str = ""
+
+
+def _num(value: float | None) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def command_arguments(settings: TrainSettings, output_dir: Path, methods: list[str]) -> list[str]:
+    """The `tigon` arguments that start this run: ``sft ...`` or ``rlhf --method M ...``."""
+    if settings.method not in methods:
+        raise WebUIError(f"method {settings.method!r}: this tigon offers {', '.join(methods)}")
+    if settings.tuner not in ("lora", "full"):
+        raise WebUIError(f"tuner {settings.tuner!r}: expected lora or full")
+    args = ["sft"] if settings.method == "sft" else ["rlhf", "--method", settings.method]
+    if settings.model.strip():
+        args += ["--model", settings.model.strip()]
+    try:
+        datasets = shlex.split(settings.dataset)
+        extra = shlex.split(settings.extra)
+    except ValueError as err:
+        raise WebUIError(f"dataset / more options: {err}") from None
+    if datasets:
+        args += ["--dataset", *datasets]
+    args += ["--tuner", settings.tuner]
+    lora = {"--lora-rank": settings.lora_rank, "--lora-alpha": settings.lora_alpha}
+    numbers = {"--lr": settings.lr, "--max-steps": settings.max_steps, "--max-length": settings.max_length,
+               "--save-steps": settings.save_steps}
+    if settings.tuner == "lora":
+        numbers = {**lora, **numbers}
+    for flag, value in numbers.items():
+        if value is not None:
+            args += [flag, _num(value)]
+    if settings.packing:
+        args.append("--packing")
+    if not settings.kernels:
+        args.append("--no-kernels")
+    return args + extra + ["--output-dir", str(output_dir)]
+
+
+def available_methods(parser: argparse.ArgumentParser | None = None) -> list[str]:
+    """``sft`` and, when this tigon has `tigon rlhf`, the methods its ``--method`` takes. Read
+    from the command line's own parser (what ``tigon rlhf --help`` prints), so the UI never
+    offers a method the command would refuse."""
+    if parser is None:
+        from tigon.cli import build_parser
+
+        parser = build_parser()
+    commands = next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    rlhf = commands.get("rlhf")
+    if rlhf is None:
+        return ["sft"]
+    method = next((a for a in rlhf._actions if a.dest == "method"), None)
+    return ["sft", *(method.choices if method is not None and method.choices else [])]
+
+
+def _ended_line(lines: list[str], code: int) -> str:
+    """What a process that exited with `code` said last, leaving out its progress bar (which tqdm
+    redraws once more at exit): its error, how it stopped, or where it wrote its result."""
+    last = next((line for line in reversed(lines) if line.strip() and not _PROGRESS.search(line)), "")
+    if code >= 0:
+        return last or f"exited with status {code}"
+    ended = f"ended by {signal.Signals(-code).name}"
+    return f"{ended}: {last}" if last else ended
+
+
+def _terminal_lines(text: str) -> list[str]:
+    """`text` as a terminal shows it: a line redrawn with carriage returns is its last state."""
+    return [shown for line in text.split("\n") if (shown := line.split("\r")[-1].rstrip()).strip()]
+
+
+def log_tail(path: Path, lines: int = 40, max_bytes: int = 65536) -> list[str]:
+    """The last `lines` lines of a log, as a terminal shows them."""
+    if not path.is_file():
+        return []
+    with path.open("rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - max_bytes))
+        return _terminal_lines(f.read().decode("utf-8", errors="replace"))[-lines:]
+
+
+def read_records(run_dir: Path) -> list[dict[str, Any]]:
+    """The lines of a run's metrics.jsonl. The run may be appending while we read: a last line
+    without its newline is not complete yet and is left for the next read."""
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        return []
+    complete = path.read_text(encoding="utf-8").split("\n")[:-1]
+    records = []
+    for line in complete:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # not written by tigon: show the rest
+    return records
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """Complete step checkpoints, oldest first (tigon writes them under a hidden name and
+    renames them when complete, so one with its own name is whole)."""
+    if not run_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in run_dir.iterdir() if p.is_dir() and (m := _CHECKPOINT.fullmatch(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+@dataclass
+class RunInfo:
+    """What the UI shows about one run."""
+
+    name: str
+    path: str
+    status: str
+    method: str = ""
+    step: int | None = None
+    total_steps: int | None = None
+    final_loss: float | None = None
+    tokens_per_s: float | None = None
+    peak_memory: str = ""
+    started: str = ""
+    message: str = ""  # the process's last line once it has ended (its error, or how it stopped)
+    checkpoint: str = ""  # newest complete checkpoint
+    command: str = ""
+    exit_code: int | None = None
+    log: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _pid_runs(pid: int, run_dir: Path) -> bool:
+    """Whether process `pid` is alive and is this run (its command line names the run's
+    directory), so that a reused pid is not mistaken for the run."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    cmdline = Path(f"/proc/{pid}/cmdline")
+    if not cmdline.is_file():
+        return True  # no /proc: trust the pid
+    try:
+        return str(run_dir) in cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return False
+
+
+def _peak_rss_gib(pid: int) -> float | None:
+    """A running process's peak resident memory so far (Linux's VmHWM), None where unknown."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    match = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
+    return round(int(match.group(1)) / 2**20, 2) if match else None
+
+
+def _median_speed(records: list[dict[str, Any]]) -> float | None:
+    rates = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
+    if len(rates) > 2:
+        rates = rates[1:]  # the first interval carries start-up (as tigon sft's summary leaves it out)
+    return round(statistics.median(rates), 1) if rates else None
+
+
+def _child_env() -> dict[str, str]:
+    """The UI's environment, so that the child runs this same tigon (a source checkout on
+    PYTHONPATH or the installed one) and writes its log as it goes (Python block-buffers output
+    to a file otherwise)."""
+    env = dict(os.environ)
+    package_root = str(Path(tigon.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+class RunStore:
+    """The runs under one directory: starts, watches and stops their processes."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root).resolve()
+        self._procs: dict[str, subprocess.Popen] = {}
+        self._lock = threading.Lock()
+
+    # --- files ------------------------------------------------------------------------------
+
+    def run_dir(self, name: str) -> Path:
+        if not name or not _NAME.fullmatch(name) or name == UPLOADS_DIR:
+            raise WebUIError(f"run name {name!r}: use letters, digits, '.', '_' and '-' (not starting with . or -)")
+        return self.root / name
+
+    def _record(self, name: str) -> dict[str, Any]:
+        path = self.run_dir(name) / RUN_FILE
+        try:
+            return json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return {}
+
+    def _update(self, name: str, **changes: Any) -> None:
+        with self._lock:
+            record = {**self._record(name), **changes}
+            path = self.run_dir(name) / RUN_FILE
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps(record, indent=1) + "\n")
+            os.replace(tmp, path)  # a reader never sees half a file
+
+    def names(self) -> list[str]:
+        """Runs under the root, newest first: directories the UI started a run in, or that hold
+        what `tigon sft` writes (so runs started on the command line show too)."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for d in self.root.iterdir():
+            if not d.is_dir() or not _NAME.fullmatch(d.name) or d.name == UPLOADS_DIR:
+                continue
+            marks = [d / RUN_FILE, d / METRICS_FILE, d / FINAL_DIR]
+            if any(p.exists() for p in marks) or checkpoints(d):
+                started = self._record(d.name).get("started_at") or d.stat().st_mtime
+                found.append((started, d.name))
+        return [name for _, name in sorted(found, reverse=True)]
+
+    # --- processes ----------------------------------------------------------------------------
+
+    def start(self, settings: TrainSettings, methods: list[str]) -> str:
+        """Start `settings` as a `python -m tigon.cli` process in RUNS/NAME; returns NAME."""
+        name = settings.name.strip()
+        if not name:
+            stamp = time.strftime("%Y%m%d-%H%M%S-") + settings.method
+            name = next(n for i in range(1, 1000) if not (self.root / (n := stamp + (f"-{i}" if i > 1 else ""))).exists())
+        run_dir = self.run_dir(name)
+        if run_dir.exists():
+            raise WebUIError(f"run {name!r} already exists in {self.root}: choose another name")
+        argv = command_arguments(settings, run_dir, methods)
+        command = [sys.executable, "-m", "tigon.cli", *argv]
+        run_dir.mkdir(parents=True)
+        self._update(name, method=settings.method, settings=asdict(settings), command=command,
+                     started_at=time.time(), started=time.strftime("%Y-%m-%d %H:%M:%S"))
+        with (run_dir / LOG_FILE).open("wb") as log:
+            log.write(("$ tigon " + shlex.join(argv) + "\n").encode())
+            log.flush()
+            # A session of its own: the run outlives the UI and a Ctrl-C meant for the UI's
+            # terminal; it is stopped from the UI (or by its pid).
+            proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    env=_child_env(), start_new_session=True)
+        self._procs[name] = proc
+        self._update(name, pid=proc.pid)
+        threading.Thread(target=self._wait, args=(name, proc), daemon=True, name=f"tigon-webui-{name}").start()
+        return name
+
+    def _wait(self, name: str, proc: subprocess.Popen) -> None:
+        peak_rss = None
+        if hasattr(os, "wait4"):
+            _, status, usage = os.wait4(proc.pid, 0)
+            code = os.waitstatus_to_exitcode(status)
+            proc.returncode = code  # reaped here: Popen must not wait for it again
+            peak_rss = usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # bytes on macOS, KiB on Linux
+        else:
+            code = proc.wait()
+        self._update(name, exit_code=code, ended=time.strftime("%Y-%m-%d %H:%M:%S"),
+                     peak_rss_gib=None if peak_rss is None else round(peak_rss / 2**30, 2))
+        self._procs.pop(name, None)
+
+    def stop(self, name: str) -> str:
+        """Send the run SIGINT, as Ctrl-C would: `tigon sft` finishes its step, saves a
+        checkpoint and exits with one line. Asked again, it quits without saving."""
+        info = self.info(name)
+        if info.status != RUNNING:
+            raise WebUIError(f"run {name!r} is not running ({info.status})")
+        pid = self._record(name).get("pid")
+        again = bool(self._record(name).get("stop_requested"))
+        try:
+            os.kill(pid, signal.SIGINT)
+        except ProcessLookupError:
+            return f"{name}: already ended"
+        self._update(name, stop_requested=True)
+        if again:
+            return f"{name}: asked again to stop: quitting without saving"
+        return f"{name}: stopping (SIGINT): the step in progress finishes and a checkpoint is saved"
+
+    def wait(self, name: str, timeout: float) -> RunInfo:
+        """The run's info once it is no longer running, or after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while (info := self.info(name)).status == RUNNING and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return info
+
+    # --- what is shown ------------------------------------------------------------------------
+
+    def _status(self, name: str, run_dir: Path, record: dict[str, Any]) -> str:
+        if "exit_code" in record:
+            code = record["exit_code"]
+            if code == 0:
+                return FINISHED
+            if record.get("stop_requested") or code in (130, -signal.SIGINT):
+                return STOPPED
+            return FAILED
+        proc = self._procs.get(name)
+        if proc is not None or (record.get("pid") and _pid_runs(record["pid"], run_dir)):
+            return RUNNING
+        return FINISHED if (run_dir / FINAL_DIR).is_dir() else INCOMPLETE
+
+    def info(self, name: str, log_lines: int = 0) -> RunInfo:
+        """Status, progress and figures of one run, from its files and its process."""
+        run_dir = self.run_dir(name)
+        if not run_dir.is_dir():
+            raise WebUIError(f"no run {name!r} in {self.root}")
+        record = self._record(name)
+        status = self._status(name, run_dir, record)
+        records = read_records(run_dir)
+        losses = [r for r in records if "loss" in r]
+        tail = log_tail(run_dir / LOG_FILE, max(log_lines, 12))
+        progress = next((m for line in reversed(tail) if (m := list(_PROGRESS.finditer(line)))), None)
+        step, total = (int(progress[-1].group(1)), int(progress[-1].group(2))) if progress else (None, None)
+        if losses and (step is None or losses[-1]["step"] > step):
+            step = losses[-1]["step"]
+        gpu = [r["gpu_mem_gib"] for r in records if "gpu_mem_gib" in r]
+        host = record.get("peak_rss_gib")
+        if host is None and status == RUNNING and record.get("pid"):
+            host = _peak_rss_gib(record["pid"])
+        if gpu:
+            memory = f"{max(gpu):.2f} GiB GPU"
+        else:
+            memory = "" if host is None else f"{host:.2f} GiB host"
+        ckpts = checkpoints(run_dir)
+        command = record.get("command", [])
+        return RunInfo(
+            name=name, path=str(run_dir), status=status, method=record.get("method", ""),
+            step=step, total_steps=total, final_loss=losses[-1]["loss"] if losses else None,
+            tokens_per_s=_median_speed(records), peak_memory=memory, started=record.get("started", ""),
+            message=_ended_line(tail, record["exit_code"]) if "exit_code" in record else "",
+            checkpoint=ckpts[-1].name if ckpts else "", exit_code=record.get("exit_code"),
+            command=("tigon " + shlex.join(command[3:])) if command else "",
+            log=tail[-log_lines:] if log_lines else [],
+        )
+
+    def loss_points(self, names: list[str]) -> list[tuple[str, int, float]]:
+        """(run, step, loss) of every logged training step of the runs `names`."""
+        return [(name, r["step"], r["loss"]) for name in names for r in read_records(self.run_dir(name))
+                if "loss" in r and isinstance(r["loss"], (int, float))]
+
+    def model_paths(self) -> list[tuple[str, str]]:
+        """(label, path) of every model the runs left: final models and merged exports (newest
+        run first), then step checkpoints."""
+        models, steps = [], []
+        for name in self.names():
+            run_dir = self.run_dir(name)
+            dirs = [run_dir / FINAL_DIR] if (run_dir / FINAL_DIR).is_dir() else []
+            dirs += sorted((p for p in run_dir.glob(EXPORT_PREFIX + "merged*") if p.is_dir()), key=lambda p: p.name)
+            models += [(f"{name}/{d.name}", str(d)) for d in dirs]
+            steps += [(f"{name}/{d.name}", str(d)) for d in reversed(checkpoints(run_dir))]
+        return models + steps
+
+    def export(self, path: str, to: str, dtype: str = "auto", timeout: float | None = None) -> tuple[bool, str]:
+        """`tigon export PATH --to merged|gguf` as a process, into the run's ``export-...``
+        directory; (whether it worked, its last line: where it wrote, or its error)."""
+        model = Path(path)
+        if to not in ("merged", "gguf"):
+            raise WebUIError(f"export to {to!r}: expected merged or gguf")
+        if not model.is_dir():
+            raise WebUIError(f"no model directory {path!r}: pick a finished run or a checkpoint")
+        suffix = "" if model.name == FINAL_DIR else "-" + model.name
+        out = model.parent / f"{EXPORT_PREFIX}{to}{suffix}"
+        if dtype != "auto":
+            out = out.with_name(f"{out.name}-{dtype}")
+        argv = ["export", str(model), "--to", to, "--output", str(out), "--dtype", dtype]
+        done = subprocess.run([sys.executable, "-m", "tigon.cli", *argv], stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, env=_child_env(), timeout=timeout)
+        line = _ended_line(_terminal_lines(done.stdout + "\n" + done.stderr), done.returncode)
+        return done.returncode == 0, line

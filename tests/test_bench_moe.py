@@ -1,0 +1,26 @@
+"""The MoE op benchmarks' pipelines on CPU (their numbers mean nothing here)."""
+
+import torch
+
+from tigon.bench.moe_ops import bench_side_by_side, format_side_by_side
+from tigon.bench.ops.moe import hf_expert_loop, hf_grouped_mm, make_inputs
+
+
+def test_transformers_implementations_agree_on_the_bench_inputs():
+    args = make_inputs((24, 32, 16, 6, 2), torch.float32, torch.device("cpu"))
+    loop, grouped = hf_expert_loop(*args), hf_grouped_mm(*args)
+    assert ((loop - grouped).norm() / loop.norm()).item() < 1e-5
+
+
+def test_side_by_side_records_each_implementation(monkeypatch):
+    import tigon.bench.moe_ops as moe_ops
+
+    # One call per timing: the interpreter's kernels are slow, and the numbers are not the point.
+    monkeypatch.setattr(moe_ops, "_time_ms", lambda step, device, leaves, graph=False: (step(), 1.0)[1])
+    records = bench_side_by_side((24, 32, 16, 6, 2), torch.float32, torch.device("cpu"),
+                                 ["tigon-grouped_mm", "hf-loop", "hf-grouped_mm"])
+    assert [r["impl"] for r in records] == ["tigon-grouped_mm", "hf-loop", "hf-grouped_mm"]
+    assert not [r["error"] for r in records if "error" in r]
+    assert records[0]["error_vs_loop"] < 1e-5 and records[1]["vs_hf-loop"] == 1.0
+    assert all(r["fwd_bwd_host_ms"] > 0 and r.get("graph_ms") is None for r in records)
+    assert len(format_side_by_side(records).splitlines()) == 4
