@@ -16,7 +16,7 @@ def _norm(norm: Norm) -> str:
 def _mlp(family: Family) -> str:
     mlp = family.mlp
     if mlp is None:
-        return "experts only (HF's)"
+        return "experts only"
     return mlp.switch or "not gated (HF's)"
 
 
@@ -28,12 +28,12 @@ def _rope(family: Family) -> str:
 
 def table() -> str:
     """The Markdown table between the README's markers."""
-    rows = ["| model_type | transformers module | norm | MLP | RoPE pairs | add + norm fused |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| model_type | transformers module | norm | MLP | MoE experts | RoPE pairs | add + norm fused |",
+            "|---|---|---|---|---|---|---|"]
     for model_type, family in sorted(FAMILIES.items()):
         fused = family.layer.fuse or "no"
         rows.append(f"| `{model_type}` | `{family.module}` | {', '.join(dict.fromkeys(map(_norm, family.norms)))} "
-                    f"| {_mlp(family)} | {_rope(family)} | {fused} |")
+                    f"| {_mlp(family)} | {'fused' if family.experts else '-'} | {_rope(family)} | {fused} |")
     return "\n".join(rows)
 
 

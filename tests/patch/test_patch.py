@@ -76,6 +76,13 @@ def forbid_hf_code(monkeypatch, family: Family):
         monkeypatch.setattr(module, rope.function, forbidden)
 
 
+# The fused experts op runs in the families test for one family of each experts layout (the
+# interpreter adds seconds per family): concatenated gate/up (qwen3_moe), shared experts and group
+# routing (deepseek_v3), transposed and interleaved with biases and a clamped gate (gpt_oss); the
+# others check that the op takes their experts (test_every_moe_familys_experts_go_to_the_fused_op).
+MOE_CASES = ("qwen3_moe", "deepseek_v3", "gpt_oss")
+
+
 @pytest.mark.parametrize("model_type", family_params())
 def test_instance_patch_matches_hf(model_type, monkeypatch, device):
     """Patching a model already on its device (the GPU in GPU runs)."""
@@ -85,8 +92,11 @@ def test_instance_patch_matches_hf(model_type, monkeypatch, device):
     want = run(model)
     forbid_hf_code(monkeypatch, family)
     groups = count_groups(monkeypatch)
-    result = tigon.patch(patched)
+    experts_calls = count_calls(monkeypatch, "moe_experts")
+    fused_experts = family.experts is not None and (model_type in MOE_CASES or device.type == "cuda")
+    result = tigon.patch(patched, moe_experts=fused_experts)
     expected = {family.norm.switch, "linear_cross_entropy"} | ({"rope"} if family.ropes else set())
+    expected |= {"moe_experts"} if fused_experts else set()
     expected |= {family.mlp.switch} if family.mlp and family.mlp.gated else set()
     expected |= {"add_rms_norm"} if family.layer.fuse else set()
     expected |= {"qkv_group"} if family.attention else set()
@@ -100,17 +110,24 @@ def test_instance_patch_matches_hf(model_type, monkeypatch, device):
     # (Hybrid models hold their attention in some layers only.)
     attentions = sum(type(m).__name__ == family.attention.cls for m in patched.modules()) if family.attention else 0
     assert len(groups) == attentions
+    experts = sum(type(m).__name__ == family.experts for m in patched.modules()) if fused_experts else 0
+    assert len(experts_calls) == experts
     assert_same_run(got, want)
+
+
+def count_calls(monkeypatch, op: str) -> list:
+    """A list that grows by one at each call of ``tigon.functional.<op>``."""
+    from tigon import functional
+
+    calls = []
+    original = getattr(functional, op)
+    monkeypatch.setattr(functional, op, lambda *a, **k: calls.append(1) or original(*a, **k))
+    return calls
 
 
 def count_groups(monkeypatch) -> list:
     """A list that grows by one each time a patched attention runs its q/k/v as one group."""
-    from tigon import functional
-
-    calls = []
-    original = functional.linear_group
-    monkeypatch.setattr(functional, "linear_group", lambda *a, **k: calls.append(1) or original(*a, **k))
-    return calls
+    return count_calls(monkeypatch, "linear_group")
 
 
 def snapshot(module):
@@ -182,6 +199,35 @@ def test_instance_unpatch_restores_hf_forwards():
     assert all("forward" in vars(m) for m in norms)
     tigon.unpatch(model)
     assert not any("forward" in vars(m) for m in norms)
+
+
+@pytest.mark.parametrize("model_type", family_params(t for t, f in FAMILIES.items() if f.experts))
+def test_every_moe_familys_experts_go_to_the_fused_op(model_type):
+    """Each family the table gives experts holds experts modules of that class, which the fused op
+    computes (no fallback to transformers' loop), and patching sets the op as their implementation."""
+    from tigon.nn.moe import unsupported_reason
+
+    model = tiny_model(model_type)
+    experts = [m for m in model.modules() if type(m).__name__ == FAMILIES[model_type].experts]
+    assert experts and all(unsupported_reason(m) is None for m in experts)
+    assert "moe_experts" in tigon.patch(model).applied
+    assert all(m.config._experts_implementation == "tigon" for m in experts)
+
+
+def test_moe_experts_switch_sets_the_instances_experts_implementation_and_unpatch_restores_it():
+    model = tiny_model("qwen3_moe")
+    before = model.config._experts_implementation
+    assert before != "tigon"
+    assert "moe_experts" in tigon.patch(model).applied
+    assert model.config._experts_implementation == "tigon"
+    tigon.patch(model)  # undoes the first patch, then sets it again
+    tigon.unpatch(model)
+    assert model.config._experts_implementation == before
+    assert "moe_experts" not in tigon.patch(model, moe_experts=False).applied
+    assert model.config._experts_implementation == before
+    # A class patch has no instance whose setting it could change.
+    assert "moe_experts" not in tigon.patch("qwen3_moe").applied
+    assert model.config._experts_implementation == before
 
 
 def test_patch_twice_replaces_the_first_patch():

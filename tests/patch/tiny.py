@@ -48,7 +48,7 @@ EXTRA = {
     "gemma3_text": dict(final_logit_softcapping=30.0, sliding_window=8),
     "gemma4_text": dict(
         final_logit_softcapping=30.0, sliding_window=8, hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB,
-        global_head_dim=16,
+        global_head_dim=16, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=40,
     ),
     "granite": dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=4.0),
     # (No router logits: transformers 5.17's GraniteMoe records none, and its own loss then fails.)

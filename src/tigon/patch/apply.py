@@ -10,7 +10,8 @@ Two ways in, one plan:
   Module-level functions (RoPE) have no per-model home, so those are swapped in the family's module
   and restored when the last patch that needed them is undone. Modules of classes from outside the
   family's module (torch's LayerNorm, PEFT's LoRA layers: :mod:`tigon.patch.lora`) are replaced
-  this way only.
+  this way only, and so are mixture-of-experts experts, which the model's experts implementation
+  (a setting of its config, which transformers' experts modules dispatch on) sends to tigon's op.
 
 Everything is planned and checked before anything changes, so an error leaves nothing half-patched;
 one record per patch says what to restore.
@@ -103,8 +104,12 @@ class _Undo:
     forwards: list[tuple[torch.nn.Module, str, Any]] = field(default_factory=list)  # (module, attr, previous)
     shared: list[tuple[int, str]] = field(default_factory=list)
     links: list[torch.nn.Module] = field(default_factory=list)  # layers holding a handoff.NEXT_NORM
+    experts: tuple[Any, str] | None = None  # (the HF model, its experts implementation before)
 
     def run(self) -> None:
+        if self.experts is not None:
+            hf_model, previous = self.experts
+            hf_model.set_experts_implementation(previous)
         for layer in self.links:
             handoff.NEXT_NORM.drop(layer)
         for module, attr, previous in reversed(self.forwards):
@@ -254,6 +259,8 @@ def _plan(
             plan.append(_Replacement("qkv_group" if switches["qkv_group"] else "lora", cls, "forward", grouped))
     if switches["tiled_mlp"] and mlp_cls is not None:
         _wrap(plan, "tiled_mlp", mlp_cls, tiled.tiled_forward)
+    if switches["moe_experts"] and family.experts is not None:
+        find(family.experts)  # set on an instance (_use_tigon_experts); here only checked
     if switches["offload_activations"] and causal_lm is not None:
         _wrap(plan, "offload_activations", causal_lm, offload.offloaded_forward)
     if lora_forward is not None:
@@ -336,6 +343,10 @@ def _patch_instance(model: torch.nn.Module, switches: dict[str, bool]) -> Patche
                     applied.update(dict.fromkeys((replacement.switch, *replacement.also)))
         if _CROSS_LAYER_ADD_NORM and switches["add_rms_norm"] and family.layer.fuse is not None:
             undo.links = _link_next_norms(model, family, module, switches["rms_norm"])
+        if switches["moe_experts"] and family.experts is not None:
+            undo.experts = _use_tigon_experts(model, hf_model, getattr(module, family.experts))
+            if undo.experts is not None:
+                applied["moe_experts"] = None
     except BaseException:
         undo.run()
         raise
@@ -346,6 +357,21 @@ def _patch_instance(model: torch.nn.Module, switches: dict[str, bool]) -> Patche
     layer_cls = getattr(module, family.layer.cls)
     layers = sum(isinstance(sub, layer_cls) for sub in model.modules())
     return Patched(type(hf_model).__name__, model_type, tuple(applied), layers, summary)
+
+
+def _use_tigon_experts(model: torch.nn.Module, hf_model: Any, experts_cls: type) -> tuple[Any, str] | None:
+    """Set `hf_model`'s experts implementation to tigon's (:func:`tigon.nn.moe.register_experts_implementation`)
+    when `model` holds an experts module of `experts_cls` that tigon's op computes; returns
+    ``(hf_model, the implementation before)`` for the undo, or None when nothing was set. (An
+    experts module the op cannot compute runs transformers' loop under that implementation,
+    saying why once.)"""
+    from tigon.nn import moe
+
+    if not any(isinstance(sub, experts_cls) and moe.unsupported_reason(sub) is None for sub in model.modules()):
+        return None
+    previous = hf_model.config._experts_implementation
+    hf_model.set_experts_implementation(moe.register_experts_implementation())
+    return hf_model, previous
 
 
 def _lora_summary(
@@ -406,6 +432,7 @@ def patch(
     lora: bool = True,
     offload_activations: bool = False,
     tiled_mlp: bool = False,
+    moe_experts: bool = True,
     **others: bool,
 ) -> Patched:
     """Make a Hugging Face decoder model run tigon's kernels; outputs, loss and gradients unchanged.
@@ -422,7 +449,9 @@ def patch(
             instance gets them. `offload_activations` (under gradient checkpointing, the
             checkpointed hidden states wait in pinned host memory: :mod:`tigon.patch.offload`) and
             `tiled_mlp` (the MLP over chunks of tokens: :mod:`tigon.patch.tiled`) are exact, off by
-            default, and for long context.
+            default, and for long context. `moe_experts` sets a patched model's experts
+            implementation to tigon's fused experts op (:mod:`tigon.nn.moe`) for the model instance
+            (its config's setting, restored by :func:`unpatch`).
         others: nothing; a name here is no switch, and raises.
 
     Returns:
@@ -440,6 +469,7 @@ def patch(
         rms_norm=rms_norm, rope=rope, swiglu=swiglu, geglu=geglu, layer_norm=layer_norm,
         add_rms_norm=add_rms_norm, qkv_group=qkv_group, linear_cross_entropy=linear_cross_entropy,
         cross_entropy=cross_entropy, lora=lora, offload_activations=offload_activations, tiled_mlp=tiled_mlp,
+        moe_experts=moe_experts,
     ))
     if isinstance(target, str):
         result = _patch_classes(target, switches)

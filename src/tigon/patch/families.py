@@ -6,9 +6,10 @@ every family alike, so adding a family is adding an entry here. Nothing is impor
 transformers here: a family's module is looked up only when it is patched, so an entry whose
 module a given transformers lacks costs nothing until then (:func:`available` says which do).
 
-Mixture-of-experts families keep transformers' expert code for now: their entries name the dense
-MLP (used by shared experts and dense layers), not the experts; an experts entry would be one more
-keyword of :func:`_family`, read by the plan like the others.
+Mixture-of-experts families name their dense MLP (used by shared experts and dense layers) as
+`mlp`, and, as `experts`, the experts class transformers dispatches through its experts interface
+(``@use_experts_implementation``): the ``moe_experts`` switch sends those to tigon's fused experts
+op (:mod:`tigon.nn.moe`).
 """
 
 from __future__ import annotations
@@ -210,6 +211,8 @@ class Family:
         head: the causal-LM head's extras.
         other_norms: further norm classes the family builds (Llama 4's weightless QK norm), on the
             same switches as `norm`.
+        experts: the mixture-of-experts experts class, if transformers dispatches it through its
+            experts interface (Llama 4's experts are not, and keep their code).
     """
 
     module: str
@@ -221,6 +224,7 @@ class Family:
     ropes: tuple[Rope, ...]
     head: Head
     other_norms: tuple[Norm, ...] = ()
+    experts: str | None = None
 
     @property
     def norms(self) -> tuple[Norm, ...]:
@@ -252,6 +256,7 @@ def _family(
     head: Head = Head(),
     causal_lm: str | None = None,
     other_norms: tuple[Norm, ...] = (),
+    experts: bool = False,
     **layer,
 ) -> Family:
     return Family(
@@ -264,6 +269,7 @@ def _family(
         ropes=rope if isinstance(rope, tuple) else (rope,),
         head=head,
         other_norms=other_norms,
+        experts=f"{prefix}Experts" if experts else None,
     )
 
 
@@ -272,24 +278,24 @@ FAMILIES: dict[str, Family] = {
     "mistral": _family("mistral", "Mistral"),
     "ministral": _family("ministral", "Ministral"),
     "ministral3": _family("ministral3", "Ministral3"),
-    "mixtral": _family("mixtral", "Mixtral", mlp=None, head=MOE_HEAD),
+    "mixtral": _family("mixtral", "Mixtral", experts=True, mlp=None, head=MOE_HEAD),
     "qwen2": _family("qwen2", "Qwen2"),
     # The dense MLP of the shared expert and of the layers listed in `mlp_only_layers`; the experts
     # keep HF's code.
-    "qwen2_moe": _family("qwen2_moe", "Qwen2Moe", head=MOE_HEAD),
+    "qwen2_moe": _family("qwen2_moe", "Qwen2Moe", experts=True, head=MOE_HEAD),
     "qwen3": _family("qwen3", "Qwen3"),
-    "qwen3_moe": _family("qwen3_moe", "Qwen3Moe", head=MOE_HEAD),
+    "qwen3_moe": _family("qwen3_moe", "Qwen3Moe", experts=True, head=MOE_HEAD),
     # Hybrid: gated delta-net layers (linear_attn, HF's code) between attention layers; zero-centred
     # norms in float32; partial rotary.
     "qwen3_next": _family(
-        "qwen3_next", "Qwen3Next", norm=_norm("Qwen3Next", GEMMA_NORM), head=MOE_HEAD,
+        "qwen3_next", "Qwen3Next", experts=True, norm=_norm("Qwen3Next", GEMMA_NORM), head=MOE_HEAD,
         mixers=("linear_attn", "self_attn"),
     ),
     "qwen3_5_text": _family(
         "qwen3_5", "Qwen3_5", norm=_norm("Qwen3_5", GEMMA_NORM), mixers=("linear_attn", "self_attn"),
     ),
     "qwen3_5_moe_text": _family(
-        "qwen3_5_moe", "Qwen3_5Moe", norm=_norm("Qwen3_5Moe", GEMMA_NORM), head=MOE_HEAD,
+        "qwen3_5_moe", "Qwen3_5Moe", experts=True, norm=_norm("Qwen3_5Moe", GEMMA_NORM), head=MOE_HEAD,
         mixers=("linear_attn", "self_attn"),
     ),
     "phi3": _family(
@@ -314,12 +320,12 @@ FAMILIES: dict[str, Family] = {
     # A layer of its own (per-layer inputs, an optional expert block beside the MLP, a layer scalar)
     # and a RoPE applied to q and k apart keep HF's code; norms with and without a weight.
     "gemma4_text": _family(
-        "gemma4", "Gemma4Text", norm=Norm("Gemma4RMSNorm", casting=FLOAT_WEIGHT, eps="eps"),
+        "gemma4", "Gemma4Text", experts=True, norm=Norm("Gemma4RMSNorm", casting=FLOAT_WEIGHT, eps="eps"),
         mlp=MLP("Gemma4TextMLP", "geglu"), rope=(), head=SOFTCAP_HEAD, causal_lm="Gemma4ForCausalLM", norms=None,
     ),
     "granite": _family("granite", "Granite", head=Head(scale="logits_scaling"), scale="residual_multiplier"),
     "granitemoe": _family(
-        "granitemoe", "GraniteMoe", mlp=None, head=Head(scale="logits_scaling", aux_loss="load_balancing_loss_func"),
+        "granitemoe", "GraniteMoe", experts=True, mlp=None, head=Head(scale="logits_scaling", aux_loss="load_balancing_loss_func"),
         scale="residual_multiplier", feed_forward="block_sparse_moe",
     ),
     # OLMo's LayerNorm has neither weight nor bias and a fixed epsilon.
@@ -334,7 +340,7 @@ FAMILIES: dict[str, Family] = {
     "olmo3": _family(
         "olmo3", "Olmo3", norm=Norm("Olmo3RMSNorm", casting=FLOAT_WEIGHT), rope=Rope(keep_dtype=True), norms=None
     ),
-    "olmoe": _family("olmoe", "Olmoe", mlp=None, head=MOE_HEAD),
+    "olmoe": _family("olmoe", "Olmoe", experts=True, mlp=None, head=MOE_HEAD),
     "glm": _family(
         "glm", "Glm", mlp=MLP("GlmMLP", act="activation_fn", projections=("gate_up_proj", "down_proj")),
         rope=Rope(interleaved=True),
@@ -344,16 +350,16 @@ FAMILIES: dict[str, Family] = {
         rope=Rope(interleaved=True),
         norms=("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"),
     ),
-    "glm4_moe": _family("glm4_moe", "Glm4Moe"),
+    "glm4_moe": _family("glm4_moe", "Glm4Moe", experts=True),
     "smollm3": _family("smollm3", "SmolLM3"),
     # Post-norm as OLMo 2, with per-head QK norms.
     "exaone4": _family("exaone4", "Exaone4", norms=None),
     "hunyuan_v1_dense": _family("hunyuan_v1_dense", "HunYuanDenseV1"),
-    "hunyuan_v1_moe": _family("hunyuan_v1_moe", "HunYuanMoEV1"),
+    "hunyuan_v1_moe": _family("hunyuan_v1_moe", "HunYuanMoEV1", experts=True),
     # The MLP is the router and experts, returning (hidden states, router scores); its attention
     # (sinks, sliding window) stays HF's.
     "gpt_oss": _family(
-        "gpt_oss", "GptOss", norm=Norm("GptOssRMSNorm", casting=FLOAT_WEIGHT), mlp=None,
+        "gpt_oss", "GptOss", experts=True, norm=Norm("GptOssRMSNorm", casting=FLOAT_WEIGHT), mlp=None,
         rope=Rope(cos="once"), head=MOE_HEAD,
     ),
     # Complex-number RoPE on (batch, tokens, heads, head_dim); weightless L2 norm of q and k; MoE
@@ -382,14 +388,14 @@ FAMILIES: dict[str, Family] = {
     # MLA attention stays HF's but for its two input projections, grouped; RoPE on the rotated slice,
     # in DeepSeek's interleaved-weights form by default (rope_interleave).
     "deepseek_v3": _family(
-        "deepseek_v3", "DeepseekV3", attention=Attention("DeepseekV3Attention", ("q_a_proj", "kv_a_proj_with_mqa")),
+        "deepseek_v3", "DeepseekV3", experts=True, attention=Attention("DeepseekV3Attention", ("q_a_proj", "kv_a_proj_with_mqa")),
         rope=(Rope(), Rope("apply_rotary_pos_emb_interleave", interleaved=True, halves=True)),
     ),
     "deepseek_v2": _family(
-        "deepseek_v2", "DeepseekV2", attention=Attention("DeepseekV2Attention", ("q_a_proj", "kv_a_proj_with_mqa")),
+        "deepseek_v2", "DeepseekV2", experts=True, attention=Attention("DeepseekV2Attention", ("q_a_proj", "kv_a_proj_with_mqa")),
         rope=Rope("apply_rotary_emb", form="complex", interleaved=True, keep_dtype=True),
     ),
-    "dots1": _family("dots1", "Dots1"),
+    "dots1": _family("dots1", "Dots1", experts=True),
     # Scaled SwiGLU; a Mamba mixer beside the attention; a layer forward that is its own; the logits
     # multiplied by `lm_head_multiplier`.
     "falcon_h1": _family(
@@ -404,11 +410,11 @@ FAMILIES: dict[str, Family] = {
     ),
     "arcee": _family("arcee", "Arcee", mlp=MLP("ArceeMLP", None, projections=("up_proj", "down_proj"))),
     "ernie4_5": _family("ernie4_5", "Ernie4_5", rope=Rope(interleaved=True, keep_dtype=True)),
-    "ernie4_5_moe": _family("ernie4_5_moe", "Ernie4_5_Moe", rope=Rope(interleaved=True, keep_dtype=True), head=MOE_HEAD),
+    "ernie4_5_moe": _family("ernie4_5_moe", "Ernie4_5_Moe", experts=True, rope=Rope(interleaved=True, keep_dtype=True), head=MOE_HEAD),
     "helium": _family("helium", "Helium", norm=Norm("HeliumRMSNorm", casting=FLOAT_WEIGHT), rope=Rope(interleaved=True)),
     # Linear ("lightning") attention in some layers stays HF's.
     # Its residuals are the normed inputs, weighted (alpha, beta factors): no add feeds a norm.
-    "minimax": _family("minimax", "MiniMax", mlp=None, head=MOE_HEAD, norms=None),
+    "minimax": _family("minimax", "MiniMax", experts=True, mlp=None, head=MOE_HEAD, norms=None),
     # LayerNorm1P: a torch LayerNorm scaled by 1 + weight; a non-gated relu² MLP.
     "nemotron": _family(
         "nemotron", "Nemotron", norm=Norm("NemotronLayerNorm1P", offset=1.0, casting="torch", eps="eps", kind="layer"),
