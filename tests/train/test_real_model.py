@@ -2,9 +2,11 @@
 SmolLM2-135M-Instruct (with its embeddings, final norm and head; tests/real.py), its real
 tokenizer and chat template, on a slice of the bundled instructions.
 
-On the CPU the patched run computes every op on its PyTorch reference (TIGON_DISABLE=all): twenty
-steps of a real model through Triton's interpreter would take minutes, and the kernels themselves
-are held against those references by the op tests. What runs here is everything tigon.patch puts
+On the CPU the patched run computes every op on its PyTorch reference (TIGON_DISABLE=all): steps
+of a real model through Triton's interpreter would take minutes, and the kernels themselves are held
+against those references by the op tests. There the runs are also shorter (8 steps of one row of at
+most 48 tokens: the 49152-token head makes each step cost about a second); on a GPU they are the
+twenty steps of two 64-token rows. What runs here is everything tigon.patch puts
 in the model (the family's forwards, the fused LoRA paths, the loss from the hidden states) against
 transformers' and PEFT's own code. On a GPU the kernels run compiled."""
 
@@ -21,10 +23,11 @@ from tigon.train import tiny
 
 pytest.importorskip("peft")
 
-STEPS = 20
-ARGS = ["--dataset", f"{tiny.BUNDLED_DATASET}#16", "--max-steps", str(STEPS), "--batch-size", "2",
-        "--max-length", "64", "--dtype", "fp32", "--lr", "1e-3", "--samples", "0", "--save-steps", "0",
-        "--logging-steps", "1", "--seed", "0"]
+GPU = torch.cuda.is_available()
+STEPS = 20 if GPU else 8
+ARGS = ["--dataset", f"{tiny.BUNDLED_DATASET}#16", "--max-steps", str(STEPS), "--batch-size", "2" if GPU else "1",
+        "--max-length", "64" if GPU else "48", "--dtype", "fp32", "--lr", "1e-3", "--samples", "0",
+        "--save-steps", "0", "--logging-steps", "1", "--seed", "0"]
 
 
 def losses(out):
@@ -47,7 +50,7 @@ def runs(smollm2_two_layers, tmp_path_factory):
     logger.addHandler(handler)
     try:
         with pytest.MonkeyPatch.context() as patch:
-            if not torch.cuda.is_available():
+            if not GPU:
                 patch.setenv("TIGON_DISABLE", "all")
             assert main(["sft", *ARGS, *model, "--output-dir", str(root / "on")]) == 0
     finally:
@@ -56,13 +59,14 @@ def runs(smollm2_two_layers, tmp_path_factory):
     return root / "off", root / "on", [r.getMessage() for r in records]
 
 
-def test_twenty_steps_with_kernels_match_without(runs):
+def test_sft_steps_with_kernels_match_without(runs):
     off, on, log = runs
     assert any(line.startswith("tigon: applied rms_norm") and "lora" in line for line in log)
     assert any(line.startswith("tigon: fused LoRA on") for line in log)
     want, got = losses(off), losses(on)
     assert sorted(want) == sorted(got) == list(range(1, STEPS + 1))
-    assert sum(want[s] for s in range(STEPS - 2, STEPS + 1)) < 0.8 * sum(want[s] for s in (1, 2, 3))
+    # The runs learn (equal losses of a model that does not would say little).
+    assert sum(want[s] for s in range(STEPS - 2, STEPS + 1)) < 0.9 * sum(want[s] for s in (1, 2, 3))
     for step_, loss in want.items():
         assert got[step_] == pytest.approx(loss, rel=1e-4), f"step {step_}"
 
