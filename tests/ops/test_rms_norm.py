@@ -70,6 +70,21 @@ def test_widest_supported_row(device):
     compare_fwd_bwd(F.rms_norm, rms_norm_reference, (x, weight), name="65536 wide")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("casting", ["llama", "gemma"])
+def test_no_weight_is_the_plain_normalisation(poison_outputs, device, dtype, casting):
+    """weight=None (a norm with elementwise_affine=False, Llama 4's QK L2 norm) normalises only:
+    ``x * rsqrt(mean(x^2) + eps)`` in fp32, rounded to x's dtype, forward and backward."""
+    x = torch.randn(3, 5, 97, dtype=dtype, device=device, requires_grad=True)
+
+    def plain(x):
+        up = x.to(torch.promote_types(x.dtype, torch.float32))
+        return (up * torch.rsqrt(up.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+
+    out = compare_fwd_bwd(lambda x: F.rms_norm(x, None, 1e-5, casting=casting), plain, (x,), name="no weight")
+    assert out[0].dtype == dtype
+
+
 def test_frozen_weight_gets_no_gradient(device):
     x = torch.randn(3, 40, device=device, requires_grad=True)
     weight = torch.randn(40, device=device)

@@ -11,9 +11,10 @@ import torch
 
 import tigon
 from tests.helpers import assert_close, saved_activation_bytes
-from tests.patch.tiny import batch, tiny_model
+from tigon.patch import handoff
+from tests.patch.tiny import batch, family_params, tiny_model
 from tigon.patch import FAMILIES
-from tigon.patch.families import Family
+from tigon.patch.families import Family, Norm, modeling_module
 
 
 @pytest.fixture(autouse=True)
@@ -24,7 +25,7 @@ def clean_patches(monkeypatch):
 
 
 def modeling(family: Family):
-    return importlib.import_module(f"transformers.models.{family.module}.modeling_{family.module}")
+    return importlib.import_module(modeling_module(family))
 
 
 def run(model, seed=0, **kwargs):
@@ -53,8 +54,8 @@ def assert_same_run(got, want):
         assert_close(grad, want_grads[name], name=f"grad {name}")
 
 
-def norm_class(family: Family) -> type:
-    return torch.nn.LayerNorm if family.norm.kind == "layer" else getattr(modeling(family), family.norm.cls)
+def norm_class(family: Family, norm: Norm) -> type:
+    return torch.nn.LayerNorm if norm.in_torch else getattr(modeling(family), norm.cls)
 
 
 def forbid_hf_code(monkeypatch, family: Family):
@@ -69,11 +70,20 @@ def forbid_hf_code(monkeypatch, family: Family):
     names += [family.layer.cls] if family.layer.fuse else []
     for name in names:
         monkeypatch.setattr(getattr(module, name), "forward", forbidden)
-    monkeypatch.setattr(norm_class(family), "forward", forbidden)
-    monkeypatch.setattr(module, family.rope.function, forbidden)
+    for norm in family.norms:
+        monkeypatch.setattr(norm_class(family, norm), "forward", forbidden)
+    for rope in family.ropes:
+        monkeypatch.setattr(module, rope.function, forbidden)
 
 
-@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+# The fused experts op runs in the families test for one family of each experts layout (the
+# interpreter adds seconds per family): concatenated gate/up (qwen3_moe), shared experts and group
+# routing (deepseek_v3), transposed and interleaved with biases and a clamped gate (gpt_oss); the
+# others check that the op takes their experts (test_every_moe_familys_experts_go_to_the_fused_op).
+MOE_CASES = ("qwen3_moe", "deepseek_v3", "gpt_oss")
+
+
+@pytest.mark.parametrize("model_type", family_params())
 def test_instance_patch_matches_hf(model_type, monkeypatch, device):
     """Patching a model already on its device (the GPU in GPU runs)."""
     family = FAMILIES[model_type]
@@ -82,8 +92,11 @@ def test_instance_patch_matches_hf(model_type, monkeypatch, device):
     want = run(model)
     forbid_hf_code(monkeypatch, family)
     groups = count_groups(monkeypatch)
-    result = tigon.patch(patched)
-    expected = {family.norm.switch, "rope", "linear_cross_entropy"}
+    experts_calls = count_calls(monkeypatch, "moe_experts")
+    fused_experts = family.experts is not None and (model_type in MOE_CASES or device.type == "cuda")
+    result = tigon.patch(patched, moe_experts=fused_experts)
+    expected = {family.norm.switch, "linear_cross_entropy"} | ({"rope"} if family.ropes else set())
+    expected |= {"moe_experts"} if fused_experts else set()
     expected |= {family.mlp.switch} if family.mlp and family.mlp.gated else set()
     expected |= {"add_rms_norm"} if family.layer.fuse else set()
     expected |= {"qkv_group"} if family.attention else set()
@@ -91,18 +104,30 @@ def test_instance_patch_matches_hf(model_type, monkeypatch, device):
     assert result.layers == 2
     got = run(patched)
     assert got[1] is None, "training with labels must not materialise the logits"
-    assert len(groups) == (2 if family.attention else 0)
+    if family.layer.fuse:  # each layer's closing add runs with the norm after it
+        layers = [m for m in patched.modules() if type(m).__name__ == family.layer.cls]
+        assert all(handoff.NEXT_NORM.get(layer) is not None for layer in layers)
+    # (Hybrid models hold their attention in some layers only.)
+    attentions = sum(type(m).__name__ == family.attention.cls for m in patched.modules()) if family.attention else 0
+    assert len(groups) == attentions
+    experts = sum(type(m).__name__ == family.experts for m in patched.modules()) if fused_experts else 0
+    assert len(experts_calls) == experts
     assert_same_run(got, want)
+
+
+def count_calls(monkeypatch, op: str) -> list:
+    """A list that grows by one at each call of ``tigon.functional.<op>``."""
+    from tigon import functional
+
+    calls = []
+    original = getattr(functional, op)
+    monkeypatch.setattr(functional, op, lambda *a, **k: calls.append(1) or original(*a, **k))
+    return calls
 
 
 def count_groups(monkeypatch) -> list:
     """A list that grows by one each time a patched attention runs its q/k/v as one group."""
-    from tigon import functional
-
-    calls = []
-    original = functional.linear_group
-    monkeypatch.setattr(functional, "linear_group", lambda *a, **k: calls.append(1) or original(*a, **k))
-    return calls
+    return count_calls(monkeypatch, "linear_group")
 
 
 def snapshot(module):
@@ -131,27 +156,40 @@ def test_class_patch_matches_hf_and_unpatch_restores(model_type):
     assert changed(before, snapshot(module)) == []
 
 
+def build_norm(cls: type, norm: Norm, width: int) -> torch.nn.Module:
+    """A norm module of `cls`, `width` wide, with random parameters."""
+    module = cls(*((width,) if norm.weight or norm.kind == "layer" else ()),
+                 **({} if isinstance(norm.eps, float) else {"eps": 1e-5}))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen))
+    return module
+
+
 # The interpreter rounds bf16 differently from the GPU, so bf16 runs on the GPU only.
 @pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("model_type", sorted(t for t, f in FAMILIES.items() if f.norm.kind == "rms"))
+@pytest.mark.parametrize("model_type", family_params(
+    t for t, f in FAMILIES.items() if any(not norm.in_torch for norm in f.norms)
+))
 def test_norm_rounding_matches_hf_in_low_precision(model_type, dtype, device):
     """fp32 models cannot tell the families' rounding orders apart; 16-bit inputs can: with the
     right one almost every element is bit-identical to HF's module, with a wrong one many are not."""
     family = FAMILIES[model_type]
-    cls = getattr(modeling(family), family.norm.cls)
     gen = torch.Generator().manual_seed(1)
-    for weight_dtype in (dtype, torch.float32):
-        norm = cls(96, eps=1e-5).to(device, weight_dtype)
-        with torch.no_grad():
-            norm.weight.copy_(torch.randn(96, generator=gen))
-        x = (torch.randn(64, 96, generator=gen) * 3).to(device, dtype)
-        want = norm(x)
-        tigon.patch(model_type, add_rms_norm=False)
-        got = norm(x)
-        tigon.unpatch(model_type)
-        assert got.dtype == want.dtype
-        mismatched = (got != want).float().mean().item()
-        assert mismatched < 0.02, f"{mismatched:.1%} of elements differ from HF's {cls.__name__}"
+    for norm in (norm for norm in family.norms if not norm.in_torch):
+        cls = getattr(modeling(family), norm.cls)
+        # (A subclass of torch's LayerNorm takes no weight of another dtype than its input.)
+        for weight_dtype in (dtype,) if norm.casting == "torch" else (dtype, torch.float32):
+            module = build_norm(cls, norm, 96).to(device, weight_dtype)
+            x = (torch.randn(64, 96, generator=gen) * 3).to(device, dtype)
+            want = module(x)
+            tigon.patch(model_type, add_rms_norm=False)
+            got = module(x)
+            tigon.unpatch(model_type)
+            assert got.dtype == want.dtype
+            mismatched = (got != want).float().mean().item()
+            assert mismatched < 0.02, f"{mismatched:.1%} of elements differ from HF's {cls.__name__}"
 
 
 def test_instance_unpatch_restores_hf_forwards():
@@ -161,6 +199,35 @@ def test_instance_unpatch_restores_hf_forwards():
     assert all("forward" in vars(m) for m in norms)
     tigon.unpatch(model)
     assert not any("forward" in vars(m) for m in norms)
+
+
+@pytest.mark.parametrize("model_type", family_params(t for t, f in FAMILIES.items() if f.experts))
+def test_every_moe_familys_experts_go_to_the_fused_op(model_type):
+    """Each family the table gives experts holds experts modules of that class, which the fused op
+    computes (no fallback to transformers' loop), and patching sets the op as their implementation."""
+    from tigon.nn.moe import unsupported_reason
+
+    model = tiny_model(model_type)
+    experts = [m for m in model.modules() if type(m).__name__ == FAMILIES[model_type].experts]
+    assert experts and all(unsupported_reason(m) is None for m in experts)
+    assert "moe_experts" in tigon.patch(model).applied
+    assert all(m.config._experts_implementation == "tigon" for m in experts)
+
+
+def test_moe_experts_switch_sets_the_instances_experts_implementation_and_unpatch_restores_it():
+    model = tiny_model("qwen3_moe")
+    before = model.config._experts_implementation
+    assert before != "tigon"
+    assert "moe_experts" in tigon.patch(model).applied
+    assert model.config._experts_implementation == "tigon"
+    tigon.patch(model)  # undoes the first patch, then sets it again
+    tigon.unpatch(model)
+    assert model.config._experts_implementation == before
+    assert "moe_experts" not in tigon.patch(model, moe_experts=False).applied
+    assert model.config._experts_implementation == before
+    # A class patch has no instance whose setting it could change.
+    assert "moe_experts" not in tigon.patch("qwen3_moe").applied
+    assert model.config._experts_implementation == before
 
 
 def test_patch_twice_replaces_the_first_patch():
@@ -198,7 +265,8 @@ LOSS_CASES = ["llama", "gemma2", "granite", "qwen3_moe"]  # plain, softcap, logi
 def test_cross_entropy_switch_matches_hf(model_type, device):
     model = tiny_model(model_type, device=device)
     want = run(model)
-    assert "cross_entropy" in tigon.patch(model, linear_cross_entropy=False, cross_entropy=True).applied
+    # (The fused experts op is tested on its own: MOE_CASES.)
+    assert "cross_entropy" in tigon.patch(model, linear_cross_entropy=False, cross_entropy=True, moe_experts=False).applied
     got = run(model)
     assert got[1] is not None
     assert_same_run(got, want)
@@ -230,7 +298,7 @@ def loss_options_runs(model, device):
 def test_linear_cross_entropy_loss_options_match_hf(model_type, device):
     model = tiny_model(model_type, device=device)
     wants = loss_options_runs(model, device)
-    tigon.patch(model)
+    tigon.patch(model, moe_experts=False)  # (the fused experts op: MOE_CASES)
     for got, want in zip(loss_options_runs(model, device), wants):
         assert got[1] is None
         assert_same_run(got, want)
@@ -270,8 +338,6 @@ def test_fused_layer_mlp_keeps_the_residual_sum_not_the_normed_input(model_type,
     """The MLP after the fused add + RMSNorm saves the sum the norm keeps anyway, not its normed
     output: one tokens x hidden tensor less per layer, and the same loss and gradients. So it does
     as one op with the add + RMSNorm, and as a module of its own (an MLP with a hook)."""
-    from tigon.patch import handoff
-
     model = tiny_model(model_type)
     ids, mask, labels = batch(seed=3)
     tigon.patch(model)
@@ -312,8 +378,6 @@ def test_residual_add_fuses_with_the_next_layers_norm(model_type, monkeypatch):
     layer's input norm (and Gemma 2's sublayer-output norms), and loss, logits and gradients are
     those of the unpatched model."""
     from tigon import functional
-    from tigon.patch import handoff
-
     model = tiny_model(model_type)
     want = run(model)
     calls = {"add_rms_norm": 0, "add_rms_norm_glu_mlp": 0, "rms_norm": 0}
@@ -425,7 +489,12 @@ def test_qkv_group_leaves_projections_with_hooks_or_without_grad_alone(monkeypat
     assert len(groups) == 4
 
 
-@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+# Made positions reach HF's mask code the same way in every family: one of each kind of decoder
+# (dense, sliding window, MoE, hybrid linear attention, LayerNorm, scaled), at ~7 s a family.
+POSITION_CASES = ["llama", "gemma2", "gemma3_text", "granite", "olmo2", "phi", "phi3", "qwen3_moe", "qwen3_next"]
+
+
+@pytest.mark.parametrize("model_type", family_params(POSITION_CASES))
 def test_positions_it_makes_need_no_look_for_packed_sequences(model_type, monkeypatch):
     """With no attention mask and no position ids, HF's mask code looks for packed sequences in the
     positions it made (on a GPU, a device-to-host sync that stalls every step). The patched model
@@ -455,7 +524,7 @@ def test_positions_it_makes_need_no_look_for_packed_sequences(model_type, monkey
     assert looked
     want_packed = step(model, position_ids=packed)
     looked.clear()
-    tigon.patch(model)
+    tigon.patch(model, moe_experts=False)  # (the fused experts op: MOE_CASES)
     assert_same_run(step(model), want)
     assert_same_run(step(model, embeds=True), want_embeds)
     assert not looked
@@ -515,21 +584,47 @@ def test_gelu_new_mlp_fuses_as_tanh_gelu_with_and_without_lora(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_layer_norm_forward_matches_torch_with_and_without_autocast(dtype, device):
-    """The LayerNorm forward (phi) gives torch's dtype and values, plain and under autocast (CUDA's
-    runs LayerNorm in float32; the CPU's keeps the input's dtype)."""
+@pytest.mark.parametrize("model_type", family_params(["phi", "olmo", "cohere", "nemotron"]))
+def test_layer_norm_forward_matches_hf_with_and_without_autocast(model_type, dtype, device):
+    """The LayerNorm forwards give the module's dtype and values, plain and under autocast: torch's
+    (phi: CUDA's autocast runs it in float32, the CPU's keeps the input's dtype), a family's own in
+    float32 (OLMo's without weight or bias, Cohere's without bias), a subclass of torch's scaled
+    by 1 + weight (Nemotron's)."""
     from tigon.patch import forwards
 
-    gen = torch.Generator().manual_seed(4)
-    norm = torch.nn.LayerNorm(37).to(device)
-    with torch.no_grad():
-        norm.weight.copy_(torch.randn(37, generator=gen))
-        norm.bias.copy_(torch.randn(37, generator=gen))
-    forward = forwards.layer_norm_forward(torch.nn.LayerNorm.forward)
-    x = (torch.randn(3, 11, 37, generator=gen) * 2).to(device, dtype)
+    norm = FAMILIES[model_type].norm
+    cls = torch.nn.LayerNorm if norm.in_torch else getattr(modeling(FAMILIES[model_type]), norm.cls)
+    module = build_norm(cls, norm, 37).to(device)
+    forward = forwards.layer_norm_forward(norm, cls.forward)
+    x = (torch.randn(3, 11, 37, generator=torch.Generator().manual_seed(4)) * 2).to(device, dtype)
     for autocast in (False, True):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            want, got = norm(x), forward(norm, x)
+            want, got = module(x), forward(module, x)
         assert got.dtype == want.dtype
         assert_close(got, want, want.dtype, name=f"autocast={autocast}")
-    assert_close(forward(norm.half(), x.half()), norm(x.half()), torch.float16, name="fp16 weights")
+    assert_close(forward(module.half(), x.half()), module(x.half()), torch.float16, name="fp16 weights")
+
+
+def test_readme_lists_every_family_as_the_table_says():
+    """README.md's family table is the one tests/patch/families_doc.py renders from FAMILIES
+    (regenerate it with ``python -m tests.patch.families_doc``)."""
+    from pathlib import Path
+
+    from tests.patch import families_doc
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    assert families_doc.BEGIN in readme and families_doc.END in readme
+    listed = readme.split(families_doc.BEGIN, 1)[1].split(families_doc.END, 1)[0].strip()
+    assert listed == families_doc.table(), "README's family table is stale: python -m tests.patch.families_doc"
+
+
+def test_a_family_the_installed_transformers_lacks_is_refused_in_one_line(monkeypatch):
+    import dataclasses
+
+    from tigon.patch import families
+
+    monkeypatch.setitem(FAMILIES, "nosuch", dataclasses.replace(FAMILIES["llama"], module="nosuch"))
+    assert not families.available("nosuch") and families.available("llama")
+    with pytest.raises(ValueError, match=r"'nosuch' needs transformers\.models\.nosuch\.modeling_nosuch, which "
+                                         r"transformers \S+ does not have; nothing was patched"):
+        tigon.patch("nosuch")

@@ -32,7 +32,8 @@ def test_every_op_is_covered_by_a_switch_or_not_patched():
     covered = {op for switch in switches.TABLE for op in switch.ops}
     assert covered | set(switches.UNPATCHED_OPS) == set(ops.op_names())
     assert not covered & set(switches.UNPATCHED_OPS)
-    assert switches.covering("moe_experts") == ()
+    assert switches.covering("moe_experts") == ("moe_experts",)
+    assert switches.covering("linear_log_probs") == ()
     assert switches.covering("glu_mlp") == ("swiglu", "geglu")
     assert switches.covering("add_rms_norm_glu_mlp") == ("swiglu", "geglu", "add_rms_norm")
     assert switches.covering("lora_linear_group") == ("lora",)
@@ -45,8 +46,8 @@ def test_op_names_and_unknown_names_are_refused_everywhere():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="'glu_mlp' is an op name .*switches covering it: swiglu, geglu"):
         tigon.patch(model, glu_mlp=False)
-    with pytest.raises(ValueError, match="'moe_experts' is an op name .*tigon.patch does not apply, so no switch covers it"):
-        tigon.patch(model, moe_experts=False)
+    with pytest.raises(ValueError, match="'linear_log_probs' is an op name .*tigon.patch does not apply, so no switch"):
+        tigon.patch(model, linear_log_probs=False)
     with pytest.raises(ValueError, match=r"tigon.patch: unknown kernel\(s\) warp_drive; choose from rms_norm, rope"):
         tigon.patch("llama", warp_drive=False)
     assert not any("forward" in vars(m) for m in model.modules())
@@ -88,6 +89,7 @@ CASES = {
     "lora": ("lora", {}),
     "offload_activations": ("checkpointed", {}),
     "tiled_mlp": ("llama", {}),
+    "moe_experts": ("qwen3_moe", {}),
 }
 
 

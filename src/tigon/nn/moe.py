@@ -14,7 +14,8 @@ Two ways in:
 * or :func:`register_experts_implementation` once, then ``model.set_experts_implementation("tigon")``
   (or ``config._experts_implementation = "tigon"``): transformers' own dispatch then calls it for
   every experts module of the model, and for a module it cannot take (:func:`unsupported_reason`)
-  it runs the module's original loop.
+  it runs the module's original loop. ``tigon.patch(model)`` does this for the model instance of a
+  mixture-of-experts family (switch ``moe_experts``) and ``tigon.unpatch`` restores the setting.
 
 LoRA: a PEFT model with ``target_parameters`` on the expert weights wraps them in a
 parametrization while the module runs; when that is one adapter kept as its two low-rank factors

@@ -395,7 +395,7 @@ ADD_RMS_NORM = Op("add_rms_norm", _add_rms_norm_kernel, add_rms_norm_reference, 
 
 def rms_norm(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     eps: float = 1e-6,
     *,
     offset: float = 0.0,
@@ -406,7 +406,8 @@ def rms_norm(
     Args:
         x: input of any shape ``(..., hidden)``, float16/bfloat16/float32 (float64 runs the
             reference); need not be contiguous.
-        weight: ``(hidden,)`` scale.
+        weight: ``(hidden,)`` scale, or None for a norm without one (``elementwise_affine=False``:
+            the scale is ``offset + 1``).
         eps: added to the mean square before the square root.
         offset: added to `weight` (1.0 for Gemma, whose weights are stored as ``scale - 1``).
         casting: ``"llama"``, ``"gemma"`` or ``"none"``: where rounding to the input dtype
@@ -416,6 +417,9 @@ def rms_norm(
         A tensor of the shape of `x`; dtype of `x` (``"llama"``/``"none"`` promote with the
         weight's dtype, as the HF modules do).
     """
+    if weight is None and isinstance(x, torch.Tensor) and x.dim():
+        # A scale of ones in x's dtype: the kernels' own rounding, and no gradient to compute.
+        weight = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
     return RMS_NORM(_check(x, weight, eps, casting), x, weight, eps, offset, casting)
 
 

@@ -10,7 +10,8 @@ Two ways in, one plan:
   Module-level functions (RoPE) have no per-model home, so those are swapped in the family's module
   and restored when the last patch that needed them is undone. Modules of classes from outside the
   family's module (torch's LayerNorm, PEFT's LoRA layers: :mod:`tigon.patch.lora`) are replaced
-  this way only.
+  this way only, and so are mixture-of-experts experts, which the model's experts implementation
+  (a setting of its config, which transformers' experts modules dispatch on) sends to tigon's op.
 
 Everything is planned and checked before anything changes, so an error leaves nothing half-patched;
 one record per patch says what to restore.
@@ -30,7 +31,7 @@ import torch
 
 from tigon.patch import forwards, handoff, offload, tiled
 from tigon.patch import lora as peft_lora
-from tigon.patch.families import FAMILIES, Family
+from tigon.patch.families import FAMILIES, Family, modeling_module
 from tigon.patch.modules import forward_attr
 from tigon.patch.switches import check_switch_names
 
@@ -103,8 +104,12 @@ class _Undo:
     forwards: list[tuple[torch.nn.Module, str, Any]] = field(default_factory=list)  # (module, attr, previous)
     shared: list[tuple[int, str]] = field(default_factory=list)
     links: list[torch.nn.Module] = field(default_factory=list)  # layers holding a handoff.NEXT_NORM
+    experts: tuple[Any, str] | None = None  # (the HF model, its experts implementation before)
 
     def run(self) -> None:
+        if self.experts is not None:
+            hf_model, previous = self.experts
+            hf_model.set_experts_implementation(previous)
         for layer in self.links:
             handoff.NEXT_NORM.drop(layer)
         for module, attr, previous in reversed(self.forwards):
@@ -156,7 +161,17 @@ def _family(model_type: str) -> tuple[Family, types.ModuleType]:
             f"tigon.patch does not support model_type {model_type!r}; supported: "
             f"{', '.join(sorted(FAMILIES))}"
         )
-    module = importlib.import_module(f"transformers.models.{family.module}.modeling_{family.module}")
+    try:
+        module = importlib.import_module(modeling_module(family))
+    except ModuleNotFoundError as err:
+        if not err.name or not modeling_module(family).startswith(err.name):
+            raise
+        import transformers
+
+        raise ValueError(
+            f"tigon.patch: model_type {model_type!r} needs {modeling_module(family)}, which transformers "
+            f"{transformers.__version__} does not have; nothing was patched"
+        ) from None
     return family, module
 
 
@@ -185,15 +200,25 @@ def _plan(
         return getattr(module, name, None)
 
     plan: list[_Replacement] = []
-    norm = family.norm
-    if switches[norm.switch] and norm.kind == "rms":
-        plan.append(_Replacement("rms_norm", find(norm.cls), "forward", forwards.rms_norm_forward(norm)))
-    elif switches[norm.switch]:
-        layer_norm = forwards.layer_norm_forward(_original(torch.nn.LayerNorm, "forward"))
-        plan.append(_Replacement("layer_norm", torch.nn.LayerNorm, "forward", layer_norm, foreign=True))
-    if switches["rope"] and find(family.rope.function) is not None:
-        original = _original(module, family.rope.function)
-        plan.append(_Replacement("rope", module, family.rope.function, forwards.rope_function(family.rope, original)))
+    for norm in family.norms:
+        if not switches[norm.switch]:
+            continue
+        if norm.in_torch:
+            layer_norm = forwards.layer_norm_forward(norm, _original(torch.nn.LayerNorm, "forward"))
+            plan.append(_Replacement("layer_norm", torch.nn.LayerNorm, "forward", layer_norm, foreign=True))
+            continue
+        cls = find(norm.cls)
+        if cls is None:
+            continue
+        if norm.kind == "rms":
+            forward = forwards.rms_norm_forward(norm)
+        else:
+            forward = forwards.layer_norm_forward(norm, _original(cls, "forward"))
+        plan.append(_Replacement(norm.switch, cls, "forward", forward))
+    for rope in family.ropes if switches["rope"] else ():
+        if find(rope.function) is not None:
+            original = _original(module, rope.function)
+            plan.append(_Replacement("rope", module, rope.function, forwards.rope_function(rope, original)))
     lora_forward = (
         peft_lora.linear_forward(tuple((cls, _original(cls, "forward")) for cls in lora_classes)) if lora_classes else None
     )
@@ -223,7 +248,7 @@ def _plan(
         # tigon's own forward (not under tiled_mlp, which wraps it).
         joins_mlp = glu_ops and not switches["tiled_mlp"]
         fused = forwards.decoder_layer_forward(
-            family.layer, norm, _original(layer, "forward"),
+            family.layer, family.norm, _original(layer, "forward"),
             mlp if joins_mlp else None, patched_mlp if joins_mlp else None,
         )
         plan.append(_Replacement("add_rms_norm", layer, "forward", fused))
@@ -236,6 +261,8 @@ def _plan(
             plan.append(_Replacement("qkv_group" if switches["qkv_group"] else "lora", cls, "forward", grouped))
     if switches["tiled_mlp"] and mlp_cls is not None:
         _wrap(plan, "tiled_mlp", mlp_cls, tiled.tiled_forward)
+    if switches["moe_experts"] and family.experts is not None:
+        find(family.experts)  # set on an instance (_use_tigon_experts); here only checked
     if switches["offload_activations"] and causal_lm is not None:
         _wrap(plan, "offload_activations", causal_lm, offload.offloaded_forward)
     for cls in lora_classes:
@@ -249,11 +276,13 @@ def _plan(
 
 
 def _lora_mlp(family: Family, switches: dict[str, bool]) -> bool:
-    """Whether the family's MLP gets the fused LoRA path: a gated one of three projections, not
-    under tiled_mlp (a fused LoRA MLP would replace the tiled forward: the chunks run the LoRA
+    """Whether the family's MLP gets the fused LoRA path: a gated one of three projections without
+    multipliers, not under tiled_mlp (a fused LoRA MLP would replace the tiled forward: the chunks run the LoRA
     linears' kernels instead)."""
     mlp = family.mlp
-    return mlp is not None and mlp.gated and not mlp.packed and not switches["tiled_mlp"]
+    return (
+        mlp is not None and mlp.gated and not mlp.packed and mlp.multipliers is None and not switches["tiled_mlp"]
+    )
 
 
 def _switches(kwargs: dict[str, bool]) -> dict[str, bool]:
@@ -316,6 +345,10 @@ def _patch_instance(model: torch.nn.Module, switches: dict[str, bool]) -> Patche
                     applied.update(dict.fromkeys((replacement.switch, *replacement.also)))
         if _CROSS_LAYER_ADD_NORM and switches["add_rms_norm"] and family.layer.fuse is not None:
             undo.links = _link_next_norms(model, family, module, switches["rms_norm"])
+        if switches["moe_experts"] and family.experts is not None:
+            undo.experts = _use_tigon_experts(model, hf_model, getattr(module, family.experts))
+            if undo.experts is not None:
+                applied["moe_experts"] = None
     except BaseException:
         undo.run()
         raise
@@ -326,6 +359,21 @@ def _patch_instance(model: torch.nn.Module, switches: dict[str, bool]) -> Patche
     layer_cls = getattr(module, family.layer.cls)
     layers = sum(isinstance(sub, layer_cls) for sub in model.modules())
     return Patched(type(hf_model).__name__, model_type, tuple(applied), layers, summary)
+
+
+def _use_tigon_experts(model: torch.nn.Module, hf_model: Any, experts_cls: type) -> tuple[Any, str] | None:
+    """Set `hf_model`'s experts implementation to tigon's (:func:`tigon.nn.moe.register_experts_implementation`)
+    when `model` holds an experts module of `experts_cls` that tigon's op computes; returns
+    ``(hf_model, the implementation before)`` for the undo, or None when nothing was set. (An
+    experts module the op cannot compute runs transformers' loop under that implementation,
+    saying why once.)"""
+    from tigon.nn import moe
+
+    if not any(isinstance(sub, experts_cls) and moe.unsupported_reason(sub) is None for sub in model.modules()):
+        return None
+    previous = hf_model.config._experts_implementation
+    hf_model.set_experts_implementation(moe.register_experts_implementation())
+    return hf_model, previous
 
 
 def _lora_summary(
@@ -354,15 +402,16 @@ def _link_next_norms(
     patched it to take what the layer leaves), so its closing residual add fuses with it; returns
     the layers told (:data:`handoff.NEXT_NORM`)."""
     layer_cls, norm_cls = getattr(module, family.layer.cls), getattr(module, family.norm.cls)
+    input_norm = family.layer.norms[0]
     linked = []
     for sub in model.modules():
         layers = getattr(sub, "layers", None)
         if not isinstance(layers, torch.nn.ModuleList) or not layers:
             continue
-        if not all(isinstance(layer, layer_cls) and isinstance(layer.input_layernorm, norm_cls) for layer in layers):
+        if not all(isinstance(layer, layer_cls) and isinstance(getattr(layer, input_norm), norm_cls) for layer in layers):
             continue
         final = getattr(sub, "norm", None)
-        nexts = [layer.input_layernorm for layer in layers[1:]]
+        nexts = [getattr(layer, input_norm) for layer in layers[1:]]
         nexts.append(final if final_norm and isinstance(final, norm_cls) else None)
         for layer, next_norm in zip(layers, nexts):
             if next_norm is not None:
@@ -386,6 +435,7 @@ def patch(
     lora: bool = True,
     offload_activations: bool = False,
     tiled_mlp: bool = False,
+    moe_experts: bool = True,
     **others: bool,
 ) -> Patched:
     """Make a Hugging Face decoder model run tigon's kernels; outputs, loss and gradients unchanged.
@@ -402,7 +452,9 @@ def patch(
             instance gets them. `offload_activations` (under gradient checkpointing, the
             checkpointed hidden states wait in pinned host memory: :mod:`tigon.patch.offload`) and
             `tiled_mlp` (the MLP over chunks of tokens: :mod:`tigon.patch.tiled`) are exact, off by
-            default, and for long context.
+            default, and for long context. `moe_experts` sets a patched model's experts
+            implementation to tigon's fused experts op (:mod:`tigon.nn.moe`) for the model instance
+            (its config's setting, restored by :func:`unpatch`).
         others: nothing; a name here is no switch, and raises.
 
     Returns:
@@ -420,6 +472,7 @@ def patch(
         rms_norm=rms_norm, rope=rope, swiglu=swiglu, geglu=geglu, layer_norm=layer_norm,
         add_rms_norm=add_rms_norm, qkv_group=qkv_group, linear_cross_entropy=linear_cross_entropy,
         cross_entropy=cross_entropy, lora=lora, offload_activations=offload_activations, tiled_mlp=tiled_mlp,
+        moe_experts=moe_experts,
     ))
     if isinstance(target, str):
         result = _patch_classes(target, switches)

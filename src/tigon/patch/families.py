@@ -2,12 +2,23 @@
 
 One entry per ``config.model_type``. Names refer to attributes of
 ``transformers.models.<module>.modeling_<module>``; :mod:`tigon.patch.apply` walks this table for
-every family alike, so adding a family is adding an entry here.
+every family alike, so adding a family is adding an entry here. Nothing is imported from
+transformers here: a family's module is looked up only when it is patched, so an entry whose
+module a given transformers lacks costs nothing until then (:func:`available` says which do).
+
+Mixture-of-experts families name their dense MLP (used by shared experts and dense layers) as
+`mlp`, and, as `experts`, the experts class transformers dispatches through its experts interface
+(``@use_experts_implementation``): the ``moe_experts`` switch sends those to tigon's fused experts
+op (:mod:`tigon.nn.moe`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
+
+# `Norm.cls` of torch's own LayerNorm, which families build directly.
+TORCH_LAYER_NORM = "torch.nn.LayerNorm"
 
 
 @dataclass(frozen=True)
@@ -15,23 +26,39 @@ class Norm:
     """A family's norm class and how its arithmetic rounds (see :func:`tigon.functional.rms_norm`).
 
     Attributes:
-        cls: the class name; for ``kind="layer"``, torch's ``nn.LayerNorm``, which the family's
-            modules build directly (only a patched model instance has its LayerNorms replaced: a
+        cls: the class name; :data:`TORCH_LAYER_NORM` for torch's ``nn.LayerNorm``, which the
+            family's modules build directly (only a patched model instance has those replaced: a
             class patch of torch's would reach every LayerNorm in the process).
         kind: ``"rms"`` (the ``rms_norm`` switch) or ``"layer"`` (``layer_norm``).
-        offset, casting: the RMSNorm variant.
-        eps: the attribute holding epsilon (Llama's modules call it `variance_epsilon`).
+        offset: added to the weight (Gemma's ``1 + weight``; Nemotron's LayerNorm1P).
+        casting: the RMSNorm's rounding; for a LayerNorm class of the family's own, which computes in
+            float32 and rounds once (OLMo, Cohere), ``"float32"``; for a subclass of torch's
+            LayerNorm that follows autocast as torch's does (Nemotron), ``"torch"``.
+        eps: the attribute holding epsilon (Llama's modules call it `variance_epsilon`), or the
+            value itself where the module hard-codes it (OLMo's LayerNorm).
+        weight: False for a norm with no weight (Llama 4's QK L2 norm, OLMo's LayerNorm).
     """
 
     cls: str
     offset: float = 0.0
     casting: str = "llama"
-    eps: str = "variance_epsilon"
+    eps: str | float = "variance_epsilon"
     kind: str = "rms"
+    weight: bool = True
 
     @property
     def switch(self) -> str:
         return "layer_norm" if self.kind == "layer" else "rms_norm"
+
+    @property
+    def in_torch(self) -> bool:
+        """Whether the class is torch's nn.LayerNorm, not one of the family's module."""
+        return self.cls == TORCH_LAYER_NORM
+
+
+# Where the residual adds of a decoder layer feed RMSNorms: the attributes of its norms.
+PRE_NORM = ("input_layernorm", "post_attention_layernorm")
+SANDWICH = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
 @dataclass(frozen=True)
@@ -40,18 +67,34 @@ class Layer:
 
     Attributes:
         cls: the class name.
-        fuse: ``"pre_norm"`` (Llama: ``post_attention_layernorm(residual + attn)``),
-            ``"sandwich"`` (Gemma 2/3: ``pre_feedforward_layernorm(residual +
-            post_attention_layernorm(attn))``), or None when no add feeds an RMSNorm (OLMo 2
-            normalises the sublayer outputs, not the sums; Phi's norms are LayerNorms).
+        norms: the norm attributes, for a layer whose forward is fused: two for a pre-norm layer,
+            ``(input norm, norm before the MLP)``, whose add is ``norm_2(residual + attn)``
+            (Llama); four for a sandwich layer, ``(input norm, attention-output norm, norm before
+            the MLP, MLP-output norm)``, whose add is ``norm_3(residual + norm_2(attn))`` (Gemma
+            2/3, GLM-4). None when no add feeds an RMSNorm (OLMo 2 normalises the sublayer outputs,
+            not the sums; Cohere runs attention and MLP in parallel; LayerNorm families).
         scale: attribute multiplying each sublayer's output before the add (Granite).
         dropout: the modules applied to the attention and MLP outputs before the add (Phi-3).
+        mixers: the attributes that may hold the layer's token mixer, the first one the layer has
+            being called (hybrid models hold ``linear_attn`` in some layers, ``self_attn`` in the
+            others); one returning a tuple gives its first element.
+        feed_forward: the attribute holding the MLP (or the mixture-of-experts block, whose output
+            may be a tuple: its first element is the hidden states).
     """
 
     cls: str
-    fuse: str | None = "pre_norm"
+    norms: tuple[str, ...] | None = PRE_NORM
     scale: str | None = None
     dropout: tuple[str, str] | None = None
+    mixers: tuple[str, ...] = ("self_attn",)
+    feed_forward: str = "mlp"
+
+    @property
+    def fuse(self) -> str | None:
+        """``"pre_norm"``, ``"sandwich"`` or None (see `norms`)."""
+        if self.norms is None:
+            return None
+        return "sandwich" if len(self.norms) == 4 else "pre_norm"
 
 
 @dataclass(frozen=True)
@@ -66,14 +109,19 @@ class MLP:
             tigon's computes it; ``tiled_mlp`` still wraps it).
         act: the attribute holding the activation module.
         projections: the attributes of its linears: gate, up and down; or one packed
-            ``gate_up_proj`` whose output is ``[gate, up]`` (Phi-3) and down; for an MLP that is
-            not gated, in the order it calls them.
+            ``gate_up_proj`` whose output is ``[gate, up]`` (Phi-3, GLM) and down; for an MLP that
+            is not gated, in the order it calls them.
+        multipliers: attributes of the scalars the gate's pre-activation and the output are
+            multiplied by, ``down(up * act(gate * m_gate)) * m_down`` (Falcon-H1).
+        dropout: attribute of the dropout probability applied to the output in training (Seed-OSS).
     """
 
     cls: str
     switch: str | None = "swiglu"
     act: str = "act_fn"
     projections: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
+    multipliers: tuple[str, str] | None = None
+    dropout: str | None = None
 
     @property
     def gated(self) -> bool:
@@ -86,24 +134,41 @@ class MLP:
 
 @dataclass(frozen=True)
 class Attention:
-    """An attention class whose forward calls its q, k and v projections, in that order, on its
-    `hidden_states` (``self.q_proj(hidden_states)``, ...), and the attributes holding them."""
+    """An attention class whose forward calls its projections on its `hidden_states`
+    (``self.q_proj(hidden_states)``, ...), and the attributes holding them: q, k and v, or whichever
+    linears read the hidden states (DeepSeek's MLA: the query and the compressed key/value ones)."""
 
     cls: str
-    projections: tuple[str, str, str] = ("q_proj", "k_proj", "v_proj")
+    projections: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
 
 
 @dataclass(frozen=True)
 class Rope:
-    """The module-level ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``.
+    """A module-level rotary-embedding function of the family.
 
     Attributes:
         function: its name in the modeling module.
-        keep_dtype: the result is cast back to q's and k's dtypes (OLMo 2).
+        form: its arguments: ``"cos_sin"``, ``(q, k, cos, sin, unsqueeze_dim=1)`` as Llama's
+            ``apply_rotary_pos_emb``; or ``"complex"``, ``(q, k, freqs_cis)`` with each frequency
+            once, as a complex number rotating a pair (2i, 2i + 1) (Llama 4, DeepSeek-V2: entries
+            with `interleaved`).
+        interleaved: the pairs rotated are (2i, 2i + 1) (GPT-J, GLM), not (i, i + R/2).
+        cos: how cos/sin hold the R/2 frequencies: ``"cat"`` (``cat(f, f)``, Llama), ``"once"``
+            (``f``, GPT-OSS) or ``"pairs"`` (``repeat_interleave(f, 2)``, Cohere).
+        keep_dtype: the result is cast back to q's and k's dtypes (OLMo 2, Cohere, ERNIE, the
+            complex form).
+        tokens_first: q and k are ``(batch, tokens, heads, head_dim)`` (Llama 4's complex form).
+        halves: the pairs (2i, 2i + 1) rotated are written back as two halves, evens first
+            (DeepSeek-V3's ``apply_rotary_pos_emb_interleave``).
     """
 
     function: str = "apply_rotary_pos_emb"
+    form: str = "cos_sin"
+    interleaved: bool = False
+    cos: str = "cat"
     keep_dtype: bool = False
+    tokens_first: bool = False
+    halves: bool = False
 
 
 @dataclass(frozen=True)
@@ -114,12 +179,14 @@ class Head:
         softcap: config attribute of the final-logit softcap, ``cap * tanh(logits / cap)``, None
             when unset (Gemma 2/3).
         scale: config attribute that the logits are divided by (Granite).
+        multiplier: config attribute that the logits are multiplied by (Cohere, Falcon-H1).
         aux_loss: module-level router load-balancing loss added when router logits are output
             (the MoE families).
     """
 
     softcap: str | None = None
     scale: str | None = None
+    multiplier: str | None = None
     aux_loss: str | None = None
 
 
@@ -136,12 +203,16 @@ class Family:
         module: the modeling module's directory under ``transformers.models``.
         causal_lm: the ``*ForCausalLM`` class.
         layer: the decoder-layer class and its residual structure.
-        norm: the norm class with its rounding.
+        norm: the norm class of the decoder layers, with its rounding.
         mlp: the dense MLP, if the family has one (MoE experts keep HF's code).
-        attention: the attention, if it calls separate q/k/v projections (Phi-3 packs them into
-            one ``qkv_proj``).
-        rope: the rotary-embedding function.
+        attention: the attention, if it calls separate projections on its input (Phi-3 packs q, k
+            and v into one ``qkv_proj``).
+        ropes: the rotary-embedding functions.
         head: the causal-LM head's extras.
+        other_norms: further norm classes the family builds (Llama 4's weightless QK norm), on the
+            same switches as `norm`.
+        experts: the mixture-of-experts experts class, if transformers dispatches it through its
+            experts interface (Llama 4's experts are not, and keep their code).
     """
 
     module: str
@@ -150,8 +221,14 @@ class Family:
     norm: Norm
     mlp: MLP | None
     attention: Attention | None
-    rope: Rope
+    ropes: tuple[Rope, ...]
     head: Head
+    other_norms: tuple[Norm, ...] = ()
+    experts: str | None = None
+
+    @property
+    def norms(self) -> tuple[Norm, ...]:
+        return (self.norm, *self.other_norms)
 
 
 def _norm(prefix: str, kind: str = LLAMA_NORM) -> Norm:
@@ -160,9 +237,11 @@ def _norm(prefix: str, kind: str = LLAMA_NORM) -> Norm:
     return Norm(f"{prefix}RMSNorm")
 
 
-LAYER_NORM = Norm("LayerNorm", eps="eps", kind="layer")
+LAYER_NORM = Norm(TORCH_LAYER_NORM, eps="eps", kind="layer")
 MOE_HEAD = Head(aux_loss="load_balancing_loss_func")
 SOFTCAP_HEAD = Head(softcap="final_logit_softcapping")
+# (x * w) rounded once, as Gemma's, without the +1 (OLMo 2, GPT-OSS, Helium).
+FLOAT_WEIGHT = "gemma"
 _DEFAULT = object()
 
 
@@ -173,30 +252,52 @@ def _family(
     norm: Norm | None = None,
     mlp: MLP | None | object = _DEFAULT,
     attention: Attention | None | object = _DEFAULT,
-    rope: Rope = Rope(),
+    rope: Rope | tuple[Rope, ...] = Rope(),
     head: Head = Head(),
+    causal_lm: str | None = None,
+    other_norms: tuple[Norm, ...] = (),
+    experts: bool = False,
     **layer,
 ) -> Family:
     return Family(
         module=module,
-        causal_lm=f"{prefix}ForCausalLM",
+        causal_lm=causal_lm or f"{prefix}ForCausalLM",
         layer=Layer(f"{prefix}DecoderLayer", **layer),
         norm=norm or _norm(prefix),
         mlp=MLP(f"{prefix}MLP") if mlp is _DEFAULT else mlp,
         attention=Attention(f"{prefix}Attention") if attention is _DEFAULT else attention,
-        rope=rope,
+        ropes=rope if isinstance(rope, tuple) else (rope,),
         head=head,
+        other_norms=other_norms,
+        experts=f"{prefix}Experts" if experts else None,
     )
 
 
 FAMILIES: dict[str, Family] = {
     "llama": _family("llama", "Llama"),
     "mistral": _family("mistral", "Mistral"),
-    "mixtral": _family("mixtral", "Mixtral", mlp=None, head=MOE_HEAD),
+    "ministral": _family("ministral", "Ministral"),
+    "ministral3": _family("ministral3", "Ministral3"),
+    "mixtral": _family("mixtral", "Mixtral", experts=True, mlp=None, head=MOE_HEAD),
     "qwen2": _family("qwen2", "Qwen2"),
+    # The dense MLP of the shared expert and of the layers listed in `mlp_only_layers`; the experts
+    # keep HF's code.
+    "qwen2_moe": _family("qwen2_moe", "Qwen2Moe", experts=True, head=MOE_HEAD),
     "qwen3": _family("qwen3", "Qwen3"),
-    # The dense MLP of the layers listed in `mlp_only_layers`; the experts keep HF's code.
-    "qwen3_moe": _family("qwen3_moe", "Qwen3Moe", head=MOE_HEAD),
+    "qwen3_moe": _family("qwen3_moe", "Qwen3Moe", experts=True, head=MOE_HEAD),
+    # Hybrid: gated delta-net layers (linear_attn, HF's code) between attention layers; zero-centred
+    # norms in float32; partial rotary.
+    "qwen3_next": _family(
+        "qwen3_next", "Qwen3Next", experts=True, norm=_norm("Qwen3Next", GEMMA_NORM), head=MOE_HEAD,
+        mixers=("linear_attn", "self_attn"),
+    ),
+    "qwen3_5_text": _family(
+        "qwen3_5", "Qwen3_5", norm=_norm("Qwen3_5", GEMMA_NORM), mixers=("linear_attn", "self_attn"),
+    ),
+    "qwen3_5_moe_text": _family(
+        "qwen3_5_moe", "Qwen3_5Moe", experts=True, norm=_norm("Qwen3_5Moe", GEMMA_NORM), head=MOE_HEAD,
+        mixers=("linear_attn", "self_attn"),
+    ),
     "phi3": _family(
         "phi3", "Phi3", mlp=MLP("Phi3MLP", act="activation_fn", projections=("gate_up_proj", "down_proj")),
         attention=None, dropout=("resid_attn_dropout", "resid_mlp_dropout"),
@@ -205,20 +306,131 @@ FAMILIES: dict[str, Family] = {
     # parallel, an MLP that is not gated, a biased lm_head.
     "phi": _family(
         "phi", "Phi", norm=LAYER_NORM, mlp=MLP("PhiMLP", None, act="activation_fn", projections=("fc1", "fc2")),
-        fuse=None,
+        norms=None,
     ),
     "gemma": _family("gemma", "Gemma", norm=_norm("Gemma", GEMMA_NORM), mlp=MLP("GemmaMLP", "geglu")),
     "gemma2": _family(
         "gemma2", "Gemma2", norm=_norm("Gemma2", GEMMA_NORM), mlp=MLP("Gemma2MLP", "geglu"), head=SOFTCAP_HEAD,
-        fuse="sandwich",
+        norms=SANDWICH,
     ),
     "gemma3_text": _family(
         "gemma3", "Gemma3", norm=_norm("Gemma3", GEMMA_NORM), mlp=MLP("Gemma3MLP", "geglu"), head=SOFTCAP_HEAD,
-        fuse="sandwich",
+        norms=SANDWICH,
+    ),
+    # A layer of its own (per-layer inputs, an optional expert block beside the MLP, a layer scalar)
+    # and a RoPE applied to q and k apart keep HF's code; norms with and without a weight.
+    "gemma4_text": _family(
+        "gemma4", "Gemma4Text", experts=True, norm=Norm("Gemma4RMSNorm", casting=FLOAT_WEIGHT, eps="eps"),
+        mlp=MLP("Gemma4TextMLP", "geglu"), rope=(), head=SOFTCAP_HEAD, causal_lm="Gemma4ForCausalLM", norms=None,
     ),
     "granite": _family("granite", "Granite", head=Head(scale="logits_scaling"), scale="residual_multiplier"),
+    "granitemoe": _family(
+        "granitemoe", "GraniteMoe", experts=True, mlp=None, head=Head(scale="logits_scaling", aux_loss="load_balancing_loss_func"),
+        scale="residual_multiplier", feed_forward="block_sparse_moe",
+    ),
+    # OLMo's LayerNorm has neither weight nor bias and a fixed epsilon.
+    "olmo": _family(
+        "olmo", "Olmo", norm=Norm("OlmoLayerNorm", casting="float32", eps=1e-5, kind="layer", weight=False),
+        norms=None,
+    ),
     # OLMo 2 multiplies by the weight in fp32 and rounds once, as Gemma does, but without the +1.
     "olmo2": _family(
-        "olmo2", "Olmo2", norm=Norm("Olmo2RMSNorm", casting="gemma"), rope=Rope(keep_dtype=True), fuse=None
+        "olmo2", "Olmo2", norm=Norm("Olmo2RMSNorm", casting=FLOAT_WEIGHT), rope=Rope(keep_dtype=True), norms=None
+    ),
+    "olmo3": _family(
+        "olmo3", "Olmo3", norm=Norm("Olmo3RMSNorm", casting=FLOAT_WEIGHT), rope=Rope(keep_dtype=True), norms=None
+    ),
+    "olmoe": _family("olmoe", "Olmoe", experts=True, mlp=None, head=MOE_HEAD),
+    "glm": _family(
+        "glm", "Glm", mlp=MLP("GlmMLP", act="activation_fn", projections=("gate_up_proj", "down_proj")),
+        rope=Rope(interleaved=True),
+    ),
+    "glm4": _family(
+        "glm4", "Glm4", mlp=MLP("Glm4MLP", act="activation_fn", projections=("gate_up_proj", "down_proj")),
+        rope=Rope(interleaved=True),
+        norms=("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"),
+    ),
+    "glm4_moe": _family("glm4_moe", "Glm4Moe", experts=True),
+    "smollm3": _family("smollm3", "SmolLM3"),
+    # Post-norm as OLMo 2, with per-head QK norms.
+    "exaone4": _family("exaone4", "Exaone4", norms=None),
+    "hunyuan_v1_dense": _family("hunyuan_v1_dense", "HunYuanDenseV1"),
+    "hunyuan_v1_moe": _family("hunyuan_v1_moe", "HunYuanMoEV1", experts=True),
+    # The MLP is the router and experts, returning (hidden states, router scores); its attention
+    # (sinks, sliding window) stays HF's.
+    "gpt_oss": _family(
+        "gpt_oss", "GptOss", experts=True, norm=Norm("GptOssRMSNorm", casting=FLOAT_WEIGHT), mlp=None,
+        rope=Rope(cos="once"), head=MOE_HEAD,
+    ),
+    # Complex-number RoPE on (batch, tokens, heads, head_dim); weightless L2 norm of q and k; MoE
+    # layers return (hidden states, router logits).
+    "llama4_text": _family(
+        "llama4", "Llama4Text", norm=Norm("Llama4TextRMSNorm", eps="eps"),
+        mlp=MLP("Llama4TextMLP", act="activation_fn"), attention=Attention("Llama4TextAttention"),
+        rope=Rope("apply_rotary_emb", form="complex", interleaved=True, keep_dtype=True, tokens_first=True),
+        causal_lm="Llama4ForCausalLM", other_norms=(Norm("Llama4TextL2Norm", eps="eps", weight=False),),
+        feed_forward="feed_forward",
+    ),
+    "starcoder2": _family(
+        "starcoder2", "Starcoder2", norm=LAYER_NORM, mlp=MLP("Starcoder2MLP", None, act="act", projections=("c_fc", "c_proj")),
+        norms=None,
+    ),
+    # Parallel attention and MLP from one LayerNorm (no bias, float32); interleaved RoPE whose cos/sin
+    # repeat each frequency twice; logits multiplied by `logit_scale`.
+    "cohere": _family(
+        "cohere", "Cohere", norm=Norm("CohereLayerNorm", casting="float32", kind="layer"),
+        rope=Rope(interleaved=True, cos="pairs", keep_dtype=True), head=Head(multiplier="logit_scale"), norms=None,
+    ),
+    "cohere2": _family(
+        "cohere2", "Cohere2", norm=Norm("Cohere2LayerNorm", casting="float32", kind="layer"),
+        rope=Rope(interleaved=True, cos="pairs", keep_dtype=True), head=Head(multiplier="logit_scale"), norms=None,
+    ),
+    # MLA attention stays HF's but for its two input projections, grouped; RoPE on the rotated slice,
+    # in DeepSeek's interleaved-weights form by default (rope_interleave).
+    "deepseek_v3": _family(
+        "deepseek_v3", "DeepseekV3", experts=True, attention=Attention("DeepseekV3Attention", ("q_a_proj", "kv_a_proj_with_mqa")),
+        rope=(Rope(), Rope("apply_rotary_pos_emb_interleave", interleaved=True, halves=True)),
+    ),
+    "deepseek_v2": _family(
+        "deepseek_v2", "DeepseekV2", experts=True, attention=Attention("DeepseekV2Attention", ("q_a_proj", "kv_a_proj_with_mqa")),
+        rope=Rope("apply_rotary_emb", form="complex", interleaved=True, keep_dtype=True),
+    ),
+    "dots1": _family("dots1", "Dots1", experts=True),
+    # Scaled SwiGLU; a Mamba mixer beside the attention; a layer forward that is its own; the logits
+    # multiplied by `lm_head_multiplier`.
+    "falcon_h1": _family(
+        "falcon_h1", "FalconH1", mlp=MLP("FalconH1MLP", multipliers=("gate_multiplier", "down_multiplier")),
+        head=Head(multiplier="lm_head_multiplier"), norms=None,
+    ),
+    "seed_oss": _family("seed_oss", "SeedOss", mlp=MLP("SeedOssMLP", dropout="residual_dropout")),
+    # Non-gated xIELU MLP; its norms are named for what they feed.
+    "apertus": _family(
+        "apertus", "Apertus", mlp=MLP("ApertusMLP", None, projections=("up_proj", "down_proj")),
+        norms=("attention_layernorm", "feedforward_layernorm"),
+    ),
+    "arcee": _family("arcee", "Arcee", mlp=MLP("ArceeMLP", None, projections=("up_proj", "down_proj"))),
+    "ernie4_5": _family("ernie4_5", "Ernie4_5", rope=Rope(interleaved=True, keep_dtype=True)),
+    "ernie4_5_moe": _family("ernie4_5_moe", "Ernie4_5_Moe", experts=True, rope=Rope(interleaved=True, keep_dtype=True), head=MOE_HEAD),
+    "helium": _family("helium", "Helium", norm=Norm("HeliumRMSNorm", casting=FLOAT_WEIGHT), rope=Rope(interleaved=True)),
+    # Linear ("lightning") attention in some layers stays HF's.
+    # Its residuals are the normed inputs, weighted (alpha, beta factors): no add feeds a norm.
+    "minimax": _family("minimax", "MiniMax", experts=True, mlp=None, head=MOE_HEAD, norms=None),
+    # LayerNorm1P: a torch LayerNorm scaled by 1 + weight; a non-gated relu² MLP.
+    "nemotron": _family(
+        "nemotron", "Nemotron", norm=Norm("NemotronLayerNorm1P", offset=1.0, casting="torch", eps="eps", kind="layer"),
+        mlp=MLP("NemotronMLP", None, projections=("up_proj", "down_proj")), norms=None,
     ),
 }
+
+
+def modeling_module(family: Family) -> str:
+    """The import path of `family`'s modeling module."""
+    return f"transformers.models.{family.module}.modeling_{family.module}"
+
+
+def available(model_type: str) -> bool:
+    """Whether the installed transformers ships the modeling module of `model_type`'s family."""
+    try:
+        return importlib.util.find_spec(modeling_module(FAMILIES[model_type])) is not None
+    except ModuleNotFoundError:  # no transformers, or no such package under it
+        return False

@@ -25,39 +25,61 @@ from tigon.patch.families import MLP, Attention, Head, Layer, Norm, Rope
 from tigon.patch.modules import has_hooks, plain_linear, zero3_partitioned
 
 
+def norm_eps(norm: Norm, module: torch.nn.Module) -> float:
+    """`module`'s epsilon: the attribute the table names, or the value the module hard-codes."""
+    return norm.eps if isinstance(norm.eps, float) else getattr(module, norm.eps)
+
+
 @functools.lru_cache(maxsize=None)
 def rms_norm_forward(norm: Norm) -> Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]:
-    """Forward for an HF RMSNorm module: its `weight` and epsilon through :func:`tigon.functional.rms_norm`."""
+    """Forward for an HF RMSNorm module: its `weight` (if it has one) and epsilon through
+    :func:`tigon.functional.rms_norm`."""
 
     def forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
         normed = _take_normed(hidden_states, self)
         if normed is not None:
             return normed
-        return F.rms_norm(
-            hidden_states, self.weight, getattr(self, norm.eps), offset=norm.offset, casting=norm.casting
-        )
+        # (Gemma 4 builds some modules of its norm class without a weight.)
+        weight = getattr(self, "weight", None) if norm.weight else None
+        return F.rms_norm(hidden_states, weight, norm_eps(norm, self), offset=norm.offset, casting=norm.casting)
 
     forward.__qualname__ = f"tigon_{norm.cls}.forward"
     return forward
 
 
 @functools.lru_cache(maxsize=None)
-def layer_norm_forward(original: Callable[..., torch.Tensor]) -> Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]:
-    """Forward for torch's ``nn.LayerNorm``: its weight, bias and epsilon through
-    :func:`tigon.functional.layer_norm`. Under CUDA autocast in float32, as autocast runs torch's
-    there; under another device's autocast (which keeps the input's dtype), and for a LayerNorm over
-    more than the last dim, `original` runs."""
+def layer_norm_forward(
+    norm: Norm, original: Callable[..., torch.Tensor]
+) -> Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]:
+    """Forward for a LayerNorm module: its weight, bias and epsilon through
+    :func:`tigon.functional.layer_norm` (which computes in float32 and rounds once), where that is
+    what `original` computes; else `original` runs.
+
+    torch's ``nn.LayerNorm``: under CUDA autocast in float32, as autocast runs torch's there; under
+    another device's autocast (which keeps the input's dtype), and for a LayerNorm over more than
+    the last dim, `original`. A family's float32 LayerNorm (OLMo's, Cohere's) rounds to the input's
+    dtype under autocast too; one with a weight per head (Cohere's QK norms) runs `original`. A
+    subclass of torch's that follows autocast (Nemotron's, scaled by ``offset + weight``) runs
+    `original` under autocast.
+    """
 
     def forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        autocast = autocast_dtype(x) is not None
-        if len(self.normalized_shape) != 1 or (autocast and x.device.type != "cuda"):
+        weight = getattr(self, "weight", None) if norm.weight else None
+        if weight is not None and weight.dim() != 1:
             return original(self, x)
-        weight, bias = self.weight, self.bias
-        if autocast:
+        autocast = autocast_dtype(x) is not None
+        if norm.casting != "float32" and (
+            len(self.normalized_shape) != 1 or (autocast and (x.device.type != "cuda" or norm.casting == "torch"))
+        ):
+            return original(self, x)
+        if weight is not None and norm.offset:
+            weight = weight + norm.offset
+        bias = getattr(self, "bias", None)
+        if autocast and norm.casting != "float32":
             x, weight, bias = (None if t is None else t.float() for t in (x, weight, bias))
-        return F.layer_norm(x, weight, bias, self.eps)
+        return F.layer_norm(x, weight, bias, norm_eps(norm, self))
 
-    forward.__qualname__ = "tigon_LayerNorm.forward"
+    forward.__qualname__ = f"tigon_{norm.cls.rpartition('.')[2]}.forward"
     return forward
 
 
@@ -132,18 +154,22 @@ def decoder_layer_forward(
     """Forward for an HF decoder layer with its residual add and following RMSNorm fused.
 
     The same module calls in the same order as `original`, so outputs, hooks and gradient
-    checkpointing are unchanged. Every argument but the hidden states reaches the attention as HF
-    passes it, by keyword; a positional one sends the call to `original`, and so does a ZeRO-3
-    partitioned weight of the norm that the fused add reads without calling its module.
+    checkpointing are unchanged. Every argument but the hidden states reaches the token mixer (the
+    layer's attention, or the linear attention of a hybrid model's layer) as HF passes it, by
+    keyword; a positional one sends the call to `original`, and so does a ZeRO-3 partitioned weight
+    of the norm that the fused add reads without calling its module.
 
     With `mlp` (the family's gated MLP, whose modules run `patched_mlp_forward`), a plain-linear MLP
     with nothing but that forward to run goes into the same op as the add + RMSNorm before it
     (:func:`tigon.functional.add_rms_norm_glu_mlp`): the same kernels, less host time per layer.
     """
-    fused_norm = "pre_feedforward_layernorm" if layer.fuse == "sandwich" else "post_attention_layernorm"
+    sandwich = layer.fuse == "sandwich"
+    input_norm, fused_norm = layer.norms[0], layer.norms[2 if sandwich else 1]
     norm_forward = rms_norm_forward(norm)  # the norms' own forward when tigon patched them: not a hook
 
     def branch(self: torch.nn.Module, out: torch.Tensor, index: int) -> torch.Tensor:
+        if sandwich:
+            return getattr(self, layer.norms[1 + 2 * index])(out)
         if layer.dropout is not None:
             out = getattr(self, layer.dropout[index])(out)
         if layer.scale is not None:
@@ -161,6 +187,7 @@ def decoder_layer_forward(
         """(weights, activation) of the layer's MLP if it can join the add + RMSNorm before it."""
         if (
             mlp is None
+            or mlp.multipliers is not None
             or type(module).__name__ != mlp.cls  # a mixture-of-experts block in the MLP's place
             or has_hooks(module, own_forward=patched_mlp_forward)
         ):
@@ -169,8 +196,12 @@ def decoder_layer_forward(
         weights = _glu_mlp_weights(mlp, module) if activation is not None else None
         return weights, activation
 
+    def mixer(self: torch.nn.Module) -> torch.nn.Module:
+        return next(getattr(self, name) for name in layer.mixers if hasattr(self, name))
+
     def fused(self: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        normed = _take_normed(hidden_states, self.input_layernorm)
+        first_norm = getattr(self, input_norm)
+        normed = _take_normed(hidden_states, first_norm)
         norm_module = getattr(self, fused_norm)
         # The fused add reads the norm's weight without calling it: a norm with hooks (or a forward
         # of its own) runs in the original layer, as a module call.
@@ -178,22 +209,19 @@ def decoder_layer_forward(
             return inner(self, hidden_states, *args, **kwargs)
         residual = hidden_states
         if normed is None:
-            normed = self.input_layernorm(hidden_states)
-        hidden_states, _ = self.self_attn(hidden_states=normed, **kwargs)
-        if layer.fuse == "sandwich":
-            hidden_states = self.post_attention_layernorm(hidden_states)
-        else:
-            hidden_states = branch(self, hidden_states, 0)
-        weights, activation = _fusable_mlp(self.mlp)
+            normed = first_norm(hidden_states)
+        hidden_states = branch(self, _first(mixer(self)(hidden_states=normed, **kwargs)), 0)
+        feed_forward = getattr(self, layer.feed_forward)
+        weights, activation = _fusable_mlp(feed_forward)
         if weights is not None:
             hidden_states, residual = _add_norm_mlp(norm, norm_module, hidden_states, residual, weights, activation)
+            hidden_states = mlp_dropout(mlp, feed_forward, hidden_states)
         else:
             hidden_states, residual = _add_norm(norm, norm_module, hidden_states, residual)
             with handoff.MLP_INPUT.lent(hidden_states, _normed_from(norm, norm_module, residual)):
-                hidden_states = self.mlp(hidden_states)
-        if layer.fuse == "sandwich":
-            hidden_states = self.post_feedforward_layernorm(hidden_states)
-        out = branch(self, hidden_states, 1)
+                hidden_states = _first(feed_forward(hidden_states))
+        # (Llama 4's expert block returns its output flattened to tokens x hidden.)
+        out = branch(self, hidden_states, 1).view(residual.shape)
         next_norm = _next_norm(self, residual, norm_forward)
         if next_norm is None:
             return residual + out
@@ -209,6 +237,19 @@ def decoder_layer_forward(
 
     forward.__qualname__ = f"tigon_{layer.cls}.forward"
     return forward
+
+
+def _first(out: Any) -> torch.Tensor:
+    """A sublayer's hidden states: its output, or the first element of the tuple it returns
+    (attention weights, router scores or logits follow)."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+def mlp_dropout(mlp: MLP | None, module: torch.nn.Module, out: torch.Tensor) -> torch.Tensor:
+    """`out` after the dropout an MLP applies to its output (Seed-OSS), as its forward does."""
+    if mlp is None or mlp.dropout is None:
+        return out
+    return torch.nn.functional.dropout(out, p=getattr(module, mlp.dropout), training=module.training)
 
 
 def _hf_checkpoints_in_forward() -> bool:
@@ -262,29 +303,39 @@ def mlp_forward(
     :func:`tigon.functional.lora_gated_mlp`.
     With `glu_ops`: projections that are plain linears run as one :func:`tigon.functional.glu_mlp`
     (saves less for backward), others (LoRA, quantised) their own forwards around
-    :func:`tigon.functional.swiglu` / :func:`~tigon.functional.geglu`. Anything else runs `original`.
+    :func:`tigon.functional.swiglu` / :func:`~tigon.functional.geglu`, and so does an MLP with
+    multipliers (Falcon-H1), scaling the gate before the activation and the output after the down
+    projection as its forward does. Anything else runs `original`.
     """
 
-    def forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        activation = mlp_activation(mlp, self)
-        if activation is None:
-            return original(self, x)
-        if lora_forward is not None:
+    def projected(self: torch.nn.Module, x: torch.Tensor, activation: str) -> torch.Tensor:
+        if mlp.packed:
+            gate, up = getattr(self, mlp.projections[0])(x).chunk(2, dim=-1)
+        else:
+            gate, up = getattr(self, mlp.projections[0])(x), getattr(self, mlp.projections[1])(x)
+        if mlp.multipliers is None:
+            return getattr(self, mlp.projections[-1])(glu(activation, gate, up))
+        gate_multiplier, down_multiplier = (getattr(self, name) for name in mlp.multipliers)
+        return getattr(self, mlp.projections[-1])(glu(activation, gate * gate_multiplier, up)) * down_multiplier
+
+    def computed(self: torch.nn.Module, x: torch.Tensor, activation: str) -> torch.Tensor | None:
+        if lora_forward is not None and mlp.multipliers is None:
             layers = [getattr(self, name) for name in mlp.projections]
             if all(lora.runs(layer, lora_forward) and not has_hooks(layer, own_forward=lora_forward) for layer in layers):
                 projections = _lora_projections(layers, x)
                 if projections is not None:
                     return F.lora_gated_mlp(x, *projections, activation=activation)
         if not glu_ops:
-            return original(self, x)
-        weights = _glu_mlp_weights(mlp, self)
+            return None
+        weights = _glu_mlp_weights(mlp, self) if mlp.multipliers is None else None
         if weights is not None:
             return F.glu_mlp(x, *weights, activation=activation, normed_input=handoff.MLP_INPUT.get(x))
-        if mlp.packed:
-            gate, up = getattr(self, mlp.projections[0])(x).chunk(2, dim=-1)
-        else:
-            gate, up = getattr(self, mlp.projections[0])(x), getattr(self, mlp.projections[1])(x)
-        return getattr(self, mlp.projections[-1])(glu(activation, gate, up))
+        return projected(self, x, activation)
+
+    def forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        activation = mlp_activation(mlp, self)
+        out = None if activation is None else computed(self, x, activation)
+        return original(self, x) if out is None else mlp_dropout(mlp, self, out)
 
     forward.__qualname__ = f"tigon_{mlp.cls}.forward"
     return forward
@@ -365,21 +416,63 @@ def attention_forward(
     return forward
 
 
+def _kernel_frequencies(layout: str, t: torch.Tensor) -> torch.Tensor:
+    """cos or sin as the RoPE kernel reads them (``cat(f, f)``: R columns, see
+    :mod:`tigon.ops.rope`) from `layout` (:attr:`Rope.cos`)."""
+    if layout == "pairs":
+        t = t[..., ::2]
+    elif layout != "once":
+        return t
+    return torch.cat((t, t), dim=-1)
+
+
+def _evens_then_odds(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
 @functools.lru_cache(maxsize=None)
 def rope_function(rope: Rope, original: Callable[..., tuple]) -> Callable[..., tuple]:
-    """``apply_rotary_pos_emb`` over :func:`tigon.functional.rope` (partial rotary included);
-    another `unsqueeze_dim` (a different q/k layout) runs `original`."""
+    """The family's rotary-embedding function over :func:`tigon.functional.rope` (partial rotary
+    included), for each form of :class:`~tigon.patch.families.Rope`; a call it does not expect
+    (another `unsqueeze_dim`, that is another q/k layout) runs `original`."""
 
-    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if unsqueeze_dim != 1:
-            return original(q, k, cos, sin, unsqueeze_dim)
-        q_embed, k_embed = F.rope(q, k, cos, sin)
+    def rotated(q, k, cos, sin, layout=rope.cos, transposed=False):
+        if transposed:
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+        cos, sin = _kernel_frequencies(layout, cos), _kernel_frequencies(layout, sin)
+        q_embed, k_embed = F.rope(q, k, cos, sin, interleaved=rope.interleaved)
+        if transposed:
+            q_embed, k_embed = q_embed.transpose(1, 2), k_embed.transpose(1, 2)
         if rope.keep_dtype:
             return q_embed.to(q.dtype), k_embed.to(k.dtype)
         return q_embed, k_embed
 
-    apply_rotary_pos_emb.__qualname__ = f"tigon_{rope.function}"
-    return apply_rotary_pos_emb
+    if rope.form == "complex":
+
+        def apply_rotary_emb(xq, xk, freqs_cis):
+            # Each frequency once, rotating the pairs (2i, 2i + 1).
+            return rotated(xq, xk, freqs_cis.real, freqs_cis.imag, "once", rope.tokens_first)
+
+        function = apply_rotary_emb
+    elif rope.halves:
+
+        def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+            # The pairs (2i, 2i + 1) written as two halves are the halves rotated as Llama's.
+            if unsqueeze_dim != 1 or cos.shape[-1] != q.shape[-1]:
+                return original(q, k, cos, sin, position_ids, unsqueeze_dim)
+            return F.rope(_evens_then_odds(q), _evens_then_odds(k), cos, sin)
+
+        function = apply_rotary_pos_emb_interleave
+    else:
+
+        def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+            if unsqueeze_dim != 1:
+                return original(q, k, cos, sin, unsqueeze_dim)
+            return rotated(q, k, cos, sin)
+
+        function = apply_rotary_pos_emb
+    function.__qualname__ = f"tigon_{rope.function}"
+    return function
 
 
 def _shifted_targets(labels: torch.Tensor, kwargs: dict, ignore_index: int) -> torch.Tensor:
@@ -537,7 +630,6 @@ def causal_lm_forward(
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
     from transformers.utils import can_return_tuple
 
-    output_cls = MoeCausalLMOutputWithPast if aux_loss is not None else CausalLMOutputWithPast
     dtensor = _dtensor_type()  # resolved here, once: torch.compile warns on a cached lookup per call
 
     def add_aux_loss(self, loss: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
@@ -546,7 +638,8 @@ def causal_lm_forward(
     def linear_loss(self, head_weights, input_ids, attention_mask, position_ids, labels, logits_to_keep, kwargs):
         if aux_loss is not None and kwargs.get("output_router_logits") is None:
             kwargs["output_router_logits"] = self.config.output_router_logits
-        decoder = getattr(self, self.base_model_prefix)
+        # What every family's forward calls (Llama 4's base_model_prefix names a multimodal model's).
+        decoder = self.model
         tokens = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
         no_cache = kwargs.get("past_key_values") is None and kwargs.get("cache") is None
         made = position_ids is None and attention_mask is None and no_cache and tokens is not None
@@ -557,8 +650,11 @@ def causal_lm_forward(
         hidden = outputs.last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:, :]
+        # Scaling the logits is scaling the hidden states: the heads these families have no bias.
         if head.scale is not None:
             hidden = hidden / getattr(self.config, head.scale)
+        if head.multiplier is not None:
+            hidden = hidden * getattr(self.config, head.multiplier)
         ignore_index = kwargs.get("ignore_index", -100)
         has_count = kwargs.get("num_items_in_batch") is not None
         # The loss computes the weight's gradient in forward: nothing reads the weights after this.
@@ -573,6 +669,8 @@ def causal_lm_forward(
         if has_count:
             loss = _mean_as_hf(loss, kwargs)
         fields = {key: value for key, value in outputs.items() if key != "last_hidden_state"}
+        moe = aux_loss is not None or "router_logits" in fields
+        output_cls = MoeCausalLMOutputWithPast if moe else CausalLMOutputWithPast
         if aux_loss is not None and kwargs["output_router_logits"]:
             fields["aux_loss"] = aux_loss(
                 outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask

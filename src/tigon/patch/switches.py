@@ -56,13 +56,14 @@ TABLE: tuple[Switch, ...] = (
             "dora_scale_backward")),
     Switch("offload_activations", False, "under gradient checkpointing, the checkpointed hidden states in host memory"),
     Switch("tiled_mlp", False, "the MLP over chunks of tokens: its intermediates never exist whole"),
+    Switch("moe_experts", True, "a patched model's mixture-of-experts experts on the fused experts op (grouped GEMMs)",
+           ("moe_experts",)),
 )
 
 # The ops tigon.patch does not apply, so no switch covers them (TIGON_DISABLE still takes them):
-# the fused RL and preference losses, which a trainer calls on the hidden states itself, and the
-# MoE experts op, which transformers' experts dispatch calls once tigon.nn.moe registers it.
+# the fused RL and preference losses, which a trainer calls on the hidden states itself.
 UNPATCHED_OPS: tuple[str, ...] = (
-    "linear_log_probs", "linear_preference_loss", "linear_policy_loss", "linear_distill_loss", "moe_experts",
+    "linear_log_probs", "linear_preference_loss", "linear_policy_loss", "linear_distill_loss",
 )
 
 SWITCHES: tuple[str, ...] = tuple(switch.name for switch in TABLE)

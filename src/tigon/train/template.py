@@ -4,6 +4,7 @@ label only the assistant turns so the loss is computed on what the model should 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Sequence
 
 from tigon.train.config import SFTError
@@ -39,11 +40,38 @@ def render(tokenizer: Any, messages: Sequence[dict[str, str]], add_generation_pr
                                          add_generation_prompt=add_generation_prompt)
 
 
+# How many of an assistant turn's last characters locate its end in a chat whose template renders it
+# otherwise once later turns follow (it ends the same, before the same end-of-turn marker).
+_TAIL = 8
+
+
+def _rewritten_span(
+    full: str, history: str, before: str, through: str, content: str, cursor: int
+) -> tuple[int, int] | None:
+    """The span of an assistant turn that the template renders otherwise in the whole chat than as
+    its last turn (Qwen3 drops the reasoning of the turns before the last user message and gives the
+    last one an empty ``<think>`` block; DeepSeek-R1's drops every turn's reasoning and opens its
+    generation prompt with ``<think>``): from where the whole chat and the chat before the turn with a
+    generation prompt part, through the turn's end-of-turn marker, which follows the content's last
+    characters as in the turn rendered last. None unless the chat before the turn (`history`)
+    renders as it does in the whole chat."""
+    tail = content.rstrip().rsplit("\n", 1)[-1][-_TAIL:]  # (its last line: reasoning may be dropped before it)
+    if not full.startswith(history) or len(history) < cursor or not tail:
+        return None
+    start = len(os.path.commonprefix([full, before]))
+    at = through.rfind(tail)
+    closing = through[at + len(tail):] if at >= len(history) else ""
+    hit = full.find(tail + closing, start)
+    return None if hit < 0 else (start, hit + len(tail) + len(closing))
+
+
 def assistant_spans(tokenizer: Any, sample: Sample) -> tuple[str, list[tuple[int, int]]]:
     """The rendered chat and the character spans of its assistant turns (with their end-of-turn
     markers). A turn's span runs from the end of the chat rendered up to it with a generation
-    prompt to the end of the chat rendered through it. Templates that rewrite earlier turns break
-    that prefix property; for them the span is found by searching for the turn's content."""
+    prompt to the end of the chat rendered through it. Templates that render a turn otherwise once
+    later turns follow break that prefix property: then the span ends after the turn's last
+    characters and the end-of-turn marker that follows them (:func:`_rewritten_span`); for templates
+    that rewrite the turns before it too, the span is found by searching for the turn's content."""
     messages = sample.messages
     try:
         full = render(tokenizer, messages, False)
@@ -56,6 +84,9 @@ def assistant_spans(tokenizer: Any, sample: Sample) -> tuple[str, list[tuple[int
             if full.startswith(through) and through.startswith(before) and len(before) >= cursor:
                 span = (len(before), len(through))
             else:
+                history = render(tokenizer, messages[:i], False)
+                span = _rewritten_span(full, history, before, through, message["content"], cursor)
+            if span is None:
                 start = full.find(message["content"], cursor)
                 if start < 0:
                     raise SFTError(f"{sample.where}: the chat template drops assistant turn {i}, so it "
