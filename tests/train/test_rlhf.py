@@ -21,7 +21,7 @@ import torch
 import tigon
 from tests.train.test_sft import losses, no_staging_left, same_run
 from tigon.cli import main
-from tigon.train import preference, rlhf, tiny
+from tigon.train import builtin, preference, rlhf, tiny
 from tigon.train.config import RLHFConfig, resolve_rlhf
 from tigon.train.data import load_samples
 from tigon.train.template import ensure_chat_template
@@ -109,8 +109,8 @@ def test_builtin_default_runs_dpo_after_an_sft_stage(tmp_path, monkeypatch, capl
     """No model, no data: sft of the built-in model into OUTPUT_DIR/sft, then DPO on the bundled
     pairs, reporting reward margin and accuracy; a second run takes `make demo`'s model instead."""
     caplog.set_level(logging.INFO)
-    monkeypatch.setattr(rlhf, "SFT_STAGE_STEPS", 3)
-    monkeypatch.setattr(rlhf, "DEMO_SFT", tmp_path / "no-demo" / "final")
+    monkeypatch.setattr(builtin, "SFT_STAGE_STEPS", 3)
+    monkeypatch.setattr(builtin, "DEMO_SFT", tmp_path / "no-demo" / "final")
     out = tmp_path / "run"
     short = ["--max-steps", "4", "--batch-size", "4", "--save-steps", "4", "--samples", "1", "--max-new-tokens", "4",
              "--no-kernels"]
@@ -129,7 +129,7 @@ def test_builtin_default_runs_dpo_after_an_sft_stage(tmp_path, monkeypatch, capl
     (sample,) = json.loads((out / "samples.json").read_text())
     assert {"prompt", "before", "after"} <= set(sample)
 
-    monkeypatch.setattr(rlhf, "DEMO_SFT", out / "sft" / "final")
+    monkeypatch.setattr(builtin, "DEMO_SFT", out / "sft" / "final")
     again = tmp_path / "again"
     assert main(["rlhf", "--output-dir", str(again), *short]) == 0
     assert f"from {out / 'sft' / 'final'} (make demo)" in caplog.text and not (again / "sft").exists()

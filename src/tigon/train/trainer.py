@@ -41,7 +41,8 @@ class TigonTrainer(AtomicTrainer):
     _in_training_mode: Any = None  # the model whose every module the last full train() walk set
 
     def training_step(self, model, inputs: dict[str, Any], *args, **kwargs):
-        tokens = inputs.pop(NUM_TOKENS, 0)
+        # TRL's GRPO steps take their generation batch, a list of rows, and count their own tokens.
+        tokens = inputs.pop(NUM_TOKENS, 0) if isinstance(inputs, dict) else 0
         if self.args.include_num_input_tokens_seen == "no":
             self.state.num_input_tokens_seen += tokens
         if (self._in_training_mode is not model or model is not self.model or not model.training
@@ -81,7 +82,8 @@ class TigonTrainer(AtomicTrainer):
         return self.accelerator.clip_grad_norm_(self._trainable, self.args.max_grad_norm)
 
     def prediction_step(self, model, inputs: dict[str, Any], *args, **kwargs):
-        inputs.pop(NUM_TOKENS, None)
+        if isinstance(inputs, dict):
+            inputs.pop(NUM_TOKENS, None)
         return super().prediction_step(model, inputs, *args, **kwargs)
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> float:
