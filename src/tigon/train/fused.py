@@ -6,12 +6,13 @@ host wait for the GPU at every step)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from accelerate.utils import is_peft_model
 
 from tigon.train.heads import HIDDEN, add_hidden_output
+from tigon.train.modeling import kernel_switches
 
 
 def checkpointing_off(config_class: type) -> dict[str, bool]:
@@ -20,6 +21,19 @@ def checkpointing_off(config_class: type) -> dict[str, bool]:
     deprecated when it is the only one given."""
     names = {f.name for f in dataclasses.fields(config_class)}
     return {next(name for name in ("activation_checkpointing", "gradient_checkpointing") if name in names): False}
+
+
+def frozen_patcher(cfg: Any) -> Callable[[torch.nn.Module], Any] | None:
+    """What patches a frozen model the trainer scores with (GRPO's reference, GKD's teacher) as
+    the policy was patched (None: --no-kernels), less the causal LM's loss: such a model's forward
+    runs either TRL's fused LM head (which `trl_log_probs` runs on tigon's op) or, for the hidden
+    states, its backbone alone."""
+    if not cfg.kernels:
+        return None
+    import tigon
+
+    switches = {**kernel_switches(cfg.kernels_off), "linear_cross_entropy": False, "cross_entropy": False}
+    return lambda model: tigon.patch(model, **switches)
 
 
 class FusedTrainer:

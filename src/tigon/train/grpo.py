@@ -31,13 +31,12 @@ from typing import Any
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-import tigon
 import tigon.functional as TF
 from tigon.train.builtin import builtin_after_sft, builtin_tokenizer
 from tigon.train.config import RLHFConfig, SFTError
 from tigon.train.data import Format, RowError, _text, load_samples, turn_list
-from tigon.train.fused import FusedTrainer, checkpointing_off
-from tigon.train.modeling import flops_per_token, kernel_switches, load_tokenizer
+from tigon.train.fused import FusedTrainer, checkpointing_off, frozen_patcher
+from tigon.train.modeling import flops_per_token, load_tokenizer
 from tigon.train.preference import _ids as chat_ids
 from tigon.train.rewards import check_rewards, load_rewards
 from tigon.train.run import Built, Job, split_off, start, train, training_arguments
@@ -214,15 +213,6 @@ def _arguments(cfg: RLHFConfig, dtype: torch.dtype, has_eval: bool) -> Any:
     return training_arguments(cfg, dtype, has_eval, cls=GRPOConfig, **extra)
 
 
-def _reference_patcher(cfg: RLHFConfig) -> Any:
-    """Patches TRL's reference model as the policy was patched, less the causal LM's loss: its
-    forward is TRL's fused LM head (which `trl_log_probs` runs on tigon's op), not to be replaced."""
-    if not cfg.kernels:
-        return None
-    switches = {**kernel_switches(cfg.kernels_off), "linear_cross_entropy": False, "cross_entropy": False}
-    return lambda model: tigon.patch(model, **switches)
-
-
 def _completions(rows: int, cfg: RLHFConfig) -> int:
     """The completions the Trainer trains on per epoch: each prompt `num_generations` times, in
     generation batches of whole groups (TRL's sampler leaves out the prompts that fill none)."""
@@ -263,7 +253,7 @@ def run(cfg: RLHFConfig) -> Path:
     def trainer(built: Built, args: Any) -> TigonGRPOTrainer:
         return TigonGRPOTrainer(model=built.model, reward_funcs=[r.fn for r in rewards], args=args,
                                 train_dataset=train_data, eval_dataset=eval_data, processing_class=tokenizer,
-                                save_limit=cfg.save_limit, patch_reference=_reference_patcher(cfg))
+                                save_limit=cfg.save_limit, patch_reference=frozen_patcher(cfg))
 
     def flops(model: torch.nn.Module, seq_len: float) -> float:
         # Per trained token: the policy's step, its sampling (a forward per token, counted as one

@@ -294,6 +294,10 @@ def run_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> Path:
 def _run(cfg: RLHFConfig) -> Path:
     if cfg.method == "grpo":
         return grpo.run(cfg)
+    if cfg.method == "gkd":
+        from tigon.train import gkd  # TRL's experimental package, imported only for this method
+
+        return gkd.run(cfg)
     resume_from = start(cfg)
     items = preference.load_preferences(cfg.dataset or [str(BUNDLED_PREFERENCES)], cfg.seed, cfg.method)
     eval_items: list[Any] = []
