@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 
+from tests.train.fused_helpers import one_thread_and_references, save_tiny
 from tigon.cli import main
 from tigon.train import builtin, tiny
 from tigon.train.config import RLHFConfig, resolve_rlhf
@@ -25,12 +26,8 @@ gkd = pytest.importorskip("tigon.train.gkd")
 
 @pytest.fixture(scope="module", autouse=True)
 def quick():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TIGON_DISABLE", "linear_distill_loss")
+    with one_thread_and_references("linear_distill_loss"):
         yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +35,8 @@ def pair(tmp_path_factory):
     """A saved tiny student and a wider teacher with the same vocabulary, and their tokenizer."""
     root = tmp_path_factory.mktemp("gkd")
     tokenizer = tiny.build_tokenizer(load_samples([str(tiny.BUNDLED_DATASET)], seed=0))
-    for name, width in (("student", 32), ("teacher", 48)):
-        tiny.build_model(tokenizer, random.randrange(1000), hidden_size=width, intermediate_size=2 * width,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1).save_pretrained(root / name)
-        tokenizer.save_pretrained(root / name)
+    save_tiny(root / "student", tokenizer, 32)
+    save_tiny(root / "teacher", tokenizer, 48)
     ensure_chat_template(tokenizer)
     return root, tokenizer
 

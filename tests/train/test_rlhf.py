@@ -19,6 +19,8 @@ import pytest
 import torch
 
 import tigon
+from tests.train.fused_helpers import argv_of, one_thread_and_references, save_tiny
+from tests.train.fused_helpers import plain_model as plain
 from tests.train.test_sft import losses, no_staging_left, same_run
 from tigon.cli import main
 from tigon.train import builtin, preference, rlhf, tiny
@@ -31,12 +33,8 @@ trl = pytest.importorskip("trl")
 
 @pytest.fixture(scope="module", autouse=True)
 def quick():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model gains nothing from threads; a busy machine loses a lot
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TIGON_DISABLE", "linear_preference_loss,linear_log_probs")
+    with one_thread_and_references("linear_preference_loss,linear_log_probs"):
         yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +42,7 @@ def tiny_run(tmp_path_factory):
     """A saved tiny model (a user's --model), its tokenizer, and 48 of the bundled pairs."""
     root = tmp_path_factory.mktemp("rlhf")
     tokenizer = tiny.build_tokenizer(load_samples([str(tiny.BUNDLED_DATASET)], seed=0))
-    tiny.build_model(tokenizer, random.randrange(1000), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                     num_attention_heads=2, num_key_value_heads=1).save_pretrained(root / "m")
-    tokenizer.save_pretrained(root / "m")
+    save_tiny(root / "m", tokenizer)
     ensure_chat_template(tokenizer)
     rows = [json.loads(line) for line in rlhf.BUNDLED_PREFERENCES.read_text().splitlines()]
     (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in random.sample(rows, 48)))
@@ -58,14 +54,7 @@ def settings(root, **extra):
     values = dict(model=str(root / "m"), dataset=[str(root / "pairs.jsonl")], kernels=False, batch_size=2, lr=1e-3,
                   save_steps=0, samples=0, tuner="full")
     values.update(extra)
-    argv = []
-    for key, value in values.items():
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            argv.append(flag if value else "--no-" + flag[2:])
-        else:
-            argv += [flag, *map(str, value if isinstance(value, list) else [value])]
-    return values, argv
+    return values, argv_of(values)
 
 
 def records(out):
@@ -81,11 +70,7 @@ def trl_arguments(out, values):
 
 
 def plain_model(root):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(root / "m", dtype=torch.float32)
-    model.config.use_cache = False
-    return model
+    return plain(root / "m")
 
 
 def with_callbacks(trainer, *extra):

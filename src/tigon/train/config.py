@@ -398,7 +398,7 @@ class RLHFConfig(SFTConfig):
 
 # The built-in model's defaults per method where they differ from the preference methods' (one
 # epoch of GRPO over the bundled prompts is many steps: --max-steps ends the run instead).
-_BUILTIN = {"grpo": {"lr": 3e-4, "batch_size": 32, "max_steps": 80}, "gkd": {"lr": 3e-3, "epochs": 10.0}}
+_BUILTIN = {"grpo": {"lr": 1e-4, "batch_size": 32, "max_steps": 80}, "gkd": {"lr": 3e-3, "epochs": 10.0}}
 
 
 def resolve_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> RLHFConfig:

@@ -15,7 +15,7 @@ vLLM's importance-sampling correction, a non-negative per-token weight, is folde
 advantages (``min(rA, clip(r)A) w == min(r wA, clip(r) wA)`` for ``w >= 0``).
 
 Data: prompts, with whatever other columns the reward functions read (`answer` for
-builtin:exact_answer). With no --dataset, the bundled task: "What is 7 plus 5?"-style sums and
+builtin:exact_answer). With no --dataset, the bundled task: 40 "What is 7 plus 5?"-style sums and
 differences whose answers (the built-in model's sft data holds some of them) the exact-answer
 reward scores; with no --model the policy is the built-in model after sft.
 """
