@@ -43,7 +43,7 @@ from tigon.train import grpo, preference
 from tigon.train.batching import NUM_TOKENS
 from tigon.train.builtin import builtin_after_sft, builtin_tokenizer
 from tigon.train.callbacks import ACCURACY, MARGIN
-from tigon.train.config import REFERENCE_METHODS, RLHFConfig, resolve_rlhf
+from tigon.train.config import REFERENCE_METHODS, RLHFConfig, SFTError, resolve_rlhf
 from tigon.train.fused import FusedTrainer, checkpointing_off
 from tigon.train.modeling import flops_per_token, load_tokenizer
 from tigon.train.run import Built, Job, guarded, split_off, start, train, training_arguments
@@ -295,8 +295,11 @@ def _run(cfg: RLHFConfig) -> Path:
     if cfg.method == "grpo":
         return grpo.run(cfg)
     if cfg.method == "gkd":
-        from tigon.train import gkd  # TRL's experimental package, imported only for this method
-
+        try:  # TRL's experimental package, imported only for this method
+            from tigon.train import gkd
+        except ImportError as err:
+            raise SFTError(f"--method gkd runs on TRL's GKDTrainer (trl.experimental.gkd), which this TRL lacks: "
+                           f"{err}") from None
         return gkd.run(cfg)
     resume_from = start(cfg)
     items = preference.load_preferences(cfg.dataset or [str(BUNDLED_PREFERENCES)], cfg.seed, cfg.method)
