@@ -6,8 +6,8 @@
 #   tigon-nokernels  tigon rlhf --no-kernels (the fused loss alone)
 #   trl              TRL's DPOTrainer, gradient checkpointing off as in the tigon runs
 #   trl-ckpt         TRL's DPOTrainer as TRL configures it by default (checkpointing on)
-# and prints tok/s (median after the first logs), peak GiB and the largest per-step loss difference
-# to TRL's. Targets (TARGETS.md): tigon >= 1.6x trl's tok/s, peak <= 0.5x trl's.
+# and prints tok/s (median after the first logs), peak MiB and the largest per-step loss difference
+# to TRL's (scripts/rlhf_compare_summary.py). Targets (TARGETS.md): tigon >= 1.6x trl's tok/s, peak <= 0.5x trl's.
 # METHOD=grpo or METHOD=gkd instead compares, on the same model, LoRA r=16, bf16 and seed:
 #   grpo  8 prompts x 8 completions (GEN_LEN tokens each, default 256; a random model never stops
 #         early, so every completion is full length) per step, reward builtin:length, beta 0
@@ -76,31 +76,7 @@ if [ "$METHOD" != dpo ]; then
     echo "$name: $(grep -E '^done:' "$OUT/$METHOD-$name.log")"
     cp "$WORK/$METHOD-$name/metrics.jsonl" "$OUT/$METHOD-$name.metrics.jsonl" 2>/dev/null
   done
-  python3 - "$OUT" "$METHOD" <<'PY'
-import json, statistics, sys
-from pathlib import Path
-out, method = Path(sys.argv[1]), sys.argv[2]
-def load(name):
-    path = out / f"{method}-{name}.metrics.jsonl"
-    return [json.loads(l) for l in path.read_text().splitlines() if '"loss"' in l] if path.is_file() else []
-runs = {n: load(n) for n in ("tigon", "trl", "trl-liger")}
-def rate(recs):
-    return statistics.median(r["tokens_per_s"] for r in recs[2:] or recs)
-def peak(recs):
-    return max(r.get("gpu_mem_gib", 0) for r in recs) * 1024
-base = runs["trl"]
-summary = {}
-print(f"{method}: {'run':<10} {'tok/s':>9} {'x trl':>6} {'peak MiB':>9} {'x trl':>6}  steps")
-for name, recs in runs.items():
-    if not recs:
-        print(f"{method}: {name:<10} (no metrics: see {out}/{method}-{name}.log)")
-        continue
-    x_rate = rate(recs) / rate(base) if base else float("nan")
-    x_peak = peak(recs) / peak(base) if base else float("nan")
-    summary[name] = {"tokens_per_s": rate(recs), "peak_mib": peak(recs), "losses": [r["loss"] for r in recs]}
-    print(f"{method}: {name:<10} {rate(recs):>9.0f} {x_rate:>6.2f} {peak(recs):>9.0f} {x_peak:>6.2f}  {len(recs)}")
-(out / f"{method}-compare.json").write_text(json.dumps(summary, indent=1))
-PY
+  python3 scripts/rlhf_compare_summary.py "$OUT" "$METHOD" tigon trl trl-liger
   exit 0
 fi
 COMMON=(--model "$WORK/model" --dataset "$WORK/pairs.jsonl" --max-length 1024 --batch-size 4 --max-steps "$STEPS")
@@ -118,28 +94,4 @@ for ckpt in "" --checkpointing; do
   echo "$name: $(grep -E '^done:' "$OUT/rlhf-$name.log")"
   cp "$WORK/$name/metrics.jsonl" "$OUT/rlhf-$name.metrics.jsonl" 2>/dev/null
 done
-python3 - "$OUT" <<'PY'
-import json, statistics, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-def load(name):
-    path = out / f"rlhf-{name}.metrics.jsonl"
-    return [json.loads(l) for l in path.read_text().splitlines() if '"loss"' in l] if path.is_file() else []
-runs = {n: load(n) for n in ("tigon", "tigon-nokernels", "trl", "trl-ckpt")}
-base = runs["trl"]
-summary = {}
-print(f"{'run':<16} {'tok/s':>9} {'x trl':>6} {'peak GiB':>9} {'x trl':>6} {'max |dloss| vs trl':>19}  steps")
-for name, recs in runs.items():
-    if not recs:
-        print(f"{name:<16} (no metrics: see {out}/rlhf-{name}.log)")
-        continue
-    rate = statistics.median(r["tokens_per_s"] for r in recs[3:] or recs)
-    peak = max(r.get("gpu_mem_gib", 0) for r in recs)
-    diff = max((abs(a["loss"] - b["loss"]) for a, b in zip(recs, base)), default=float("nan"))
-    base_rate = statistics.median(r["tokens_per_s"] for r in base[3:] or base) if base else float("nan")
-    base_peak = max(r.get("gpu_mem_gib", 0) for r in base) if base else float("nan")
-    summary[name] = {"tokens_per_s": rate, "peak_gib": peak, "max_loss_diff_vs_trl": diff,
-                     "losses": [r["loss"] for r in recs], "margins": [r.get("rewards/margins") for r in recs]}
-    print(f"{name:<16} {rate:>9.0f} {rate / base_rate:>6.2f} {peak:>9.2f} {peak / base_peak:>6.2f} {diff:>19.4g}  {len(recs)}")
-(out / "rlhf-compare.json").write_text(json.dumps(summary, indent=1))
-PY
+python3 scripts/rlhf_compare_summary.py "$OUT" rlhf tigon tigon-nokernels trl trl-ckpt
