@@ -2,7 +2,8 @@
 # One device-machine call: gpu-marked tests, op benchmarks at the TARGETS.md shapes, the linear-CE
 # chunk-budget sweep and the end-to-end benchmark. Everything lands in $OUT/results.tar.gz (the
 # device tool returns at most 8 files) plus the text logs.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|ops|norms|rope|sweep|e2e|sft|profile|headstart|maxctx ...]
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|ops|norms|rope|sweep|e2e|small|host|sft|profile|headstart|maxctx ...]
+# (host: per-call host time of the small ops; small: the host-bound 1x1024 e2e with CUDA-graph replay)
 # GPU_TESTS narrows the tests stage (pytest arguments); E2E_TIMEOUT bounds the e2e stage; MC_ARGS
 # are the maxctx stage's arguments to tigon.bench.max_context (its results merge into those already
 # recorded in docs/bench/max_context.json); PROFILE_ARGS are scripts/profile_e2e.py's; BENCH_OPS narrows
@@ -35,6 +36,11 @@ for stage in "${stages[@]}"; do
            tail -9 "$RES/lce_budget.txt" ;;
     e2e)   timeout ${E2E_TIMEOUT:-420} python3 -m tigon.cli bench --e2e --out "$RES/e2e" > "$RES/e2e.txt" 2>&1
            tail -15 "$RES/e2e.txt" ;;
+    small) timeout ${E2E_TIMEOUT:-420} python3 -m tigon.cli bench --e2e 1x1024 --e2e-impls eager tigon tigon+graphs \
+             --out "$RES/e2e_1x1024" > "$RES/e2e_1x1024.txt" 2>&1
+           tail -15 "$RES/e2e_1x1024.txt" ;;
+    host)  timeout 300 python3 -m tigon.cli bench --host --out "$RES/host" > "$RES/host.txt" 2>&1
+           grep -A40 "^op " "$RES/host.txt" | tail -32 ;;
     rope)  timeout 300 python3 -m tigon.cli bench --ops rope --out "$RES/rope" > "$RES/rope.txt" 2>&1
            tail -12 "$RES/rope.txt" ;;
     sft)   OUT="$RES/sft" bash scripts/sft_gpu_compare.sh ;;

@@ -43,7 +43,13 @@ def poison_outputs(monkeypatch):
     real_empty, real_empty_like = torch.empty, torch.empty_like
 
     def poison(t):
-        return t.fill_(float("nan") if t.is_floating_point() else -12345) if t.numel() else t
+        if not t.numel():
+            return t
+        if t.is_floating_point():
+            return t.fill_(float("nan"))
+        # An integer sentinel the dtype can hold (bitsandbytes' quantisers allocate uint8 buffers).
+        narrow = t.dtype in (torch.uint8, torch.int8)
+        return t.fill_(torch.iinfo(t.dtype).max if narrow else -12345)
 
     monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))

@@ -60,15 +60,29 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         records = run_max_context(args.max_context or SEQS, out_dir=Path(args.out) if args.out else None)
         return 1 if any("error" in r for r in records) else 0
-    if args.e2e:
-        from tigon.bench.e2e import run_e2e
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    if args.host:
+        from tigon.bench.host import run_host
 
-        return 1 if any("error" in r for r in run_e2e(out_dir=Path(args.out) if args.out else None)) else 0
+        records = run_host(args.ops, args.impls, dtype=dtype, out_dir=Path(args.out) if args.out else None)
+        return 1 if any("error" in r for r in records) else 0
+    if args.e2e is not None:
+        from tigon.bench.e2e import run_e2e
+        from tigon.bench.registry import parse_size
+
+        shapes = [parse_size(text, "--e2e") for text in args.e2e] or [(4, 2048)]
+        if any(len(shape) != 2 or min(shape) < 1 for shape in shapes):
+            raise ValueError(f"--e2e takes batch x tokens shapes such as 1x1024, got {' '.join(args.e2e)}")
+        failed = False
+        for batch, seq in shapes:  # one e2e.json per shape, in OUT/BxT when there are several
+            out = None if not args.out else Path(args.out) / f"{batch}x{seq}" if len(shapes) > 1 else Path(args.out)
+            records = run_e2e(impls=args.e2e_impls or ["eager", "tigon"], batch=batch, seq=seq, out_dir=out)
+            failed |= any("error" in r for r in records)
+        return 1 if failed else 0
     from tigon.bench import run_benchmarks
     from tigon.bench.registry import parse_size
 
     sizes = [parse_size(s) for s in args.sizes] if args.sizes else None
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     run_benchmarks(
         ops=args.ops, sizes=sizes, dtype=dtype, out_dir=Path(args.out) if args.out else None,
         impls=args.impls, headline=args.headline,
@@ -164,12 +178,13 @@ def _add_train_commands(sub: argparse._SubParsersAction) -> None:
     rlhf.add_argument("--debug", **debug)
     rlhf.set_defaults(run=_cmd_rlhf)
 
-    merge = sub.add_parser("merge", help="fold a LoRA adapter into its base model (the same as tigon export ADAPTER --to merged)")
+    merge = sub.add_parser("merge", help="fold a LoRA adapter into its base model (the same as tigon export ADAPTER --to merged); "
+                           "a QLoRA adapter into its dequantised base")
     merge.add_argument("adapter", help="adapter directory (e.g. tigon-out/final)")
     merge.add_argument("--output", required=True, metavar="DIR", help="where to write the merged model")
     merge.add_argument("--base", metavar="MODEL", help="base model (default: the one the adapter names)")
     merge.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
-                       help="stored dtype (auto: the base model's)")
+                       help="stored dtype (auto: the base model's; bf16 for a QLoRA adapter)")
     merge.add_argument("--debug", **debug)
     merge.set_defaults(run=_cmd_merge)
 
@@ -208,9 +223,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="implementations to measure (default: all, in the same run; peer: the best-known peer "
                             "library, for the ops that name one, when it is installed)")
     bench.add_argument("--out", metavar="DIR", help="write bench.json and one PNG plot per op here")
-    bench.add_argument("--e2e", action="store_true",
-                       help="end-to-end fine-tuning (full and LoRA) eager vs tigon instead of ops; "
-                            "more knobs: python -m tigon.bench.e2e --help")
+    bench.add_argument("--host", action="store_true",
+                       help="host time per fwd+bwd call (microseconds) at tiny sizes, where the GPU's work is negligible")
+    bench.add_argument("--e2e", nargs="*", metavar="BxT",
+                       help="end-to-end fine-tuning (full and LoRA) eager vs tigon instead of ops, at each batch x "
+                            "tokens shape given (default 4x2048; 1x1024 is host-bound); more knobs: "
+                            "python -m tigon.bench.e2e --help")
+    bench.add_argument("--e2e-impls", nargs="+", metavar="IMPL",
+                       choices=["eager", "tigon", "compile", "tigon+compile", "tigon+graphs"],
+                       help="with --e2e: what to run (default eager tigon; tigon+graphs: CUDA-graph replay)")
     bench.add_argument("--max-context", nargs="*", type=int, metavar="TOKENS",
                        help="long-context LoRA: peak memory and s/step by length (default 65536 ... 524288), "
                             "with and without offload + tiled MLP; more knobs: python -m tigon.bench.max_context --help")

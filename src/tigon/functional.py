@@ -6,6 +6,8 @@ from tigon.ops.composite.lora import lora_linear, lora_linear_group
 from tigon.ops.composite.lora_mlp import lora_gated_mlp
 from tigon.ops.composite.norm_mlp import add_rms_norm_glu_mlp
 from tigon.ops.cross_entropy import cross_entropy
+from tigon.ops.dequantize import dequantize
+from tigon.ops.dora import dora_norm, dora_scale
 from tigon.ops.glu import geglu, swiglu
 from tigon.ops.layer_norm import layer_norm
 from tigon.ops.linear_cross_entropy import linear_cross_entropy
@@ -17,4 +19,4 @@ from tigon.ops.moe import moe_experts
 from tigon.ops.rms_norm import add_rms_norm, rms_norm
 from tigon.ops.rope import rope
 
-__all__ = ["cross_entropy", "linear_cross_entropy", "linear_log_probs", "linear_preference_loss", "linear_policy_loss", "linear_distill_loss", "add_rms_norm", "add_rms_norm_glu_mlp", "geglu", "glu_mlp", "swiglu", "layer_norm", "linear_group", "lora_gated_mlp", "lora_linear", "lora_linear_group", "moe_experts", "rms_norm", "rope"]
+__all__ = ["cross_entropy", "linear_cross_entropy", "linear_log_probs", "linear_preference_loss", "linear_policy_loss", "linear_distill_loss", "add_rms_norm", "add_rms_norm_glu_mlp", "dequantize", "dora_norm", "dora_scale", "geglu", "glu_mlp", "swiglu", "layer_norm", "linear_group", "lora_gated_mlp", "lora_linear", "lora_linear_group", "moe_experts", "rms_norm", "rope"]

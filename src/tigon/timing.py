@@ -1,10 +1,12 @@
 """Timing on whatever device a tensor lives on, for the benchmarks (`tigon.bench`) and for the MFU
 that training reports (`tigon.train`): the median time of a step, and the device rates measured
-with it (dense matmul FLOP/s, copy bandwidth). Imports torch only (triton.testing on CUDA)."""
+with it (dense matmul FLOP/s, copy bandwidth), and how busy the GPU was while a loop ran. Imports
+torch only (triton.testing on CUDA)."""
 
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -59,3 +61,63 @@ def measure_matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
     b = torch.randn(n, n, dtype=dtype, device=device)
     ms = time_ms(lambda: a @ b, device)
     return 2 * n**3 / (ms * 1e-3)
+
+
+def _gpu_utilisation() -> float | None:
+    try:
+        return float(torch.cuda.utilization())
+    except Exception:  # needs pynvml (or amdsmi); utilisation is a nicety, not a requirement
+        return None
+
+
+class BusyMeter:
+    """The fraction of wall time the GPU was running a kernel, from a thread that samples the
+    driver's utilisation counter (NVML: the share of its last sample period, 1/6 s to 1 s, in which
+    any kernel ran) every `interval` seconds. Nothing in the training loop waits for it or for the
+    GPU. CUDA events cannot give this: an event pair times the span between two points of a stream,
+    idle gaps included, so a step whose GPU waits for the host between kernels would read as busy.
+    `read` returns a percentage or None (no NVML: the meter never starts)."""
+
+    def __init__(self, read=_gpu_utilisation, interval: float = 0.2):
+        self.read, self.interval = read, interval
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._window = [0.0, 0]  # sum and count of samples since the last `window()`
+        self._total = [0.0, 0]
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> bool:
+        """Start sampling; False (and nothing started) where utilisation cannot be read."""
+        if self.read() is None:
+            return False
+        self._thread = threading.Thread(target=self._sample, name="tigon-gpu-busy", daemon=True)
+        self._thread.start()
+        return True
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval):
+            value = self.read()
+            if value is None:
+                continue
+            with self._lock:
+                for acc in (self._window, self._total):
+                    acc[0] += value
+                    acc[1] += 1
+
+    def window(self) -> float | None:
+        """Mean busy % since the last call (None: no sample yet)."""
+        with self._lock:
+            total, n = self._window
+            self._window = [0.0, 0]
+        return total / n if n else None
+
+    def overall(self) -> float | None:
+        """Mean busy % since `start`."""
+        with self._lock:
+            total, n = self._total
+        return total / n if n else None
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.interval + 1)

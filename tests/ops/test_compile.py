@@ -235,6 +235,40 @@ def test_fused_ops_compile_to_their_library_ops(name):
             assert_close(ours.grad, theirs.grad, name=f"{name} grad {i}")
 
 
+def test_misaligned_expert_weights_reach_torchs_gemm_aligned_under_compile(monkeypatch):
+    # Tracing cannot read an address (dynamo traces neither data_ptr nor storage_offset), so the
+    # compiled op chooses torch's grouped GEMM blind to it: the library ops copy a weight that
+    # starts 4 bytes into its storage before that GEMM, which needs 16-byte aligned operands.
+    aligned = []
+
+    def checked(a, b, **kwargs):
+        aligned.append(a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0)
+        return real(a, b, **kwargs)
+
+    real = moe._grouped_mm
+    monkeypatch.setattr(moe, "_grouped_mm", checked)
+    index = torch.randint(0, 5, (7, 2))
+    x, w = _t(7, 16, grad=True), torch.rand(7, 2, requires_grad=True)
+    w1, w2 = (torch.randn(5 * rows * cols + 1)[1:].view(5, rows, cols).requires_grad_()
+              for rows, cols in ((24, 16), (16, 12)))
+    assert w1.data_ptr() % 16 and w2.data_ptr() % 16
+    with pytest.raises(ValueError, match="address or strides are not multiples of 16 bytes"):
+        F.moe_experts(x, index, w, w1, w2, gemm="grouped_mm")  # eager: refused, "auto" picks Triton
+    eager = [t.detach().clone().requires_grad_() for t in (x, w, w1, w2)]
+    want = F.moe_experts(*eager[:1], index, *eager[1:], gemm="grouped_mm")
+    grad = torch.randn_like(want)
+    want.backward(grad)
+
+    torch._dynamo.reset()
+    got = torch.compile(lambda *a: F.moe_experts(a[0], index, *a[1:], gemm="grouped_mm"), fullgraph=True,
+                        backend="aot_eager")(x, w, w1, w2)
+    got.backward(grad)
+    assert aligned and all(aligned)
+    assert_close(got, want.detach(), name="output")
+    for i, (ours, theirs) in enumerate(zip((x, w, w1, w2), eager)):
+        assert_close(ours.grad, theirs.grad, name=f"grad {i}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("gemm", ["triton", "grouped_mm", "hybrid"])
 def test_compiled_moe_experts_on_each_gemm_back_end(gemm):

@@ -4,9 +4,11 @@ Each output must be NaN, +inf or -inf exactly where PyTorch's own result is, and
 where PyTorch's is finite; each gradient must be non-finite exactly where PyTorch's is (the NaN/inf
 split of a gradient depends on the order of its terms, which differs between implementations).
 Both the kernel path (the interpreter on the CPU, which copies the GPU's NaN-skipping max) and the
-reference path (TIGON_DISABLE=all) are checked. The one documented departure from PyTorch: an
-ignored row of a loss is never read, so its gradient is 0 even where PyTorch's is NaN; the loss
-itself matches PyTorch there too.
+reference path (TIGON_DISABLE=all) are checked. The documented departures from PyTorch: an
+ignored row of a loss is never read, so its gradient is 0 even where PyTorch's is NaN (the loss
+itself matches PyTorch there too); and a norm's row that holds a NaN or +-inf is NaN as a whole,
+output and gradients (issue #19), where PyTorch's rms_norm gives NaN on CUDA but 0 for the row's
+finite elements on the CPU: the norms are checked against PyTorch's norm of that row made all NaN.
 """
 
 import pytest
@@ -178,6 +180,12 @@ def test_linear_cross_entropy(poison_outputs, device, path, value, dtype, where,
     )
 
 
+def nan_rows(t):
+    """`t` with each row that holds a NaN or +-inf made all NaN: PyTorch's norm of it is what the
+    norms must give on every device, forward and backward."""
+    return t * torch.where(torch.isfinite(t).all(-1, keepdim=True), 1.0, NAN)
+
+
 def _norm_inputs(value, where, dtype, device, rows=6, width=37):
     x, r = torch.randn(rows, width, device=device), torch.randn(rows, width, device=device)
     w, b = 1 + 0.3 * torch.randn(width, device=device), 0.3 * torch.randn(width, device=device)
@@ -194,7 +202,7 @@ def test_rms_norm(poison_outputs, device, path, value, dtype, where, casting, of
     x, _, w, _ = _norm_inputs(value, where, dtype, device)
     check_against_torch(
         lambda x, w: F.rms_norm(x, w, 1e-6, offset=offset, casting=casting),
-        lambda x, w: TF.rms_norm(x, (x.shape[-1],), offset + w, 1e-6),
+        lambda x, w: TF.rms_norm(nan_rows(x), (x.shape[-1],), offset + w, 1e-6),
         (x, w), dtype, f"rms_norm {path} {casting} {value} in {where}",
     )
 
@@ -205,14 +213,15 @@ def test_rms_norm(poison_outputs, device, path, value, dtype, where, casting, of
 def test_add_rms_norm(poison_outputs, device, path, value, dtype, where):
     x, r, w, _ = _norm_inputs(value, where, dtype, device)
 
-    def torch_fn(x, r, w):
-        total = x + r
-        return TF.rms_norm(total, (x.shape[-1],), w, 1e-6), total
-
     check_against_torch(
-        lambda x, r, w: F.add_rms_norm(x, r, w, 1e-6), torch_fn, (x, r, w), dtype,
+        lambda x, r, w: F.add_rms_norm(x, r, w, 1e-6), _torch_add_rms_norm, (x, r, w), dtype,
         f"add_rms_norm {path} {value} in {where}",
     )
+
+
+def _torch_add_rms_norm(x, r, w):
+    total = x + r
+    return TF.rms_norm(nan_rows(total), (x.shape[-1],), w, 1e-6), total
 
 
 @VALUES
@@ -222,9 +231,23 @@ def test_layer_norm(poison_outputs, device, path, value, dtype, where):
     x, _, w, b = _norm_inputs(value, where, dtype, device)
     check_against_torch(
         lambda x, w, b: F.layer_norm(x, w, b, 1e-5),
-        lambda x, w, b: TF.layer_norm(x, (x.shape[-1],), w, b, 1e-5),
+        lambda x, w, b: TF.layer_norm(nan_rows(x), (x.shape[-1],), w, b, 1e-5),
         (x, w, b), dtype, f"layer_norm {path} {value} in {where}",
     )
+
+
+@pytest.mark.parametrize("norm", ["rms_norm", "add_rms_norm", "layer_norm"])
+def test_norm_row_past_fp32_range_is_nan(poison_outputs, device, path, norm):
+    # Finite values whose sum of squares (variance) overflows fp32: rsqrt(inf) = 0 would give the
+    # row zeros (or the bare bias) for an answer; it is NaN, with NaN gradients, like a row with an inf.
+    x, r, w, b = _norm_inputs(0.0, "x", torch.float32, device)
+    x[2] *= 1e20
+    x, r, w, b = (t.requires_grad_() for t in (x, r, w, b))
+    out = {"rms_norm": lambda: F.rms_norm(x, w), "add_rms_norm": lambda: F.add_rms_norm(x, r, w)[0],
+           "layer_norm": lambda: F.layer_norm(x, w, b)}[norm]()
+    out.backward(torch.randn_like(out))
+    assert torch.isnan(out[2]).all() and torch.isfinite(out[[0, 1, 3, 4, 5]]).all(), out
+    assert torch.isnan(x.grad[2]).all() and torch.isfinite(x.grad[[0, 1, 3, 4, 5]]).all(), x.grad
 
 
 # On the GPU: bf16 and fp32, a vocabulary of 16 blocks per row, and the GPU's own max.f32.
@@ -259,21 +282,19 @@ def test_linear_cross_entropy_on_gpu(value, dtype, where, reduction, num_items):
 @VALUES
 @GPU_DTYPES
 @pytest.mark.parametrize("where", ["x", "residual", "weight", "bias"])
-def test_norms_on_gpu(value, dtype, where):
+def test_norms_on_gpu(path, value, dtype, where):
     x, r, w, b = _norm_inputs(value, where, dtype, GPU, rows=64, width=4096)
-    name = f"gpu {value} in {where}"
+    name = f"gpu {path} {value} in {where}"
     check_against_torch(
-        lambda x, r, w: F.add_rms_norm(x, r, w, 1e-6),
-        lambda x, r, w: (TF.rms_norm(x + r, (x.shape[-1],), w, 1e-6), x + r),
-        (x, r, w), dtype, f"add_rms_norm {name}",
+        lambda x, r, w: F.add_rms_norm(x, r, w, 1e-6), _torch_add_rms_norm, (x, r, w), dtype, f"add_rms_norm {name}",
     )
     check_against_torch(
         lambda x, w: F.rms_norm(x, w, 1e-6, offset=1.0, casting="gemma"),
-        lambda x, w: TF.rms_norm(x, (x.shape[-1],), 1.0 + w, 1e-6),
+        lambda x, w: TF.rms_norm(nan_rows(x), (x.shape[-1],), 1.0 + w, 1e-6),
         (x, w), dtype, f"rms_norm {name}",
     )
     check_against_torch(
         lambda x, w, b: F.layer_norm(x, w, b, 1e-5),
-        lambda x, w, b: TF.layer_norm(x, (x.shape[-1],), w, b, 1e-5),
+        lambda x, w, b: TF.layer_norm(nan_rows(x), (x.shape[-1],), w, b, 1e-5),
         (x, w, b), dtype, f"layer_norm {name}",
     )

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
+import pytest
 import torch
 
 import tigon
@@ -47,3 +49,34 @@ def test_e2e_cadences_train_alike():
         assert "error" not in record, record.get("error")
         assert record["tokens_per_s"] > 0 and len(record["losses"]) == 3
     assert runs[0]["losses"] == runs[1]["losses"]
+
+
+def test_bench_e2e_runs_each_shape_given(tmp_path, monkeypatch, capsys):
+    import tigon.bench.e2e as e2e
+    from tigon.cli import main
+
+    calls = []
+    monkeypatch.setattr(e2e, "run_e2e", lambda **kw: calls.append(kw) or [{"mode": "full"}])
+    assert main(["bench", "--e2e", "1x1024", "4x2048", "--e2e-impls", "tigon", "tigon+graphs", "--out", str(tmp_path)]) == 0
+    assert [(c["batch"], c["seq"], c["impls"], c["out_dir"].name) for c in calls] == [
+        (1, 1024, ["tigon", "tigon+graphs"], "1x1024"), (4, 2048, ["tigon", "tigon+graphs"], "4x2048")]
+    calls.clear()
+    assert main(["bench", "--e2e"]) == 0
+    assert [(c["batch"], c["seq"], c["impls"], c["out_dir"]) for c in calls] == [(4, 2048, ["eager", "tigon"], None)]
+    assert main(["bench", "--e2e", "1x1024x3"]) == 2
+    assert "--e2e takes batch x tokens shapes such as 1x1024, got 1x1024x3" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_gpu_e2e_graph_replay_trains_like_plain_and_reports_busy():
+    """tigon+graphs (CUDA-graph replay of the patched model) takes the same steps as tigon."""
+    shape = dict(TINY, hidden_size=256, intermediate_size=688, vocab_size=32000)
+    records = run_e2e(modes=["full", "lora"], impls=["tigon", "tigon+graphs"], batch=1, seq=256, steps=3, warmup=3,
+                      shape=shape, log=lambda line: None)
+    assert not [r["error"] for r in records if "error" in r]
+    by = {(r["mode"], r["impl"]): r for r in records}
+    for mode in ("full", "lora"):
+        plain, graphs = by[(mode, "tigon")]["losses"], by[(mode, "tigon+graphs")]["losses"]
+        assert graphs == pytest.approx(plain, rel=2e-2)
+    if importlib.util.find_spec("pynvml") is not None:
+        assert all(0 <= r["gpu_busy_pct"] <= 100 for r in records)

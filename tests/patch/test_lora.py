@@ -186,13 +186,27 @@ def test_dropout_uses_peft_in_training_and_fuses_in_eval(spy):
     assert spy == FUSED
 
 
-def test_dora_and_embedding_layers_stay_on_peft(spy):
+def test_dora_fuses_and_embedding_layers_stay_on_peft(spy):
     ours, theirs = _models(use_dora=True, target_modules=["q_proj", "v_proj", "embed_tokens"])
     summary = apply_lora(ours)
-    assert summary.linears == 0
-    assert summary.left == {"DoRA or another LoRA variant": 4, "Embedding layer": 1}
+    assert (summary.linears, summary.dora, summary.left) == (4, 4, {"Embedding layer": 1})
     _assert_same_step(ours, theirs, _ids())
-    assert spy["lora_linear"] == 0
+    assert spy["lora_linear"] == 4  # q and v of each layer: no whole q/k/v group to fuse
+
+
+def test_dora_on_every_linear_matches_peft(spy):
+    ours, theirs = _models(use_dora=True)
+    summary = apply_lora(ours)
+    assert (summary.linears, summary.dora, summary.gated_mlps, summary.qkv_groups) == (14, 14, 2, 2)
+    assert str(summary).endswith("; 14 DoRA")
+    _assert_same_step(ours, theirs, _ids())
+    assert spy == FUSED
+
+
+def test_other_lora_variants_stay_on_peft(spy):
+    ours, theirs = _models(target_modules=["q_proj", "v_proj"], alora_invocation_tokens=[3])
+    summary = apply_lora(ours)
+    assert (summary.linears, summary.left) == (0, {"a LoRA variant other than DoRA": 4})
 
 
 def test_disabled_merged_and_several_adapters_follow_peft(spy):

@@ -60,6 +60,7 @@ def test_defaults_depend_on_builtin_or_real_model():
     builtin = resolve(SFTConfig())
     real = resolve(SFTConfig(model="m"))
     assert (builtin.tuner, real.tuner) == ("full", "lora")
+    assert resolve(SFTConfig(quant="nf4")).tuner == "lora"  # a quantised built-in model is QLoRA-tuned
     assert builtin.max_length < real.max_length and builtin.lr > real.lr
     assert resolve(SFTConfig(model="m", tuner="full")).lr < real.lr
     assert real.lora_alpha == 2 * real.lora_rank
@@ -81,6 +82,15 @@ def test_defaults_depend_on_builtin_or_real_model():
     ({"eval_split": 1.5}, set(), r"--eval-split must be in \[0, 1\)"),
     ({"save_limit": 0}, set(), "--save-limit must be >= 1"),
     ({"warmup": -1.0}, set(), "--warmup must be >= 0"),
+    ({"tuner": "full", "quant": "nf4"}, {"tuner", "quant"}, "--quant nf4 with --tuner full: quantised weights cannot"),
+    ({"tuner": "full", "lora_variant": "dora"}, {"tuner", "lora_variant"}, "--lora-variant: only for --tuner lora"),
+    ({"loraplus_lr_ratio": 0.0}, set(), "--loraplus-lr-ratio must be > 0"),
+    ({"neftune_alpha": -5.0}, set(), "--neftune-alpha must be > 0"),
+    ({"init_lora_weights": "pissa", "quant": "nf4"}, set(), "--init-lora-weights pissa rewrites the base weights"),
+    ({"init_lora_weights": "loftq"}, set(), "--init-lora-weights loftq .* add --quant nf4"),
+    ({"init_lora_weights": "loftq", "quant": "int8"}, set(), "--init-lora-weights loftq .* add --quant nf4"),
+    ({"init_lora_weights": "loftq", "quant": "nf4", "lora_variant": "dora"}, set(),
+     "--init-lora-weights loftq with --lora-variant dora"),
 ])
 def test_incompatible_or_bad_settings(changes, given, message):
     with pytest.raises(SFTError, match=message):
@@ -105,3 +115,45 @@ def test_tracker_that_is_not_installed_names_the_pip_install(monkeypatch):
     with pytest.raises(SFTError, match=message):
         resolve(SFTConfig(report_to="wandb"))
     assert resolve(SFTConfig(report_to="none")).report_to == "none"
+
+
+def test_cuda_graphs_is_refused_where_steps_cannot_be_captured(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SFTError, match="^--cuda-graphs needs a CUDA GPU and none is visible"):
+        resolve(SFTConfig(cuda_graphs=True))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SFTError, match="^--cuda-graphs runs on one GPU, one process"):
+        resolve(SFTConfig(cuda_graphs=True))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(SFTError, match="^--cuda-graphs cannot capture --offload-activations"):
+        resolve(SFTConfig(cuda_graphs=True, gradient_checkpointing=True, offload_activations=True))
+    assert resolve(SFTConfig(cuda_graphs=True, packing=True)).cuda_graphs
+
+
+def test_cuda_graphs_option_turns_on_torch_compiles_graph_mode(tmp_path):
+    import torch
+
+    from tigon.train.config import RLHFConfig
+    from tigon.train.run import training_arguments
+
+    cfg, given = parse(["--cuda-graphs", "--packing", "--output-dir", str(tmp_path)])
+    assert cfg.cuda_graphs and "cuda_graphs" in given
+    args = training_arguments(cfg, torch.float32, False)
+    assert args.torch_compile and args.torch_compile_mode == "reduce-overhead"
+    assert not training_arguments(SFTConfig(output_dir=str(tmp_path)), torch.float32, False).torch_compile
+    parser = argparse.ArgumentParser()
+    add_sft_arguments(parser, RLHFConfig)  # tigon rlhf does not take it (yet): no silent no-op option
+    assert "--cuda-graphs" not in parser.format_help()
+
+
+def test_quant_without_bitsandbytes_names_the_pip_install(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else find_spec(name, *a))
+    with pytest.raises(SFTError, match=r"^--quant int8: bitsandbytes is not installed \(pip install bitsandbytes\)$"):
+        resolve(SFTConfig(model="m", quant="int8"))
+    assert resolve(SFTConfig(model="m")).quant is None

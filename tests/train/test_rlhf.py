@@ -234,9 +234,10 @@ def test_simpo_and_cpo_equal_trls_cpo_trainer(tiny_run, tmp_path, method, option
 
 
 def test_orpos_odds_ratio_term_equals_trls(tiny_run, tmp_path):
-    """ORPO's odds-ratio term is TRL's. Its NLL is the paper's, over the chosen answer; TRL's
-    ORPOTrainer scores prompt and answer, so the losses differ by that (and after one step, so
-    do the weights)."""
+    """ORPO's odds-ratio term is TRL's. Its NLL is the paper's, over the chosen answer (checked
+    against cross-entropy in tests/ops/test_linear_preference.py); TRL's ORPOTrainer scores prompt
+    and answer, so only the odds-ratio term and the rewards are compared here: on a random tiny
+    model every token's NLL is near log(vocab), so the two NLLs need not differ measurably."""
     from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
     root, tokenizer = tiny_run
@@ -246,7 +247,6 @@ def test_orpos_odds_ratio_term_equals_trls(tiny_run, tmp_path):
     (theirs,) = _trl_experimental(root, tokenizer, tmp_path, values, ORPOTrainer, ORPOConfig)
     assert ours["loss"] - ours["nll_loss"] == pytest.approx(theirs["loss"] - theirs["nll_loss"], rel=1e-5)
     assert ours["rewards/margins"] == pytest.approx(theirs["rewards/margins"], rel=1e-5)
-    assert ours["nll_loss"] != pytest.approx(theirs["nll_loss"], rel=1e-3)
 
 
 def test_kernels_and_the_fused_losss_triton_path_train_alike(tiny_run, tmp_path, monkeypatch, caplog):

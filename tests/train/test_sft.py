@@ -2,6 +2,7 @@
 to a few steps on a slice of the bundled data."""
 
 import errno
+import importlib.util
 import io
 import json
 import logging
@@ -419,16 +420,23 @@ def test_used_output_dir_is_refused_and_debug_shows_the_traceback(tmp_path, caps
     assert "is not a LoRA adapter directory" in capsys.readouterr().err
 
 
+def _saved_llama(path: Path, **shape) -> str:
+    """A random Llama of `shape` (2 KV heads, a 32003-token vocabulary) with the bundled data's
+    tokenizer, saved to `path`; returns the path for --model."""
+    tokenizer = tiny.build_tokenizer(load_samples([str(tiny.BUNDLED_DATASET)], seed=0))
+    tiny.build_model(tokenizer, 0, num_key_value_heads=2, vocab_size=32003, **shape).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tuner", ["full", "lora"])
 def test_gpu_bf16_kernels_train_like_eager(tmp_path, tuner):
     """On the GPU, in bf16, the compiled kernels take the same steps as plain transformers (bf16
     tolerance), with packing, on a Llama big enough for the kernels' tiling to matter."""
-    tokenizer = tiny.build_tokenizer(load_samples([str(tiny.BUNDLED_DATASET)], seed=0))
-    tiny.build_model(tokenizer, 0, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
-                     num_attention_heads=8, num_key_value_heads=2, vocab_size=32003).save_pretrained(tmp_path / "m")
-    tokenizer.save_pretrained(tmp_path / "m")
-    args = ["--model", str(tmp_path / "m"), "--tuner", tuner, "--dtype", "bf16", "--lr", "1e-3", "--packing",
+    model = _saved_llama(tmp_path / "m", hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
+                         num_attention_heads=8)
+    args = ["--model", model, "--tuner", tuner, "--dtype", "bf16", "--lr", "1e-3", "--packing",
             "--max-length", "512", "--batch-size", "4", "--max-steps", "8", "--save-steps", "0", "--samples", "1",
             "--dataset", str(tiny.BUNDLED_DATASET)]
     assert main(["sft", *args, "--output-dir", str(tmp_path / "off"), "--no-kernels"]) == 0
@@ -439,6 +447,31 @@ def test_gpu_bf16_kernels_train_like_eager(tmp_path, tuner):
         assert on[step] == pytest.approx(off[step], rel=3e-2), step
     records = [json.loads(line) for line in (tmp_path / "on" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["gpu_mem_gib"] > 0 and r["mfu"] > 0 for r in records if "loss" in r)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tuner", ["full", "lora"])
+def test_gpu_cuda_graphs_train_like_without(tmp_path, tuner):
+    """--cuda-graphs (torch.compile's CUDA-graph mode over the patched model, batches padded to
+    --max-length) takes the same steps as the same run without it, with gradient accumulation;
+    the metrics say how busy the GPU was where NVML can be read."""
+    model = _saved_llama(tmp_path / "m", hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                         num_attention_heads=4)
+    args = ["--model", model, "--tuner", tuner, "--dtype", "bf16", "--lr", "1e-3", "--packing",
+            "--max-length", "256", "--batch-size", "2", "--grad-accum", "2", "--max-steps", "6", "--save-steps", "0",
+            "--samples", "0", "--dataset", str(tiny.BUNDLED_DATASET)]
+    assert main(["sft", *args, "--output-dir", str(tmp_path / "plain")]) == 0
+    assert main(["sft", *args, "--output-dir", str(tmp_path / "graphs"), "--cuda-graphs"]) == 0
+    plain, graphs = losses(tmp_path / "plain"), losses(tmp_path / "graphs")
+    assert sorted(plain) == sorted(graphs) == list(range(1, 7))
+    for step in plain:
+        # the plain run pads each batch to its longest row, the graphed one to --max-length: the
+        # same tokens are trained on, padding never attends or counts
+        assert graphs[step] == pytest.approx(plain[step], rel=2e-2), step
+    records = [json.loads(line) for line in (tmp_path / "graphs" / "metrics.jsonl").read_text().splitlines()]
+    busy = [r["gpu_busy_pct"] for r in records if "gpu_busy_pct" in r]
+    if importlib.util.find_spec("pynvml") is not None:  # the first log's window holds the compilation at least
+        assert busy and all(0 <= b <= 100 for b in busy)
 
 
 def test_samples_are_skipped_when_the_model_will_be_sharded(monkeypatch):

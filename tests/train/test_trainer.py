@@ -112,3 +112,33 @@ def test_clipping_uses_the_trainable_parameters_once_collected(tokenizer, tmp_pa
     assert float(t._clip_grad_norm(t.model)) == pytest.approx(float(expected), rel=1e-6)
     monkeypatch.setattr(type(t.model), "parameters", lambda *a, **k: pytest.fail("parameters walked again"))
     t._clip_grad_norm(t.model)
+
+
+def test_cuda_graphs_accumulate_into_gradients_that_exist_before_backward(tokenizer, tmp_path):
+    """--cuda-graphs with gradient accumulation: each trainable parameter has its gradient before
+    the backward (none for frozen ones), and two micro-batches sum into it in place."""
+    t = trainer(tokenizer, tmp_path, rows(tokenizer, 4, random.Random()), "no")
+    t.cuda_graphs = True
+    t.args.gradient_accumulation_steps = 2
+    frozen = t.model.model.embed_tokens.weight.requires_grad_(False)
+    batch = Collator(tokenizer.pad_token_id)([{"input_ids": [7, 8, 9, 10], "labels": [7, 8, 9, 10]}] * 3)
+    seen = {}
+
+    def before_backward(module, args):
+        seen.update({name: p.grad for name, p in t.model.named_parameters()})
+
+    handle = t.model.register_forward_pre_hook(before_backward)
+    t.training_step(t.model, dict(batch))
+    handle.remove()
+    assert frozen.grad is None and seen["model.embed_tokens.weight"] is None
+    trainable = {name: p for name, p in t.model.named_parameters() if p.requires_grad}
+    assert all(seen[name] is not None and p.grad is seen[name] for name, p in trainable.items())  # kept, in place
+    once = {name: p.grad.clone() for name, p in trainable.items()}
+    t.training_step(t.model, dict(batch))
+    for name, p in trainable.items():
+        torch.testing.assert_close(p.grad, 2 * once[name])
+    t.model.zero_grad()  # as the Trainer does after each optimizer step: the next step starts from zero
+    t.training_step(t.model, dict(batch))
+    for name, p in trainable.items():
+        assert p.grad is seen[name]
+        torch.testing.assert_close(p.grad, once[name])

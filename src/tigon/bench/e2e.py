@@ -14,7 +14,13 @@ at the cadence of the HF Trainer between logging steps: each step's loss is read
 backward, so the next step's forward is issued while the GPU runs the optimizer
 (``--sync-steps``: none of that overlap, each step timed alone). Peak is
 ``torch.cuda.max_memory_allocated()`` over the whole run from building the model on, in GiB
-(weights, gradients and optimizer state included, as in TARGETS.md).
+(weights, gradients and optimizer state included, as in TARGETS.md). GPU busy is the mean NVML
+utilisation over the timed steps (`tigon.timing.BusyMeter`; absent without pynvml).
+
+``tigon+graphs`` is the patched model under ``torch.compile(mode="reduce-overhead")``, which
+records each step's forward and backward as CUDA graphs and replays them (``tigon sft
+--cuda-graphs``): at batch 1 × 1024 tokens (``tigon bench --e2e 1x1024``) the host, not the GPU,
+sets the step time of the plain runs.
 
 ``tigon bench --e2e`` runs the defaults; ``python -m tigon.bench.e2e --help`` lists the knobs
 (long-context runs: ``--modes lora --batch 1 --seq 65536 --checkpointing``).
@@ -34,10 +40,12 @@ import torch
 
 import tigon
 from tigon.bench.harness import environment
+from tigon.timing import BusyMeter
 
 MODES = ("full", "lora")
-# "tigon+compile" is the patched model under torch.compile.
-IMPLS = ("eager", "tigon", "compile", "tigon+compile")
+# "tigon+compile" is the patched model under torch.compile, "tigon+graphs" under its CUDA-graph mode.
+IMPLS = ("eager", "tigon", "compile", "tigon+compile", "tigon+graphs")
+COMPILE_MODES = {"compile": None, "tigon+compile": None, "tigon+graphs": "reduce-overhead"}
 LLAMA_1B = dict(
     hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
     num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0,
@@ -49,18 +57,19 @@ def build_model(
     mode: str, seq: int, device: torch.device, *, shape: dict, lora_rank: int, checkpointing: bool, seed: int = 0
 ):
     """A Llama of `shape` on `device`, in bf16, random weights from `seed`."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import LlamaConfig
+
+    from tigon.train.tiny import random_model
 
     config = LlamaConfig(**shape, max_position_embeddings=max(seq, 8192), use_cache=False)
     config._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = random_model(config, seed, device=device, dtype=torch.bfloat16)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if mode == "lora":
         from peft import LoraConfig, get_peft_model
 
+        torch.manual_seed(seed)  # the adapters' initialisation, the same for every implementation
         model = get_peft_model(
             model,
             LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, target_modules=list(LORA_TARGETS)),
@@ -99,9 +108,11 @@ def timed_steps(
     steps: int,
     *,
     sync_steps: bool = False,
+    busy: BusyMeter | None = None,
 ) -> tuple[list[float], list[float]]:
     """`warmup + steps` AdamW steps of `step_model` on random tokens (the same tokens for every
-    case); returns the seconds of the timed steps and the loss of every step.
+    case); returns the seconds of the timed steps and the loss of every step. `busy`, if given,
+    is read at the first timed step, so its window holds the timed steps only.
 
     Each step's loss is read after its backward, where the Hugging Face Trainer reads it (its
     per-step NaN/inf check; between logging steps it reads nothing else): the host waits there for
@@ -123,6 +134,9 @@ def timed_steps(
         if sync_steps:
             _sync(device)
             last_read = time.perf_counter()
+        if busy is not None and i == warmup:
+            busy.window()
+        torch.compiler.cudagraph_mark_step_begin()  # under CUDA-graph replay: the last step's outputs are read
         loss = step_model(input_ids=ids, labels=ids).loss
         loss.backward()
         losses.append(loss.item())
@@ -146,13 +160,23 @@ def measure_training(
     """:func:`timed_steps` in train mode; tokens/s, median step ms, peak GiB (CUDA) and losses."""
     device = next(model.parameters()).device
     model.train()
-    times, losses = timed_steps(model, step_model, vocab, batch, seq, warmup, steps, sync_steps=sync_steps)
-    return dict(
+    busy = BusyMeter()
+    sampling = device.type == "cuda" and busy.start()
+    try:
+        times, losses = timed_steps(model, step_model, vocab, batch, seq, warmup, steps, sync_steps=sync_steps,
+                                    busy=busy if sampling else None)
+    finally:
+        busy.stop()
+    record = dict(
         tokens_per_s=batch * seq * len(times) / sum(times),
         step_ms=1e3 * statistics.median(times),
         peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan"),
         losses=losses,
     )
+    window = busy.window() if sampling else None
+    if window is not None:
+        record["gpu_busy_pct"] = round(window, 1)
+    return record
 
 
 def run_case(
@@ -179,7 +203,7 @@ def run_case(
         if impl.startswith("tigon"):
             record["applied"] = str(tigon.patch(model))
             log(record["applied"])
-        step_model = torch.compile(model) if impl.endswith("compile") else model
+        step_model = torch.compile(model, mode=COMPILE_MODES[impl]) if impl in COMPILE_MODES else model
         record.update(measure_training(model, step_model, shape["vocab_size"], batch, seq, warmup, steps, sync_steps))
     except Exception as err:  # one failing case must not hide the others' numbers
         record["error"] = f"{type(err).__name__}: {err}"
@@ -204,7 +228,7 @@ def compare(records: list[dict[str, Any]]) -> None:
 
 def format_table(records: list[dict[str, Any]]) -> str:
     lines = [f"{'mode':<6}{'impl':<15}{'tok/s':>10}{'step ms':>9}{'peak GiB':>10}{'speed-up':>10}"
-             f"{'peak/eager':>11}{'first loss':>11}{'max |dloss|':>12}"]
+             f"{'peak/eager':>11}{'first loss':>11}{'max |dloss|':>12}{'GPU busy':>9}"]
     for r in records:
         if "error" in r:
             lines.append(f"{r['mode']:<6}{r['impl']:<15}  {r['error']}")
@@ -213,6 +237,7 @@ def format_table(records: list[dict[str, Any]]) -> str:
             f"{r['mode']:<6}{r['impl']:<15}{r['tokens_per_s']:>10.0f}{r['step_ms']:>9.1f}{r['peak_gib']:>10.2f}"
             f"{r.get('vs_eager_speed', float('nan')):>9.2f}x{r.get('vs_eager_peak', float('nan')):>11.2f}"
             f"{r['losses'][0]:>11.4f}{r.get('max_loss_diff', float('nan')):>12.4f}"
+            + (f"{r['gpu_busy_pct']:>8.0f}%" if "gpu_busy_pct" in r else f"{'-':>9}")
         )
     return "\n".join(lines)
 

@@ -45,17 +45,18 @@ def build_moe_model(mode: str, impl: str, seq: int, device: torch.device, *, sha
                     lora_rank: int, dtype: torch.dtype, seed: int = 0):
     """The Qwen3-MoE of `shape` with `layers` layers on `device`, random weights from `seed`, its
     experts on `impl` (for "tigon": patched and on tigon's experts)."""
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import Qwen3MoeConfig
+
+    from tigon.train.tiny import random_model
 
     config = Qwen3MoeConfig(**shape, num_hidden_layers=layers, max_position_embeddings=max(seq, 8192), use_cache=False)
     config._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = random_model(config, seed, device=device, dtype=dtype)
     model.set_experts_implementation(register_experts_implementation() if impl == "tigon" else impl)
     if mode == "lora":
         from peft import LoraConfig, get_peft_model
 
+        torch.manual_seed(seed)  # the adapters' initialisation, the same for every implementation
         model = get_peft_model(model, LoraConfig(
             r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, target_modules=list(LORA_TARGETS),
             target_parameters=list(LORA_PARAMETERS),

@@ -56,9 +56,9 @@ def register(op: BenchOp) -> BenchOp:
     return op
 
 
-def parse_size(text: str) -> Size:
-    """'16384x4096' -> (16384, 4096)."""
+def parse_size(text: str, option: str = "--sizes") -> Size:
+    """'16384x4096' -> (16384, 4096); `option` is named in the error."""
     try:
         return tuple(int(part) for part in text.lower().split("x"))
     except ValueError:
-        raise ValueError(f"--sizes entries look like 16384x4096, got {text!r}") from None
+        raise ValueError(f"{option} entries look like 16384x4096, got {text!r}") from None

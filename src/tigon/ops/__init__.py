@@ -1,6 +1,7 @@
 """tigon's kernel floor: fused Triton kernels, one op per file (``tigon/ops/<op>.py``: kernels,
 PyTorch reference, autograd Function, public function), and in :mod:`tigon.ops.composite` the ops
-that are cuBLAS choreography around them (LoRA, linear groups, gated MLPs). One dispatcher
+that are cuBLAS choreography around them (LoRA on plain, quantised and DoRA projections, linear
+groups, gated MLPs). One dispatcher
 (:mod:`tigon.ops._dispatch`) decides for every op where it runs. Imports torch and triton only.
 
 The public functions are in :mod:`tigon.functional`; this package exports what the layers above
@@ -21,6 +22,8 @@ from tigon.ops import linear_preference as _linear_preference  # noqa: F401
 from tigon.ops import linear_policy as _linear_policy  # noqa: F401
 from tigon.ops import linear_distill as _linear_distill  # noqa: F401
 from tigon.ops.composite import linear_group as _linear_group  # noqa: F401
+from tigon.ops import dequantize as _dequantize  # noqa: F401
+from tigon.ops import dora as _dora  # noqa: F401
 from tigon.ops.composite import lora as _lora  # noqa: F401
 from tigon.ops.composite import lora_mlp as _lora_mlp  # noqa: F401
 from tigon.ops.composite import norm_mlp as _norm_mlp  # noqa: F401
@@ -40,6 +43,8 @@ from tigon.ops.composite.lora import LoraProjection, lora_linear_group_reference
 from tigon.ops.composite.lora_mlp import lora_gated_mlp_reference
 from tigon.ops.composite.norm_mlp import add_rms_norm_glu_mlp_reference
 from tigon.ops.cross_entropy import LossOptions, check_loss_options, cross_entropy_reference
+from tigon.ops.dequantize import QuantizedWeight, dequantize_reference
+from tigon.ops.dora import dora_norm_reference, dora_scale_reference
 from tigon.ops.glu import geglu_reference, swiglu_reference
 from tigon.ops.layer_norm import layer_norm_reference
 from tigon.ops.linear_cross_entropy import linear_cross_entropy_reference
@@ -47,9 +52,10 @@ from tigon.ops.rms_norm import NormedInput, add_rms_norm_reference, rms_norm_ref
 from tigon.ops.rope import rope_reference
 
 __all__ = [
-    "INTERPRET", "LoraProjection", "LossOptions", "NormedInput", "autocast_dtype", "check_loss_options",
+    "INTERPRET", "LoraProjection", "LossOptions", "NormedInput", "QuantizedWeight", "autocast_dtype", "check_loss_options",
     "disabled", "op_names", "placement", "reset", "why_not_triton",
-    "add_rms_norm_glu_mlp_reference", "add_rms_norm_reference", "cross_entropy_reference", "geglu_reference",
+    "add_rms_norm_glu_mlp_reference", "add_rms_norm_reference", "cross_entropy_reference", "dequantize_reference",
+    "dora_norm_reference", "dora_scale_reference", "geglu_reference",
     "glu_mlp_reference", "layer_norm_reference", "linear_cross_entropy_reference", "linear_group_reference",
     "lora_gated_mlp_reference", "lora_linear_group_reference", "lora_linear_reference", "rms_norm_reference",
     "rope_reference", "swiglu_reference",

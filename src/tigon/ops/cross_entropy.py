@@ -36,7 +36,7 @@ import torch
 
 from tigon.ops._checks import check_choice, check_device, check_float, rows_view
 from tigon.ops._dispatch import Op, backward_fallback, debug_enabled, library_op, tl, triton
-from tigon.ops._launch import next_power_of_2
+from tigon.ops._launch import launched, next_power_of_2
 
 REDUCTIONS = ("mean", "sum", "none")
 TARGET_DTYPES = (torch.int64, torch.int32)
@@ -87,6 +87,7 @@ def _ce_row_grad(
         tl.store(grad_ptr + offs, tl.where(valid, g, 0.0).to(grad_ptr.dtype.element_ty), mask=in_row)
 
 
+@launched
 @triton.jit
 def _ce_fwd_kernel(
     logits_ptr, target_ptr, loss_ptr, lse_ptr, grad_ptr, scale_ptr,
@@ -147,6 +148,7 @@ def _ce_fwd_kernel(
         )
 
 
+@launched
 @triton.jit
 def _ce_bwd_kernel(
     logits_ptr, target_ptr, lse_ptr, grad_ptr, scale_ptr,

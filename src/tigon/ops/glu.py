@@ -16,7 +16,7 @@ import torch.nn.functional as torch_f
 
 from tigon.ops._checks import check_choice, check_device, check_float, rows_view
 from tigon.ops._dispatch import Op, backward_fallback, library_op, tl, triton
-from tigon.ops._launch import cdiv
+from tigon.ops._launch import cdiv, launched
 
 # "gelu_tanh" is gelu(approximate="tanh") (Gemma's gelu_pytorch_tanh), "gelu" the exact erf form.
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
@@ -66,6 +66,7 @@ def _program_block(n_cols, n_col_blocks, BLOCK: tl.constexpr):
     return pid // n_col_blocks, cols, cols < n_cols
 
 
+@launched
 @triton.jit
 def _glu_fwd_kernel(
     gate_ptr, up_ptr, out_ptr,
@@ -80,6 +81,7 @@ def _glu_fwd_kernel(
     tl.store(out_ptr + row * out_row_stride + cols, _activation(gate, ACTIVATION) * up, mask=mask)
 
 
+@launched
 @triton.jit
 def _glu_bwd_kernel(
     grad_out_ptr, gate_ptr, up_ptr, grad_gate_ptr, grad_up_ptr, product_ptr,

@@ -3,7 +3,9 @@
     layer_norm(x, w, b) = (x - mean(x)) / sqrt(var(x) + eps) * w + b
 
 Computed in fp32 and rounded once to the input dtype, as torch's CUDA LayerNorm does. Forward saves
-the input and one fp32 mean and rstd per row; backward recomputes the normalised row.
+the input and one fp32 mean and rstd per row; backward recomputes the normalised row. A row whose
+variance is not finite (a NaN or +-inf in it, or a variance past fp32's range) is a NaN row, and so
+are its gradients.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ import torch
 
 from tigon.ops._checks import KERNEL_DTYPES, check_eps, check_float, check_vector, rows_view
 from tigon.ops._dispatch import Op, backward_fallback, empty_if, library_op, tl, triton
-from tigon.ops._launch import cdiv, persistent_programs, row_block_config
+from tigon.ops._launch import cdiv, launched, persistent_programs, row_block_config
 
 MAX_KERNEL_COLS = 65536  # a whole row lives in registers; wider rows run the reference
 
 
+@launched
 @triton.jit
 def _layer_norm_fwd_kernel(
     x_ptr, weight_ptr, bias_ptr, out_ptr, mean_ptr, rstd_ptr,
@@ -35,7 +38,10 @@ def _layer_norm_fwd_kernel(
     x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     mean = tl.sum(x, axis=1) / n_cols
     centered = tl.where(mask, x - mean[:, None], 0.0)
-    rstd = tl.rsqrt(tl.sum(centered * centered, axis=1) / n_cols + eps)
+    # NaN for the whole row (and its gradients) when its variance is not finite: a NaN or inf in
+    # the row already makes it NaN; one past fp32's range would give rstd = 0 and the bare bias.
+    var = tl.sum(centered * centered, axis=1) / n_cols
+    rstd = tl.where(var < float("inf"), tl.rsqrt(var + eps), float("nan"))
     tl.store(mean_ptr + rows, mean, mask=row_mask)
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
@@ -47,6 +53,7 @@ def _layer_norm_fwd_kernel(
     tl.store(out_ptr + rows[:, None] * out_row_stride + cols[None, :], out, mask=mask)
 
 
+@launched
 @triton.jit
 def _layer_norm_bwd_kernel(
     grad_out_ptr, x_ptr, weight_ptr, mean_ptr, rstd_ptr, grad_x_ptr,
@@ -99,10 +106,16 @@ def _layer_norm_bwd_kernel(
 def layer_norm_reference(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float = 1e-5
 ) -> torch.Tensor:
-    """LayerNorm in PyTorch, computed in fp32 and rounded once: the test oracle and the fallback."""
+    """LayerNorm in PyTorch, computed in fp32 and rounded once: the test oracle and the fallback.
+    A row whose variance is not finite is a NaN row, forward and backward, as in the kernel."""
     compute = torch.promote_types(x.dtype, torch.float32)
+    x_up = x.to(compute)
+    # torch's layer_norm gives such a row NaN when it holds a NaN or inf, but 0 (the bare bias)
+    # when its variance overflows; a NaN factor on the row makes it NaN on every device.
+    variance = x_up.detach().var(-1, correction=0, keepdim=True)
+    x_up = x_up * torch.where(torch.isfinite(variance), 1.0, float("nan"))
     return torch.nn.functional.layer_norm(
-        x.to(compute),
+        x_up,
         (x.shape[-1],),
         weight.to(compute) if weight is not None else None,
         bias.to(compute) if bias is not None else None,

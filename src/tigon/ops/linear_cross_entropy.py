@@ -36,7 +36,7 @@ import torch
 
 from tigon.ops._checks import check_device, check_float, check_vector, rows_view
 from tigon.ops._dispatch import Op, backward_fallback, debug_enabled, empty_if, library_op, tl, triton
-from tigon.ops._launch import cdiv, multiprocessor_count
+from tigon.ops._launch import cdiv, launched, multiprocessor_count
 from tigon.ops.cross_entropy import (
     LossOptions,
     check_loss_options,
@@ -56,6 +56,7 @@ CHUNK_ROW_MULTIPLE = 64  # whole GEMM tiles along the chunk's rows
 SCALE_BLOCK = 4096
 
 
+@launched
 @triton.jit
 def _scale_in_place_kernel(x_ptr, scale_ptr, n_elements, BLOCK: tl.constexpr):
     # grad_output is read on the device: when it is 1 every program returns at once, with no host

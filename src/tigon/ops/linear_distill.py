@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from tigon.ops._checks import KERNEL_DTYPES, check_choice, check_device, rows_view
 from tigon.ops._dispatch import Op, backward_fallback, library_op, tl, triton
-from tigon.ops._launch import next_power_of_2
+from tigon.ops._launch import launched, next_power_of_2
 from tigon.ops.cross_entropy import check_target
 from tigon.ops.linear_cross_entropy import chunk_rows
 from tigon.ops.linear_log_probs import (
@@ -70,6 +70,7 @@ DEFAULT_MAX_CHUNK_BYTES = 251 * 2**20
 MAX_BLOCK, ELEMENTS_PER_THREAD = 4096, 8
 
 
+@launched
 @triton.jit
 def _distill_rows_kernel(
     student_ptr, teacher_ptr, target_ptr, divergence_ptr, nll_ptr, scale_ptr,

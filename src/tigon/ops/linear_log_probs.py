@@ -36,6 +36,7 @@ import torch
 
 from tigon.ops._checks import check_device, check_float, check_vector, rows_view
 from tigon.ops._dispatch import Op, backward_fallback, empty_if, library_op, tl, triton
+from tigon.ops._launch import launched
 from tigon.ops.cross_entropy import check_target, vocab_block_config
 from tigon.ops.linear_cross_entropy import _scale_in_place, chunk_rows
 
@@ -45,6 +46,7 @@ from tigon.ops.linear_cross_entropy import _scale_in_place, chunk_rows
 DEFAULT_MAX_CHUNK_BYTES = 224 * 2**20
 
 
+@launched
 @triton.jit
 def _log_prob_stats_kernel(
     logits_ptr, target_ptr, logp_ptr, lse_ptr, entropy_ptr, stats_ptr,
@@ -112,6 +114,7 @@ def _log_prob_stats_kernel(
                  tl.where(valid, tl.log(square_sum) - 2.0 * tl.log(sum_exp), 0.0))
 
 
+@launched
 @triton.jit
 def _log_prob_grad_kernel(
     logits_ptr, grad_ptr, target_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,

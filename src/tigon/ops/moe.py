@@ -56,7 +56,7 @@ import torch.nn.functional as torch_f
 
 from tigon.ops._checks import KERNEL_DTYPES, check_choice, check_device, check_float
 from tigon.ops._dispatch import Op, autocast_dtype, backward_fallback, empty_if, library_op, tl, triton
-from tigon.ops._launch import cdiv, next_power_of_2, row_block_config
+from tigon.ops._launch import cdiv, launched, next_power_of_2, row_block_config
 from tigon.ops.glu import ACTIVATIONS, _activation, _activation_grad, _activation_reference
 
 GEMMS = ("auto", "triton", "grouped_mm", "hybrid")
@@ -64,9 +64,6 @@ GEMMS = ("auto", "triton", "grouped_mm", "hybrid")
 # torch._grouped_mm has its CUTLASS kernels): the back end that measured fastest in
 # `tigon bench --ops moe_gemm_triton moe_gemm_grouped_mm moe_gemm_hybrid` (BENCHMARKS.md).
 PREFERRED_GEMM = "grouped_mm"
-
-# Epilogues of the row-grouped GEMM kernel.
-PLAIN, GATE_UP, DOWN_BACKWARD = 0, 1, 2
 
 _grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -127,6 +124,7 @@ def _gate_columns(cols, inter, INTERLEAVED: tl.constexpr):
     return first, second
 
 
+@launched
 @triton.jit
 def _gmm_rows_kernel(
     a_ptr, a_rows_ptr, b_ptr, a2_ptr, b2_ptr, out_ptr, gu_ptr, bias_ptr,
@@ -143,8 +141,10 @@ def _gmm_rows_kernel(
     """One (row tile, column tile) of ``out[r] = scale · a[src(r)] · b[e]ᵀ (+ lora_scale · a2[r] · b2[e]ᵀ)``
     over the rows r of expert e, src(r) = a_rows[r] when gathering; b is (E, N, K) by strides.
 
-    GATE_UP: N is I; the tile computes both halves (b's gate and up rows), adds the bias, stores
-    both rounded pre-activations to gu and the gated activation to out. DOWN_BACKWARD: the tile is
+    EPILOGUE is "plain" (store out), "gate_up" or "down_backward": strings, as ACTIVATION is, since
+    compiled code may read a module-level name only when it is a tl.constexpr.
+    "gate_up": N is I; the tile computes both halves (b's gate and up rows), adds the bias, stores
+    both rounded pre-activations to gu and the gated activation to out. "down_backward": the tile is
     g = dy_perm · W2[e]; with w the row's routing weight, it stores d(gate|up) of ``w g`` over gu,
     ``w h`` to out and ``Σ g h`` over its columns to partial[column tile, r].
     """
@@ -165,7 +165,7 @@ def _gmm_rows_kernel(
     col_mask = cols < n_cols
     gate_cols, up_cols = _gate_columns(cols, inter, INTERLEAVED)
     b_cols = cols  # b's rows this tile reads: the gate half's, with the up half's second
-    if EPILOGUE == GATE_UP:
+    if EPILOGUE == "gate_up":
         b_cols = gate_cols
     expert = expert.to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
@@ -181,7 +181,7 @@ def _gmm_rows_kernel(
         b_mask = k_mask[:, None] & col_mask[None, :]
         b = tl.load(b_base + b_cols[None, :] * stride_bn + ks[:, None] * stride_bk, mask=b_mask, other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        if EPILOGUE == GATE_UP:
+        if EPILOGUE == "gate_up":
             b = tl.load(b_base + up_cols[None, :] * stride_bn + ks[:, None] * stride_bk, mask=b_mask, other=0.0)
             acc_up = tl.dot(a, b, acc_up, input_precision=PRECISION)
     acc = acc * scale
@@ -198,7 +198,7 @@ def _gmm_rows_kernel(
             b_mask = k_mask[:, None] & col_mask[None, :]
             b = tl.load(b2_base + b_cols[None, :] * stride_b2n + ks[:, None] * stride_b2k, mask=b_mask, other=0.0)
             lora = tl.dot(a, b, lora, input_precision=PRECISION)
-            if EPILOGUE == GATE_UP:
+            if EPILOGUE == "gate_up":
                 b = tl.load(b2_base + up_cols[None, :] * stride_b2n + ks[:, None] * stride_b2k, mask=b_mask, other=0.0)
                 lora_up = tl.dot(a, b, lora_up, input_precision=PRECISION)
         acc += lora_scale * lora
@@ -207,12 +207,12 @@ def _gmm_rows_kernel(
     mask = row_mask[:, None] & col_mask[None, :]
     out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
     dtype = out_ptr.dtype.element_ty
-    if EPILOGUE == PLAIN:
+    if EPILOGUE == "plain":
         tl.store(out_ptrs, acc.to(dtype), mask=mask)
     else:
         gate_ptrs = gu_ptr + rows[:, None] * stride_gum + gate_cols[None, :]
         up_ptrs = gu_ptr + rows[:, None] * stride_gum + up_cols[None, :]
-        if EPILOGUE == GATE_UP:
+        if EPILOGUE == "gate_up":
             if HAS_BIAS:
                 bias = bias_ptr + expert * stride_bias_e
                 acc += tl.load(bias + gate_cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -236,6 +236,7 @@ def _gmm_rows_kernel(
             tl.store(partial_ptr + pid_n.to(tl.int64) * n_rows + rows, tl.sum(tl.where(mask, acc * h, 0.0), axis=1), mask=row_mask)
 
 
+@launched
 @triton.jit
 def _gmm_weights_kernel(
     a_ptr, a_rows_ptr, b_ptr, b_rows_ptr, out_ptr, offsets_ptr,
@@ -277,6 +278,7 @@ def _gmm_weights_kernel(
              (acc * scale).to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@launched
 @triton.jit
 def _gate_fwd_kernel(
     gu_ptr, h_ptr, bias_ptr, experts_ptr, offsets_ptr,
@@ -306,6 +308,7 @@ def _gate_fwd_kernel(
     tl.store(h_ptr + rows[:, None] * stride_h + cols[None, :], h, mask=mask)
 
 
+@launched
 @triton.jit
 def _gate_bwd_kernel(
     g_ptr, gu_ptr, weights_ptr, order_ptr, offsets_ptr, partial_ptr,
@@ -338,6 +341,7 @@ def _gate_bwd_kernel(
     tl.store(partial_ptr + rows, tl.sum(total, axis=1), mask=row_mask)
 
 
+@launched
 @triton.jit
 def _combine_kernel(
     src_ptr, pos_ptr, index_ptr, weights_ptr, bias_ptr, out_ptr,
@@ -365,6 +369,7 @@ def _combine_kernel(
     tl.store(out_ptr + tokens[:, None] * stride_out + cols[None, :], acc, mask=mask)
 
 
+@launched
 @triton.jit
 def _segment_sum_kernel(
     src_ptr, rows_ptr, weights_ptr, order_ptr, offsets_ptr, out_ptr,
@@ -507,14 +512,14 @@ def _block_k(k_dim: int, dtype: torch.dtype) -> int:
     return min(64 if dtype.itemsize <= 2 else 32, max(16, next_power_of_2(k_dim)))
 
 
-def _rows_config(n_cols: int, k_dim: int, epilogue: int, dtype: torch.dtype,
+def _rows_config(n_cols: int, k_dim: int, epilogue: str, dtype: torch.dtype,
                  device: torch.device) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the row-grouped GEMM; BLOCK_M is the routing's."""
     if device.type != "cuda":  # the interpreter: few, large programs
         return 64, 64, 4, 1
     # The gated epilogues hold two tiles of the accumulator's size (the up half's accumulator, or
     # the loaded gate and up): half as many columns per tile keeps them in registers.
-    widest = 128 if epilogue == PLAIN else 64
+    widest = 128 if epilogue == "plain" else 64
     return min(widest, max(16, next_power_of_2(n_cols))), _block_k(k_dim, dtype), 8, 3
 
 
@@ -550,12 +555,12 @@ class _Lora(NamedTuple):
     scale: float
 
 
-def _triton_rows(a, b, routing, *, gather, lora=None, scale=1.0, epilogue=PLAIN, gu=None, bias=None,
+def _triton_rows(a, b, routing, *, gather, lora=None, scale=1.0, epilogue="plain", gu=None, bias=None,
                  partial=None, options=GateOptions()):
     """`out` (S, N) of the row-grouped GEMM kernel (see its docstring); b is (E, N, K) by strides,
     N = I for the gated epilogues."""
     n_rows = routing.order.numel()
-    n_cols = b.shape[1] if epilogue == PLAIN else gu.shape[1] // 2
+    n_cols = b.shape[1] if epilogue == "plain" else gu.shape[1] // 2
     k_dim = b.shape[2]
     out = torch.empty((n_rows, n_cols), dtype=a.dtype, device=a.device)
     block_n, block_k, warps, stages = _rows_config(n_cols, k_dim, epilogue, a.dtype, a.device)
@@ -639,16 +644,16 @@ class _TritonGemms:
     def gate_up(self, x, weight, bias, lora, routing, options):
         """(gu, h): the (S, 2I) pre-activations and the (S, I) gated activation."""
         gu = torch.empty((routing.order.numel(), weight.shape[1]), dtype=x.dtype, device=x.device)
-        h = _triton_rows(x, weight, routing, gather=self.gathers_in_gemm, lora=lora, epilogue=GATE_UP,
+        h = _triton_rows(x, weight, routing, gather=self.gathers_in_gemm, lora=lora, epilogue="gate_up",
                          gu=gu, bias=bias, options=options)
         return gu, h
 
     def down_backward(self, dy, weight_t, lora, gu, routing, options):
         """(w h, Σ g h per row) for g = dy_perm W2[e] (+ LoRA); d(gate|up) overwrites gu."""
         n_cols = gu.shape[1] // 2
-        block_n = _rows_config(n_cols, weight_t.shape[2], DOWN_BACKWARD, gu.dtype, gu.device)[0]
+        block_n = _rows_config(n_cols, weight_t.shape[2], "down_backward", gu.dtype, gu.device)[0]
         partial = torch.empty((cdiv(n_cols, block_n), gu.shape[0]), dtype=torch.float32, device=gu.device)
-        wh = _triton_rows(dy, weight_t, routing, gather=self.gathers_in_gemm, lora=lora, epilogue=DOWN_BACKWARD,
+        wh = _triton_rows(dy, weight_t, routing, gather=self.gathers_in_gemm, lora=lora, epilogue="down_backward",
                           gu=gu, partial=partial, options=options)
         return wh, partial.sum(0)
 
@@ -911,9 +916,16 @@ def _forward_fake(hidden, top_k_index, top_k_weights, w1, w2, b1, b2, a1, l1, a2
 def _forward_op(hidden, top_k_index, top_k_weights, w1, w2, b1, b2, a1, l1, a2, l2, *config):
     """(out, gu, xa, ha, order, token, pos, offsets, ends32, tile_expert, tile_row), empty where
     absent; the adapters in hidden's dtype, dense."""
-    out, gu, xa, ha, routing = _forward(hidden, top_k_index, top_k_weights, w1, w2, b1, b2, a1, l1, a2, l2,
-                                        _config_of(*config))
+    config = _config_of(*config)
+    w1, w2 = _op_weights(config, w1, w2)
+    out, gu, xa, ha, routing = _forward(hidden, top_k_index, top_k_weights, w1, w2, b1, b2, a1, l1, a2, l2, config)
     return tuple(hidden.new_empty(0) if t is None else t for t in (out, gu, xa, ha, *routing[2:-1]))
+
+
+def _op_weights(config: _Config, w1: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The expert weights a library op's GEMMs take: torch's grouped GEMM was chosen while tracing,
+    blind to their addresses (:func:`_misaligned`), so a misaligned one is copied here."""
+    return (_aligned(w1), _aligned(w2)) if _GEMMS[config.gemm].torch_gemm else (w1, w2)
 
 
 # The gradients the backward op returns: of hidden, top_k_weights and the weights, in input order.
@@ -945,6 +957,7 @@ def _backward_op(grad_out, hidden, top_k_index, top_k_weights, w1, w2, b1, b2, a
                  order, token, pos, offsets, ends32, tile_expert, tile_row, *config_and_needs):
     *config, needs = config_and_needs
     config = _config_of(*config)
+    w1, w2 = _op_weights(config, w1, w2)
     block_m = _routing_block_m(config.gemm, hidden.device)
     routing = _Routing(top_k_index.reshape(-1), top_k_weights.reshape(-1), order, token, pos, offsets, ends32,
                        tile_expert, tile_row, block_m or 0)
@@ -1083,9 +1096,24 @@ def _torch_gemm_reason(hidden: torch.Tensor, widths, weights) -> str | None:
     per_16_bytes = 16 // hidden.element_size()
     if any(width % per_16_bytes for width in widths):
         return f"hidden, intermediate and LoRA widths {sorted(set(widths))} must be multiples of {per_16_bytes}"
-    if any(w.data_ptr() % 16 or any(s != 1 and s % per_16_bytes for s in w.stride()) for w in weights):
+    if any(_misaligned(w) or any(s != 1 and s % per_16_bytes for s in w.stride()) for w in weights):
         return "an expert weight's address or strides are not multiples of 16 bytes"
     return None
+
+
+def _misaligned(t: torch.Tensor) -> bool:
+    """Whether `t`'s first element is not 16-byte aligned, as far as can be told now. Dynamo can
+    trace neither data_ptr() nor storage_offset(): inside torch.compile the weights are taken as
+    aligned (parameters are), and the library ops copy one that is not (:func:`_aligned`)."""
+    return not torch.compiler.is_compiling() and t.data_ptr() % 16 != 0
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy of it at a fresh (aligned) address, in its layout where it is dense: what
+    torch's grouped GEMM can take when the choice of it was made while tracing."""
+    if t.data_ptr() % 16 == 0:
+        return t
+    return torch.empty_like(t, memory_format=torch.preserve_format).copy_(t)
 
 
 def _pick_gemm(gemm: str, hidden: torch.Tensor, widths, weights) -> str:
@@ -1140,8 +1168,9 @@ def moe_experts(
             expert e is ``scaling · lora_b[e] @ lora_a[e]`` in the weight's layout. Adapters may
             have another float dtype (gradients come back in it).
         gemm: ``"auto"``, ``"triton"``, ``"grouped_mm"`` or ``"hybrid"`` (see the module
-            docstring); ``"grouped_mm"``/``"hybrid"`` need widths that are multiples of 16 bytes
-            (and bfloat16 on a GPU).
+            docstring); ``"grouped_mm"``/``"hybrid"`` need widths that are multiples of 16 bytes,
+            16-byte aligned weights (bfloat16 on a GPU). Inside torch.compile, which cannot trace an
+            address, a misaligned weight is copied for them instead of refused.
 
     Weights, biases and hidden share a dtype unless autocast is on (then all are computed in the
     autocast dtype, as ``F.linear`` would). Weights that do not require grad get no

@@ -11,6 +11,10 @@
 
 Forward saves the row's input (for add_rms_norm, the sum x + r, which is an output anyway) and one
 fp32 rstd per row; backward recomputes the normalised row from them.
+
+A NaN or +-inf anywhere in a row (of x, or of x + r) makes that whole output row NaN, and its
+gradients, on every path and device (torch's own rms_norm gives NaN there on CUDA but 0 for the
+row's finite elements on the CPU). So does a row whose sum of squares overflows fp32.
 """
 
 from __future__ import annotations
@@ -21,12 +25,13 @@ import torch
 
 from tigon.ops._checks import KERNEL_DTYPES, check_choice, check_eps, check_float, check_vector, rows_view
 from tigon.ops._dispatch import Op, backward_fallback, empty_if, library_op, tl, triton
-from tigon.ops._launch import cdiv, persistent_programs, row_block_config
+from tigon.ops._launch import cdiv, launched, persistent_programs, row_block_config
 
 CASTINGS = ("llama", "gemma", "none")
 MAX_KERNEL_COLS = 65536  # a whole row lives in registers; wider rows run the reference
 
 
+@launched
 @triton.jit
 def _rms_norm_fwd_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, rstd_ptr,
@@ -53,7 +58,10 @@ def _rms_norm_fwd_kernel(
         tl.store(sum_ptr + rows[:, None] * sum_row_stride + cols[None, :], x, mask=mask)
     x = x.to(tl.float32)
 
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+    # A NaN or inf in the row (or a sum of squares past fp32's range) makes the whole row NaN, and
+    # its gradients, which backward forms from rstd: rsqrt(inf) = 0 would zero its finite elements.
+    sum_sq = tl.sum(x * x, axis=1)
+    rstd = tl.where(sum_sq < float("inf"), tl.rsqrt(sum_sq / n_cols + eps), float("nan"))
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
     weight = tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + offset
@@ -64,6 +72,7 @@ def _rms_norm_fwd_kernel(
     tl.store(out_ptr + rows[:, None] * out_row_stride + cols[None, :], out, mask=mask)
 
 
+@launched
 @triton.jit
 def _rms_norm_bwd_kernel(
     grad_out_ptr, grad_sum_ptr, x_ptr, weight_ptr, rstd_ptr, grad_x_ptr, grad_weight_partial_ptr,
@@ -114,15 +123,23 @@ def _rms_norm_bwd_kernel(
         tl.store(grad_weight_partial_ptr + pid * n_cols + cols, tl.sum(grad_weight_acc, axis=0), mask=col_mask)
 
 
+def _reference_rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``1 / sqrt(mean(x^2) + eps)`` per row, NaN where the mean square is not finite: the kernel's
+    rule, which torch's own norms follow on the GPU but not on the CPU (there an inf gives 0s)."""
+    mean_square = x.pow(2).mean(-1, keepdim=True)
+    return torch.where(torch.isfinite(mean_square), torch.rsqrt(mean_square + eps), float("nan"))
+
+
 def rms_norm_reference(
     x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0, casting: str = "llama"
 ) -> torch.Tensor:
-    """RMSNorm written the obvious way in PyTorch: the test oracle and the fallback."""
+    """RMSNorm written the obvious way in PyTorch: the test oracle and the fallback. A row holding
+    a NaN or inf gives a NaN row (and NaN gradients for it), as the kernel does."""
     if casting == "none":
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (offset + weight)
+        return x * _reference_rstd(x, eps) * (offset + weight)
     compute = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for a float64 oracle
     x_up = x.to(compute)
-    x_hat = x_up * torch.rsqrt(x_up.pow(2).mean(-1, keepdim=True) + eps)
+    x_hat = x_up * _reference_rstd(x_up, eps)
     if casting == "gemma":
         return (x_hat * (offset + weight.to(compute))).to(x.dtype)
     return (offset + weight) * x_hat.to(x.dtype)

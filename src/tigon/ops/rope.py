@@ -25,7 +25,7 @@ import torch
 
 from tigon.ops._checks import KERNEL_DTYPES, check_device, check_float
 from tigon.ops._dispatch import Op, backward_fallback, library_op, tl, triton
-from tigon.ops._launch import cdiv, next_power_of_2
+from tigon.ops._launch import cdiv, launched, next_power_of_2
 
 # Elements of one half-tile (tokens x heads x pairs) that a program loads at a time.
 TILE_ELEMENTS = 4096
@@ -75,6 +75,7 @@ def _rope_heads(
             tl.store(out_rows + cols[None, None, :], passed, mask=pass_mask)
 
 
+@launched
 @triton.jit
 def _rope_kernel(
     q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,

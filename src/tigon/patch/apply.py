@@ -173,11 +173,11 @@ def _wrap(plan: list[_Replacement], switch: str, owner: Any, wrap: Callable[...,
 
 
 def _plan(
-    family: Family, module: types.ModuleType, switches: dict[str, bool], lora_linear: type | None = None
+    family: Family, module: types.ModuleType, switches: dict[str, bool], lora_classes: tuple[type, ...] = ()
 ) -> list[_Replacement]:
     """The replacements the switches turn on for `family`, checked against `module`; with
-    `lora_linear` (PEFT's LoRA Linear, for a model holding LoRA layers and the lora switch on),
-    those of the LoRA layers too."""
+    `lora_classes` (PEFT's LoRA linear classes, for a model holding LoRA layers and the lora
+    switch on), those of the LoRA layers too."""
     missing: list[str] = []
 
     def find(name: str) -> Any:
@@ -195,7 +195,9 @@ def _plan(
     if switches["rope"] and find(family.rope.function) is not None:
         original = _original(module, family.rope.function)
         plan.append(_Replacement("rope", module, family.rope.function, forwards.rope_function(family.rope, original)))
-    lora_forward = peft_lora.linear_forward(_original(lora_linear, "forward")) if lora_linear is not None else None
+    lora_forward = (
+        peft_lora.linear_forward(tuple((cls, _original(cls, "forward")) for cls in lora_classes)) if lora_classes else None
+    )
     mlp = family.mlp
     mlp_cls = find(mlp.cls) if mlp is not None else None
     glu_ops = mlp_cls is not None and mlp.gated and switches[mlp.switch]
@@ -237,8 +239,8 @@ def _plan(
         _wrap(plan, "tiled_mlp", mlp_cls, tiled.tiled_forward)
     if switches["offload_activations"] and causal_lm is not None:
         _wrap(plan, "offload_activations", causal_lm, offload.offloaded_forward)
-    if lora_forward is not None:
-        plan.append(_Replacement("lora", lora_linear, "forward", lora_forward, foreign=True))
+    for cls in lora_classes:
+        plan.append(_Replacement("lora", cls, "forward", lora_forward, foreign=True))
     trl_utils = trl_head.loaded_module() if switches["trl_log_probs"] else None
     if trl_utils is not None:
         log_probs = trl_head.chunked_log_probs(_original(trl_utils, trl_head.NAME))
@@ -300,8 +302,8 @@ def _patch_instance(model: torch.nn.Module, switches: dict[str, bool]) -> Patche
     hf_model = _find_hf_model(model)
     model_type = hf_model.config.model_type
     family, module = _family(model_type)
-    lora_linear = peft_lora.lora_linear_in(model) if switches["lora"] else None
-    plan = _plan(family, module, switches, lora_linear)
+    lora_classes = peft_lora.lora_classes_in(model) if switches["lora"] else ()
+    plan = _plan(family, module, switches, lora_classes)
     unpatch(model)
     undo = _Undo()
     applied: dict[str, None] = {}
@@ -323,7 +325,7 @@ def _patch_instance(model: torch.nn.Module, switches: dict[str, bool]) -> Patche
         undo.run()
         raise
     _instance_patches[model] = undo
-    summary = _lora_summary(model, family, module, switches, lora_linear) if lora_linear is not None else None
+    summary = _lora_summary(model, family, module, switches, lora_classes) if lora_classes else None
     if summary is not None:
         log.info("%s", summary)
     layer_cls = getattr(module, family.layer.cls)
@@ -332,7 +334,8 @@ def _patch_instance(model: torch.nn.Module, switches: dict[str, bool]) -> Patche
 
 
 def _lora_summary(
-    model: torch.nn.Module, family: Family, module: types.ModuleType, switches: dict[str, bool], lora_linear: type
+    model: torch.nn.Module, family: Family, module: types.ModuleType, switches: dict[str, bool],
+    lora_classes: tuple[type, ...],
 ) -> peft_lora.LoraSummary:
     """What the LoRA layers of `model` run now, counting the gated MLPs and the q/k/v groups
     that would run as one LoRA op."""
@@ -345,7 +348,7 @@ def _lora_summary(
 
     mlps = candidates(family.mlp, True) if _lora_mlp(family, switches) else []
     groups = candidates(family.attention, False) if family.attention is not None else []
-    return peft_lora.summarize(model, lora_linear, mlps, groups)
+    return peft_lora.summarize(model, lora_classes, mlps, groups)
 
 
 def _link_next_norms(

@@ -2,7 +2,8 @@
 
 :func:`tigon.patch` of a PEFT model (switch ``lora``) plans, from the family table:
 
-* every ``peft.tuners.lora.layer.Linear`` runs :func:`tigon.functional.lora_linear`
+* every PEFT LoRA linear (``peft.tuners.lora.layer.Linear``, and on a bitsandbytes base
+  ``peft.tuners.lora.bnb.Linear4bit`` / ``Linear8bitLt``) runs :func:`tigon.functional.lora_linear`
   (:func:`linear_forward`);
 * the family's gated MLP, when its gate/up/down projections are such layers, runs as one
   :func:`tigon.functional.lora_gated_mlp` (:func:`tigon.patch.forwards.mlp_forward`);
@@ -11,15 +12,21 @@
   the other two hand back their parts (:func:`tigon.patch.forwards.attention_forward`).
 
 Each call checks that the fused path computes what PEFT would (:func:`active_adapter`,
-:func:`projection`): one active adapter, not merged, not disabled, no DoRA or other LoRA variant,
-no ``lora_bias``, no ``fan_in_fan_out``, dropout 0 (or the module in eval mode), a plain
-``nn.Linear`` base, no hooks that the fused path would bypass, no extra forward arguments, and
-dtypes that ``F.linear`` would accept. Anything else runs PEFT's forward, so toggling adapters,
-merging, ``disable_adapter()`` and PEFT's mixed-batch inference keep working. Parameters, the
-state dict and therefore PEFT's own ``save_pretrained`` / ``from_pretrained`` are untouched.
+:func:`projection`): one active adapter, not merged, not disabled, plain LoRA or DoRA (no other
+LoRA variant), no ``lora_bias``, no ``fan_in_fan_out``, dropout 0 (or the module in eval mode), a
+plain ``nn.Linear`` base or a bitsandbytes 4-bit / 8-bit one (:mod:`tigon.patch.quantized`), no
+hooks that the fused path would bypass, no extra forward arguments, and dtypes that PEFT's path
+would compute in. Anything else runs PEFT's forward, so toggling adapters, merging,
+``disable_adapter()`` and PEFT's mixed-batch inference keep working. Parameters, the state dict and
+therefore PEFT's own ``save_pretrained`` / ``from_pretrained`` are untouched.
 
 Adapters kept in float32 on a half-precision model (PEFT's default ``autocast_adapter_dtype``) run
 their GEMMs in the model's dtype, as they do under autocast; their gradients come back in float32.
+A 4-bit base runs in its compute dtype (`bnb_4bit_compute_dtype`), dequantised bit for bit as
+bitsandbytes does; an 8-bit base as ``x · dequant(W)ᵀ`` in x's dtype (bitsandbytes' own training
+path on a CPU; on a GPU bitsandbytes also rounds x to int8, so the fused result is the more
+precise one). DoRA's weight norm is taken in fp32 (PEFT takes it in x's dtype) and its output stays
+in x's dtype (PEFT's is float32 under autocast).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from torch import nn
 
 from tigon import functional as F
 from tigon.ops import LoraProjection, autocast_dtype
+from tigon.patch import quantized
 from tigon.patch.modules import forward_attr, has_hooks
 
 
@@ -48,12 +56,16 @@ class LoraSummary:
         left: LoRA layers left on PEFT's path, counted by reason (for the current adapter
             settings; the patched forwards re-check on every call).
         qkv_groups: attentions whose q/k/v linears run as one op.
+        quantized: of the fused linears, those on a bitsandbytes base, by kind (nf4, fp4, int8).
+        dora: of the fused linears, the DoRA ones.
     """
 
     linears: int
     gated_mlps: int
     left: dict[str, int] = field(default_factory=dict)
     qkv_groups: int = 0
+    quantized: dict[str, int] = field(default_factory=dict)
+    dora: int = 0
 
     def __str__(self) -> str:
         total = self.linears + sum(self.left.values())
@@ -62,20 +74,43 @@ class LoraSummary:
             f"({3 * self.gated_mlps} of them as {self.gated_mlps} gated MLPs"
             + (f", {3 * self.qkv_groups} as {self.qkv_groups} q/k/v groups)" if self.qkv_groups else ")")
         )
+        kinds = [f"{n} on {kind} bases" for kind, n in sorted(self.quantized.items())]
+        if kinds or self.dora:
+            line += "; " + ", ".join(kinds + ([f"{self.dora} DoRA"] if self.dora else []))
         if self.left:
             reasons = ", ".join(f"{reason}: {n}" for reason, n in sorted(self.left.items()))
             line += f"; left on PEFT's path: {reasons}"
         return line
 
 
-def lora_linear_in(model: nn.Module) -> type | None:
-    """PEFT's LoRA ``Linear`` class when `model` holds any PEFT LoRA layer, else None."""
-    if "peft" not in sys.modules:  # nothing can hold a PEFT layer without PEFT imported
-        return None
-    from peft.tuners.lora import LoraLayer
+def _linear_classes() -> tuple[type, ...]:
+    """PEFT's LoRA linear classes: ``Linear``, and the bitsandbytes ones where bitsandbytes is
+    imported (PEFT defines them only then)."""
     from peft.tuners.lora.layer import Linear
 
-    return Linear if any(isinstance(module, LoraLayer) for module in model.modules()) else None
+    bnb = sys.modules.get("peft.tuners.lora.bnb") if "bitsandbytes" in sys.modules else None
+    extra = tuple(getattr(bnb, name) for name in ("Linear4bit", "Linear8bitLt") if hasattr(bnb, name))
+    return (Linear, *extra)
+
+
+def lora_classes_in(model: nn.Module) -> tuple[type, ...]:
+    """PEFT's LoRA linear classes (see :func:`_linear_classes`) when `model` holds any PEFT LoRA
+    layer, else ()."""
+    if "peft" not in sys.modules:  # nothing can hold a PEFT layer without PEFT imported
+        return ()
+    from peft.tuners.lora import LoraLayer
+
+    return _linear_classes() if any(isinstance(module, LoraLayer) for module in model.modules()) else ()
+
+
+def _is_dora(layer: nn.Module, name: str) -> bool | None:
+    """True for a DoRA adapter, False for plain LoRA, None for another LoRA variant."""
+    variant = getattr(layer, "lora_variant", {}).get(name)
+    if variant is None:
+        return False if not getattr(layer, "use_dora", {}).get(name, False) else None
+    from peft.tuners.lora.variants import DoraLinearVariant
+
+    return True if type(variant) is DoraLinearVariant else None
 
 
 def _dropout_is_identity(dropout: nn.Module) -> bool:
@@ -94,8 +129,9 @@ def active_adapter(layer: nn.Module) -> tuple[str | None, str | None]:
     if len(active) != 1:
         return None, f"{len(active)} active adapters"
     name = active[0]
-    if name in getattr(layer, "lora_variant", {}) or getattr(layer, "use_dora", {}).get(name, False):
-        return None, "DoRA or another LoRA variant"
+    dora = _is_dora(layer, name)
+    if dora is None:
+        return None, "a LoRA variant other than DoRA"
     if getattr(layer, "lora_bias", {}).get(name, False):
         return None, "lora_bias"
     if getattr(layer, "fan_in_fan_out", False):
@@ -103,9 +139,14 @@ def active_adapter(layer: nn.Module) -> tuple[str | None, str | None]:
     if not _dropout_is_identity(layer.lora_dropout[name]):
         return None, "lora_dropout > 0 in training"
     base = layer.get_base_layer()
-    if type(base) is not nn.Linear:
+    if quantized.is_quantized_linear(base):
+        reason = quantized.why_not(base)
+        if reason is not None:
+            return None, reason
+    elif type(base) is not nn.Linear:
         return None, f"base layer is {type(base).__name__}, not nn.Linear"
-    if any(has_hooks(m) for m in (base, layer.lora_A[name], layer.lora_B[name])):
+    modules = [base, layer.lora_A[name], layer.lora_B[name]] + ([layer.lora_magnitude_vector[name]] if dora else [])
+    if any(has_hooks(m) for m in modules):
         return None, "hooks on the base or adapter modules"
     return name, None
 
@@ -121,12 +162,20 @@ def projection(layer: nn.Module, x: torch.Tensor) -> LoraProjection | None:
     base = layer.get_base_layer()
     weight, bias = base.weight, base.bias
     lora_a, lora_b = layer.lora_A[name].weight, layer.lora_B[name].weight
-    tensors = (weight, lora_a, lora_b) if bias is None else (weight, lora_a, lora_b, bias)
+    magnitude = layer.lora_magnitude_vector[name].weight if name in layer.lora_magnitude_vector else None
+    tensors = [t for t in (weight, lora_a, lora_b, bias, magnitude) if t is not None]
     if any(t.device != x.device for t in tensors):
         return None
-    if autocast_dtype(x) is None and (weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype)):
+    autocast = autocast_dtype(x) is not None
+    if quantized.is_quantized_linear(base):
+        # bitsandbytes computes a 4-bit base in its compute dtype: fused only where that is x's.
+        compute = getattr(base, "compute_dtype", None) or x.dtype
+        if not autocast and (compute != x.dtype or (bias is not None and bias.dtype != x.dtype)):
+            return None
+        weight = quantized.module_weight(base)
+    elif not autocast and (weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype)):
         return None  # F.linear would refuse it: let PEFT's path raise its own error
-    return LoraProjection(weight, lora_a, lora_b, scaling, bias)
+    return LoraProjection(weight, lora_a, lora_b, scaling, bias, magnitude)
 
 
 def runs(module: nn.Module, forward: Callable[..., Any]) -> bool:
@@ -136,14 +185,16 @@ def runs(module: nn.Module, forward: Callable[..., Any]) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def linear_forward(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """Forward for a PEFT LoRA ``Linear``: :func:`tigon.functional.lora_linear` when the layer
-    qualifies (:func:`projection`), else `original` (PEFT's)."""
+def linear_forward(originals: tuple[tuple[type, Callable[..., torch.Tensor]], ...]) -> Callable[..., torch.Tensor]:
+    """Forward for PEFT's LoRA linears, one function for every class in `originals` (pairs of
+    class and PEFT's forward for it): :func:`tigon.functional.lora_linear` when the layer
+    qualifies (:func:`projection`), else PEFT's forward of its class."""
+    by_class = dict(originals)
 
     def forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         weights = None if args or kwargs else projection(self, x)
         if weights is None:
-            return original(self, x, *args, **kwargs)
+            return by_class[type(self)](self, x, *args, **kwargs)
         return F.lora_linear(x, *weights)
 
     forward.__qualname__ = "tigon_lora_Linear.forward"
@@ -152,30 +203,34 @@ def linear_forward(original: Callable[..., torch.Tensor]) -> Callable[..., torch
 
 def summarize(
     model: nn.Module,
-    lora_linear: type,
+    classes: Sequence[type],
     gated_mlps: Iterable[Sequence[nn.Module]],
     qkv_groups: Iterable[Sequence[nn.Module]],
 ) -> LoraSummary:
-    """Count the LoRA layers of `model` that qualify now, and why the others do not; and the
-    `gated_mlps` and `qkv_groups` (each the projections that would run as one op) all of whose
-    projections are qualifying LoRA linears."""
+    """Count the LoRA layers of `model` that qualify now (of `classes`, PEFT's LoRA linears), and
+    why the others do not, those on quantised bases and the DoRA ones; and the `gated_mlps` and
+    `qkv_groups` (each the projections that would run as one op) all of whose projections are
+    qualifying LoRA linears."""
     from peft.tuners.lora import LoraLayer
 
-    linears = 0
+    linears = dora = 0
     left: Counter[str] = Counter()
+    kinds: Counter[str] = Counter()
     for module in model.modules():
-        if type(module) is lora_linear:
-            reason = active_adapter(module)[1]
-            if reason is None:
-                linears += 1
-            else:
+        if type(module) in classes:
+            name, reason = active_adapter(module)
+            if reason is not None:
                 left[reason] += 1
+                continue
+            linears += 1
+            base = module.get_base_layer()
+            if quantized.is_quantized_linear(base):
+                kinds[quantized.kind(base)] += 1
+            dora += bool(_is_dora(module, name))
         elif isinstance(module, LoraLayer):
             left[f"{type(module).__name__} layer"] += 1
 
     def qualifying(groups: Iterable[Sequence[nn.Module]]) -> int:
-        return sum(
-            all(type(p) is lora_linear and active_adapter(p)[1] is None for p in group) for group in groups
-        )
+        return sum(all(type(p) in classes and active_adapter(p)[1] is None for p in group) for group in groups)
 
-    return LoraSummary(linears, qualifying(gated_mlps), dict(left), qualifying(qkv_groups))
+    return LoraSummary(linears, qualifying(gated_mlps), dict(left), qualifying(qkv_groups), dict(kinds), dora)

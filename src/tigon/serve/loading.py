@@ -31,11 +31,12 @@ def resolve_model_path(path: str | None) -> str:
 
 def load_model_for_serving(path: str, dtype: str = "auto", base: str | None = None) -> tuple[Any, Any]:
     """(model, tokenizer) in eval mode on the GPU if there is one. A LoRA adapter is merged into
-    its base here (served models gain nothing from keeping the adapter apart)."""
+    its base here (served models gain nothing from keeping the adapter apart); a QLoRA adapter
+    into its dequantised base, as `tigon merge` does, not into weights quantised again."""
     from tigon.train import load_for_inference
     from tigon.train.modeling import peft_quiet, pick_dtype
 
-    model, tokenizer = load_for_inference(path, pick_dtype(dtype), base=base)
+    model, tokenizer = load_for_inference(path, pick_dtype(dtype), base=base, dequantize=True)
     if hasattr(model, "merge_and_unload"):
         with peft_quiet():
             model = model.merge_and_unload()

@@ -56,25 +56,29 @@ NUM_TOKENS = "num_tokens"
 
 
 class Collator:
-    """Right-pads a batch to its longest row. Unpacked rows get an attention mask when any of them
+    """Right-pads a batch to its longest row (or to `width`, for batches of one shape). Unpacked rows get an attention mask when any of them
     is padded (without one the model runs plain causal attention and skips checking an all-ones
     mask on the device, which waits for the GPU); packed rows get their padding as one more
     "sample" (positions from 0, no labels), which their block mask already keeps apart, so they
     need none. ``batch[NUM_TOKENS]`` is the batch's count of real (unpadded) tokens as a Python
     int, for counting tokens without reading the device (`tigon.train.trainer` takes it out
-    before the model sees the batch)."""
+    before the model sees the batch). With `width`, unpadded rows get their (all-ones) mask too,
+    so that every batch has the same tensors as well as the same shape."""
 
-    def __init__(self, pad_token_id: int):
+    def __init__(self, pad_token_id: int, width: int | None = None):
         self.pad_token_id = pad_token_id
+        self.width = width
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         lengths = [len(f["input_ids"]) for f in features]
-        width = max(lengths)
+        width = self.width or max(lengths)
+        if width < max(lengths):
+            raise ValueError(f"a row of {max(lengths)} tokens does not fit the collator's width {width}")
         packed = "position_ids" in features[0]
         batch: dict[str, list[list[int]]] = {"input_ids": [], "labels": []}
         if packed:
             batch["position_ids"] = []
-        elif min(lengths) < width:
+        elif min(lengths) < width or self.width:
             batch["attention_mask"] = []
         for f, n in zip(features, lengths):
             pad = width - n

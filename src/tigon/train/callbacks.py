@@ -1,5 +1,5 @@
-"""What a run shows and records: a progress bar (loss, lr, tok/s, MFU, GPU memory and
-utilisation, and any figures of the objective's own: reward margin and accuracy for `tigon
+"""What a run shows and records: a progress bar (loss, lr, tok/s, MFU, GPU memory and the
+fraction of the time the GPU was busy, and any figures of the objective's own: reward margin and accuracy for `tigon
 rlhf`), metrics.jsonl, a PNG of the loss curve (and of the reward margin) and a closing summary.
 Only the main process reports."""
 
@@ -16,17 +16,12 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from tigon.timing import BusyMeter
+
 log = logging.getLogger("tigon.train")
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
-
-
-def _gpu_utilisation() -> int | None:
-    try:
-        return int(torch.cuda.utilization())
-    except Exception:  # needs pynvml (or amdsmi); utilisation is a nicety, not a requirement
-        return None
 
 
 def _si(x: float) -> str:
@@ -126,6 +121,7 @@ class Reporter(TrainerCallback):
         self.series: dict[str, list[float]] = {key: [] for key, label in self.metrics.items() if label}
         self.rates: list[float] = []
         self.postfix = ""
+        self.busy = BusyMeter()
 
     def on_train_begin(self, args, state, control, **kwargs):
         if torch.cuda.is_available():
@@ -139,6 +135,8 @@ class Reporter(TrainerCallback):
                         dynamic_ncols=True, unit="step")
         now = (time.perf_counter(), state.num_input_tokens_seen)
         self.window = self.start = now
+        if torch.cuda.is_available():
+            self.busy.start()
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.bar is not None:
@@ -157,9 +155,9 @@ class Reporter(TrainerCallback):
             speed["mfu"] = round(rate * self.flops_per_token / self.peak_flops, 5)
         if torch.cuda.is_available():
             speed["gpu_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-            util = _gpu_utilisation()
-            if util is not None:
-                speed["gpu_util_pct"] = util
+            busy = self.busy.window()
+            if busy is not None:
+                speed["gpu_busy_pct"] = round(busy, 1)
         return speed
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -200,8 +198,8 @@ class Reporter(TrainerCallback):
             parts.append(f"MFU {100 * r['mfu']:.1f}%")
         if "gpu_mem_gib" in r:
             parts.append(f"mem {r['gpu_mem_gib']:.1f} GiB")
-        if "gpu_util_pct" in r:
-            parts.append(f"util {r['gpu_util_pct']}%")
+        if "gpu_busy_pct" in r:
+            parts.append(f"GPU busy {r['gpu_busy_pct']:.0f}%")
         self.postfix = " | ".join(parts)
         if self.bar is not None:
             self.bar.set_postfix_str(self.postfix, refresh=False)
@@ -212,11 +210,13 @@ class Reporter(TrainerCallback):
 
     def close(self) -> None:
         """End the progress bar's line, when training raised (and so never ends)."""
+        self.busy.stop()
         if self.bar is not None:
             self.bar.close()
             self.bar = None
 
     def on_train_end(self, args, state, control, **kwargs):
+        self.busy.stop()
         if self.bar is None:
             return
         self.bar.close()
@@ -235,6 +235,9 @@ class Reporter(TrainerCallback):
             lines[-1] += f", MFU {100 * rate * self.flops_per_token / self.peak_flops:.1f}%"
         if torch.cuda.is_available():
             lines[-1] += f", peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"
+        busy = self.busy.overall()
+        if busy is not None:
+            lines[-1] += f", GPU busy {busy:.0f}% of the time"
         for label, values in [("loss", self.losses), *((self.metrics[k], v) for k, v in self.series.items())]:
             ends = _first_and_last(values)
             if ends is not None:

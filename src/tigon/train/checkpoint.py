@@ -97,12 +97,22 @@ def publish(staging: Path, target: Path) -> None:
 
 class AtomicTrainer(Trainer):
     """A `Trainer` whose step checkpoints appear only when complete (see the module docstring).
-    ``save_limit`` keeps the newest N checkpoints, counted after each rename."""
+    ``save_limit`` keeps the newest N checkpoints, counted after each rename. ``model_files``
+    (name -> text) are written beside the model in every save, inside the staging directory."""
+
+    model_files: dict[str, str] = {}
 
     def __init__(self, *args, save_limit: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.save_limit = save_limit
         self._staging: str | None = None
+
+    def _save(self, output_dir: str | None = None, state_dict=None):
+        super()._save(output_dir, state_dict)
+        if self.args.should_save:
+            target = Path(output_dir or self.args.output_dir)
+            for name, text in self.model_files.items():
+                (target / name).write_text(text)
 
     def _get_output_dir(self, trial):
         # While a checkpoint is being written, the Trainer's own save code writes into staging.

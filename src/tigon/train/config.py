@@ -73,6 +73,20 @@ class SFTConfig:
     lora_dropout: float = _opt(0.0, "LoRA dropout")
     target_modules: str = _opt("all-linear", "modules LoRA adapts: all-linear, or names such as q_proj,v_proj",
                                metavar="NAMES")
+    quant: str | None = _opt(None, "load the base quantised by bitsandbytes (QLoRA; --tuner lora): nf4 or fp4 "
+                             "(4-bit, double quantisation, computing in --dtype) or int8 (LLM.int8) "
+                             "(default: not quantised)", choices=["nf4", "fp4", "int8"])
+    lora_variant: str = _opt("lora", "lora, or dora (weight-decomposed: a learned magnitude per output feature)",
+                             choices=["lora", "dora"])
+    use_rslora: bool = _opt(False, "rank-stabilised LoRA: scale the adapters by alpha / sqrt(rank), not alpha / rank")
+    loraplus_lr_ratio: float | None = _opt(None, "LoRA+: train the B matrices at --lr times this (default: off; "
+                                           "the paper suggests 16)")
+    init_lora_weights: str | None = _opt(
+        None, "adapter initialisation: gaussian, pissa / olora (from the base weights' SVD / QR, which rewrites "
+        "them), loftq (fitted to the 4-bit base's quantisation error; needs --quant nf4 or fp4) (default: "
+        "PEFT's, A random and B zero)", choices=["gaussian", "pissa", "olora", "loftq"])
+    neftune_alpha: float | None = _opt(None, "NEFTune: add uniform noise of this scale to the input embeddings "
+                                       "while training (default: off; the paper uses 5)")
     max_length: int | None = _opt(None, "truncate each sample (or packed row) to this many tokens "
                                   "(default 2048; 128 for the built-in model)")
     packing: bool = _opt(False, "pack several samples per row; position ids restart per sample and "
@@ -105,6 +119,10 @@ class SFTConfig:
     logging_steps: int = _opt(1, "log loss/lr/speed every N steps (each log waits for the GPU to catch up)")
     samples: int = _opt(3, "prompts from the data answered before and after training (0: none)")
     max_new_tokens: int = _opt(48, "length of those sample answers")
+    cuda_graphs: bool = _opt(False, "capture each step's forward and backward as CUDA graphs (torch.compile, "
+                             "mode reduce-overhead) and replay them, so a small batch does not leave the GPU "
+                             "waiting for Python; every batch is padded to --max-length (one shape); needs a "
+                             "CUDA GPU")
     report_to: str = _opt("none", "experiment tracking through the Trainer's integration (tensorboard: event files "
                           "in OUTPUT_DIR/runs)", choices=["none", *TRACKERS])
 
@@ -113,7 +131,8 @@ class SFTConfig:
     LEFT_OUT: ClassVar[tuple[str, ...]] = ()
 
 
-_LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules")
+_LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "lora_variant", "use_rslora",
+              "loraplus_lr_ratio", "init_lora_weights")
 
 
 def _fields(cls: type[SFTConfig]) -> dict[str, dataclasses.Field]:
@@ -243,10 +262,27 @@ def config_from_args(args: argparse.Namespace, cls: type[SFTConfig] = SFTConfig)
     return cls(**settings), set(settings)
 
 
+def check_cuda_graphs(cfg: SFTConfig) -> None:
+    """Refuse, in one line, a --cuda-graphs run whose steps cannot be captured."""
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SFTError("--cuda-graphs needs a CUDA GPU and none is visible: train without --cuda-graphs")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise SFTError("--cuda-graphs runs on one GPU, one process: launch without torchrun/accelerate (several "
+                       "processes)")
+    if cfg.offload_activations:
+        raise SFTError("--cuda-graphs cannot capture --offload-activations (its copies to host memory wait on "
+                       "the host): give one or the other")
+
+
 def resolve(cfg: SFTConfig, given: set[str] = frozenset()) -> SFTConfig:
     """Fill the run-dependent defaults and reject bad or incompatible settings, one line each."""
     builtin = cfg.model is None
-    tuner = cfg.tuner or ("full" if builtin else "lora")
+    # A quantised base cannot be trained itself: --quant means QLoRA, for the built-in model too.
+    tuner = cfg.tuner or ("full" if builtin and cfg.quant is None else "lora")
     cfg = dataclasses.replace(
         cfg,
         tuner=tuner,
@@ -277,9 +313,13 @@ def resolve(cfg: SFTConfig, given: set[str] = frozenset()) -> SFTConfig:
         raise SFTError(f"--eval-split must be in [0, 1), got {cfg.eval_split}")
     if cfg.eval_split and cfg.eval_dataset:
         raise SFTError("--eval-split and --eval-dataset are incompatible: choose one")
+    if tuner == "full" and cfg.quant is not None:
+        raise SFTError(f"--quant {cfg.quant} with --tuner full: quantised weights cannot be trained; use --tuner "
+                       "lora (QLoRA: adapters on the quantised base)")
     if tuner == "full" and given & set(_LORA_KEYS):
         names = ", ".join("--" + k.replace("_", "-") for k in _LORA_KEYS if k in given)
         raise SFTError(f"{names}: only for --tuner lora, not --tuner full")
+    _check_lora_options(cfg)
     if tuner == "full" and cfg.dtype == "fp16":
         raise SFTError("--dtype fp16 cannot be used with --tuner full (fp16 weights cannot be updated "
                        "through a loss scaler): use bf16 or fp32")
@@ -292,6 +332,8 @@ def resolve(cfg: SFTConfig, given: set[str] = frozenset()) -> SFTConfig:
     if memory and not cfg.kernels:
         raise SFTError(f"{', '.join(memory)}: applied by tigon.patch, which --no-kernels turns off "
                        "(leave out single kernels with --kernels-off)")
+    if cfg.cuda_graphs:
+        check_cuda_graphs(cfg)
     if cfg.kernels_off and not cfg.kernels:
         raise SFTError("--kernels-off has no effect with --no-kernels: give one or the other")
     package = TRACKERS.get(cfg.report_to)
@@ -302,6 +344,26 @@ def resolve(cfg: SFTConfig, given: set[str] = frozenset()) -> SFTConfig:
     except ValueError as err:
         raise SFTError(str(err)) from None
     return cfg
+
+
+def _check_lora_options(cfg: SFTConfig) -> None:
+    """The quantisation and PEFT-variant settings, and their combinations, one line each."""
+    for name in ("loraplus_lr_ratio", "neftune_alpha"):
+        value = getattr(cfg, name)
+        if value is not None and not value > 0:
+            raise SFTError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+    init, quant = cfg.init_lora_weights, cfg.quant
+    if quant is not None and importlib.util.find_spec("bitsandbytes") is None:
+        raise SFTError(f"--quant {quant}: bitsandbytes is not installed (pip install bitsandbytes)")
+    if init in ("pissa", "olora") and quant is not None:
+        raise SFTError(f"--init-lora-weights {init} rewrites the base weights (less the adapters' start), which a "
+                       f"quantised base would keep re-quantised: drop --quant {quant}, or use --init-lora-weights loftq")
+    if init == "loftq" and quant not in ("nf4", "fp4"):
+        raise SFTError("--init-lora-weights loftq fits the adapters to a 4-bit base's quantisation error: add "
+                       "--quant nf4 (or fp4)")
+    if init == "loftq" and cfg.lora_variant == "dora":
+        raise SFTError("--init-lora-weights loftq with --lora-variant dora: DoRA's magnitudes are set from the "
+                       "adapters PEFT starts with, before LoftQ replaces them; use one or the other")
 
 
 # --- tigon rlhf ---------------------------------------------------------------------------------
@@ -333,7 +395,7 @@ class RLHFConfig(SFTConfig):
     """Every `tigon rlhf` setting: sft's (less --packing), with preference training's defaults, and
     the method with its constants. ``None`` means "the default for this run and method"."""
 
-    LEFT_OUT: ClassVar[tuple[str, ...]] = ("packing",)
+    LEFT_OUT: ClassVar[tuple[str, ...]] = ("packing", "cuda_graphs")
 
     dataset: list[str] | None = _opt(
         None, "preference files (.jsonl .json .csv .parquet): prompt/chosen/rejected, messages + rejected_response "
@@ -404,7 +466,7 @@ _BUILTIN = {"grpo": {"lr": 1e-4, "batch_size": 32, "max_steps": 80}, "gkd": {"lr
 def resolve_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> RLHFConfig:
     """`resolve` for `tigon rlhf`: its own defaults first, then sft's checks, then the method's."""
     builtin = cfg.model is None
-    lora = (cfg.tuner or ("full" if builtin else "lora")) == "lora"
+    lora = (cfg.tuner or ("full" if builtin and cfg.quant is None else "lora")) == "lora"
     method = cfg.method
     if method not in METHODS:
         raise SFTError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")

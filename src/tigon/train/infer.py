@@ -11,7 +11,8 @@ import torch
 
 from tigon.train.checkpoint import publish, removed_on_failure, staging_dir
 from tigon.train.config import SFTError
-from tigon.train.modeling import DTYPES, load_model, load_tokenizer, peft_quiet, pick_dtype, source_kwargs
+from tigon.train.modeling import (DTYPES, check_bitsandbytes, load_model, load_tokenizer, peft_quiet, pick_dtype,
+                                  quantization_name, recorded_quantization, source_kwargs)
 from tigon.train.template import ensure_chat_template, render
 
 log = logging.getLogger("tigon.train")
@@ -30,15 +31,40 @@ def _adapter_base(adapter: str | Path) -> str:
     return base
 
 
-def load_for_inference(path: str, dtype: torch.dtype, base: str | None = None) -> tuple[Any, Any]:
-    """(model, tokenizer) from a model directory / hub id, or from a LoRA adapter directory on
-    top of its base (from adapter_config.json unless `base` is given), in eval mode."""
-    if is_adapter(path):
-        from peft import PeftModel
+def _inference_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
+
+def _adapter_model(adapter: str, base: str, dtype: torch.dtype, dequantize: bool) -> Any:
+    """PEFT's model of `adapter` on `base`. A base the adapter was trained quantised (QLoRA, see
+    QUANT_FILE) is quantised the same way again, so that the adapter meets the weights it learned
+    against, not the originals; with `dequantize` those weights are then unpacked into plain
+    `dtype` linears (for merging)."""
+    from peft import PeftModel
+
+    quantization = recorded_quantization(adapter)
+    if quantization is None:
+        model = load_model(base, dtype)
+    else:
+        device = _inference_device()
+        check_bitsandbytes(quantization_name(quantization), device)
+        # 4-bit training loaded the weights in its compute dtype before quantising them
+        loaded = quantization.bnb_4bit_compute_dtype if quantization.load_in_4bit else dtype
+        model = load_model(base, loaded, quantization, device)
+        if dequantize:
+            model = model.dequantize(dtype=dtype).to(dtype)  # the unquantised layers too
+    with peft_quiet():
+        return PeftModel.from_pretrained(model, adapter)
+
+
+def load_for_inference(path: str, dtype: torch.dtype, base: str | None = None,
+                       dequantize: bool = False) -> tuple[Any, Any]:
+    """(model, tokenizer) from a model directory / hub id, or from a LoRA adapter directory on
+    top of its base (from adapter_config.json unless `base` is given; quantised as it was in
+    training, and with `dequantize` unpacked to `dtype` again), in eval mode."""
+    if is_adapter(path):
         base = base or _adapter_base(path)
-        with peft_quiet():
-            model = PeftModel.from_pretrained(load_model(base, dtype), path)
+        model = _adapter_model(path, base, dtype, dequantize)
         has_tokenizer = (Path(path) / "tokenizer_config.json").is_file()
         tokenizer = load_tokenizer(path if has_tokenizer else base)
     else:
@@ -46,8 +72,9 @@ def load_for_inference(path: str, dtype: torch.dtype, base: str | None = None) -
             raise SFTError(f"--base only applies to a LoRA adapter, and {path} is not one (no adapter_config.json)")
         model, tokenizer = load_model(path, dtype), load_tokenizer(path)
     ensure_chat_template(tokenizer)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return model.to(device).eval(), tokenizer
+    if is_adapter(path) and recorded_quantization(path) is not None:
+        return model.eval(), tokenizer  # bitsandbytes placed it on its device as it loaded; it moves no further
+    return model.to(_inference_device()).eval(), tokenizer
 
 
 @torch.no_grad()
@@ -97,14 +124,20 @@ def chat(model: Any, tokenizer: Any, max_new_tokens: int, temperature: float, sy
 def merge(adapter: str, output: str, base: str | None = None, dtype: str = "auto") -> Path:
     """Fold a LoRA adapter into its base model and write a standalone Hugging Face model
     (safetensors, config, tokenizer) to `output`, atomically. The sum is formed in fp32 and stored
-    in `dtype` (auto: the base model's own dtype)."""
+    in `dtype` (auto: the base model's own dtype). An adapter trained on a quantised base (QLoRA)
+    is added to that base's dequantised weights, and auto stores bf16."""
     if not is_adapter(adapter):
         raise SFTError(f"{adapter} is not a LoRA adapter directory (no adapter_config.json)")
     from transformers import AutoConfig
 
     base = base or _adapter_base(adapter)
-    model, tokenizer = load_for_inference(adapter, torch.float32, base)
-    if dtype == "auto":
+    quantization = recorded_quantization(adapter)
+    model, tokenizer = load_for_inference(adapter, torch.float32, base, dequantize=True)
+    if quantization is not None:
+        log.info("dequantised the %s base (bitsandbytes) %s was trained on", quantization_name(quantization), adapter)
+    if dtype == "auto" and quantization is not None:
+        target = torch.bfloat16
+    elif dtype == "auto":
         saved = getattr(AutoConfig.from_pretrained(base, **source_kwargs(base)), "dtype", None)
         target = getattr(torch, saved) if isinstance(saved, str) else saved or pick_dtype("auto")
     else:

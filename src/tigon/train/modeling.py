@@ -1,10 +1,12 @@
-"""Models for `tigon sft`: load a tokenizer and model (or build the tiny default), wrap it with
-LoRA, and switch on tigon's kernels. Loading failures become one-line SFTErrors."""
+"""Models for `tigon sft`: load a tokenizer and model (or build the tiny default), quantised by
+bitsandbytes if asked (QLoRA), wrap it with LoRA (or a PEFT variant of it), and switch on tigon's
+kernels. Loading failures become one-line SFTErrors."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import os
 import threading
@@ -117,24 +119,107 @@ def quiet_transformers() -> None:
     """No per-file load/save progress bars: they would break tigon's own progress bar. And none of
     DeepSpeed's accelerator warning: where it is installed, accelerate imports it on every run
     (its unwrap_model checks for a DeepSpeed engine), and on a CPU it warns that it fell back to
-    the CPU, about a run that does not use it."""
+    the CPU, about a run that does not use it. Nor transformers' warning, when `tigon merge`
+    dequantises a QLoRA base, that the weights were cast to the dtype tigon asked for."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    deepspeed = logging.getLogger("DeepSpeed")  # DeepSpeed's own logger, kept across its import
-    if not any(isinstance(f, _DropLine) for f in deepspeed.filters):
-        deepspeed.addFilter(_DropLine("Setting accelerator to CPU"))
+    for name, start in (("DeepSpeed", "Setting accelerator to CPU"),  # DeepSpeed's own logger, kept across its import
+                        ("transformers.integrations.bitsandbytes", "The modules are dequantized")):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropLine) for f in logger.filters):
+            logger.addFilter(_DropLine(start))
 
 
-def load_model(model_id: str, dtype: torch.dtype) -> torch.nn.Module:
+# Written beside a LoRA adapter trained on a quantised base: how the base was quantised, so that
+# `tigon merge` (and chat, serve, export) rebuild the weights it was trained on.
+QUANT_FILE = "tigon_quantization.json"
+
+
+def quantization_config(quant: str, dtype: torch.dtype) -> Any:
+    """transformers' BitsAndBytesConfig for ``--quant``: 4-bit with double quantisation (the
+    absmaxes quantised too: ~0.4 bits per weight less) computing in `dtype`, or LLM.int8."""
+    from transformers import BitsAndBytesConfig
+
+    if quant == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant, bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=dtype)
+
+
+def check_bitsandbytes(quant: str, device: torch.device) -> None:
+    """One SFTError line, before any weight is loaded, where bitsandbytes cannot quantise and
+    dequantise on `device` (a build without this device's backend, a GPU it does not support)."""
+    try:
+        import bitsandbytes.functional as bnb_functional
+
+        probe = torch.randn(4, 64, device=device)
+        if quant == "int8":
+            bnb_functional.int8_vectorwise_dequant(*bnb_functional.int8_vectorwise_quant(probe.half())[:2])
+        else:
+            bnb_functional.dequantize_4bit(*bnb_functional.quantize_4bit(probe, quant_type=quant, compress_statistics=True))
+    except ImportError:
+        raise SFTError(f"--quant {quant}: bitsandbytes is not installed (pip install bitsandbytes)") from None
+    except Exception as err:  # whatever the backend raises: its message says why
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise SFTError(f"--quant {quant}: bitsandbytes cannot run on this machine ({device.type}): {reason}") from None
+
+
+def load_model(model_id: str, dtype: torch.dtype, quantization: Any = None,
+               device: torch.device | None = None) -> torch.nn.Module:
+    """The model in `dtype`; with a BitsAndBytesConfig `quantization`, its linears quantised by
+    bitsandbytes as they load onto `device` (the other weights in `dtype`)."""
     from transformers import AutoModelForCausalLM
 
     quiet_transformers()
     kwargs = source_kwargs(model_id)
+    if quantization is not None:
+        device = torch.device(device or "cpu")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        kwargs.update(quantization_config=quantization, device_map={"": str(device)})
     try:
         return AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype, attn_implementation="sdpa", **kwargs)
     except (OSError, ValueError) as err:
         raise _not_found(model_id, err) from None
+
+
+def prepare_quantized(model: torch.nn.Module, gradient_checkpointing: bool) -> None:
+    """PEFT's k-bit preparation (``prepare_model_for_kbit_training``: the base frozen; under
+    gradient checkpointing, checkpointing switched on, non-reentrant, so frozen embeddings need no
+    gradient hook) without its upcast of every other floating-point parameter to fp32. That upcast
+    doubles the embeddings', LM head's and norms' memory (2 GB more for Llama-3-8B's vocabulary)
+    and puts the LM head's GEMM in fp32, for nothing a bf16 compute dtype needs: they are put back
+    in the dtype they were loaded in."""
+    from peft import prepare_model_for_kbit_training
+
+    loaded = {name: p.dtype for name, p in model.named_parameters() if p.is_floating_point()}
+    with peft_quiet():
+        prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing,
+                                        gradient_checkpointing_kwargs={"use_reentrant": False})
+    for name, param in model.named_parameters():
+        if name in loaded and param.dtype != loaded[name]:
+            param.data = param.data.to(loaded[name])
+
+
+def quantization_record(quantization: Any) -> str:
+    """The text of :data:`QUANT_FILE` for a BitsAndBytesConfig."""
+    return json.dumps({"quantization_config": quantization.to_dict()}, indent=1) + "\n"
+
+
+def recorded_quantization(adapter: str | Path) -> Any:
+    """The BitsAndBytesConfig a LoRA adapter's base was trained quantised with, or None."""
+    path = Path(adapter) / QUANT_FILE
+    if not path.is_file():
+        return None
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig.from_dict(json.loads(path.read_text())["quantization_config"])
+
+
+def quantization_name(quantization: Any) -> str:
+    """nf4, fp4 or int8."""
+    return "int8" if quantization.load_in_8bit else quantization.bnb_4bit_quant_type
 
 
 @contextlib.contextmanager
@@ -146,20 +231,58 @@ def peft_quiet() -> Iterator[None]:
         yield
 
 
-def add_lora(model: torch.nn.Module, cfg: SFTConfig) -> torch.nn.Module:
-    """`model` wrapped by PEFT with LoRA adapters on `cfg.target_modules`; adapters stay fp32."""
-    from peft import LoraConfig, get_peft_model
+def lora_config(cfg: SFTConfig) -> Any:
+    """PEFT's LoraConfig for `cfg`: rank, alpha, dropout, targets, --lora-variant (DoRA),
+    --use-rslora and --init-lora-weights (loftq starts from PEFT's default and is applied after,
+    by :func:`add_lora`)."""
+    from peft import LoraConfig
 
     targets: str | list[str] = cfg.target_modules
     if targets != "all-linear":
         targets = [t.strip() for t in targets.split(",") if t.strip()]
-    lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=targets, task_type="CAUSAL_LM")
+    init = cfg.init_lora_weights
+    return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=targets, task_type="CAUSAL_LM", use_dora=cfg.lora_variant == "dora",
+                      use_rslora=cfg.use_rslora, init_lora_weights=True if init in (None, "loftq") else init)
+
+
+def add_lora(model: torch.nn.Module, cfg: SFTConfig, weights_file: str | None = None) -> torch.nn.Module:
+    """`model` wrapped by PEFT with LoRA adapters as `cfg` says (:func:`lora_config`); adapters
+    stay fp32. For --init-lora-weights loftq the adapters are then fitted to each 4-bit weight's
+    quantisation error against the unquantised weights, read from `weights_file` (a safetensors
+    file; default: the model's own, from its directory or the hub cache)."""
+    from peft import get_peft_model
+
     try:
         with peft_quiet():
-            return get_peft_model(model, lora)
+            model = get_peft_model(model, lora_config(cfg))
     except ValueError as err:
         raise SFTError(f"--target-modules {cfg.target_modules}: {str(err).splitlines()[0]}") from None
+    if cfg.init_lora_weights == "loftq":
+        from peft import replace_lora_weights_loftq
+
+        device = next(model.parameters()).device
+        if device.type != "cuda":  # PEFT's LoftQ takes its SVDs on a CUDA device, whatever the model's
+            raise SFTError(f"--init-lora-weights loftq needs a CUDA GPU (PEFT's LoftQ runs there); the model is on "
+                           f"{device.type}")
+        try:
+            with peft_quiet():
+                replace_lora_weights_loftq(model, model_path=weights_file)
+        except (OSError, ValueError) as err:
+            raise SFTError(f"--init-lora-weights loftq: {str(err).splitlines()[0]}") from None
+    return model
+
+
+def loraplus_optimizer(model: torch.nn.Module, args: Any, ratio: float) -> torch.optim.Optimizer:
+    """LoRA+ (PEFT's ``create_loraplus_optimizer``): the optimizer the Trainer would make from
+    `args`, with the B matrices (and DoRA's magnitudes) in groups at `ratio` times the rate."""
+    from peft.optimizers import create_loraplus_optimizer
+    from transformers import Trainer
+
+    optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    kwargs = {k: v for k, v in kwargs.items() if k != "lr"}
+    return create_loraplus_optimizer(model, optimizer_cls, lr=args.learning_rate, loraplus_lr_ratio=ratio,
+                                     loraplus_weight_decay=args.weight_decay, **kwargs)
 
 
 def kernel_switches(kernels_off: list[str]) -> dict[str, bool]:

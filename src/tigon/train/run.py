@@ -15,6 +15,7 @@ with the settings, data or model is found before the output directory is touched
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -22,6 +23,7 @@ import math
 import os
 import random
 import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -37,8 +39,9 @@ from tigon.train.checkpoint import (STAGING_PREFIX, list_checkpoints, publish, r
 from tigon.train.config import Interrupted, SFTConfig, SFTError, resolve
 from tigon.train.data import Sample, load_samples
 from tigon.train.infer import generate
-from tigon.train.modeling import (add_lora, apply_kernels, count_parameters, flops_per_token, load_model,
-                                  load_tokenizer, pick_dtype, quiet_transformers)
+from tigon.train.modeling import (QUANT_FILE, add_lora, apply_kernels, check_bitsandbytes, count_parameters,
+                                  flops_per_token, load_model, load_tokenizer, loraplus_optimizer, pick_dtype,
+                                  prepare_quantized, quantization_config, quantization_record, quiet_transformers)
 from tigon.train.stop import StopOnSignal, signal_name
 from tigon.train.template import encode, encode_all, ensure_chat_template
 from tigon.train.trainer import TigonTrainer
@@ -240,6 +243,10 @@ def training_arguments(cfg: SFTConfig, dtype: torch.dtype, has_eval: bool, cls: 
         remove_unused_columns=False,
         report_to=cfg.report_to,
         disable_tqdm=True,  # tigon's Reporter draws the bar
+        # --cuda-graphs: torch.compile's CUDA-graph mode records the forward and the backward per
+        # input shape (tigon's kernels are custom ops there, so the graphs keep them) and replays them.
+        **({"torch_compile": True, "torch_compile_mode": "reduce-overhead"} if getattr(cfg, "cuda_graphs", False) else {}),
+        neftune_noise_alpha=cfg.neftune_alpha,
         **extra,
     )
     # One process counts its tokens on the host (TigonTrainer); several need the Trainer's
@@ -256,14 +263,31 @@ class Built:
     base: torch.nn.Module | None  # the built-in model's initial weights, which its LoRA adapter needs on disk
     use_cache: bool  # the config's own setting, off while training and restored for the final save
     reference: torch.nn.Module | None = None  # a frozen copy of the initial weights, when the Job asks for one
+    model_files: dict[str, str] = field(default_factory=dict)  # written beside the model at every save
+
+
+def _quantized_builtin(model: torch.nn.Module, directory: str, dtype: torch.dtype, quantization: Any,
+                       device: torch.device) -> torch.nn.Module:
+    """The built-in model, which exists only in memory, quantised the way a model on disk is: written
+    to `directory` (LoftQ reads the unquantised weights from there too) and loaded back."""
+    name = model.name_or_path
+    model.save_pretrained(directory)
+    quantized = load_model(directory, dtype, quantization, device)
+    quantized.name_or_path = name  # the adapter's base stays the built-in model's directory
+    return quantized
 
 
 def build_model(cfg: SFTConfig, tokenizer: Any, dtype: torch.dtype, args: Any, resume_from: Path | None,
                 reference: bool = False) -> Built:
-    """The model stage: load (or build) the model, LoRA-wrap it if asked, patch in tigon's kernels.
-    With `reference`, also a frozen copy of the weights as loaded (patched too, in eval mode)."""
+    """The model stage: load (or build) the model, quantised if asked, LoRA-wrap it if asked, patch
+    in tigon's kernels. With `reference`, also a frozen copy of the weights as loaded (patched too,
+    in eval mode)."""
     builtin = cfg.model is None
-    model = tiny.build_model(tokenizer, cfg.seed).to(dtype) if builtin else load_model(cfg.model, dtype)
+    quantization = quantization_config(cfg.quant, dtype) if cfg.quant else None
+    if quantization is not None:
+        check_bitsandbytes(cfg.quant, args.device)
+    model = tiny.build_model(tokenizer, cfg.seed).to(dtype) if builtin else load_model(
+        cfg.model, dtype, quantization, args.device)
     base_model = None
     if builtin and cfg.tuner == "lora":
         # The adapter needs its base on disk to be loadable, and a resumed run the same base.
@@ -272,25 +296,43 @@ def build_model(cfg: SFTConfig, tokenizer: Any, dtype: torch.dtype, args: Any, r
             model = load_model(str(base), dtype)
         model.name_or_path = str(base.resolve())
         base_model = copy.deepcopy(model)  # LoRA wraps `model` in place; written out by start_output
-    use_cache, model.config.use_cache = model.config.use_cache, False  # see tigon.train.batching
-    frozen = copy.deepcopy(model).eval().requires_grad_(False) if reference else None  # before LoRA and patching
-    # DDP's search for unused parameters costs a graph walk per step; only routed experts need it.
-    args.ddp_find_unused_parameters = any(getattr(model.config, k, None) for k in ("num_local_experts", "num_experts"))
-    if cfg.gradient_checkpointing:
-        # Non-reentrant checkpointing needs no input that requires grad, so frozen embeddings (LoRA) work.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if cfg.tuner == "lora":
-        model = add_lora(model, cfg)
+    with tempfile.TemporaryDirectory() if builtin and quantization is not None else contextlib.nullcontext() as tmp:
+        if tmp is not None:
+            model = _quantized_builtin(model, tmp, dtype, quantization, args.device)
+        use_cache, model.config.use_cache = model.config.use_cache, False  # see tigon.train.batching
+        frozen = copy.deepcopy(model).eval().requires_grad_(False) if reference else None  # before LoRA and patching
+        # DDP's search for unused parameters costs a graph walk per step; only routed experts need it.
+        args.ddp_find_unused_parameters = any(getattr(model.config, k, None) for k in ("num_local_experts", "num_experts"))
+        if quantization is not None:
+            prepare_quantized(model, cfg.gradient_checkpointing)
+        if cfg.gradient_checkpointing:
+            # Non-reentrant checkpointing needs no input that requires grad, so frozen embeddings (LoRA) work.
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.tuner == "lora":
+            model = add_lora(model, cfg, os.path.join(tmp, "model.safetensors") if tmp is not None else None)
     trainable, total = count_parameters(model)
-    log.info("model: %s, %s, %s tuning: %.2fM of %.2fM parameters trainable",
-             cfg.model or "built-in tiny Llama", str(dtype).replace("torch.", ""), cfg.tuner,
-             trainable / 1e6, total / 1e6)
+    log.info("model: %s, %s%s, %s tuning: %.2fM of %.2fM parameters trainable",
+             cfg.model or "built-in tiny Llama", str(dtype).replace("torch.", ""),
+             f" (base {cfg.quant}, bitsandbytes)" if cfg.quant else "", _tuning(cfg), trainable / 1e6, total / 1e6)
     apply_kernels(model, cfg)
-    model.to(args.device)
+    if quantization is None:  # a quantised model is on its device already, and moves no further
+        model.to(args.device)
     if frozen is not None:
         apply_kernels(frozen, cfg)
-        frozen.to(args.device)
-    return Built(model, base_model, use_cache, frozen)
+        if quantization is None:
+            frozen.to(args.device)
+    files = {QUANT_FILE: quantization_record(quantization)} if quantization is not None else {}
+    return Built(model, base_model, use_cache, frozen, files)
+
+
+def _tuning(cfg: SFTConfig) -> str:
+    """What the log calls the run's tuning: full, lora, or the PEFT variant and options."""
+    if cfg.tuner != "lora":
+        return cfg.tuner
+    extras = (["rsLoRA"] if cfg.use_rslora else []) + ([f"{cfg.init_lora_weights} init"] if cfg.init_lora_weights else [])
+    extras += [f"LoRA+ x{cfg.loraplus_lr_ratio:g}"] if cfg.loraplus_lr_ratio else []
+    name = {"lora": "QLoRA" if cfg.quant else "LoRA", "dora": "QDoRA" if cfg.quant else "DoRA"}[cfg.lora_variant]
+    return name + (f" ({', '.join(extras)})" if extras else "")
 
 
 # --- output directory -------------------------------------------------------------------------
@@ -528,6 +570,10 @@ def train(cfg: SFTConfig, resume_from: Path | None, tokenizer: Any, job: Job) ->
     start_output(output_dir, resume_from, built, tokenizer, args)
     reporter = make_reporter(output_dir, built.model, job.tokens / job.sequences, args, dtype, job)
     trainer = job.trainer(built, args)
+    trainer.model_files = built.model_files
+    if cfg.loraplus_lr_ratio:
+        # The Trainer makes its optimizer only when it has none; this one keeps its scheduler.
+        trainer.optimizer = loraplus_optimizer(built.model, args, cfg.loraplus_lr_ratio)
     attach_reporter(trainer, reporter)
     if complete:
         trainer._load_from_checkpoint(str(resume_from))
@@ -544,11 +590,17 @@ def _run(cfg: SFTConfig) -> Path:
     eval_data = sft_rows(tokenizer, eval_samples, cfg, "evaluation data") if eval_samples else None
     log.info("tokens: %d training rows%s, %d tokens, max length %d", len(train_data),
              " (packed)" if cfg.packing else "", train_data.num_tokens(), cfg.max_length)
+    if cfg.cuda_graphs:
+        fill = train_data.num_tokens() / (len(train_data) * cfg.max_length)
+        log.info("--cuda-graphs: every batch padded to %d tokens a row (one shape; a last, smaller batch of an "
+                 "epoch is a second one); rows are %.0f%% full%s", cfg.max_length, 100 * fill,
+                 "" if cfg.packing or fill > 0.8 else ": --packing would fill them")
 
     def trainer(built: Built, args: Any) -> TigonTrainer:
         return TigonTrainer(model=built.model, args=args, train_dataset=train_data, eval_dataset=eval_data,
-                            data_collator=Collator(tokenizer.pad_token_id), processing_class=tokenizer,
-                            save_limit=cfg.save_limit)
+                            data_collator=Collator(tokenizer.pad_token_id, cfg.max_length if cfg.cuda_graphs else None),
+                            processing_class=tokenizer, save_limit=cfg.save_limit,
+                            cuda_graphs=cfg.cuda_graphs)
 
     job = Job("sft", train_data, train_data.num_tokens(), len(train_data),
               arguments=lambda dtype: training_arguments(cfg, dtype, eval_data is not None), trainer=trainer,

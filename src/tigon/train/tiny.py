@@ -42,10 +42,23 @@ def build_tokenizer(samples: list[Sample]) -> Any:
     return tokenizer
 
 
+def random_model(config: Any, seed: int, *, device: torch.device | str = "cpu",
+                 dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """The causal LM of `config` (any family's config) with weights drawn from `seed`, made
+    directly on `device` in `dtype`: the one factory behind the built-in model, the benchmarks'
+    models and the tests' tiny models. The caller's random state is left as it was."""
+    from transformers import AutoModelForCausalLM
+
+    devices = [torch.device(device)] if torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.device(device):
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype) if dtype else AutoModelForCausalLM.from_config(config)
+
+
 def build_model(tokenizer: Any, seed: int, **sizes: Any) -> torch.nn.Module:
     """A ~1M-parameter Llama (4 layers, hidden 128, grouped-query attention) with seeded weights.
     `sizes` override LlamaConfig fields, e.g. to build a benchmark-sized model from nothing."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
     config = LlamaConfig(**{
         "vocab_size": len(tokenizer), "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 4,
@@ -54,6 +67,4 @@ def build_model(tokenizer: Any, seed: int, **sizes: Any) -> torch.nn.Module:
         "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
         "attn_implementation": "sdpa", **sizes,
     })
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return LlamaForCausalLM(config)
+    return random_model(config, seed)

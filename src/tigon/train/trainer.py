@@ -18,12 +18,23 @@ not the GPU, sets the step time, so each millisecond of Python is a millisecond 
 
 Under DDP (``torchrun``) the gradients are views into DDP's all-reduce buckets instead of a second
 copy beside them.
+
+With ``--cuda-graphs`` and gradient accumulation, every trainable parameter has its gradient
+before each micro-batch's backward. torch.compile's CUDA-graph mode hands the backward's
+gradients out in memory its next replay overwrites; a parameter without a gradient adopts that
+tensor as its ``.grad`` (autograd takes an incoming gradient over rather than copy it), so the next
+micro-batch's replay would overwrite the sum being accumulated (pytorch/pytorch#169545: wrong
+gradients or an "overwritten by a subsequent run" error). Into an existing gradient autograd adds
+in place, which is what accumulation needs. The gradients are views into one flat buffer per
+dtype, zeroed by one kernel when the Trainer's zero_grad has dropped them (not one allocation and
+fill per parameter and step).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from accelerate.utils import DistributedType
 
 from tigon.train.batching import NUM_TOKENS
@@ -39,8 +50,21 @@ class TigonTrainer(AtomicTrainer):
     _flops_per_token: float | None = None
     _trainable: list | None = None
     _in_training_mode: Any = None  # the model whose every module the last full train() walk set
+    _grad_buffers: list | None = None  # cuda_graphs with accumulation: (flat buffer, [(parameter, its view)]) per dtype
+
+    def __init__(self, *args, cuda_graphs: bool = False, **kwargs):
+        """`cuda_graphs`: the model runs under torch.compile's CUDA-graph mode (``--cuda-graphs``):
+        each micro-batch starts a new replay generation, and with gradient accumulation every
+        trainable parameter has its gradient before the backward (see the module docstring)."""
+        super().__init__(*args, **kwargs)
+        self.cuda_graphs = cuda_graphs
 
     def training_step(self, model, inputs: dict[str, Any], *args, **kwargs):
+        if self.cuda_graphs:
+            # What this micro-batch's replay overwrites is the last one's outputs, all read by now.
+            torch.compiler.cudagraph_mark_step_begin()
+            if self.args.gradient_accumulation_steps > 1:
+                self._give_gradients(model)
         # TRL's GRPO steps take their generation batch, a list of rows, and count their own tokens.
         tokens = inputs.pop(NUM_TOKENS, 0) if isinstance(inputs, dict) else 0
         if self.args.include_num_input_tokens_seen == "no":
@@ -77,9 +101,31 @@ class TigonTrainer(AtomicTrainer):
         # one process clips the same trainable parameters every step (the others have no gradient).
         if self.accelerator.distributed_type != DistributedType.NO:
             return super()._clip_grad_norm(model)
+        return self.accelerator.clip_grad_norm_(self._trainable_parameters(model), self.args.max_grad_norm)
+
+    def _give_gradients(self, model) -> None:
+        """Point every trainable parameter's .grad at its view of a flat zeroed buffer, where the
+        Trainer's zero_grad has dropped them (between micro-batches they stay and accumulate)."""
+        if self._grad_buffers is None:
+            groups: dict[tuple, list] = {}
+            for param in self._trainable_parameters(model):
+                groups.setdefault((param.dtype, param.device), []).append(param)
+            self._grad_buffers = []
+            for (dtype, device), params in groups.items():
+                flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
+                views = flat.split([p.numel() for p in params])
+                self._grad_buffers.append((flat, [(p, v.view_as(p)) for p, v in zip(params, views)]))
+        for flat, pairs in self._grad_buffers:
+            if any(param.grad is not view for param, view in pairs):
+                flat.zero_()
+                for param, view in pairs:
+                    param.grad = view
+
+    def _trainable_parameters(self, model) -> list:
+        """The parameters that train, collected once (they are the same every step)."""
         if self._trainable is None:
             self._trainable = [p for p in model.parameters() if p.requires_grad]
-        return self.accelerator.clip_grad_norm_(self._trainable, self.args.max_grad_norm)
+        return self._trainable
 
     def prediction_step(self, model, inputs: dict[str, Any], *args, **kwargs):
         if isinstance(inputs, dict):

@@ -30,7 +30,7 @@ def _projection(in_features, out_features, rank, dtype, device, *, bias=False, t
 
 
 def _check_linear(x, projection, dtype=None):
-    weight, lora_a, lora_b, scaling, bias = projection
+    weight, lora_a, lora_b, scaling, bias, _ = projection
     compare_fwd_bwd(
         lambda x, w, a, b, bias: lora_linear(x, w, a, b, scaling, bias),
         lambda x, w, a, b, bias: lora_linear_reference(x, w, a, b, scaling, bias),

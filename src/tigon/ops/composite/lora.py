@@ -31,6 +31,16 @@ copies of dx (:func:`lora_linear_group`).
 Everything is cuBLAS, on any device: the full-size work is two GEMMs that cuBLAS runs near the matmul
 roofline, and the rest is skinny (K or N = r) GEMMs that move each tensor once. Inside torch.compile
 the ops trace their references (inductor schedules the same GEMMs).
+
+Quantised bases (QLoRA: a bitsandbytes NF4/FP4 or int8 weight as a :class:`QuantizedWeight`) are
+dequantised, bit for bit as bitsandbytes does, into a reused buffer right before each GEMM that
+reads them (forward, and again for dx in backward; :func:`tigon.ops.dequantize.dequantized`): no
+full-precision copy outlives its GEMM, and nothing of size N × out is saved.
+
+DoRA (a projection with a `magnitude`) scales each output feature of ``z = x Wᵀ + s · (x Aᵀ) Bᵀ``
+by ``m / ‖W + s B A‖`` and adds the bias (:mod:`tigon.ops.dora`; the norm detached, as PEFT does).
+Saved for it: z (N × out) and the norm; backward forms ``dz = dy · m / ‖·‖`` and the magnitude's
+gradient in one pass, then runs LoRA's backward on dz.
 """
 
 from __future__ import annotations
@@ -40,40 +50,52 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from tigon.ops._checks import check_device, check_float, check_input, rows_view
+from tigon.ops._checks import check_device, check_float, check_input, check_vector, rows_view
 from tigon.ops._dispatch import Op, autocast_dtype
+from tigon.ops.dequantize import QuantizedWeight, check_quantized, dequantize_reference, dequantized
+from tigon.ops.dora import DORA_NORM, DORA_SCALE, DORA_SCALE_BACKWARD, dora_norm_reference, dora_scale_reference
 
 
 class LoraProjection(NamedTuple):
-    """One LoRA-adapted linear: ``x Wᵀ + bias + scaling · (x Aᵀ) Bᵀ``.
+    """One LoRA-adapted linear: ``x Wᵀ + bias + scaling · (x Aᵀ) Bᵀ``, or with a DoRA `magnitude`
+    ``(x Wᵀ + scaling · (x Aᵀ) Bᵀ) · magnitude / ‖W + scaling · B A‖ + bias`` per output feature.
 
     Attributes:
-        weight: ``(out, in)`` base weight.
+        weight: ``(out, in)`` base weight, or a frozen :class:`~tigon.ops.QuantizedWeight` (QLoRA).
         lora_a: ``(r, in)`` down-projection A.
         lora_b: ``(out, r)`` up-projection B.
         scaling: the LoRA scale (``alpha / r`` in PEFT).
         bias: ``(out,)`` base bias, or None.
+        magnitude: ``(out,)`` DoRA magnitude vector (PEFT's ``lora_magnitude_vector``), or None
+            for plain LoRA.
     """
 
-    weight: torch.Tensor
+    weight: torch.Tensor | QuantizedWeight
     lora_a: torch.Tensor
     lora_b: torch.Tensor
     scaling: float
     bias: torch.Tensor | None = None
+    magnitude: torch.Tensor | None = None
 
 
 def lora_linear_reference(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | QuantizedWeight,
     lora_a: torch.Tensor,
     lora_b: torch.Tensor,
     scaling: float,
     bias: torch.Tensor | None = None,
+    magnitude: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """LoRA linear written the obvious way in PyTorch (as PEFT computes it, in x's dtype): the oracle
-    and fallback."""
+    """LoRA (or DoRA) linear written the obvious way in PyTorch (as PEFT computes it, in x's
+    dtype; a quantised base dequantised first): the oracle and fallback."""
+    if isinstance(weight, QuantizedWeight):
+        weight = dequantize_reference(weight, x.dtype)
     lora = torch.nn.functional.linear(torch.nn.functional.linear(x, lora_a.to(x.dtype)), lora_b.to(x.dtype))
-    return torch.nn.functional.linear(x, weight, bias) + scaling * lora
+    if magnitude is None:
+        return torch.nn.functional.linear(x, weight, bias) + scaling * lora
+    weight_norm = dora_norm_reference(weight.detach(), lora_a.detach(), lora_b.detach(), scaling)
+    return dora_scale_reference(torch.nn.functional.linear(x, weight) + scaling * lora, magnitude, weight_norm, bias)
 
 
 def lora_linear_group_reference(x: torch.Tensor, *flat: torch.Tensor | float | None) -> tuple[torch.Tensor, ...]:
@@ -91,9 +113,12 @@ def unflatten_projections(flat: Sequence) -> list[LoraProjection]:
     return [LoraProjection(*flat[i : i + width]) for i in range(0, len(flat), width)]
 
 
-def saved_tensors(projections: Sequence[LoraProjection]) -> list[torch.Tensor | None]:
-    """What a Function saves of each projection: its tensors, not the scaling."""
-    return [t for p in projections for t in (p.weight, p.lora_a, p.lora_b, p.bias)]
+_TENSOR_FIELDS = ("weight", "lora_a", "lora_b", "bias", "magnitude")
+
+
+def saved_tensors(projections: Sequence[LoraProjection]) -> list:
+    """The fields of each projection but the scaling (its weight may be a QuantizedWeight)."""
+    return [getattr(p, name) for p in projections for name in _TENSOR_FIELDS]
 
 
 def adapters_in(
@@ -117,9 +142,38 @@ def adapter_grads_back(flat_grads: list, dtypes: Sequence[tuple[torch.dtype, tor
     return flat_grads
 
 
-def restore_projections(tensors: Sequence[torch.Tensor | None], scalings: Sequence[float]) -> list[LoraProjection]:
+def restore_projections(tensors: Sequence, scalings: Sequence[float]) -> list[LoraProjection]:
     """Inverse of :func:`saved_tensors`, given the scalings."""
-    return [LoraProjection(w, a, b, s, bias) for (w, a, b, bias), s in zip(zip(*[iter(tensors)] * 4), scalings)]
+    width = len(_TENSOR_FIELDS)
+    return [LoraProjection(w, a, b, s, bias, m) for (w, a, b, bias, m), s in zip(zip(*[iter(tensors)] * width), scalings)]
+
+
+def save_projections(ctx, leading: Sequence, projections: Sequence[LoraProjection], trailing: Sequence = ()) -> None:
+    """``ctx.save_for_backward(*leading, <the projections' tensors>, *trailing)``, the scalings and
+    quantised weights (frozen parameters, not activations) kept on ctx; :func:`load_projections`
+    gives them back."""
+    fields = saved_tensors(projections)
+    ctx.quantized = {i: f for i, f in enumerate(fields) if isinstance(f, QuantizedWeight)}
+    ctx.save_for_backward(*leading, *(None if i in ctx.quantized else f for i, f in enumerate(fields)), *trailing)
+    ctx.scalings = [p.scaling for p in projections]
+    ctx.layout = (len(leading), len(fields))
+
+
+def load_projections(ctx, saved: Sequence) -> tuple[Sequence, list[LoraProjection], Sequence]:
+    """(leading, projections, trailing) as :func:`save_projections` saved them."""
+    n_leading, n_fields = ctx.layout
+    fields = [ctx.quantized.get(i, t) for i, t in enumerate(saved[n_leading:n_leading + n_fields])]
+    return saved[:n_leading], restore_projections(fields, ctx.scalings), saved[n_leading + n_fields:]
+
+
+def dora_saved(doras: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> list[torch.Tensor | None]:
+    """The DoRA states of a group, (z, weight norm) or None per projection, as tensors to save."""
+    return [t for state in doras for t in (state if state is not None else (None, None))]
+
+
+def dora_restored(tensors: Sequence[torch.Tensor | None]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Inverse of :func:`dora_saved`."""
+    return [None if z is None else (z, norm) for z, norm in zip(tensors[0::2], tensors[1::2])]
 
 
 def _scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -129,17 +183,27 @@ def _scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: float, out: torch.Tensor
     return out.addmm_(a, b, beta=0, alpha=alpha)
 
 
-def lora_forward(x2d: torch.Tensor, xa: torch.Tensor, projection: LoraProjection) -> torch.Tensor:
-    """One projection's output, written once: ``bias + s · xa Bᵀ``, then the base GEMM on top.
+def lora_forward(
+    x2d: torch.Tensor, xa: torch.Tensor, projection: LoraProjection, adapters: LoraProjection | None = None
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """One projection's output, written once: ``bias + s · xa Bᵀ``, then the base GEMM on top; and
+    its DoRA state (z, weight norm), or None without a magnitude.
 
-    `xa` is ``x Aᵀ`` for this projection (may be a column slice of a wider tensor).
+    `xa` is ``x Aᵀ`` for this projection (may be a column slice of a wider tensor). A DoRA weight
+    norm is taken from the base as the GEMM reads it and the adapters of `adapters` (the
+    projection with its adapters in their own dtype; default `projection`).
     """
-    weight, _, lora_b, scaling, bias = projection
-    if bias is None:
-        out = _scaled_mm(xa, lora_b.t(), scaling)
-    else:
-        out = torch.addmm(bias, xa, lora_b.t(), alpha=scaling)
-    return out.addmm_(x2d, weight.t())
+    weight, _, lora_b, scaling, bias, magnitude = projection
+    base = dequantized(weight, x2d.dtype)
+    if magnitude is None and bias is not None:
+        return torch.addmm(bias, xa, lora_b.t(), alpha=scaling).addmm_(x2d, base.t()), None
+    z = _scaled_mm(xa, lora_b.t(), scaling).addmm_(x2d, base.t())
+    if magnitude is None:
+        return z, None
+    adapters = adapters or projection
+    # Read before anything else is dequantised into the buffer `base` may be.
+    weight_norm = DORA_NORM(None, base, adapters.lora_a, adapters.lora_b, scaling)
+    return DORA_SCALE(None, z, magnitude, weight_norm, bias), (z, weight_norm)
 
 
 def lora_rank_slices(lora_as: Sequence[torch.Tensor]) -> list[slice]:
@@ -156,13 +220,16 @@ def stacked(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def lora_group_forward(
-    x2d: torch.Tensor, projections: Sequence[LoraProjection]
-) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Every projection's output of the rows `x2d`, and ``x [A₁; A₂; …]ᵀ`` (N × Σr) for backward."""
+    x2d: torch.Tensor, projections: Sequence[LoraProjection], adapters: Sequence[LoraProjection] | None = None
+) -> tuple[list[torch.Tensor], torch.Tensor, list]:
+    """Every projection's output of the rows `x2d`, ``x [A₁; A₂; …]ᵀ`` (N × Σr) for backward, and
+    each one's DoRA state (see :func:`lora_forward`)."""
     lora_as = [p.lora_a for p in projections]
     xa = torch.mm(x2d, stacked(lora_as).t())
-    outs = [lora_forward(x2d, xa[:, cols], p) for p, cols in zip(projections, lora_rank_slices(lora_as))]
-    return outs, xa
+    adapters = adapters or projections
+    results = [lora_forward(x2d, xa[:, cols], p, own)
+               for p, own, cols in zip(projections, adapters, lora_rank_slices(lora_as))]
+    return [out for out, _ in results], xa, [state for _, state in results]
 
 
 def lora_group_backward(
@@ -171,14 +238,16 @@ def lora_group_backward(
     grads: Sequence[torch.Tensor | None],
     projections: Sequence[LoraProjection],
     needs_grad: Sequence[bool],
+    doras: Sequence | None = None,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
     """Gradients of a group of LoRA projections sharing the input rows `x2d`.
 
     `grads` are the 2-D output gradients (None for an output that got none); `needs_grad` is
-    ``[x, then weight, lora_a, lora_b, scaling, bias of each projection]``. Returns dx and the
-    per-projection gradients in the same flat order (None where not needed).
+    ``[x, then the LoraProjection fields of each projection]``; `doras` the projections' DoRA
+    states from forward (None: no DoRA). Returns dx and the per-projection gradients in the same
+    flat order (None where not needed).
     """
-    grad_x, grad_xa, flat_grads = lora_backward_without_input(xa, grads, projections, needs_grad)
+    grad_x, grad_xa, flat_grads, grads = lora_backward_without_input(xa, grads, projections, needs_grad, doras)
     lora_backward_from_input(x2d, grad_xa, grads, projections, needs_grad, flat_grads)
     return grad_x, flat_grads
 
@@ -193,10 +262,13 @@ def lora_backward_without_input(
     grads: Sequence[torch.Tensor | None],
     projections: Sequence[LoraProjection],
     needs_grad: Sequence[bool],
-) -> tuple[torch.Tensor | None, torch.Tensor | None, list[torch.Tensor | None]]:
+    doras: Sequence | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
     """The part of :func:`lora_group_backward` that does not read the group's input: dx,
-    ``dxa = [s₁ dy₁ B₁, s₂ dy₂ B₂, …]`` (None when neither dx nor any dA needs it), and the flat
-    gradients with dB and dbias filled in (dW and dA are left to :func:`lora_backward_from_input`).
+    ``dxa = [s₁ dz₁ B₁, s₂ dz₂ B₂, …]`` (None when neither dx nor any dA needs it), the flat
+    gradients with dB, dbias and DoRA's dmagnitude filled in (dW and dA are left to
+    :func:`lora_backward_from_input`), and the gradients of the LoRA outputs z (dy itself without
+    DoRA, ``dy · m / ‖·‖`` with it), which :func:`lora_backward_from_input` takes.
 
     A gated MLP needs dx of its down projection before it can recompute that projection's input.
     """
@@ -206,31 +278,47 @@ def lora_backward_without_input(
     need_dxa = need_x or any(n[1] for n in needs)
     lora_as = [p.lora_a for p in projections]
     slices = lora_rank_slices(lora_as)
+    doras = doras or [None] * len(projections)
 
     grad_xa = torch.empty(xa.shape, dtype=xa.dtype, device=xa.device) if need_dxa else None
     flat_grads: list[torch.Tensor | None] = []
-    for projection, dy, cols, need in zip(projections, grads, slices, needs):
+    grads_z: list[torch.Tensor | None] = []
+    for projection, dy, cols, need, dora in zip(projections, grads, slices, needs, doras):
         flat_grads += [None] * width
         if dy is None:
             # No gradient reaches this output: none for its parameters either, as in eager.
             if grad_xa is not None:
                 grad_xa[:, cols].zero_()
+            grads_z.append(None)
             continue
+        if dora is not None:
+            z, weight_norm = dora
+            magnitude, bias = projection.magnitude, projection.bias
+            dz, grad_magnitude, grad_bias = DORA_SCALE_BACKWARD(
+                None, dy, z, magnitude, weight_norm, bias is not None and need[4]
+            )
+            if need[5]:
+                flat_grads[-width + 5] = grad_magnitude.to(magnitude.dtype)
+            if grad_bias is not None:
+                flat_grads[-width + 4] = grad_bias.to(bias.dtype)
+        else:
+            dz = dy
+            if need[4]:
+                flat_grads[-width + 4] = dy.sum(0)
+        grads_z.append(dz)
         if grad_xa is not None:
-            _scaled_mm(dy, projection.lora_b, projection.scaling, out=grad_xa[:, cols])
+            _scaled_mm(dz, projection.lora_b, projection.scaling, out=grad_xa[:, cols])
         if need[2]:
-            flat_grads[-width + 2] = _scaled_mm(dy.t(), xa[:, cols], projection.scaling)
-        if need[4]:
-            flat_grads[-width + 4] = dy.sum(0)
+            flat_grads[-width + 2] = _scaled_mm(dz.t(), xa[:, cols], projection.scaling)
 
     grad_x = None
     if need_x:
-        # dx = Σ dxaᵢ Aᵢ + Σ dyᵢ Wᵢ: the K = Σr GEMM writes dx, each base GEMM accumulates into it.
+        # dx = Σ dxaᵢ Aᵢ + Σ dzᵢ Wᵢ: the K = Σr GEMM writes dx, each base GEMM accumulates into it.
         grad_x = torch.mm(grad_xa, stacked(lora_as))
-        for projection, dy in zip(projections, grads):
-            if dy is not None:
-                grad_x.addmm_(dy, projection.weight)
-    return grad_x, grad_xa, flat_grads
+        for projection, dz in zip(projections, grads_z):
+            if dz is not None:
+                grad_x.addmm_(dz, dequantized(projection.weight, dz.dtype))
+    return grad_x, grad_xa, flat_grads, grads_z
 
 
 def lora_backward_from_input(
@@ -259,21 +347,22 @@ def lora_backward_from_input(
 class _LoraGroupFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, *flat):
-        projections, ctx.adapter_dtypes = adapters_in(x.dtype, unflatten_projections(flat))
+        own = unflatten_projections(flat)
+        projections, ctx.adapter_dtypes = adapters_in(x.dtype, own)
         x2d = rows_view(x)
-        outs, xa = lora_group_forward(x2d, projections)
-        ctx.save_for_backward(x2d, xa, *saved_tensors(projections))
-        ctx.scalings = [p.scaling for p in projections]
+        outs, xa, doras = lora_group_forward(x2d, projections, own)
+        save_projections(ctx, (x2d, xa), projections, dora_saved(doras))
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not a zero tensor
         ctx.lead_shape = x.shape[:-1]
         return tuple(out.view(*x.shape[:-1], out.shape[-1]) for out in outs)
 
     @staticmethod
     def backward(ctx, *grad_outs):
-        x2d, xa, *tensors = ctx.saved_tensors
-        projections = restore_projections(tensors, ctx.scalings)
+        (x2d, xa), projections, doras = load_projections(ctx, ctx.saved_tensors)
         grads = [None if g is None else rows_view(g) for g in grad_outs]
-        grad_x, flat_grads = lora_group_backward(x2d, xa, grads, projections, ctx.needs_input_grad)
+        grad_x, flat_grads = lora_group_backward(
+            x2d, xa, grads, projections, ctx.needs_input_grad, dora_restored(doras)
+        )
         if grad_x is not None:
             grad_x = grad_x.view(*ctx.lead_shape, x2d.shape[1])
         return (grad_x, *adapter_grads_back(flat_grads, ctx.adapter_dtypes))
@@ -285,11 +374,18 @@ def check_projection(
     """Raise ValueError unless `projection` takes inputs of width `in_features` (default x's last
     dim) on x's device, its weight and bias in x's dtype unless autocast will cast them (the
     adapters may have any float dtype: see the module docstring)."""
-    if not isinstance(projection, tuple) or len(projection) != len(LoraProjection._fields):
-        raise ValueError(f"{name} must be a LoraProjection (weight, lora_a, lora_b, scaling, bias), got {projection!r}")
-    weight, lora_a, lora_b, scaling, bias = projection
+    if not isinstance(projection, LoraProjection):
+        raise ValueError(
+            f"{name} must be a LoraProjection (weight, lora_a, lora_b, scaling, bias, magnitude), got {projection!r}"
+        )
+    weight, lora_a, lora_b, scaling, bias, magnitude = projection
     in_features = x.shape[-1] if in_features is None else in_features
-    for arg, t in ((f"{name} weight", weight), (f"{name} lora_a", lora_a), (f"{name} lora_b", lora_b)):
+    quantized = isinstance(weight, QuantizedWeight)
+    if quantized:
+        check_quantized(f"{name} weight", weight, x.device)
+    for arg, t in (((f"{name} weight", weight),) if not quantized else ()) + (
+        (f"{name} lora_a", lora_a), (f"{name} lora_b", lora_b)
+    ):
         check_float(arg, t)
         if t.dim() != 2:
             raise ValueError(f"{arg} must be a 2-D matrix, got shape {tuple(t.shape)}")
@@ -309,8 +405,10 @@ def check_projection(
         if tuple(bias.shape) != (out_features,):
             raise ValueError(f"{name} bias must have shape ({out_features},), got {tuple(bias.shape)}")
         check_device(f"{name} bias", bias, x.device)
+    if magnitude is not None:
+        check_vector(f"{name} magnitude", magnitude, out_features, x.device)
     if not autocast:
-        for arg, t in ((f"{name} weight", weight), (f"{name} bias", bias)):
+        for arg, t in ((f"{name} weight", None if quantized else weight), (f"{name} bias", bias)):
             if t is not None and t.dtype != x.dtype:
                 raise ValueError(f"{arg} must have the dtype of x ({x.dtype}), got {t.dtype}")
 
@@ -326,7 +424,8 @@ def projections_for_autocast(
     host-bound ~10 ms under the HF Trainer's bf16 autocast)."""
     if dtype is None:
         return x, flatten_projections(projections)
-    cast = [p._replace(weight=p.weight.to(dtype), bias=None if p.bias is None else p.bias.to(dtype))
+    cast = [p._replace(weight=p.weight if isinstance(p.weight, QuantizedWeight) else p.weight.to(dtype),
+                       bias=None if p.bias is None else p.bias.to(dtype))
             for p in projections]
     return x.to(dtype), flatten_projections(cast)
 
@@ -339,11 +438,12 @@ LORA_LINEAR_GROUP = Op("lora_linear_group", _LoraGroupFunction.apply, lora_linea
 
 def lora_linear(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | QuantizedWeight,
     lora_a: torch.Tensor,
     lora_b: torch.Tensor,
     scaling: float,
     bias: torch.Tensor | None = None,
+    magnitude: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A LoRA-adapted linear layer, ``x Wᵀ + bias + scaling · (x Aᵀ) Bᵀ``, with each full-size
     tensor written once in forward and backward (see the module docstring).
@@ -351,11 +451,15 @@ def lora_linear(
     Args:
         x: input ``(..., in)``, float16/bfloat16/float32 (float64 runs the reference).
         weight: ``(out, in)`` base weight; its gradient (a full GEMM) is computed only if it
-            requires grad.
+            requires grad. Or a :class:`~tigon.ops.QuantizedWeight` (QLoRA: frozen, dequantised
+            into a reused buffer for each GEMM).
         lora_a: ``(r, in)`` adapter A (PEFT's ``lora_A.weight``).
         lora_b: ``(out, r)`` adapter B (PEFT's ``lora_B.weight``).
         scaling: the adapter's scale (``lora_alpha / r`` in PEFT).
         bias: optional ``(out,)`` base bias.
+        magnitude: optional ``(out,)`` DoRA magnitude: the output is then
+            ``(x Wᵀ + scaling · (x Aᵀ) Bᵀ) · magnitude / ‖W + scaling · B A‖ + bias``, the norm
+            (per output feature) detached, as in PEFT.
 
     All tensors share x's device; weight and bias share x's dtype, the adapters may have another
     float dtype (they are cast to x's, and their gradients come back in their own). Under autocast
@@ -366,7 +470,7 @@ def lora_linear(
     """
     check_input(x)
     dtype = autocast_dtype(x)
-    projection = LoraProjection(weight, lora_a, lora_b, scaling, bias)
+    projection = LoraProjection(weight, lora_a, lora_b, scaling, bias, magnitude)
     check_projection("lora", projection, x, autocast=dtype is not None)
     x, flat = projections_for_autocast(x, [projection], dtype)
     return LORA_LINEAR.without_autocast(dtype, None, x, *flat)

@@ -13,6 +13,11 @@ activation that saves ``act(gate)``, ``up`` and the product for backward. Here:
 * saved per layer: x, gate, up and the rank-sized ``x Aᵀ`` / ``h A_downᵀ``. The down projection's
   input ``h = act(gate) * up`` is recomputed in backward by the same pass that forms the
   gradients of gate and up.
+
+Quantised bases and DoRA projections work as in :mod:`tigon.ops.composite.lora`. A DoRA gate or up
+projection saves its unscaled output z in place of its output (which backward rescales again, a
+cheap pass, for the activation's gradient), so DoRA adds nothing of the intermediate size to what
+the op keeps; a DoRA down projection saves its z (N × hidden).
 """
 
 from __future__ import annotations
@@ -26,7 +31,10 @@ from tigon.ops.composite.lora import (
     adapter_grads_back,
     adapters_in,
     check_projection,
+    dora_restored,
+    dora_saved,
     flatten_projections,
+    load_projections,
     lora_backward_from_input,
     lora_backward_without_input,
     lora_forward,
@@ -34,10 +42,10 @@ from tigon.ops.composite.lora import (
     lora_group_forward,
     lora_linear_reference,
     projections_for_autocast,
-    restore_projections,
-    saved_tensors,
+    save_projections,
     unflatten_projections,
 )
+from tigon.ops.dora import DORA_SCALE
 from tigon.ops.glu import ACTIVATIONS, glu_backward, glu_forward, glu_op, glu_reference
 
 
@@ -50,23 +58,37 @@ def lora_gated_mlp_reference(x: torch.Tensor, activation: str, *flat) -> torch.T
 
 
 def _reference_point(ctx, saved):
-    x = saved[0].view(*ctx.lead_shape, saved[0].shape[1])
-    flat = flatten_projections(restore_projections(saved[5:], ctx.scalings))
-    return LORA_GATED_MLP, lora_gated_mlp_reference, (x, ctx.activation, *flat)
+    (x2d, *_), projections, _ = load_projections(ctx, saved)
+    x = x2d.view(*ctx.lead_shape, x2d.shape[1])
+    return LORA_GATED_MLP, lora_gated_mlp_reference, (x, ctx.activation, *flatten_projections(projections))
+
+
+def _kept(output: torch.Tensor, dora: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """What the op keeps of a gate or up output: its unscaled z under DoRA (the state holds it)."""
+    return output if dora is None else dora[0]
+
+
+def _output(kept: torch.Tensor, projection: LoraProjection, dora: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """A gate or up output again from what :func:`_kept` kept."""
+    if dora is None:
+        return kept
+    return DORA_SCALE(None, kept, projection.magnitude, dora[1], projection.bias)
 
 
 class _LoraGatedMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, activation, *flat):
-        (gate_proj, up_proj, down_proj), ctx.adapter_dtypes = adapters_in(x.dtype, unflatten_projections(flat))
+        own = unflatten_projections(flat)
+        (gate_proj, up_proj, down_proj), ctx.adapter_dtypes = adapters_in(x.dtype, own)
         x2d = rows_view(x)
-        (gate, up), xa = lora_group_forward(x2d, [gate_proj, up_proj])
+        (gate, up), xa, gate_up_doras = lora_group_forward(x2d, [gate_proj, up_proj], own[:2])
         h = glu_forward(gate, up, activation)
         ha = torch.mm(h, down_proj.lora_a.t())
-        out = lora_forward(h, ha, down_proj)
+        out, down_dora = lora_forward(h, ha, down_proj, own[2])
         del h  # recomputed in backward
-        ctx.save_for_backward(x2d, gate, up, xa, ha, *saved_tensors([gate_proj, up_proj, down_proj]))
-        ctx.scalings = [p.scaling for p in (gate_proj, up_proj, down_proj)]
+        kept = [_kept(t, dora) for t, dora in zip((gate, up), gate_up_doras)]
+        doras = dora_saved([*gate_up_doras, down_dora])
+        save_projections(ctx, (x2d, *kept, xa, ha), [gate_proj, up_proj, down_proj], doras)
         ctx.activation = activation
         ctx.lead_shape = x.shape[:-1]
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -74,8 +96,9 @@ class _LoraGatedMLPFunction(torch.autograd.Function):
     @staticmethod
     @backward_fallback(_reference_point)
     def backward(ctx, saved, grad_out):
-        x2d, gate, up, xa, ha, *tensors = saved
-        gate_proj, up_proj, down_proj = restore_projections(tensors, ctx.scalings)
+        (x2d, gate, up, xa, ha), (gate_proj, up_proj, down_proj), dora_tensors = load_projections(ctx, saved)
+        gate_dora, up_dora, down_dora = dora_restored(dora_tensors)
+        gate, up = _output(gate, gate_proj, gate_dora), _output(up, up_proj, up_dora)
         width = len(LoraProjection._fields)
         needs = ctx.needs_input_grad
         gate_up_needs = (needs[0], *needs[2 : 2 + 2 * width])
@@ -84,15 +107,18 @@ class _LoraGatedMLPFunction(torch.autograd.Function):
 
         # dh = s dy B A + dy W of the down projection; it, gate and up are ours alone, so the
         # activation's backward writes its results over them.
-        grad_h, grad_ha, down_grads = lora_backward_without_input(ha, [dy], [down_proj], down_needs)
+        grad_h, grad_ha, down_grads, down_grads_z = lora_backward_without_input(
+            ha, [dy], [down_proj], down_needs, [down_dora]
+        )
         needs_h = down_needs[1] or down_needs[2]  # the down projection's dW or dA reads h
+        # Under DoRA gate and up are fresh rescalings, ours to overwrite like the kept ones.
         grad_gate, grad_up, h = glu_backward(grad_h, gate, up, ctx.activation, store_product=needs_h, in_place=True)
         if needs_h:
-            lora_backward_from_input(h, grad_ha, [dy], [down_proj], down_needs, down_grads)
+            lora_backward_from_input(h, grad_ha, down_grads_z, [down_proj], down_needs, down_grads)
         del h, grad_h
 
         grad_x, gate_up_grads = lora_group_backward(
-            x2d, xa, [grad_gate, grad_up], [gate_proj, up_proj], gate_up_needs
+            x2d, xa, [grad_gate, grad_up], [gate_proj, up_proj], gate_up_needs, [gate_dora, up_dora]
         )
         if grad_x is not None:
             grad_x = grad_x.view(*ctx.lead_shape, x2d.shape[1])

@@ -1,0 +1,163 @@
+"""tigon.patch on models loaded quantised by bitsandbytes (through transformers' BitsAndBytesConfig),
+with and without PEFT LoRA / DoRA adapters: the fused ops against PEFT + bitsandbytes themselves.
+
+bitsandbytes' CPU backend runs all of it: 4-bit (NF4/FP4) dequantisation and matmuls, and LLM.int8
+through its dequantise-then-matmul training path."""
+
+import logging
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("bitsandbytes")
+
+import tigon  # noqa: E402
+from tigon.patch.lora import active_adapter  # noqa: E402
+from tests.patch.test_lora import FUSED, _assert_same_step, _ids, _run, apply_lora, spy  # noqa: E402,F401
+from tests.helpers import assert_close  # noqa: E402
+from tests.ops.composite.test_lora import one_cpu_thread  # noqa: E402,F401 (autouse fixture)
+
+VOCAB = 101
+KINDS = ["nf4", "fp4", "nf4-double", "int8"]
+
+
+@pytest.fixture(autouse=True)
+def clean_patches():
+    yield
+    tigon.unpatch()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny Llama on disk: bitsandbytes quantises while transformers loads."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def _quantization(kind, compute_dtype=torch.float32):
+    if kind == "int8":
+        return transformers.BitsAndBytesConfig(load_in_8bit=True)
+    return transformers.BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type=kind[:3], bnb_4bit_use_double_quant=kind.endswith("double"),
+        bnb_4bit_compute_dtype=compute_dtype,
+    )
+
+
+def _load(checkpoint, kind, dtype=torch.float32):
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        checkpoint, quantization_config=_quantization(kind, dtype), dtype=dtype, device_map="cpu"
+    )
+
+
+def _qlora(checkpoint, kind, **lora):
+    """The quantised model with the same random (non-zero) adapters, twice: two loads, as
+    bitsandbytes' 8-bit parameters do not deep-copy."""
+    models = []
+    for _ in range(2):
+        base = _load(checkpoint, kind)
+        torch.manual_seed(0)
+        config = peft.LoraConfig(**{"r": 8, "lora_alpha": 16, "target_modules": "all-linear",
+                                    "init_lora_weights": False, **lora})
+        models.append(peft.get_peft_model(base, config, autocast_adapter_dtype=False).train())
+    return models
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_qlora_matches_peft_and_bitsandbytes(checkpoint, kind, spy):
+    ours, theirs = _qlora(checkpoint, kind)
+    summary = apply_lora(ours)
+    assert (summary.linears, summary.gated_mlps, summary.qkv_groups, summary.left) == (14, 2, 2, {})
+    assert summary.quantized == {kind[:3] if kind != "int8" else "int8": 14}
+    _assert_same_step(ours, theirs, _ids())
+    assert spy == FUSED
+
+
+def test_qdora_matches_peft(checkpoint, spy):
+    ours, theirs = _qlora(checkpoint, "nf4-double", use_dora=True)
+    summary = apply_lora(ours)
+    assert (summary.linears, summary.dora, summary.quantized) == (14, 14, {"nf4": 14})
+    _assert_same_step(ours, theirs, _ids())
+    assert spy == FUSED
+
+
+def test_summary_line_counts_quantised_and_dora_layers(checkpoint, caplog):
+    ours, _ = _qlora(checkpoint, "nf4", use_dora=True, target_modules=["q_proj", "v_proj", "embed_tokens"])
+    with caplog.at_level(logging.INFO, logger="tigon"):
+        apply_lora(ours)
+    assert caplog.records[0].getMessage() == (
+        "tigon: fused LoRA on 4 of 5 LoRA layers (0 of them as 0 gated MLPs); 4 on nf4 bases, 4 DoRA; "
+        "left on PEFT's path: Embedding layer: 1"
+    )
+
+
+def test_other_compute_dtype_and_cpu_repacked_weights_stay_on_peft(checkpoint, spy):
+    """A 4-bit base computes in its compute dtype, not in x's: x of another dtype takes PEFT's path
+    (bitsandbytes' own casts); so does a weight bitsandbytes repacked for its CPU inference kernel."""
+    ours, theirs = _qlora(checkpoint, "nf4")
+    for model in (ours, theirs):
+        for module in model.modules():
+            if hasattr(module, "compute_dtype"):
+                module.compute_dtype = torch.float16
+    apply_lora(ours)
+    ids = _ids()
+    assert_close(ours(input_ids=ids).logits, theirs(input_ids=ids).logits, name="fp16 compute dtype")
+    assert spy["lora_linear"] == spy["lora_linear_group"] == spy["lora_gated_mlp"] == 0
+
+    layer = ours.base_model.model.model.layers[0].self_attn.o_proj
+    layer.base_layer.weight.quant_state.packing_format_for_cpu = True
+    assert "repacked" in active_adapter(layer)[1]
+
+
+def test_patch_of_a_quantised_model_without_adapters(checkpoint):
+    """No LoRA: norms, RoPE and the loss run tigon's kernels around bitsandbytes' linears."""
+    ours, theirs = _load(checkpoint, "nf4"), _load(checkpoint, "nf4")
+    patched = tigon.patch(ours)
+    assert "rms_norm" in patched.applied and "linear_cross_entropy" in patched.applied
+    ids = _ids()
+    ours.train()
+    theirs.train()
+    loss, ref_loss = ours(input_ids=ids, labels=ids).loss, theirs(input_ids=ids, labels=ids).loss
+    assert_close(loss, ref_loss, name="loss")
+    ours.eval()
+    theirs.eval()
+    with torch.no_grad():
+        assert_close(ours(input_ids=ids).logits, theirs(input_ids=ids).logits, name="eval logits")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,dora", [("nf4-double", False), ("fp4", False), ("int8", False), ("nf4-double", True)])
+def test_bf16_qlora_on_gpu_as_accurate_as_peft(tmp_path, kind, dora):
+    """bf16 on a GPU: the fused path's error against an fp32 run of the same quantised weights is
+    no worse than PEFT + bitsandbytes' (for int8 bitsandbytes also rounds the activations to int8,
+    so tigon's dequantise-and-multiply is the more precise one)."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=2,
+                                      num_attention_heads=16, num_key_value_heads=4, vocab_size=1000)
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    runs = {}
+    for name, dtype in (("ours", torch.bfloat16), ("peft", torch.bfloat16), ("oracle", torch.float32)):
+        base = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path, quantization_config=_quantization(kind, dtype), dtype=dtype, device_map="cuda"
+        )
+        torch.manual_seed(1)
+        lora = peft.LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", init_lora_weights=False,
+                               use_dora=dora)
+        runs[name] = peft.get_peft_model(base, lora).train()
+    summary = apply_lora(runs["ours"])
+    assert summary.linears == 14 and summary.dora == (14 if dora else 0)
+    ids = torch.randint(0, 1000, (4, 512), device="cuda")
+    want, got, peft_got = (_run(runs[name], ids) for name in ("oracle", "ours", "peft"))
+
+    def error(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+    assert error(got[1], want[1]) <= 1.5 * error(peft_got[1], want[1]) + 1e-3
+    assert error(got[0], want[0]) <= 1.5 * error(peft_got[0], want[0]) + 1e-3
+    for name, w in want[2].items():
+        assert error(got[2][name], w) <= 1.5 * error(peft_got[2][name], w) + 2e-3, name
