@@ -6,8 +6,16 @@
 #   tigon-nokernels  tigon rlhf --no-kernels (the fused loss alone)
 #   trl              TRL's DPOTrainer, gradient checkpointing off as in the tigon runs
 #   trl-ckpt         TRL's DPOTrainer as TRL configures it by default (checkpointing on)
-# and prints tok/s (median after the first logs), peak GiB and the largest per-step loss difference
-# to TRL's. Targets (TARGETS.md): tigon >= 1.6x trl's tok/s, peak <= 0.5x trl's.
+# and prints tok/s (median after the first logs), peak MiB and the largest per-step loss difference
+# to TRL's (scripts/rlhf_compare_summary.py). Targets (TARGETS.md): tigon >= 1.6x trl's tok/s, peak <= 0.5x trl's.
+# METHOD=grpo or METHOD=gkd instead compares, on the same model, LoRA r=16, bf16 and seed:
+#   grpo  8 prompts x 8 completions (GEN_LEN tokens each, default 256; a random model never stops
+#         early, so every completion is full length) per step, reward builtin:length, beta 0
+#   gkd   the model distilled from itself (TEACHER, default the same model), 4 chats x 1024 tokens,
+#         --lmbda 0 (the dataset's answers: no sampling, so the steps are alike)
+# running tigon (kernels, fused loss), trl (its trainer; GRPO with its own fused LM head) and
+# trl-liger (Liger-Kernel's layer kernels through TRL's use_liger_kernel; its wheel in WHEELS),
+# and prints tok/s and peak MiB of each and their ratios to trl's.
 # Device machine, repo root. TRL is not installed there: WHEELS=dir of wheels (trl, datasets, dill,
 # multiprocess) is installed into $WORK/pylib first. PREP_ONLY=1 writes the model and data and stops.
 set -uo pipefail
@@ -35,8 +43,42 @@ with open(f"{sys.argv[1]}/pairs.jsonl", "w") as f:
         f.write(json.dumps({"prompt": " ".join(rng.choices(words, k=150)),
                             "chosen": " ".join(rng.choices(words, k=1000)),
                             "rejected": " ".join(rng.choices(words, k=1000))}) + "\n")
+with open(f"{sys.argv[1]}/pairs.jsonl") as f, open(f"{sys.argv[1]}/chats.jsonl", "w") as chats:
+    for line in f:  # gkd's data: each pair's prompt and chosen answer as a chat
+        pair = json.loads(line)
+        chats.write(json.dumps({"messages": [{"role": "user", "content": pair["prompt"]},
+                                             {"role": "assistant", "content": pair["chosen"]}]}) + "\n")
 PY
 [ "${PREP_ONLY:-0}" = 1 ] && exit 0
+METHOD=${METHOD:-dpo}
+if [ "$METHOD" != dpo ]; then
+  GEN_LEN=${GEN_LEN:-256}
+  TEACHER=${TEACHER:-$WORK/model}
+  if [ "$METHOD" = grpo ]; then
+    # 16 completions per device step, 4 accumulated: one generation batch of 8 prompts x 8 per step.
+    DATA=$WORK/pairs.jsonl
+    OWN=(--num-generations 8 --max-completion-length "$GEN_LEN" --grad-accum 4 --batch-size 16 --max-length 512)
+    TIGON=(--reward-funcs builtin:length --beta 0)
+  else
+    DATA=$WORK/chats.jsonl
+    OWN=(--teacher "$TEACHER" --lmbda 0 --batch-size 4 --max-length 1024)
+    TIGON=()
+  fi
+  COMMON=(--model "$WORK/model" --dataset "$DATA" --max-steps "$STEPS" --lora-rank 16 --lr 1e-5)
+  timeout 600 python3 -m tigon.cli rlhf --method "$METHOD" "${COMMON[@]}" "${OWN[@]}" "${TIGON[@]}" --tuner lora \
+    --dtype bf16 --save-steps 0 --samples 0 --overwrite --output-dir "$WORK/$METHOD-tigon" > "$OUT/$METHOD-tigon.log" 2>&1
+  echo "tigon: $(grep -E '^done:|tigon: applied' "$OUT/$METHOD-tigon.log" | tr '\n' ' ')"
+  cp "$WORK/$METHOD-tigon/metrics.jsonl" "$OUT/$METHOD-tigon.metrics.jsonl" 2>/dev/null
+  for liger in "" --liger; do
+    name=trl${liger:+-liger}
+    timeout 600 python3 scripts/rlhf_trl_baseline.py --method "$METHOD" "${COMMON[@]}" "${OWN[@]}" $liger \
+      --output-dir "$WORK/$METHOD-$name" > "$OUT/$METHOD-$name.log" 2>&1
+    echo "$name: $(grep -E '^done:' "$OUT/$METHOD-$name.log")"
+    cp "$WORK/$METHOD-$name/metrics.jsonl" "$OUT/$METHOD-$name.metrics.jsonl" 2>/dev/null
+  done
+  python3 scripts/rlhf_compare_summary.py "$OUT" "$METHOD" tigon trl trl-liger
+  exit 0
+fi
 COMMON=(--model "$WORK/model" --dataset "$WORK/pairs.jsonl" --max-length 1024 --batch-size 4 --max-steps "$STEPS")
 for kernels in --kernels --no-kernels; do
   name=tigon; [ "$kernels" = --no-kernels ] && name=tigon-nokernels
@@ -52,28 +94,4 @@ for ckpt in "" --checkpointing; do
   echo "$name: $(grep -E '^done:' "$OUT/rlhf-$name.log")"
   cp "$WORK/$name/metrics.jsonl" "$OUT/rlhf-$name.metrics.jsonl" 2>/dev/null
 done
-python3 - "$OUT" <<'PY'
-import json, statistics, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-def load(name):
-    path = out / f"rlhf-{name}.metrics.jsonl"
-    return [json.loads(l) for l in path.read_text().splitlines() if '"loss"' in l] if path.is_file() else []
-runs = {n: load(n) for n in ("tigon", "tigon-nokernels", "trl", "trl-ckpt")}
-base = runs["trl"]
-summary = {}
-print(f"{'run':<16} {'tok/s':>9} {'x trl':>6} {'peak GiB':>9} {'x trl':>6} {'max |dloss| vs trl':>19}  steps")
-for name, recs in runs.items():
-    if not recs:
-        print(f"{name:<16} (no metrics: see {out}/rlhf-{name}.log)")
-        continue
-    rate = statistics.median(r["tokens_per_s"] for r in recs[3:] or recs)
-    peak = max(r.get("gpu_mem_gib", 0) for r in recs)
-    diff = max((abs(a["loss"] - b["loss"]) for a, b in zip(recs, base)), default=float("nan"))
-    base_rate = statistics.median(r["tokens_per_s"] for r in base[3:] or base) if base else float("nan")
-    base_peak = max(r.get("gpu_mem_gib", 0) for r in base) if base else float("nan")
-    summary[name] = {"tokens_per_s": rate, "peak_gib": peak, "max_loss_diff_vs_trl": diff,
-                     "losses": [r["loss"] for r in recs], "margins": [r.get("rewards/margins") for r in recs]}
-    print(f"{name:<16} {rate:>9.0f} {rate / base_rate:>6.2f} {peak:>9.2f} {peak / base_peak:>6.2f} {diff:>19.4g}  {len(recs)}")
-(out / "rlhf-compare.json").write_text(json.dumps(summary, indent=1))
-PY
+python3 scripts/rlhf_compare_summary.py "$OUT" rlhf tigon tigon-nokernels trl trl-ckpt

@@ -170,9 +170,10 @@ def _add_train_commands(sub: argparse._SubParsersAction) -> None:
     sft.add_argument("--debug", **debug)
     sft.set_defaults(run=_cmd_sft)
 
-    rlhf = sub.add_parser("rlhf", help="preference-train a model (DPO, IPO, KTO, ORPO, SimPO, CPO) with tigon's "
-                          "fused preference loss (no arguments: DPO of the built-in tiny model after sft, on "
-                          "bundled pairs, on CPU in minutes)")
+    rlhf = sub.add_parser("rlhf", help="align a model with preference training (DPO, IPO, KTO, ORPO, SimPO, CPO), "
+                          "online RL from reward functions (--method grpo) or on-policy distillation (--method gkd), "
+                          "on tigon's fused losses (no arguments: DPO of the built-in tiny model after sft, on "
+                          "bundled pairs, on CPU in minutes; --method grpo / gkd alone: the same for those)")
     add_sft_arguments(rlhf, RLHFConfig)
     rlhf.add_argument("--debug", **debug)
     rlhf.set_defaults(run=_cmd_rlhf)

@@ -67,7 +67,7 @@ OPCHECK_CASES = {
                                           -100, 0.0, 1e-4, 20.0, 4),
     # 600 bytes: chunks of 4 rows of 37 fp32 logits
     "linear_log_probs": lambda: (_t(2, 5, 16, grad=True), _t(37, 16, grad=True), _t(37, grad=True), _target(2, 5),
-                                 -100, 0.7, True, 600, False),
+                                 -100, 0.7, True, True, 600, False),
     "linear_log_probs_backward": lambda: (_t(2, 5, 16), _t(37, 16), _t(37), _target(2, 5), _t(2, 5) + 4, _t(2, 5),
                                           _t(2, 5), _t(2, 5), None, -100, 0.7, 600, True, True, True),
     "linear_preference_loss": lambda: (_t(4, 6, 16, grad=True), _t(37, 16, grad=True), None, _target(4, 6),

@@ -189,6 +189,73 @@ def test_strided_hidden_and_int32_target(poison_outputs, device):
     )
 
 
+def _torch_stats(h, w, b, target, temperature=1.0):
+    """The statistics from torch alone: the mean logit, argmax == target, log of sum p^2."""
+    z = (TF.linear(h.double(), w.double(), None if b is None else b.double()) / temperature)
+    valid = target != IGNORE
+    p = z.softmax(-1)
+    return (torch.where(valid, z.mean(-1), 0.0).float(), valid & (z.argmax(-1) == target),
+            torch.where(valid, (p * p).sum(-1).log(), 0.0).float())
+
+
+@pytest.mark.parametrize("dtype,vocab", [(torch.float32, 1031), (torch.float16, 257)])
+@pytest.mark.parametrize("entropy", [False, True])
+def test_stats_match_torch_and_change_no_gradient(poison_outputs, device, dtype, vocab, entropy):
+    """The statistics TRL's fused head reports (mean logit, top-1, log sum p^2), from the chunks'
+    one pass; asking for them leaves the outputs and the gradients as they are."""
+    h, w, b, target = _inputs((3, 7), 19, vocab, dtype, device)
+    with torch.no_grad():  # a third of the tokens predicted right, so that top-1 is both
+        best = TF.linear(h.float(), w.float(), b.float()).argmax(-1)
+    target = torch.where((torch.arange(21, device=device) % 3 == 0).view(3, 7) & (target != IGNORE), best, target)
+    budget = _budget(vocab, dtype)
+    *out, stats = F.linear_log_probs(h, w, target, b, temperature=0.8, return_entropy=entropy, return_stats=True,
+                                     max_chunk_bytes=budget)
+    mean, top1, log_sum_sq = _torch_stats(h.detach(), w.detach(), b.detach(), target, 0.8)
+    assert stats.is_top1.dtype == torch.bool and torch.equal(stats.is_top1, top1) and 3 <= top1.sum() < 16
+    assert_close(stats.mean_logits, mean, dtype, name="mean logits")
+    assert_close(stats.log_sum_sq_probs, log_sum_sq, dtype, name="log sum p^2")
+    assert not any(t.requires_grad for t in stats)
+    grads = [torch.randn_like(o) for o in out]
+    torch.autograd.backward(out, grads)
+    plain = [t.detach().clone().requires_grad_() for t in (h, w, b)]
+    again = F.linear_log_probs(*plain[:2], target, plain[2], temperature=0.8, return_entropy=entropy,
+                               max_chunk_bytes=budget)
+    again = list(again) if entropy else [again]
+    torch.autograd.backward(again, grads)
+    for ours, theirs in zip([*out, h.grad, w.grad, b.grad], [*again, *(t.grad for t in plain)]):
+        assert torch.equal(ours, theirs)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's numpy, on purpose
+def test_stats_take_the_first_argmax_and_no_argmax_in_a_nan_row(poison_outputs, device):
+    h, w, b, target = _inputs((5,), 19, 257, torch.float32, device, bias=False)
+    with torch.no_grad():  # columns 100 and 200 tie, far above all others
+        w[200] = w[100] = 5.0 * (torch.arange(19, device=device) == 0)
+        h[:, 0] = 3.0
+        h[4, 3] = float("nan")
+    target[:] = torch.tensor([100, 200, 100, IGNORE, 100], device=device)
+    for fn in (lambda: F.linear_log_probs(h, w, target, return_stats=True)[1],
+               lambda: linear_log_probs_reference(h, w, target, None, IGNORE, 1.0, False, True)[1]):
+        stats = fn()
+        assert stats.is_top1.tolist() == [True, False, True, False, False]
+        assert stats.mean_logits[3] == 0 and stats.log_sum_sq_probs[3] == 0
+        assert torch.isnan(stats.mean_logits[4]) and torch.isnan(stats.log_sum_sq_probs[4])
+
+
+def test_stats_under_compile_equal_eager(device):
+    h, w, b, target = _inputs((2, 5), 16, 37, torch.float32, device)
+
+    def fn(h, w, b):
+        return F.linear_log_probs(h, w, target, b, temperature=0.7, return_entropy=True, return_stats=True,
+                                  max_chunk_bytes=600)
+
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="eager", fullgraph=True)(h, w, b)
+    want = fn(h, w, b)
+    for ours, theirs in zip([*got[:2], *got[2]], [*want[:2], *want[2]]):
+        assert torch.equal(ours, theirs)
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [
@@ -198,6 +265,7 @@ def test_strided_hidden_and_int32_target(poison_outputs, device):
         (dict(t=torch.zeros(4, dtype=torch.long)), r"target must have shape \(3,\)"),
         (dict(temperature=0.0), "temperature must be a positive float"),
         (dict(return_entropy=1), "return_entropy must be a bool"),
+        (dict(return_stats="yes"), "return_stats must be a bool"),
         (dict(ignore_index=1.5), "ignore_index must be an int"),
         (dict(max_chunk_bytes=0), "max_chunk_bytes must be a positive int"),
     ],

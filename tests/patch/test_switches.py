@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import pytest
@@ -86,6 +87,8 @@ CASES = {
     "qkv_group": ("llama", {}),
     "linear_cross_entropy": ("llama", {}),
     "cross_entropy": ("llama", {"linear_cross_entropy": False}),
+    # TRL's fused head is the model's forward: the causal LM's loss must stay TRL's to keep it.
+    "trl_log_probs": ("trl", {"linear_cross_entropy": False}),
     "lora": ("lora", {}),
     "offload_activations": ("checkpointed", {}),
     "tiled_mlp": ("llama", {}),
@@ -103,6 +106,10 @@ def _model(kind: str) -> torch.nn.Module:
         model = get_peft_model(model, config)
     if kind == "checkpointed":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if kind == "trl":  # called as TRL's trainers call it: the loss from TRL's fused LM head
+        add_fused_lm_head = pytest.importorskip("trl.trainer.utils").add_fused_lm_head
+        add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+        model.forward = functools.partial(model.forward, fused_lm_head=True)
     return model
 
 

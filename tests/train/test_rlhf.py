@@ -19,9 +19,11 @@ import pytest
 import torch
 
 import tigon
+from tests.train.fused_helpers import argv_of, one_thread_and_references, save_tiny
+from tests.train.fused_helpers import plain_model as plain
 from tests.train.test_sft import losses, no_staging_left, same_run
 from tigon.cli import main
-from tigon.train import preference, rlhf, tiny
+from tigon.train import builtin, preference, rlhf, tiny
 from tigon.train.config import RLHFConfig, resolve_rlhf
 from tigon.train.data import load_samples
 from tigon.train.template import ensure_chat_template
@@ -31,12 +33,8 @@ trl = pytest.importorskip("trl")
 
 @pytest.fixture(scope="module", autouse=True)
 def quick():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model gains nothing from threads; a busy machine loses a lot
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TIGON_DISABLE", "linear_preference_loss,linear_log_probs")
+    with one_thread_and_references("linear_preference_loss,linear_log_probs"):
         yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +42,7 @@ def tiny_run(tmp_path_factory):
     """A saved tiny model (a user's --model), its tokenizer, and 48 of the bundled pairs."""
     root = tmp_path_factory.mktemp("rlhf")
     tokenizer = tiny.build_tokenizer(load_samples([str(tiny.BUNDLED_DATASET)], seed=0))
-    tiny.build_model(tokenizer, random.randrange(1000), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                     num_attention_heads=2, num_key_value_heads=1).save_pretrained(root / "m")
-    tokenizer.save_pretrained(root / "m")
+    save_tiny(root / "m", tokenizer)
     ensure_chat_template(tokenizer)
     rows = [json.loads(line) for line in rlhf.BUNDLED_PREFERENCES.read_text().splitlines()]
     (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in random.sample(rows, 48)))
@@ -58,14 +54,7 @@ def settings(root, **extra):
     values = dict(model=str(root / "m"), dataset=[str(root / "pairs.jsonl")], kernels=False, batch_size=2, lr=1e-3,
                   save_steps=0, samples=0, tuner="full")
     values.update(extra)
-    argv = []
-    for key, value in values.items():
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            argv.append(flag if value else "--no-" + flag[2:])
-        else:
-            argv += [flag, *map(str, value if isinstance(value, list) else [value])]
-    return values, argv
+    return values, argv_of(values)
 
 
 def records(out):
@@ -81,11 +70,7 @@ def trl_arguments(out, values):
 
 
 def plain_model(root):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(root / "m", dtype=torch.float32)
-    model.config.use_cache = False
-    return model
+    return plain(root / "m")
 
 
 def with_callbacks(trainer, *extra):
@@ -109,8 +94,8 @@ def test_builtin_default_runs_dpo_after_an_sft_stage(tmp_path, monkeypatch, capl
     """No model, no data: sft of the built-in model into OUTPUT_DIR/sft, then DPO on the bundled
     pairs, reporting reward margin and accuracy; a second run takes `make demo`'s model instead."""
     caplog.set_level(logging.INFO)
-    monkeypatch.setattr(rlhf, "SFT_STAGE_STEPS", 3)
-    monkeypatch.setattr(rlhf, "DEMO_SFT", tmp_path / "no-demo" / "final")
+    monkeypatch.setattr(builtin, "SFT_STAGE_STEPS", 3)
+    monkeypatch.setattr(builtin, "DEMO_SFT", tmp_path / "no-demo" / "final")
     out = tmp_path / "run"
     short = ["--max-steps", "4", "--batch-size", "4", "--save-steps", "4", "--samples", "1", "--max-new-tokens", "4",
              "--no-kernels"]
@@ -129,7 +114,7 @@ def test_builtin_default_runs_dpo_after_an_sft_stage(tmp_path, monkeypatch, capl
     (sample,) = json.loads((out / "samples.json").read_text())
     assert {"prompt", "before", "after"} <= set(sample)
 
-    monkeypatch.setattr(rlhf, "DEMO_SFT", out / "sft" / "final")
+    monkeypatch.setattr(builtin, "DEMO_SFT", out / "sft" / "final")
     again = tmp_path / "again"
     assert main(["rlhf", "--output-dir", str(again), *short]) == 0
     assert f"from {out / 'sft' / 'final'} (make demo)" in caplog.text and not (again / "sft").exists()

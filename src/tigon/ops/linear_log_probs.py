@@ -4,6 +4,9 @@
     logp_i   = log_softmax(z_i)[t_i]                 0 where t_i == ignore_index
     H_i      = -sum_j p_ij log p_ij                  (return_entropy; 0 where ignored)
 
+and, without gradient (return_stats, what TRL's fused LM head also reports): the mean of z_i over
+the vocabulary, whether t_i is its first argmax, and log sum_j p_ij^2 (0 / False where ignored).
+
 This is what every preference loss and TRL's trainers score sequences with. The N tokens run in
 chunks of C rows sized by `max_chunk_bytes`, as in linear_cross_entropy: per chunk one cuBLAS GEMM
 into a private (C, V) buffer, then one Triton pass per row keeps its logp, lse and entropy (fp32).
@@ -27,7 +30,7 @@ path is the gradient buffer itself).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -46,9 +49,10 @@ DEFAULT_MAX_CHUNK_BYTES = 224 * 2**20
 @launched
 @triton.jit
 def _log_prob_stats_kernel(
-    logits_ptr, target_ptr, logp_ptr, lse_ptr, entropy_ptr,
-    n_cols, row_stride, ignore_index, inv_temperature,
+    logits_ptr, target_ptr, logp_ptr, lse_ptr, entropy_ptr, stats_ptr,
+    n_cols, row_stride, stats_stride, ignore_index, inv_temperature,
     HAS_ENTROPY: tl.constexpr,
+    HAS_STATS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -65,6 +69,10 @@ def _log_prob_stats_kernel(
     row_max = float("-inf")
     sum_exp = 0.0
     shifted_sum = 0.0
+    # The statistics: sum z, sum e^(2 (z - m)) and the max of z before the target's column.
+    z_sum = 0.0
+    square_sum = 0.0
+    max_before = float("-inf")
     for start in range(0, n_cols, BLOCK):
         offs = start + cols
         mask = offs < row_cols
@@ -78,6 +86,10 @@ def _log_prob_stats_kernel(
             # Terms kept so far were shifted by the old max: each gains (m_old - m_new).
             moved = (tl.where(row_max == float("-inf"), shift, row_max) - shift) * sum_exp
             shifted_sum = rescale * (shifted_sum + moved) + tl.sum(tl.where(mask, z - shift, 0.0) * e, axis=0)
+        if HAS_STATS:
+            z_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
+            square_sum = square_sum * rescale * rescale + tl.sum(e * e, axis=0)
+            max_before = tl.maximum(max_before, tl.max(tl.where(offs < target, z, float("-inf")), axis=0))
         sum_exp = sum_exp * rescale + tl.sum(e, axis=0)
         row_max = new_max
     # An ignored row has no terms; 1 keeps log() quiet there (its outputs are 0 whatever it gives).
@@ -91,6 +103,15 @@ def _log_prob_stats_kernel(
     tl.store(lse_ptr + row, tl.where(valid, lse, 0.0))
     if HAS_ENTROPY:
         tl.store(entropy_ptr + row, tl.where(valid, tl.log(sum_exp) - shifted_sum / sum_exp, 0.0))
+    if HAS_STATS:
+        # The first argmax, as torch.argmax picks it: no earlier column as large. A NaN in the
+        # row (which tl.max may skip) reaches sum_exp and makes it no argmax.
+        top1 = valid & (z_target >= row_max) & (z_target > max_before) & (sum_exp == sum_exp)
+        square_sum = tl.where(valid, square_sum, 1.0)
+        tl.store(stats_ptr + row, tl.where(valid, z_sum / n_cols, 0.0))
+        tl.store(stats_ptr + stats_stride + row, tl.where(top1, 1.0, 0.0))
+        tl.store(stats_ptr + 2 * stats_stride + row,
+                 tl.where(valid, tl.log(square_sum) - 2.0 * tl.log(sum_exp), 0.0))
 
 
 @launched
@@ -135,6 +156,27 @@ class LogProbOptions(NamedTuple):
     ignore_index: int = -100
     temperature: float = 1.0
     return_entropy: bool = False
+    return_stats: bool = False
+
+
+class LogProbStats(NamedTuple):
+    """Per-token statistics of the softmax that :func:`linear_log_probs` returns with
+    ``return_stats`` (no gradient; 0 / False where the target is ignored).
+
+    Attributes:
+        mean_logits: fp32, the mean over the vocabulary of ``logits / temperature``.
+        is_top1: bool, whether the target is the first most likely token.
+        log_sum_sq_probs: fp32, ``log(sum_v p_v ** 2)``.
+    """
+
+    mean_logits: torch.Tensor
+    is_top1: torch.Tensor
+    log_sum_sq_probs: torch.Tensor
+
+
+def stats_of(rows: torch.Tensor, shape: torch.Size) -> LogProbStats:
+    """The kernels' (3, N) fp32 statistics (mean, top-1 as 0/1, log sum p^2) as LogProbStats of `shape`."""
+    return LogProbStats(rows[0].view(shape), rows[1].view(shape) > 0, rows[2].view(shape))
 
 
 def linear_log_probs_reference(
@@ -145,19 +187,26 @@ def linear_log_probs_reference(
     ignore_index: int = -100,
     temperature: float = 1.0,
     return_entropy: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    return_stats: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """The op with the whole logits in memory: the test oracle and the fallback."""
     logits = torch.nn.functional.linear(hidden, weight, bias)
     z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     log_p = torch.log_softmax(z, dim=-1)
     valid = target != ignore_index
-    picked = log_p.gather(-1, torch.where(valid, target, 0).long().unsqueeze(-1)).squeeze(-1)
+    index = torch.where(valid, target, 0).long()
+    picked = log_p.gather(-1, index.unsqueeze(-1)).squeeze(-1)
     zero = torch.zeros((), dtype=log_p.dtype, device=log_p.device)
-    logp = torch.where(valid, picked, zero)
-    if not return_entropy:
-        return logp
-    entropy = -(log_p.exp() * log_p).sum(-1)
-    return logp, torch.where(valid, entropy, zero)
+    out: list[Any] = [torch.where(valid, picked, zero)]
+    if return_entropy:
+        out.append(torch.where(valid, -(log_p.exp() * log_p).sum(-1), zero))
+    if return_stats:
+        with torch.no_grad():
+            # argmax of a row holding NaN is the NaN's column; the kernels call such a row no argmax.
+            top1 = valid & (z.argmax(-1) == index) & ~z.isnan().any(-1)
+            out.append(LogProbStats(torch.where(valid, z.mean(-1), zero), top1,
+                                    torch.where(valid, torch.logsumexp(2 * log_p, -1), zero)))
+    return out[0] if len(out) == 1 else tuple(out)
 
 
 def head_logits(hidden_rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
@@ -176,14 +225,16 @@ def log_prob_rows(
     entropy: torch.Tensor | None,
     ignore_index: int,
     inv_temperature: float,
+    stats: torch.Tensor | None = None,
 ) -> None:
-    """Write each row's fp32 logp, lse of z = logits / T and (if `entropy` is given) entropy."""
+    """Write each row's fp32 logp, lse of z = logits / T, (if `entropy` is given) entropy and (if
+    `stats`, a (3, rows) view, is given) its mean z, top-1 flag as 0/1 and log sum p^2."""
     n_rows, n_cols = logits2d.shape
     block, num_warps = vocab_block_config(n_cols, False)
     _log_prob_stats_kernel[(n_rows,)](
-        logits2d, target1d, logp, lse, entropy if entropy is not None else lse,
-        n_cols, logits2d.stride(0), ignore_index, float(inv_temperature),
-        HAS_ENTROPY=entropy is not None, BLOCK=block, num_warps=num_warps,
+        logits2d, target1d, logp, lse, entropy if entropy is not None else lse, stats if stats is not None else lse,
+        n_cols, logits2d.stride(0), stats.stride(0) if stats is not None else 0, ignore_index, float(inv_temperature),
+        HAS_ENTROPY=entropy is not None, HAS_STATS=stats is not None, BLOCK=block, num_warps=num_warps,
     )
 
 
@@ -265,9 +316,11 @@ def chunked_log_probs(
     inv_temperature: float,
     with_entropy: bool = False,
     grad_hidden: torch.Tensor | None = None,
+    stats: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Per-row fp32 (logp, lse, entropy or None) in chunks of `rows`. With `grad_hidden` (N, H),
-    also writes into it the gradient of ``sum(logp)`` w.r.t. the hidden rows."""
+    also writes into it the gradient of ``sum(logp)`` w.r.t. the hidden rows; with `stats` (3, N),
+    the rows' statistics (:func:`log_prob_rows`)."""
     n_rows = hidden2d.shape[0]
     device = hidden2d.device
     logp = torch.empty(n_rows, dtype=torch.float32, device=device)
@@ -278,7 +331,7 @@ def chunked_log_probs(
         target_c, lse_c = target1d[start:end], lse[start:end]
         log_prob_rows(
             logits, target_c, logp[start:end], lse_c, entropy[start:end] if with_entropy else None,
-            ignore_index, inv_temperature,
+            ignore_index, inv_temperature, stats[:, start:end] if stats is not None else None,
         )
         if grad_hidden is not None:
             log_prob_grad_rows(logits, target_c, lse_c, None, one, None, ignore_index, inv_temperature, out=logits)
@@ -319,15 +372,16 @@ def chunked_grads(
 
 
 def _forward(hidden, weight, bias, target, options, rows, unit_grad):
-    """Per-row fp32 (logp, lse, entropy or None) and, with `unit_grad`, the (N, H) gradient of
-    ``sum(logp)`` w.r.t. the hidden rows (else None)."""
+    """Per-row fp32 (logp, lse, entropy or None, (3, N) statistics or None) and, with `unit_grad`,
+    the (N, H) gradient of ``sum(logp)`` w.r.t. the hidden rows (else None)."""
     hidden2d = rows_view(hidden)
     grad_hidden = torch.empty(hidden2d.shape, dtype=hidden.dtype, device=hidden.device) if unit_grad else None
+    stats = torch.empty((3, hidden2d.shape[0]), dtype=torch.float32, device=hidden.device) if options.return_stats else None
     logp, lse, entropy = chunked_log_probs(
         hidden2d, weight, bias, target.reshape(-1), rows, options.ignore_index, 1.0 / options.temperature,
-        options.return_entropy, grad_hidden,
+        options.return_entropy, grad_hidden, stats,
     )
-    return logp, lse, entropy, grad_hidden
+    return logp, lse, entropy, stats, grad_hidden
 
 
 def log_prob_grads(hidden, weight, bias, target, lse, entropy, grad_logp, grad_entropy, unit_grad_hidden, options,
@@ -422,28 +476,35 @@ def _reference_point(ctx, saved):
 
 
 class _LinearLogProbsFunction(torch.autograd.Function):
+    """(logp, then entropy with return_entropy, then the (3, ...) statistics with return_stats)."""
+
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, options, rows, grad_enabled):
         # needs_input_grad follows requires_grad even under no_grad, when no backward can come.
         needs = [grad_enabled and need for need in ctx.needs_input_grad[:3]]
         # Only hidden needs a gradient: its logp part is linear in the upstream gradient per row,
         # so it is formed now, while each chunk's logits are at hand.
-        logp, lse, entropy, ctx.grad_hidden = _forward(
+        logp, lse, entropy, stats, ctx.grad_hidden = _forward(
             hidden, weight, bias, target, options, rows, needs[0] and not needs[1] and not needs[2]
         )
         ctx.set_materialize_grads(False)  # an unused entropy gets no gradient (and costs no pass)
         ctx.save_for_backward(hidden, weight, bias, target, lse, entropy)
         ctx.config = (options, rows)
+        out = [logp.view(target.shape)]
         if options.return_entropy:
-            return logp.view(target.shape), entropy.view(target.shape)
-        return logp.view(target.shape)
+            out.append(entropy.view(target.shape))
+        if options.return_stats:
+            out.append(stats.view(3, *target.shape))
+            ctx.mark_non_differentiable(out[-1])
+        return out[0] if len(out) == 1 else tuple(out)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     @backward_fallback(_reference_point)
-    def backward(ctx, saved, grad_logp, grad_entropy=None):
+    def backward(ctx, saved, grad_logp, *more):
         hidden, weight, bias, target, lse, entropy = saved
         options, rows = ctx.config
+        grad_entropy = more[0] if options.return_entropy else None
         unit_grad_hidden, ctx.grad_hidden = ctx.grad_hidden, None  # handed over once (retain_graph recomputes)
         grads = log_prob_grads(
             hidden, weight, bias, target, lse, entropy, grad_logp, grad_entropy, unit_grad_hidden, options, rows,
@@ -490,20 +551,32 @@ def _check(hidden, weight, target, bias, options, max_chunk_bytes) -> None:
     temperature = options.temperature
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
         raise ValueError(f"temperature must be a positive float, got {temperature!r}")
-    if not isinstance(options.return_entropy, bool):
-        raise ValueError(f"return_entropy must be a bool, got {options.return_entropy!r}")
+    for name in ("return_entropy", "return_stats"):
+        if not isinstance(getattr(options, name), bool):
+            raise ValueError(f"{name} must be a bool, got {getattr(options, name)!r}")
     check_chunk_bytes(max_chunk_bytes)
 
 
-def _reference(hidden, weight, target, bias, ignore_index, temperature, return_entropy, max_chunk_bytes):
+def _reference(hidden, weight, target, bias, ignore_index, temperature, return_entropy, return_stats, max_chunk_bytes):
     """:func:`linear_log_probs_reference` with the public function's arguments."""
-    return linear_log_probs_reference(hidden, weight, target, bias, ignore_index, temperature, return_entropy)
+    return linear_log_probs_reference(hidden, weight, target, bias, ignore_index, temperature, return_entropy,
+                                      return_stats)
 
 
-def _linear_log_probs_kernel(hidden, weight, target, bias, ignore_index, temperature, return_entropy, max_chunk_bytes):
-    options = LogProbOptions(ignore_index, float(temperature), return_entropy)
+def _with_stats(out, return_stats: bool, shape: torch.Size):
+    """The Function's (or library op's) outputs with the (3, ...) statistics as LogProbStats."""
+    if not return_stats:
+        return out
+    *front, stats = out
+    return (*front, stats_of(stats.reshape(3, -1), shape))
+
+
+def _linear_log_probs_kernel(hidden, weight, target, bias, ignore_index, temperature, return_entropy, return_stats,
+                             max_chunk_bytes):
+    options = LogProbOptions(ignore_index, float(temperature), return_entropy, return_stats)
     rows = chunk_rows(max_chunk_bytes, weight.shape[0], hidden.dtype)
-    return _LinearLogProbsFunction.apply(hidden, weight, bias, target, options, rows, torch.is_grad_enabled())
+    out = _LinearLogProbsFunction.apply(hidden, weight, bias, target, options, rows, torch.is_grad_enabled())
+    return _with_stats(out, return_stats, target.shape)
 
 
 # Inside torch.compile: the chunk loops as library ops (the chunk size picked from the real sizes),
@@ -511,26 +584,32 @@ def _linear_log_probs_kernel(hidden, weight, target, bias, ignore_index, tempera
 _OPTIONS_SCHEMA = "int ignore_index, float temperature"
 
 
-def _forward_fake(hidden, weight, bias, target, ignore_index, temperature, return_entropy, max_chunk_bytes, unit_grad):
+def _forward_fake(hidden, weight, bias, target, ignore_index, temperature, return_entropy, return_stats,
+                  max_chunk_bytes, unit_grad):
     per_row = [hidden.new_empty(target.shape, dtype=torch.float32) for _ in range(2)]
     entropy = hidden.new_empty(target.shape if return_entropy else (0,), dtype=torch.float32)
-    return (*per_row, entropy, empty_if(unit_grad, hidden))
+    stats = hidden.new_empty((3, *target.shape) if return_stats else (0,), dtype=torch.float32)
+    return (*per_row, entropy, stats, empty_if(unit_grad, hidden))
 
 
 @library_op(
     "linear_log_probs",
     f"(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, {_OPTIONS_SCHEMA}, bool return_entropy, "
-    "int max_chunk_bytes, bool unit_grad) -> (Tensor, Tensor, Tensor, Tensor)",
+    "bool return_stats, int max_chunk_bytes, bool unit_grad) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     _forward_fake,
 )
-def _forward_op(hidden, weight, bias, target, ignore_index, temperature, return_entropy, max_chunk_bytes, unit_grad):
-    """(logp, lse, entropy or empty, the unit hidden gradient or empty), per row of `target`'s shape."""
+def _forward_op(hidden, weight, bias, target, ignore_index, temperature, return_entropy, return_stats,
+                max_chunk_bytes, unit_grad):
+    """(logp, lse, entropy or empty, the (3, ...) statistics or empty, the unit hidden gradient or
+    empty), per row of `target`'s shape."""
     rows = chunk_rows(max_chunk_bytes, weight.shape[0], hidden.dtype)
-    options = LogProbOptions(ignore_index, temperature, return_entropy)
-    logp, lse, entropy, grad_hidden = _forward(hidden, weight, bias, target, options, rows, unit_grad)
+    options = LogProbOptions(ignore_index, temperature, return_entropy, return_stats)
+    logp, lse, entropy, stats, grad_hidden = _forward(hidden, weight, bias, target, options, rows, unit_grad)
+    nothing = hidden.new_empty(0, dtype=torch.float32)
     return (
         logp.view(target.shape), lse.view(target.shape),
-        entropy.view(target.shape) if return_entropy else hidden.new_empty(0, dtype=torch.float32),
+        entropy.view(target.shape) if return_entropy else nothing,
+        stats.view(3, *target.shape) if return_stats else nothing,
         grad_hidden.view(hidden.shape) if unit_grad else hidden.new_empty(0),
     )
 
@@ -561,34 +640,36 @@ def _backward_op(hidden, weight, bias, target, lse, entropy, grad_logp, grad_ent
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, bias, target, ignore_index, temperature, return_entropy, max_chunk_bytes, unit_grad = inputs
-    _, lse, entropy, unit_grad_hidden = output
+    hidden, weight, bias, target, ignore_index, temperature, return_entropy, _, max_chunk_bytes, unit_grad = inputs
+    _, lse, entropy, _, unit_grad_hidden = output
     ctx.save_for_backward(
         hidden, weight, bias, target, lse, entropy if return_entropy else None, unit_grad_hidden if unit_grad else None
     )
     ctx.options = (ignore_index, temperature, max_chunk_bytes)
 
 
-def _op_backward(ctx, grad_logp, _grad_lse, grad_entropy, _grad_unit):
+def _op_backward(ctx, grad_logp, _grad_lse, grad_entropy, _grad_stats, _grad_unit):
     hidden, weight, bias, target, lse, entropy, unit_grad_hidden = ctx.saved_tensors
     needs = ctx.needs_input_grad[:3]
     grads = _backward_op(
         hidden, weight, bias, target, lse, entropy, grad_logp, grad_entropy if entropy is not None else None,
         unit_grad_hidden, *ctx.options, *needs,
     )
-    return (*(g if need else None for g, need in zip(grads, needs)), *[None] * 6)
+    return (*(g if need else None for g, need in zip(grads, needs)), *[None] * 7)
 
 
 _forward_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
-def _linear_log_probs_compiled(hidden, weight, target, bias, ignore_index, temperature, return_entropy, max_chunk_bytes):
+def _linear_log_probs_compiled(hidden, weight, target, bias, ignore_index, temperature, return_entropy, return_stats,
+                               max_chunk_bytes):
     needs = head_grad_needs(hidden, weight, bias)
-    logp, _, entropy, _ = _forward_op(
-        hidden, weight, bias, target, ignore_index, float(temperature), return_entropy, max_chunk_bytes,
+    logp, _, entropy, stats, _ = _forward_op(
+        hidden, weight, bias, target, ignore_index, float(temperature), return_entropy, return_stats, max_chunk_bytes,
         needs[0] and not needs[1] and not needs[2],
     )
-    return (logp, entropy) if return_entropy else logp
+    out = (logp, *([entropy] if return_entropy else []), *([stats] if return_stats else []))
+    return _with_stats(out, return_stats, target.shape) if len(out) > 1 else logp
 
 
 LINEAR_LOG_PROBS = Op("linear_log_probs", _linear_log_probs_kernel, _reference, compiled=_linear_log_probs_compiled)
@@ -603,8 +684,9 @@ def linear_log_probs(
     ignore_index: int = -100,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    return_stats: bool = False,
     max_chunk_bytes: int | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[Any, ...]:
     """``log_softmax((hidden @ weight.T + bias) / temperature)[target]`` per token, without ever
     holding the (N, V) logits.
 
@@ -618,19 +700,24 @@ def linear_log_probs(
         ignore_index: target value whose outputs are 0 (and pass no gradient).
         temperature: the logits are divided by it before the softmax.
         return_entropy: also return each token's entropy of that softmax (differentiable).
+        return_stats: also return, without gradient, :class:`LogProbStats`: each token's mean
+            tempered logit, whether its target is the most likely token, and ``log sum p^2``
+            (what TRL's fused LM head reports), computed in the same pass over the logits.
         max_chunk_bytes: the most bytes one chunk of logits may take (at least one row);
             default ``DEFAULT_MAX_CHUNK_BYTES``. Larger is faster and uses more memory.
 
     Returns:
-        fp32 log-probabilities of the shape of `target` (float64 for float64 inputs), and with
-        `return_entropy` the entropies, as ``(log_probs, entropy)``. Differentiable in hidden,
-        weight and bias for any upstream gradients; no host sync. Inside torch.compile the same
-        kernels run as the library ops ``tigon::linear_log_probs`` and ``_backward`` (there a
-        returned entropy always passes its gradient, zero if unused).
+        fp32 log-probabilities of the shape of `target` (float64 for float64 inputs); with
+        `return_entropy` and/or `return_stats` a tuple ``(log_probs, entropy, stats)`` of those
+        asked for, in that order. Differentiable in hidden, weight and bias for any upstream
+        gradients; no host sync. Inside torch.compile the same kernels run as the library ops
+        ``tigon::linear_log_probs`` and ``_backward`` (there a returned entropy always passes its
+        gradient, zero if unused).
     """
     if max_chunk_bytes is None:
         max_chunk_bytes = DEFAULT_MAX_CHUNK_BYTES
-    _check(hidden, weight, target, bias, LogProbOptions(ignore_index, temperature, return_entropy), max_chunk_bytes)
+    options = LogProbOptions(ignore_index, temperature, return_entropy, return_stats)
+    _check(hidden, weight, target, bias, options, max_chunk_bytes)
     return LINEAR_LOG_PROBS(
-        None, hidden, weight, target, bias, ignore_index, temperature, return_entropy, max_chunk_bytes
+        None, hidden, weight, target, bias, ignore_index, temperature, return_entropy, return_stats, max_chunk_bytes
     )

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from tigon.patch import forwards, handoff, offload, tiled
+from tigon.patch import forwards, handoff, offload, tiled, trl_head
 from tigon.patch import lora as peft_lora
 from tigon.patch.families import FAMILIES, Family, modeling_module
 from tigon.patch.modules import forward_attr
@@ -77,7 +77,8 @@ class _Replacement:
     also: tuple[str, ...] = ()  # further switches `new` wraps in (tiled_mlp, offload_activations)
     # A class from outside the family's module (torch's LayerNorm, PEFT's LoRA Linear): bound only on
     # a model instance, on modules of exactly that class. A class patch would reach every model of
-    # the process; a subclass may compute something else.
+    # the process; a subclass may compute something else. A module outside transformers (TRL's)
+    # is swapped for model instances only, too.
     foreign: bool = False
 
     @property
@@ -267,6 +268,10 @@ def _plan(
         _wrap(plan, "offload_activations", causal_lm, offload.offloaded_forward)
     for cls in lora_classes:
         plan.append(_Replacement("lora", cls, "forward", lora_forward, foreign=True))
+    trl_utils = trl_head.loaded_module() if switches["trl_log_probs"] else None
+    if trl_utils is not None:
+        log_probs = trl_head.chunked_log_probs(_original(trl_utils, trl_head.NAME))
+        plan.append(_Replacement("trl_log_probs", trl_utils, trl_head.NAME, log_probs, foreign=True))
     if missing:
         raise ValueError(
             f"tigon.patch: {module.__name__} has no {', '.join(missing)} "
@@ -432,6 +437,7 @@ def patch(
     qkv_group: bool = True,
     linear_cross_entropy: bool = True,
     cross_entropy: bool = False,
+    trl_log_probs: bool = True,
     lora: bool = True,
     offload_activations: bool = False,
     tiled_mlp: bool = False,
@@ -449,7 +455,9 @@ def patch(
             ignored. `linear_cross_entropy` (loss straight from the hidden states, logits never
             materialised) and `cross_entropy` (loss from materialised logits) are exclusive.
             `layer_norm` and `lora` replace modules of torch's and PEFT's classes, so only a model
-            instance gets them. `offload_activations` (under gradient checkpointing, the
+            instance gets them; so does `trl_log_probs` (TRL's fused LM head on
+            :func:`tigon.functional.linear_log_probs`, :mod:`tigon.patch.trl_head`), and only when
+            TRL is imported already. `offload_activations` (under gradient checkpointing, the
             checkpointed hidden states wait in pinned host memory: :mod:`tigon.patch.offload`) and
             `tiled_mlp` (the MLP over chunks of tokens: :mod:`tigon.patch.tiled`) are exact, off by
             default, and for long context. `moe_experts` sets a patched model's experts
@@ -471,8 +479,8 @@ def patch(
     switches = _switches(dict(
         rms_norm=rms_norm, rope=rope, swiglu=swiglu, geglu=geglu, layer_norm=layer_norm,
         add_rms_norm=add_rms_norm, qkv_group=qkv_group, linear_cross_entropy=linear_cross_entropy,
-        cross_entropy=cross_entropy, lora=lora, offload_activations=offload_activations, tiled_mlp=tiled_mlp,
-        moe_experts=moe_experts,
+        cross_entropy=cross_entropy, trl_log_probs=trl_log_probs, lora=lora, offload_activations=offload_activations,
+        tiled_mlp=tiled_mlp, moe_experts=moe_experts,
     ))
     if isinstance(target, str):
         result = _patch_classes(target, switches)

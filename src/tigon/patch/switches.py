@@ -51,6 +51,8 @@ TABLE: tuple[Switch, ...] = (
            ("linear_cross_entropy",)),
     Switch("cross_entropy", False, "the loss from materialised logits (exclusive with linear_cross_entropy)",
            ("cross_entropy",)),
+    Switch("trl_log_probs", True, "TRL's fused LM head (its trainers' per-token log-probs) on linear_log_probs: no "
+           "logits; only when TRL is imported", ("linear_log_probs",)),
     Switch("lora", True, "PEFT LoRA linears (DoRA, 4-/8-bit bases too), gated MLPs and q/k/v groups on the fused LoRA ops",
            ("lora_linear", "lora_linear_group", "lora_gated_mlp", "dequantize", "dora_norm", "dora_scale",
             "dora_scale_backward")),
@@ -62,9 +64,7 @@ TABLE: tuple[Switch, ...] = (
 
 # The ops tigon.patch does not apply, so no switch covers them (TIGON_DISABLE still takes them):
 # the fused RL and preference losses, which a trainer calls on the hidden states itself.
-UNPATCHED_OPS: tuple[str, ...] = (
-    "linear_log_probs", "linear_preference_loss", "linear_policy_loss", "linear_distill_loss",
-)
+UNPATCHED_OPS: tuple[str, ...] = ("linear_preference_loss", "linear_policy_loss", "linear_distill_loss")
 
 SWITCHES: tuple[str, ...] = tuple(switch.name for switch in TABLE)
 DEFAULTS: dict[str, bool] = {switch.name: switch.default for switch in TABLE}

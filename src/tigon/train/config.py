@@ -368,14 +368,26 @@ def _check_lora_options(cfg: SFTConfig) -> None:
 
 # --- tigon rlhf ---------------------------------------------------------------------------------
 
-METHODS = ("dpo", "ipo", "kto", "orpo", "simpo", "cpo")
+PREFERENCE_METHODS = ("dpo", "ipo", "kto", "orpo", "simpo", "cpo")
+METHODS = (*PREFERENCE_METHODS, "grpo", "gkd")
 REFERENCE_METHODS = ("dpo", "ipo", "kto")  # the others score the policy alone
-_DEFAULT_BETA = {"simpo": 2.0}  # SimPO's beta scales average log-probs, not sums (its paper's range)
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "gspo")  # linear_policy_loss's (gspo: grpo at sequence level)
+DISTILL_LOSSES = ("forward_kl", "reverse_kl", "jsd", "tvd")  # linear_distill_loss's
+# beta: SimPO's scales average log-probs, not sums (its paper's range); GRPO's weighs the KL to
+# the reference (TRL's default: none); GKD's interpolates its JSD (TRL's GKDConfig default).
+_DEFAULT_BETA = {"simpo": 2.0, "grpo": 0.0, "gkd": 0.5}
 _DEFAULT_NLL_WEIGHT = {"cpo": 1.0, "orpo": 1.0}  # part of those methods' objectives
+_DEFAULT_TEMPERATURE = {"grpo": 1.0, "gkd": 0.9}  # TRL's GRPOConfig and GKDConfig defaults
 _SMOOTHED = ("dpo", "simpo", "cpo")
+_ONLINE = ("grpo", "gkd")
 # Which method each method-specific setting belongs to.
 _METHOD_KEYS = {"simpo_gamma": ("simpo",), "desirable_weight": ("kto",), "undesirable_weight": ("kto",),
-                "label_smoothing": _SMOOTHED, "precompute_ref_log_probs": REFERENCE_METHODS}
+                "label_smoothing": _SMOOTHED, "precompute_ref_log_probs": REFERENCE_METHODS,
+                "nll_weight": PREFERENCE_METHODS, "max_prompt_length": PREFERENCE_METHODS,
+                "reward_funcs": ("grpo",), "num_generations": ("grpo",), "loss_type": ("grpo",), "epsilon": ("grpo",),
+                "epsilon_high": ("grpo",), "format_regex": ("grpo",), "use_vllm": ("grpo",),
+                "max_completion_length": _ONLINE, "temperature": _ONLINE,
+                "teacher": ("gkd",), "lmbda": ("gkd",), "seq_kd": ("gkd",)}
 
 
 @dataclass
@@ -387,8 +399,10 @@ class RLHFConfig(SFTConfig):
 
     dataset: list[str] | None = _opt(
         None, "preference files (.jsonl .json .csv .parquet): prompt/chosen/rejected, messages + rejected_response "
-        "or rejected_messages, chosen/rejected conversations, or (kto) prompt/completion/label; PATH#N takes N "
-        "random rows (default: bundled preference pairs)", nargs="+", metavar="PATH")
+        "or rejected_messages, chosen/rejected conversations, or (kto) prompt/completion/label; grpo: prompt (or "
+        "question, or messages ending in the answer) with any other columns for the reward functions; gkd: sft's "
+        "formats; PATH#N takes N random rows (default: bundled preference pairs; grpo: bundled arithmetic prompts; "
+        "gkd: bundled instructions)", nargs="+", metavar="PATH")
     tuner: str | None = _opt(None, "lora (default; its reference is the model with the adapter switched off) or "
                              "full (a frozen copy; default for the built-in model)", choices=["lora", "full"])
     max_length: int | None = _opt(None, "truncate each prompt + answer to this many tokens, cutting the answer; a "
@@ -398,9 +412,12 @@ class RLHFConfig(SFTConfig):
     batch_size: int | None = _opt(None, "pairs (kto: answers) per device per step (default 4; 16 built-in)")
     output_dir: str = _opt("tigon-rlhf-out", "where checkpoints, metrics.jsonl and loss.png go", metavar="DIR")
 
-    method: str = _opt("dpo", "the preference objective", choices=list(METHODS))
+    method: str = _opt("dpo", "the objective: a preference method, grpo (online RL from reward functions) or gkd "
+                       "(on-policy distillation from --teacher)", choices=list(METHODS))
     beta: float | None = _opt(None, "the method's beta: how far from the reference (dpo, ipo, kto), the reward "
-                              "scale (simpo, cpo), the odds-ratio weight (orpo) (default 0.1; 2 for simpo)")
+                              "scale (simpo, cpo), the odds-ratio weight (orpo), the KL weight (grpo), the JSD's "
+                              "interpolation, 0 forward KL to 1 reverse KL (gkd) (default 0.1; 2 simpo, 0 grpo, "
+                              "0.5 gkd)")
     label_smoothing: float = _opt(0.0, "dpo (conservative DPO), simpo, cpo: the assumed chance that a pair's "
                                   "preference is flipped, < 0.5")
     simpo_gamma: float = _opt(1.0, "simpo: the target reward margin")
@@ -413,6 +430,38 @@ class RLHFConfig(SFTConfig):
     max_prompt_length: int | None = _opt(None, "keep only the last N tokens of each prompt (default: no limit "
                                          "but --max-length)")
 
+    reward_funcs: list[str] | None = _opt(
+        None, "grpo: reward functions, FILE.py:fn1,fn2 (TRL's signature: fn(prompts, completions, **kwargs) -> "
+        "list of floats, the data's other columns as keywords) and built-ins: builtin:exact_answer (1 when the "
+        "completion's last number, or its text, equals the answer column), builtin:format (1 when it matches "
+        "--format-regex), builtin:length (minus its share of --max-completion-length) (default: "
+        "builtin:exact_answer,builtin:format)", nargs="+",
+        metavar="SPEC")
+    num_generations: int = _opt(8, "grpo: completions sampled per prompt (the group its advantages compare)")
+    max_completion_length: int | None = _opt(None, "grpo, gkd: most tokens sampled per completion (default 256; 16 "
+                                             "for the built-in model)")
+    temperature: float | None = _opt(None, "grpo, gkd: sampling temperature (grpo's loss divides the logits by it "
+                                     "too) (default 1.0 grpo, 0.9 gkd)")
+    loss_type: str = _opt("dapo", "grpo: the loss's normalisation (TRL's loss_type; gspo: grpo with a sequence-level "
+                          "importance ratio)", choices=list(LOSS_TYPES))
+    epsilon: float = _opt(0.2, "grpo: the clip range of the importance ratio, [1 - epsilon, 1 + epsilon-high]")
+    epsilon_high: float | None = _opt(None, "grpo: the clip range's upper side (default: --epsilon; DAPO uses 0.28)")
+    format_regex: str = _opt(r"^[^\n]*\S[^\n]*\.$", "grpo: what builtin:format rewards: a completion matching this "
+                             "regex whole (default: one line ending in a period)", metavar="REGEX")
+    use_vllm: bool = _opt(False, "grpo: sample with vLLM (colocated; needs vllm installed) instead of transformers' "
+                          "generate")
+    teacher: str | None = _opt(None, "gkd: the teacher model, frozen (default, for the built-in student only: the "
+                               "built-in model after sft)", metavar="MODEL")
+    lmbda: float = _opt(0.5, "gkd: the share of steps trained on the student's own samples (on-policy); the others "
+                        "on the dataset's answers")
+    seq_kd: bool = _opt(False, "gkd: the off-policy steps train on the teacher's samples instead of the dataset's "
+                        "answers")
+
+
+# The built-in model's defaults per method where they differ from the preference methods' (one
+# epoch of GRPO over the bundled prompts is many steps: --max-steps ends the run instead).
+_BUILTIN = {"grpo": {"lr": 1e-4, "batch_size": 32, "max_steps": 80}, "gkd": {"lr": 3e-3, "epochs": 10.0}}
+
 
 def resolve_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> RLHFConfig:
     """`resolve` for `tigon rlhf`: its own defaults first, then sft's checks, then the method's."""
@@ -421,22 +470,31 @@ def resolve_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> RLHFConfig:
     method = cfg.method
     if method not in METHODS:
         raise SFTError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
+    own = _BUILTIN.get(method, {}) if builtin else {}
     cfg = dataclasses.replace(
         cfg,
         max_length=cfg.max_length if cfg.max_length is not None else (128 if builtin else 1024),
-        epochs=cfg.epochs if cfg.epochs is not None else (3.0 if builtin else 1.0),
-        lr=cfg.lr if cfg.lr is not None else (1e-4 if builtin else 5e-6 if lora else 5e-7),
-        batch_size=cfg.batch_size if cfg.batch_size is not None else (16 if builtin else 4),
+        epochs=cfg.epochs if cfg.epochs is not None else own.get("epochs", 3.0 if builtin else 1.0),
+        max_steps=cfg.max_steps if cfg.max_steps > 0 or "max_steps" in given else own.get("max_steps", cfg.max_steps),
+        lr=cfg.lr if cfg.lr is not None else own.get("lr", 1e-4 if builtin else 5e-6 if lora else 5e-7),
+        batch_size=cfg.batch_size if cfg.batch_size is not None else own.get("batch_size", 16 if builtin else 4),
         # The built-in model is tiny: fp32, where bf16 would only lose the small updates.
         dtype="fp32" if builtin and cfg.dtype == "auto" else cfg.dtype,
         beta=cfg.beta if cfg.beta is not None else _DEFAULT_BETA.get(method, 0.1),
         nll_weight=cfg.nll_weight if cfg.nll_weight is not None else _DEFAULT_NLL_WEIGHT.get(method, 0.0),
+        max_completion_length=(cfg.max_completion_length if cfg.max_completion_length is not None
+                               else 16 if builtin else 256),
+        temperature=cfg.temperature if cfg.temperature is not None else _DEFAULT_TEMPERATURE.get(method, 1.0),
     )
     cfg = resolve(cfg, given)
     for key, methods in _METHOD_KEYS.items():
         if key in given and method not in methods and getattr(cfg, key) != getattr(RLHFConfig, key, None):
             raise SFTError(f"--{key.replace('_', '-')}: only for --method {' / '.join(methods)}, not {method}")
-    if not cfg.beta > 0:
+    if method == "grpo":
+        _check_grpo(cfg)
+    elif method == "gkd":
+        _check_gkd(cfg)
+    elif not cfg.beta > 0:
         raise SFTError(f"--beta must be > 0, got {cfg.beta}")
     if not 0.0 <= cfg.label_smoothing < 0.5:
         raise SFTError(f"--label-smoothing must be in [0, 0.5), got {cfg.label_smoothing}")
@@ -455,3 +513,39 @@ def resolve_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> RLHFConfig:
         raise SFTError("--lora-dropout: preference training switches dropout off, so that the policy and its "
                        "reference score an answer alike")
     return cfg
+
+
+def _check_online(cfg: RLHFConfig) -> None:
+    if cfg.max_completion_length <= 0:
+        raise SFTError(f"--max-completion-length must be > 0, got {cfg.max_completion_length}")
+    if not cfg.temperature > 0:
+        raise SFTError(f"--temperature must be > 0, got {cfg.temperature}")
+
+
+def _check_grpo(cfg: RLHFConfig) -> None:
+    _check_online(cfg)
+    if cfg.beta < 0:
+        raise SFTError(f"--beta must be >= 0, got {cfg.beta}")
+    if cfg.num_generations < 2:
+        raise SFTError(f"--num-generations must be >= 2 (a group's advantages compare its completions), got "
+                       f"{cfg.num_generations}")
+    if cfg.batch_size * cfg.grad_accum % cfg.num_generations:
+        raise SFTError(f"--batch-size ({cfg.batch_size} completions) x --grad-accum ({cfg.grad_accum}) must be a "
+                       f"multiple of --num-generations ({cfg.num_generations}): each prompt's group is sampled whole")
+    for name in ("epsilon", "epsilon_high"):
+        value = getattr(cfg, name)
+        if value is not None and value < 0:
+            raise SFTError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+    if cfg.use_vllm and importlib.util.find_spec("vllm") is None:
+        raise SFTError("--use-vllm: vLLM is not installed (pip install vllm), or leave the flag out to sample "
+                       "with transformers")
+
+
+def _check_gkd(cfg: RLHFConfig) -> None:
+    _check_online(cfg)
+    if not 0.0 <= cfg.beta <= 1.0:
+        raise SFTError(f"--beta must be in [0, 1] for gkd (0: forward KL, 1: reverse KL), got {cfg.beta}")
+    if not 0.0 <= cfg.lmbda <= 1.0:
+        raise SFTError(f"--lmbda must be in [0, 1] (the share of on-policy steps), got {cfg.lmbda}")
+    if cfg.model is not None and cfg.teacher is None:
+        raise SFTError("--method gkd needs --teacher MODEL (only the built-in student has a default teacher)")

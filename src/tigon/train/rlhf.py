@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
-import types
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -41,22 +39,20 @@ from transformers import set_seed
 from transformers.modeling_outputs import CausalLMOutput
 
 import tigon.functional as TF
-from tigon.train import preference, tiny
+from tigon.train import grpo, preference
 from tigon.train.batching import NUM_TOKENS
+from tigon.train.builtin import builtin_after_sft, builtin_tokenizer
 from tigon.train.callbacks import ACCURACY, MARGIN
-from tigon.train.config import REFERENCE_METHODS, RLHFConfig, SFTConfig, SFTError, resolve_rlhf
-from tigon.train.data import load_samples
+from tigon.train.config import REFERENCE_METHODS, RLHFConfig, SFTError, resolve_rlhf
+from tigon.train.fused import FusedTrainer, checkpointing_off
 from tigon.train.modeling import flops_per_token, load_tokenizer
-from tigon.train.run import FINAL_DIR, Built, Job, guarded, run_sft, split_off, start, train, training_arguments
+from tigon.train.run import Built, Job, guarded, split_off, start, train, training_arguments
 from tigon.train.template import ensure_chat_template
 from tigon.train.trainer import TigonTrainer
 
 log = logging.getLogger("tigon.train")
 
 BUNDLED_PREFERENCES = Path(__file__).parent / "data" / "preferences.jsonl"
-DEMO_SFT = Path("demo-out") / FINAL_DIR  # where `make demo` leaves the built-in model after sft
-SFT_DIR = "sft"  # the embedded default's sft stage, inside the output directory
-SFT_STAGE_STEPS = -1  # the sft stage's --max-steps (-1: its epochs); tests shorten it
 
 # The paired methods' metrics, TRL's names; the progress bar shows those with a label.
 PAIRED_METRICS = {MARGIN: "margin", ACCURACY: "acc", "rewards/chosen": "", "rewards/rejected": "",
@@ -69,66 +65,22 @@ _TRL_LOSS_TYPE = {"ipo": "ipo"}
 
 # --- the policy's hidden states -----------------------------------------------------------------
 
-HIDDEN = "tigon_last_hidden_state"  # the keyword that makes a model return its last hidden states
-_NOT_FOR_THE_BACKBONE = ("labels", "return_dict", "output_attentions", "output_hidden_states", "use_cache")
-
-
-def add_hidden_output(model: torch.nn.Module) -> None:
-    """Make `model` (a causal LM, or a PEFT model around one) return its backbone's last hidden
-    states, ``(batch, tokens, hidden)``, when called with ``HIDDEN=True``, and nothing else: no
-    LM head, no logits. Otherwise its forward is what it was. The flag passes through the call of
-    every wrapper (PEFT, DDP, accelerate's autocast), which the backbone called directly would skip."""
-    causal = model.get_base_model() if is_peft_model(model) else model
-    if getattr(causal, "_tigon_hidden_output", False):
-        return
-    forward = causal.forward
-
-    # The class's signature, which `generate` checks its keywords against.
-    @functools.wraps(type(causal).forward)
-    def hidden_or_forward(self, *args, **kwargs):
-        if not kwargs.pop(HIDDEN, False):
-            return forward(*args, **kwargs)
-        kwargs = {k: v for k, v in kwargs.items() if v is not None and k not in _NOT_FOR_THE_BACKBONE}
-        return self.base_model(*args, use_cache=False, **kwargs).last_hidden_state
-
-    causal.forward = types.MethodType(hidden_or_forward, causal)
-    causal._tigon_hidden_output = True
-
-
 def _targets(input_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
     """The token each position predicts (the next one), -100 where it is not an answer's."""
     return input_ids.masked_fill(completion_mask == 0, -100)[:, 1:]
 
 
-class _FusedPreference:
-    """What both trainers share: the hidden states of the policy and of its reference, the LM
-    head, and TRL's metrics accumulated as device tensors, read back once per log."""
+class _FusedPreference(FusedTrainer):
+    """What both preference trainers share: the hidden states of the policy and of its reference,
+    and KTO's reward margin from its chosen and rejected rewards."""
 
     def __init__(self, *, loss: dict[str, Any], **kwargs: Any):
         self.loss_options = loss  # linear_preference_loss's method and constants
-        self._sums: dict[str, dict[str, list[torch.Tensor]]] = {"train": {}, "eval": {}}
-        for model in (kwargs["model"], kwargs.get("ref_model")):
-            if model is not None:
-                add_hidden_output(model)
         super().__init__(**kwargs)
-        # Given a PEFT model, TRL keeps a copy of its adapter as the reference ("ref"), for an
-        # adapter trained before. tigon's adapter is new (its B is zero): the model with the
-        # adapter switched off is the same reference, without running LoRA in its forward.
-        if is_peft_model(self.model) and "ref" in self.model.peft_config:
-            self.model.delete_adapter("ref")
 
     @property
     def method(self) -> str:
         return self.loss_options["method"]
-
-    def _hidden(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
-                ) -> torch.Tensor:
-        """The model's last hidden states at the positions that predict a next token."""
-        return model(input_ids=input_ids, attention_mask=attention_mask, **{HIDDEN: True})[:, :-1]
-
-    def _head(self, model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-        head = self.accelerator.unwrap_model(model).get_output_embeddings()
-        return head.weight, head.bias
 
     def _reference_model(self) -> torch.nn.Module:
         return self.ref_model if self.ref_model is not None else self.model
@@ -157,46 +109,16 @@ class _FusedPreference:
         with torch.no_grad():
             return TF.linear_log_probs(states["ref_hidden"], states["ref_weight"], target, states["ref_bias"]).sum(-1)
 
-    def _add(self, mode: str, key: str, total: torch.Tensor, count: torch.Tensor | float) -> None:
-        """Accumulate `total` over `count` items for the next log (no host sync: a count given
-        as a number becomes a device tensor by a fill, not a copy)."""
-        total = total.detach().float()
-        if not isinstance(count, torch.Tensor):
-            count = total.new_full((), float(count))
-        self._sums[mode].setdefault(key, []).append(torch.stack([total, count.float()]))
-
     def _averages(self, mode: str) -> dict[str, float]:
-        """The accumulated metrics' means over their items (and over the processes)."""
-        store = self._sums[mode]
-        if not store:
-            return {}
-        keys = list(store)
-        totals = torch.stack([torch.stack(store[k]).sum(0) for k in keys])
-        if self.accelerator.num_processes > 1:
-            totals = self.accelerator.reduce(totals, "sum")
-        store.clear()
-        values = {k: s / c for k, (s, c) in zip(keys, totals.tolist()) if c > 0}
+        values = super()._averages(mode)
         if MARGIN not in values and "rewards/chosen" in values and "rewards/rejected" in values:
             values[MARGIN] = values["rewards/chosen"] - values["rewards/rejected"]  # KTO's
         return values
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        mode = "train" if self.model.training else "eval"
-        for key, value in self._averages(mode).items():
-            self._metrics[mode][key] = [value]
-        super().log(logs, start_time)
 
     def _returned(self, loss: torch.Tensor, return_outputs: bool) -> Any:
         # tigon passes no compute_metrics, so evaluation asks for the loss alone; the logits that
         # TRL's metrics would take are the very thing never built.
         return (loss, CausalLMOutput(loss=loss)) if return_outputs else loss
-
-    def create_model_card(self, *args: Any, **kwargs: Any) -> None:
-        """None: TRL writes one (README.md) into the output directory at each checkpoint."""
-
-    def _send_telemetry(self) -> None:
-        """None: TRL's trainers report their use to the Hugging Face hub; a tigon run makes no
-        network call of its own."""
 
 
 class TigonDPOTrainer(_FusedPreference, TigonTrainer, DPOTrainer):
@@ -343,12 +265,8 @@ def loss_options(cfg: RLHFConfig) -> dict[str, Any]:
 def _arguments(cfg: RLHFConfig, dtype: torch.dtype, has_eval: bool) -> Any:
     kto = cfg.method == "kto"
     cls = KTOConfig if kto else DPOConfig
-    # build_model has set up checkpointing as asked; TRL's default turns it on, under the name
-    # that transformers >= 5.2x warns is deprecated when it is the only one given.
-    checkpointing = next(name for name in ("activation_checkpointing", "gradient_checkpointing")
-                         if name in {f.name for f in dataclasses.fields(cls)})
     extra: dict[str, Any] = {
-        "beta": cfg.beta, checkpointing: False,
+        "beta": cfg.beta, **checkpointing_off(cls),
         "max_length": None, "pad_to_multiple_of": None,  # tigon's data stage truncates; the collator pads
         # A full fine-tune with no reference method: set, it keeps TRL from loading a reference.
         "precompute_ref_log_probs": cfg.precompute_ref_log_probs or (cfg.method not in REFERENCE_METHODS
@@ -367,47 +285,6 @@ def _dataset(rows: list[dict[str, Any]]) -> Any:
     return Dataset.from_list(rows)
 
 
-def _builtin_tokenizer() -> Any:
-    """The built-in model's tokenizer, as its sft stage trains it (on the bundled instructions)."""
-    tokenizer = tiny.build_tokenizer(load_samples([str(tiny.BUNDLED_DATASET)], seed=0))
-    ensure_chat_template(tokenizer)
-    return tokenizer
-
-
-def _is_builtin_sft(path: Path, tokenizer: Any) -> bool:
-    """Whether `path` holds the built-in model (its shape, its tokenizer) as `tigon sft` saved it."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    if not (path / "model.safetensors").is_file() or (path / "adapter_config.json").exists():
-        return False
-    try:
-        config, saved = AutoConfig.from_pretrained(str(path)), AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError):
-        return False
-    shape = tiny.build_model(tokenizer, 0, num_hidden_layers=1).config
-    keys = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size")
-    return all(getattr(config, k, None) == getattr(shape, k) for k in keys) and saved.get_vocab() == tokenizer.get_vocab()
-
-
-def builtin_policy(cfg: RLHFConfig, tokenizer: Any) -> Path:
-    """The built-in model after sft: this run's own sft stage (OUTPUT_DIR/sft/final) when it has
-    one, so that a resumed run keeps its reference; else `make demo`'s demo-out/final when that
-    is the built-in model; else the sft stage, trained first (resumed with --resume, trained
-    again with --overwrite)."""
-    stage = Path(cfg.output_dir) / SFT_DIR
-    if not cfg.overwrite and (stage / FINAL_DIR).is_dir():
-        log.info("policy: the built-in model after sft, from %s", stage / FINAL_DIR)
-        return (stage / FINAL_DIR).resolve()
-    if _is_builtin_sft(DEMO_SFT, tokenizer):
-        log.info("policy: the built-in model after sft, from %s (make demo)", DEMO_SFT)
-        return DEMO_SFT.resolve()
-    log.info("policy: the built-in model, fine-tuned first on the bundled instructions by tigon sft into %s", stage)
-    sft = SFTConfig(output_dir=str(stage), seed=cfg.seed, kernels=cfg.kernels, kernels_off=cfg.kernels_off,
-                    max_steps=SFT_STAGE_STEPS, samples=0, resume="latest" if cfg.resume else None,
-                    overwrite=cfg.overwrite)
-    return run_sft(sft).resolve()
-
-
 def run_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> Path:
     """Preference-train as `cfg` says; returns the directory of the final model (or adapter).
     Raises `Interrupted` when stopped by Ctrl-C or SIGTERM (during training, after saving a checkpoint)."""
@@ -415,6 +292,15 @@ def run_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> Path:
 
 
 def _run(cfg: RLHFConfig) -> Path:
+    if cfg.method == "grpo":
+        return grpo.run(cfg)
+    if cfg.method == "gkd":
+        try:  # TRL's experimental package, imported only for this method
+            from tigon.train import gkd
+        except ImportError as err:
+            raise SFTError(f"--method gkd runs on TRL's GKDTrainer (trl.experimental.gkd), which this TRL lacks: "
+                           f"{err}") from None
+        return gkd.run(cfg)
     resume_from = start(cfg)
     items = preference.load_preferences(cfg.dataset or [str(BUNDLED_PREFERENCES)], cfg.seed, cfg.method)
     eval_items: list[Any] = []
@@ -423,7 +309,7 @@ def _run(cfg: RLHFConfig) -> Path:
     elif cfg.eval_split:
         items, eval_items = split_off(items, cfg.eval_split, cfg.seed)
     builtin = cfg.model is None
-    tokenizer = _builtin_tokenizer() if builtin else load_tokenizer(cfg.model)
+    tokenizer = builtin_tokenizer() if builtin else load_tokenizer(cfg.model)
     ensure_chat_template(tokenizer)
 
     def rows(of: list[Any], what: str) -> list[dict[str, Any]]:
@@ -436,7 +322,7 @@ def _run(cfg: RLHFConfig) -> Path:
     log.info("tokens: %d training %s, %d tokens, max length %d", len(train_rows),
              "answers" if cfg.method == "kto" else "pairs", tokens, cfg.max_length)
     if builtin:  # everything is checked: the sft stage may write now
-        cfg = dataclasses.replace(cfg, model=str(builtin_policy(cfg, tokenizer)))
+        cfg = dataclasses.replace(cfg, model=str(builtin_after_sft(cfg, tokenizer)))
         set_seed(cfg.seed)  # as a run that found the sft stage done (its LoRA adapter starts the same)
 
     train_data, eval_data = _dataset(train_rows), (_dataset(eval_rows) if eval_rows else None)

@@ -537,6 +537,7 @@ class Job:
     reference: bool = False  # the model stage keeps a frozen copy of the initial weights
     metrics: dict[str, str] = field(default_factory=dict)  # log keys the Reporter records: their bar labels
     flops: Callable[[torch.nn.Module, float], float] = flops_per_token  # per trained token, of a sequence length
+    samples: int | None = None  # the Trainer's samples per epoch, when not one per row (GRPO: its completions)
 
 
 def train(cfg: SFTConfig, resume_from: Path | None, tokenizer: Any, job: Job) -> Path:
@@ -545,7 +546,7 @@ def train(cfg: SFTConfig, resume_from: Path | None, tokenizer: Any, job: Job) ->
     output_dir = Path(cfg.output_dir)
     dtype = run_dtype(cfg)
     args = job.arguments(dtype)
-    planned = planned_steps(args, len(job.rows))
+    planned = planned_steps(args, len(job.rows) if job.samples is None else job.samples)
     complete = already_trained(cfg, resume_from, planned)
     if complete:
         done = f"step {_checkpoint_step(resume_from)} of {planned}" if resume_from else "no checkpoint kept"

@@ -65,7 +65,8 @@ class TigonTrainer(AtomicTrainer):
             torch.compiler.cudagraph_mark_step_begin()
             if self.args.gradient_accumulation_steps > 1:
                 self._give_gradients(model)
-        tokens = inputs.pop(NUM_TOKENS, 0)
+        # TRL's GRPO steps take their generation batch, a list of rows, and count their own tokens.
+        tokens = inputs.pop(NUM_TOKENS, 0) if isinstance(inputs, dict) else 0
         if self.args.include_num_input_tokens_seen == "no":
             self.state.num_input_tokens_seen += tokens
         if (self._in_training_mode is not model or model is not self.model or not model.training
@@ -127,7 +128,8 @@ class TigonTrainer(AtomicTrainer):
         return self._trainable
 
     def prediction_step(self, model, inputs: dict[str, Any], *args, **kwargs):
-        inputs.pop(NUM_TOKENS, None)
+        if isinstance(inputs, dict):
+            inputs.pop(NUM_TOKENS, None)
         return super().prediction_step(model, inputs, *args, **kwargs)
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> float:
