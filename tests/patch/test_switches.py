@@ -34,7 +34,8 @@ def test_every_op_is_covered_by_a_switch_or_not_patched():
     assert covered | set(switches.UNPATCHED_OPS) == set(ops.op_names())
     assert not covered & set(switches.UNPATCHED_OPS)
     assert switches.covering("moe_experts") == ("moe_experts",)
-    assert switches.covering("linear_log_probs") == ()
+    assert switches.covering("linear_log_probs") == ("trl_log_probs",)
+    assert switches.covering("linear_policy_loss") == ()
     assert switches.covering("glu_mlp") == ("swiglu", "geglu")
     assert switches.covering("add_rms_norm_glu_mlp") == ("swiglu", "geglu", "add_rms_norm")
     assert switches.covering("lora_linear_group") == ("lora",)
@@ -47,8 +48,8 @@ def test_op_names_and_unknown_names_are_refused_everywhere():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="'glu_mlp' is an op name .*switches covering it: swiglu, geglu"):
         tigon.patch(model, glu_mlp=False)
-    with pytest.raises(ValueError, match="'linear_log_probs' is an op name .*tigon.patch does not apply, so no switch"):
-        tigon.patch(model, linear_log_probs=False)
+    with pytest.raises(ValueError, match="'linear_policy_loss' is an op name .*tigon.patch does not apply, so no switch"):
+        tigon.patch(model, linear_policy_loss=False)
     with pytest.raises(ValueError, match=r"tigon.patch: unknown kernel\(s\) warp_drive; choose from rms_norm, rope"):
         tigon.patch("llama", warp_drive=False)
     assert not any("forward" in vars(m) for m in model.modules())

@@ -107,6 +107,17 @@ def test_patch_swaps_trls_function_and_unpatch_restores_it(counted):
     assert trl_utils._ChunkedLogProbFunction is TRLS
 
 
+def test_a_patched_model_collected_without_unpatch_gives_trls_function_back(counted):
+    import gc
+
+    model = tiny_model(seed=0)
+    tigon.patch(model, **ONLY_THE_HOOK)
+    assert trl_utils._ChunkedLogProbFunction is not TRLS
+    del model
+    gc.collect()
+    assert trl_utils._ChunkedLogProbFunction is TRLS
+
+
 def test_without_trl_nothing_is_planned_and_trl_is_not_imported(monkeypatch):
     """A process that has not imported TRL: patching neither plans the swap nor imports TRL."""
     for name in [m for m in sys.modules if m.split(".")[0] == "trl"]:

@@ -118,8 +118,14 @@ class _Undo:
                 delattr(module, attr)
             else:
                 setattr(module, attr, previous)
+        self.release_shared()
+
+    def release_shared(self) -> None:
+        """Give back the replacements shared beyond the model (a class's or a module's function,
+        e.g. TRL's); also run when the model is collected unpatched, so none outlives it."""
         for key in self.shared:
             _release(key)
+        self.shared.clear()
 
 
 _instance_patches: "weakref.WeakKeyDictionary[torch.nn.Module, _Undo]" = weakref.WeakKeyDictionary()
@@ -358,6 +364,7 @@ def _patch_instance(model: torch.nn.Module, switches: dict[str, bool]) -> Patche
         undo.run()
         raise
     _instance_patches[model] = undo
+    weakref.finalize(model, undo.release_shared)
     summary = _lora_summary(model, family, module, switches, lora_classes) if lora_classes else None
     if summary is not None:
         log.info("%s", summary)
