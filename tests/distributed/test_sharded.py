@@ -100,50 +100,64 @@ def _setup(rank: int, store: str, device: str) -> None:
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=WORLD)
 
 
-def _fsdp2_worker(rank: int, store: str, device: str, tuner: str, layout: str) -> None:
+def _fsdp2_worker(rank: int, store: str, device: str, tuner: str) -> None:
+    import tigon
+
+    _setup(rank, store, device)
+    try:
+        # Every layout in one pair of processes: their start-up (imports) is most of a case's time.
+        for layout in LAYOUTS:
+            try:
+                _fsdp2_case(rank, device, tuner, layout)
+            except Exception as error:
+                raise AssertionError(f"layout {layout!r}: {error}") from error
+            finally:
+                tigon.unpatch()  # the next case's oracle runs unpatched (RoPE's replacement is module-wide)
+    finally:
+        dist.destroy_process_group()
+
+
+def _fsdp2_case(rank: int, device: str, tuner: str, layout: str) -> None:
     import tigon
     from tests.helpers import assert_close
     from tigon import functional
 
-    _setup(rank, store, device)
     tied = layout == "accelerate" and tuner == "full"
-    try:
-        # The oracle runs before tigon.patch: the RoPE replacement is module-wide.
-        want = _oracle(_model(tuner, 3, device, tied), STEPS, device)
-        model = _model(tuner, 3, device, tied)
-        result = tigon.patch(model)
-        kernels = {"linear_cross_entropy", "add_rms_norm", "rms_norm", "swiglu", "lora" if tuner == "lora" else "rope"}
-        assert kernels <= set(result.applied), result.applied
-        base = model.get_base_model() if tuner == "lora" else model
-        _shard(model, base, layout)
-        # The fused MLP reads its projections' weights without calling them: count that it ran (a
-        # plain one in one op with the add + RMSNorm before it).
-        mlp_name = "lora_gated_mlp" if tuner == "lora" else "add_rms_norm_glu_mlp"
-        fused_mlp, mlp_calls = getattr(functional, mlp_name), []
-        setattr(functional, mlp_name, lambda *a, **k: mlp_calls.append(1) or fused_mlp(*a, **k))
-        trained = [param for param in model.parameters() if param.requires_grad]
-        optimizer = torch.optim.SGD(trained, lr=LR)
-        model.train()
-        for step, (want_losses, want_grads) in enumerate(want):
-            optimizer.zero_grad(set_to_none=True)
-            out = model(**_batch(step, rank, device))
-            assert out.logits is None, "the fused loss did not run"
-            assert len(mlp_calls) == len(base.model.layers) * (step + 1), f"{mlp_name} ran {len(mlp_calls)} times"
-            out.loss.backward()
-            grads = {name: param.grad for name, param in model.named_parameters() if param.requires_grad}
-            assert grads.keys() == want_grads.keys()
-            for name, grad in grads.items():
-                assert grad is not None, f"no gradient for {name}"
-                assert_close(grad.full_tensor(), want_grads[name], name=f"step {step} grad {name}")
-            optimizer.step()
-        if layout == "accelerate":
-            # A hook of the user's own on the sharded head: the loss goes through the module again.
-            handle = base.get_output_embeddings().register_forward_hook(lambda module, args, output: None)
-            with torch.no_grad():
-                assert model(**_batch(0, rank, device)).logits is not None, "a head with a user hook was read directly"
-            handle.remove()
-    finally:
-        dist.destroy_process_group()
+    # The oracle runs before tigon.patch: the RoPE replacement is module-wide.
+    want = _oracle(_model(tuner, 3, device, tied), STEPS, device)
+    model = _model(tuner, 3, device, tied)
+    result = tigon.patch(model)
+    kernels = {"linear_cross_entropy", "add_rms_norm", "rms_norm", "swiglu", "lora" if tuner == "lora" else "rope"}
+    assert kernels <= set(result.applied), result.applied
+    base = model.get_base_model() if tuner == "lora" else model
+    _shard(model, base, layout)
+    # The fused MLP reads its projections' weights without calling them: count that it ran (a
+    # plain one in one op with the add + RMSNorm before it).
+    mlp_name = "lora_gated_mlp" if tuner == "lora" else "add_rms_norm_glu_mlp"
+    fused_mlp, mlp_calls = getattr(functional, mlp_name), []
+    setattr(functional, mlp_name, lambda *a, **k: mlp_calls.append(1) or fused_mlp(*a, **k))
+    trained = [param for param in model.parameters() if param.requires_grad]
+    optimizer = torch.optim.SGD(trained, lr=LR)
+    model.train()
+    for step, (want_losses, want_grads) in enumerate(want):
+        optimizer.zero_grad(set_to_none=True)
+        out = model(**_batch(step, rank, device))
+        assert out.logits is None, "the fused loss did not run"
+        assert len(mlp_calls) == len(base.model.layers) * (step + 1), f"{mlp_name} ran {len(mlp_calls)} times"
+        out.loss.backward()
+        grads = {name: param.grad for name, param in model.named_parameters() if param.requires_grad}
+        assert grads.keys() == want_grads.keys()
+        for name, grad in grads.items():
+            assert grad is not None, f"no gradient for {name}"
+            assert_close(grad.full_tensor(), want_grads[name], name=f"step {step} grad {name}")
+        optimizer.step()
+    if layout == "accelerate":
+        # A hook of the user's own on the sharded head: the loss goes through the module again.
+        handle = base.get_output_embeddings().register_forward_hook(lambda module, args, output: None)
+        with torch.no_grad():
+            assert model(**_batch(0, rank, device)).logits is not None, "a head with a user hook was read directly"
+        handle.remove()
+    setattr(functional, mlp_name, fused_mlp)
 
 
 def _dtensor_head_worker(rank: int, store: str, device: str) -> None:
@@ -177,10 +191,12 @@ def _dtensor_head_worker(rank: int, store: str, device: str) -> None:
         dist.destroy_process_group()
 
 
+LAYOUTS = ("layers", "accelerate", "head")
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("layout", ["layers", "accelerate", "head"])
 @pytest.mark.parametrize("tuner", ["full", "lora"])
-def test_fsdp2_matches_single_process(tmp_path, tuner, layout, device):
+def test_fsdp2_matches_single_process(tmp_path, tuner, device):
     """fully_shard per decoder layer and at the root ("layers"), with the head's group that
     accelerate makes ("accelerate": full fine-tuning with tied embeddings, LoRA untied), or with
     the head in a group of its own that reshards after forward ("head"), the kernels patched on
@@ -189,7 +205,7 @@ def test_fsdp2_matches_single_process(tmp_path, tuner, layout, device):
     pytest.importorskip("torch.distributed.fsdp", reason="needs FSDP2").fully_shard
     if tuner == "lora":
         pytest.importorskip("peft")
-    _spawn(_fsdp2_worker, tmp_path, device, tuner, layout)
+    _spawn(_fsdp2_worker, tmp_path, device, tuner)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -236,10 +252,11 @@ def _zero3_losses(patched: bool, device: str, tied: bool) -> list[torch.Tensor]:
     return losses
 
 
-def _zero3_worker(rank: int, store: str, device: str, tied: bool) -> None:
+def _zero3_worker(rank: int, store: str, device: str) -> None:
     import importlib
     import os
 
+    import tigon
     from tests.helpers import assert_close
 
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(WORLD))  # as a launcher sets them
@@ -249,21 +266,22 @@ def _zero3_worker(rank: int, store: str, device: str, tied: bool) -> None:
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     _setup(rank, store, device)
     try:
-        want = _zero3_losses(False, device, tied)
-        got = _zero3_losses(True, device, tied)
-        for step, (loss, want_loss) in enumerate(zip(got, want)):
-            # Each step's loss follows from the previous steps' reduced gradients and updates.
-            assert_close(loss, want_loss, name=f"step {step} loss")
+        for tied in (False, True):  # in one pair of processes: DeepSpeed's start-up is most of the time
+            want = _zero3_losses(False, device, tied)
+            got = _zero3_losses(True, device, tied)
+            tigon.unpatch()
+            for step, (loss, want_loss) in enumerate(zip(got, want)):
+                # Each step's loss follows from the previous steps' reduced gradients and updates.
+                assert_close(loss, want_loss, name=f"{'tied' if tied else 'untied'} head, step {step} loss")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_deepspeed_zero3_fused_loss_matches_unpatched(tmp_path, monkeypatch, tied):
-    """ZeRO-3 partitions the lm_head: the fused loss gathers it for the loss only (read-only) and
+def test_deepspeed_zero3_fused_loss_matches_unpatched(tmp_path, monkeypatch):
+    """ZeRO-3 partitions the lm_head (tied to the embeddings or not): the fused loss gathers it for the loss only (read-only) and
     hands its gradient to DeepSpeed's reduce-scatter. Losses over the steps equal those of the
     unpatched model under the same ZeRO-3 engine, so the gradients reduced and applied were the
     same (ZeRO-3's own numbers differ from one unsharded process's by ~5e-4 here, patched or not)."""
     pytest.importorskip("deepspeed")
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    _spawn(_zero3_worker, tmp_path, "cpu", tied)
+    _spawn(_zero3_worker, tmp_path, "cpu")

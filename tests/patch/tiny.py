@@ -119,11 +119,12 @@ def randomise_norms(model: torch.nn.Module, generator: torch.Generator) -> None:
 
 
 def tiny_model(model_type: str, seed: int = 0, device="cpu", dtype=torch.float32, **overrides):
-    """Built on the CPU from `seed`, then moved: the same weights on every device."""
-    from transformers import AutoModelForCausalLM
+    """Built on the CPU from `seed`, then moved: the same weights on every device. What the test
+    draws next from torch's generator (adapters, dropout) follows from `seed` too."""
+    from tigon.train.tiny import random_model
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
+    model = random_model(tiny_config(model_type, **overrides), seed)
     randomise_norms(model, torch.Generator().manual_seed(seed))
     return model.to(device, dtype)
 
