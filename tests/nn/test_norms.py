@@ -31,6 +31,21 @@ def test_gemma_rms_norm_module(device):
     torch.testing.assert_close(ours(x), rms_norm_reference(x, ours.weight, 1e-6, 1.0, "gemma"))
 
 
+def test_rms_norm_module_without_a_weight_is_torchs(device):
+    ours = tigon.nn.RMSNorm(37, eps=1e-5, offset=1.0, elementwise_affine=False).to(device)
+    theirs = torch.nn.RMSNorm(37, eps=1e-5, elementwise_affine=False).to(device)
+    assert ours.weight is None and not list(ours.parameters()) and not ours.state_dict()
+    assert "elementwise_affine=False" in repr(ours)
+    x = (torch.randn(3, 5, 37, device=device) * 3).requires_grad_()
+    dy = torch.randn(3, 5, 37, device=device)
+    got = ours(x)
+    (got_dx,) = torch.autograd.grad(got, x, dy)
+    want = theirs(x)
+    (want_dx,) = torch.autograd.grad(want, x, dy)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_dx, want_dx)
+
+
 def test_layer_norm_module_is_torch_compatible(device):
     hf = torch.nn.LayerNorm(33).to(device)
     with torch.no_grad():

@@ -11,7 +11,9 @@ class RMSNorm(torch.nn.Module):
     """RMSNorm with HF's layout: a `weight` parameter and a `variance_epsilon` attribute.
 
     ``RMSNorm(h)`` replaces LlamaRMSNorm (and the Mistral/Qwen/Phi-3 copies of it);
-    ``RMSNorm(h, offset=1.0, casting="gemma")`` replaces GemmaRMSNorm, whose weight starts at zero.
+    ``RMSNorm(h, offset=1.0, casting="gemma")`` replaces GemmaRMSNorm, whose weight starts at zero;
+    ``RMSNorm(h, elementwise_affine=False)`` is a norm without a scale (``weight`` is None), as
+    ``torch.nn.RMSNorm(h, elementwise_affine=False)``.
     """
 
     def __init__(
@@ -21,14 +23,20 @@ class RMSNorm(torch.nn.Module):
         *,
         offset: float = 0.0,
         casting: str = "llama",
+        elementwise_affine: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        init = torch.zeros if offset else torch.ones
-        self.weight = torch.nn.Parameter(init(hidden_size, device=device, dtype=dtype))
+        if elementwise_affine:
+            init = torch.zeros if offset else torch.ones
+            self.weight = torch.nn.Parameter(init(hidden_size, device=device, dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
+        self.hidden_size = hidden_size
         self.variance_epsilon = eps
-        self.offset = offset
+        # Without a weight there is nothing to offset: the scale is one.
+        self.offset = offset if elementwise_affine else 0.0
         self.casting = casting
 
     @property
@@ -43,8 +51,8 @@ class RMSNorm(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, offset={self.offset}, "
-            f"casting={self.casting!r}"
+            f"({self.hidden_size},), eps={self.variance_epsilon}, offset={self.offset}, "
+            f"casting={self.casting!r}, elementwise_affine={self.weight is not None}"
         )
 
 
