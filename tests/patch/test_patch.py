@@ -628,3 +628,16 @@ def test_a_family_the_installed_transformers_lacks_is_refused_in_one_line(monkey
     with pytest.raises(ValueError, match=r"'nosuch' needs transformers\.models\.nosuch\.modeling_nosuch, which "
                                          r"transformers \S+ does not have; nothing was patched"):
         tigon.patch("nosuch")
+
+
+def test_an_unpatched_model_can_be_freed():
+    import gc
+    import weakref
+
+    model = tiny_model("llama")
+    tigon.patch(model)
+    tigon.unpatch(model)
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None, "tigon still holds an unpatched model"

@@ -118,14 +118,15 @@ class _Undo:
                 delattr(module, attr)
             else:
                 setattr(module, attr, previous)
-        self.release_shared()
+        _release_all(self.shared)
 
-    def release_shared(self) -> None:
-        """Give back the replacements shared beyond the model (a class's or a module's function,
-        e.g. TRL's); also run when the model is collected unpatched, so none outlives it."""
-        for key in self.shared:
-            _release(key)
-        self.shared.clear()
+
+def _release_all(keys: list[tuple[int, str]]) -> None:
+    """Give back the replacements shared beyond one model (a class's or a module's function, e.g.
+    TRL's); also run when the model is collected unpatched, so that none outlives it."""
+    for key in keys:
+        _release(key)
+    keys.clear()
 
 
 _instance_patches: "weakref.WeakKeyDictionary[torch.nn.Module, _Undo]" = weakref.WeakKeyDictionary()
@@ -364,7 +365,8 @@ def _patch_instance(model: torch.nn.Module, switches: dict[str, bool]) -> Patche
         undo.run()
         raise
     _instance_patches[model] = undo
-    weakref.finalize(model, undo.release_shared)
+    # Given the key list alone: a callback holding the record would keep the model alive.
+    weakref.finalize(model, _release_all, undo.shared)
     summary = _lora_summary(model, family, module, switches, lora_classes) if lora_classes else None
     if summary is not None:
         log.info("%s", summary)
