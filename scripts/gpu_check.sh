@@ -4,12 +4,13 @@
 # device tool returns at most 8 files) plus the text logs.
 # Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|moetests|ops|norms|rope|sweep|e2e|small|host|sft|profile|headstart|maxctx ...]
 # (host: per-call host time of the small ops; small: the host-bound 1x1024 e2e with CUDA-graph replay)
-# GPU_TESTS narrows the tests stage (pytest arguments); E2E_TIMEOUT bounds the e2e stage; MC_ARGS
+# GPU_TESTS narrows the tests stage (pytest arguments); MC_ARGS
 # are the maxctx stage's arguments to tigon.bench.max_context (its results merge into those already
 # recorded in docs/bench/max_context.json); PROFILE_ARGS are scripts/profile_e2e.py's; BENCH_OPS narrows
 # the ops stage to those op cases. Wheels carried in .whl/ (the device tool's way to bring packages
 # the machine lacks: trl, liger-kernel, ...) are installed to /tmp/site first, with those of the
 # other .whl* folders carried (.whl-bnb: bitsandbytes). GPU_WORKERS runs the tests on that many xdist workers.
+# TIMEOUT_<stage> (seconds) overrides a stage's time limit: keep their sum under the call's limit.
 set -uo pipefail
 if compgen -G ".whl*/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl*/*.whl || exit 1
@@ -25,39 +26,40 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "
 python3 -m tigon.cli env >> "$RES/env.txt" 2>&1
 for stage in "${stages[@]}"; do
   start=$(date +%s)
+  limit_var="TIMEOUT_$stage"
   case "$stage" in
-    tests) timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_WORKERS:+-n $GPU_WORKERS} \
+    tests) timeout ${!limit_var:-420} python3 -m pytest -v -rfE -m gpu -p no:cacheprovider ${GPU_WORKERS:+-n $GPU_WORKERS} \
              ${GPU_TESTS:-tests} > "$RES/gpu_tests.txt" 2>&1
            tail -25 "$RES/gpu_tests.txt" ;;
     # Run apart from the rest: a device-side assert leaves its process's CUDA context unusable.
-    moetests) timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_moe.py \
+    moetests) timeout ${!limit_var:-420} python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_moe.py \
              tests/nn/test_moe.py > "$RES/gpu_moe_tests.txt" 2>&1
            timeout 120 python3 -m pytest -q -p no:cacheprovider tests/ops/test_kernel_globals.py >> "$RES/gpu_moe_tests.txt" 2>&1
            tail -15 "$RES/gpu_moe_tests.txt" ;;
-    ops)   timeout ${OPS_TIMEOUT:-420} python3 -m tigon.cli bench --headline ${BENCH_OPS:+--ops $BENCH_OPS} --out "$RES/ops" > "$RES/ops.txt" 2>&1
+    ops)   timeout ${!limit_var:-420} python3 -m tigon.cli bench --headline ${BENCH_OPS:+--ops $BENCH_OPS} --out "$RES/ops" > "$RES/ops.txt" 2>&1
            grep -A60 "^op " "$RES/ops.txt" | tail -45 ;;
-    norms) timeout 420 python3 -m tigon.cli bench --ops rms_norm add_rms_norm layer_norm \
+    norms) timeout ${!limit_var:-420} python3 -m tigon.cli bench --ops rms_norm add_rms_norm layer_norm \
              --sizes 16384x4096 16384x1024 4096x16384 16384x8192 --out "$RES/norms" > "$RES/norms.txt" 2>&1
            tail -25 "$RES/norms.txt" ;;
-    sweep) timeout 300 python3 -m tigon.cli bench --ops linear_cross_entropy_budget --impls tigon --out "$RES/lce_budget" > "$RES/lce_budget.txt" 2>&1
+    sweep) timeout ${!limit_var:-300} python3 -m tigon.cli bench --ops linear_cross_entropy_budget --impls tigon --out "$RES/lce_budget" > "$RES/lce_budget.txt" 2>&1
            tail -9 "$RES/lce_budget.txt" ;;
-    e2e)   timeout ${E2E_TIMEOUT:-420} python3 -m tigon.cli bench --e2e --out "$RES/e2e" > "$RES/e2e.txt" 2>&1
+    e2e)   timeout ${!limit_var:-420} python3 -m tigon.cli bench --e2e --out "$RES/e2e" > "$RES/e2e.txt" 2>&1
            tail -15 "$RES/e2e.txt" ;;
-    small) timeout ${E2E_TIMEOUT:-420} python3 -m tigon.cli bench --e2e 1x1024 --e2e-impls eager tigon tigon+graphs \
+    small) timeout ${!limit_var:-420} python3 -m tigon.cli bench --e2e 1x1024 --e2e-impls eager peer tigon tigon+graphs \
              --out "$RES/e2e_1x1024" > "$RES/e2e_1x1024.txt" 2>&1
            tail -15 "$RES/e2e_1x1024.txt" ;;
-    host)  timeout 300 python3 -m tigon.cli bench --host --out "$RES/host" > "$RES/host.txt" 2>&1
+    host)  timeout ${!limit_var:-300} python3 -m tigon.cli bench --host --out "$RES/host" > "$RES/host.txt" 2>&1
            grep -A40 "^op " "$RES/host.txt" | tail -32 ;;
-    rope)  timeout 300 python3 -m tigon.cli bench --ops rope --out "$RES/rope" > "$RES/rope.txt" 2>&1
+    rope)  timeout ${!limit_var:-300} python3 -m tigon.cli bench --ops rope --out "$RES/rope" > "$RES/rope.txt" 2>&1
            tail -12 "$RES/rope.txt" ;;
     sft)   OUT="$RES/sft" bash scripts/sft_gpu_compare.sh ;;
-    profile) timeout 300 python3 scripts/profile_e2e.py ${PROFILE_ARGS:-full} --trace "$RES/step_trace.json" > "$RES/profile.txt" 2>&1
+    profile) timeout ${!limit_var:-300} python3 scripts/profile_e2e.py ${PROFILE_ARGS:-full} --trace "$RES/step_trace.json" > "$RES/profile.txt" 2>&1
            gzip -f "$RES/step_trace.json"
            cat "$RES/profile.txt" | tail -70 ;;
-    headstart) timeout 300 python3 scripts/head_start.py full > "$RES/head_start.txt" 2>&1
+    headstart) timeout ${!limit_var:-300} python3 scripts/head_start.py full > "$RES/head_start.txt" 2>&1
            cat "$RES/head_start.txt" ;;
     maxctx) mkdir -p "$RES/mc" && cp -n docs/bench/max_context.json "$RES/mc/" 2>/dev/null
-           timeout ${MC_TIMEOUT:-540} python3 -m tigon.bench.max_context ${MC_ARGS:-} --out "$RES/mc" >> "$RES/mc.txt" 2>&1
+           timeout ${!limit_var:-540} python3 -m tigon.bench.max_context ${MC_ARGS:-} --out "$RES/mc" >> "$RES/mc.txt" 2>&1
            tail -20 "$RES/mc.txt" ;;
     *)     echo "unknown stage $stage" ;;
   esac

@@ -230,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "tokens shape given (default 4x2048; 1x1024 is host-bound); more knobs: "
                             "python -m tigon.bench.e2e --help")
     bench.add_argument("--e2e-impls", nargs="+", metavar="IMPL",
-                       choices=["eager", "tigon", "compile", "tigon+compile", "tigon+graphs"],
+                       choices=["eager", "tigon", "compile", "tigon+compile", "tigon+graphs", "peer"],
                        help="with --e2e: what to run (default eager tigon; tigon+graphs: CUDA-graph replay)")
     bench.add_argument("--max-context", nargs="*", type=int, metavar="TOKENS",
                        help="long-context LoRA: peak memory and s/step by length (default 65536 ... 524288), "

@@ -17,6 +17,9 @@ backward, so the next step's forward is issued while the GPU runs the optimizer
 (weights, gradients and optimizer state included, as in TARGETS.md). GPU busy is the mean NVML
 utilisation over the timed steps (`tigon.timing.BusyMeter`; absent without pynvml).
 
+``peer`` is the same model with Liger-Kernel's kernels (``_apply_liger_kernel_to_instance``, on
+the base model under PEFT), when its package is installed.
+
 ``tigon+graphs`` is the patched model under ``torch.compile(mode="reduce-overhead")``, which
 records each step's forward and backward as CUDA graphs and replays them (``tigon sft
 --cuda-graphs``): at batch 1 × 1024 tokens (``tigon bench --e2e 1x1024``) the host, not the GPU,
@@ -44,7 +47,7 @@ from tigon.timing import BusyMeter
 
 MODES = ("full", "lora")
 # "tigon+compile" is the patched model under torch.compile, "tigon+graphs" under its CUDA-graph mode.
-IMPLS = ("eager", "tigon", "compile", "tigon+compile", "tigon+graphs")
+IMPLS = ("eager", "tigon", "compile", "tigon+compile", "tigon+graphs", "peer")
 COMPILE_MODES = {"compile": None, "tigon+compile": None, "tigon+graphs": "reduce-overhead"}
 LLAMA_1B = dict(
     hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -77,6 +80,29 @@ def build_model(
         if checkpointing:
             model.enable_input_require_grads()
     return model
+
+
+def apply_peer(model: torch.nn.Module) -> Callable[[], None]:
+    """Liger-Kernel's kernels on `model` (the base model under PEFT); returns what undoes them.
+    Liger also replaces names in the model's transformers module (its RMSNorm and MLP classes,
+    the rotary function, the loss), which the later cases' fresh models would pick up: the undo
+    puts that module's namespace back."""
+    import importlib
+
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    module = importlib.import_module(type(base).__module__)
+    saved = dict(vars(module))
+    _apply_liger_kernel_to_instance(model=base)
+
+    def undo() -> None:
+        for name in set(vars(module)) - set(saved):
+            delattr(module, name)
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+    return undo
 
 
 def _release(device: torch.device) -> None:
@@ -199,7 +225,10 @@ def run_case(
     _release(device)
     model = build_model(mode, seq, device, shape=shape, lora_rank=lora_rank, checkpointing=checkpointing)
     record: dict[str, Any] = {"mode": mode, "impl": impl, "batch": batch, "seq": seq}
+    undo_peer = None
     try:
+        if impl == "peer":
+            undo_peer = apply_peer(model)
         if impl.startswith("tigon"):
             record["applied"] = str(tigon.patch(model))
             log(record["applied"])
@@ -209,6 +238,8 @@ def run_case(
         record["error"] = f"{type(err).__name__}: {err}"
     finally:
         tigon.unpatch(model)
+        if undo_peer is not None:
+            undo_peer()
         del model
         _release(device)
     return record
