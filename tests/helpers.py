@@ -146,13 +146,17 @@ def run_without_host_sync(step) -> None:
 
 
 def tigon_kernels() -> dict[str, object]:
-    """Every Triton kernel object of tigon.ops, by kernel name (for counting launches)."""
+    """Every Triton kernel object of tigon.ops, by kernel name (for counting launches): a
+    ``@triton.jit`` function, or the :class:`~tigon.ops._launch.PreboundKernel` wrapping one on a
+    GPU (the interpreter keeps the plain function)."""
     from triton.runtime.jit import KernelInterface
+
+    from tigon.ops._launch import PreboundKernel
 
     return {
         value.fn.__name__: value
         for name, module in list(sys.modules.items()) if name.startswith("tigon.ops.")
-        for value in vars(module).values() if isinstance(value, KernelInterface)
+        for value in vars(module).values() if isinstance(value, (KernelInterface, PreboundKernel))
     }
 
 

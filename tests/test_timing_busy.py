@@ -36,3 +36,13 @@ def test_busy_meter_without_nvml_never_starts():
     assert not meter.start() and meter._thread is None
     meter.stop()  # harmless
     assert meter.window() is None and meter.overall() is None
+
+
+def test_busy_meter_window_shorter_than_the_interval_reads_once_now():
+    """A run shorter than the sampling interval still gets a figure: one read at the window's end."""
+    readings = iter([0.0, 70.0, 80.0])
+    meter = BusyMeter(lambda: next(readings), interval=60.0)
+    assert meter.start()  # the probe reads 0.0; the thread's first sample is a minute away
+    assert meter.window() == 70.0 and meter.window() == 80.0
+    meter.stop()
+    assert meter.window() is None and meter.overall() is None

@@ -105,11 +105,15 @@ class BusyMeter:
                     acc[1] += 1
 
     def window(self) -> float | None:
-        """Mean busy % since the last call (None: no sample yet)."""
+        """Mean busy % since the last call. A window shorter than the interval, with no sample
+        in it, gets one read now (the counter's own sample period covers the recent past); None
+        once stopped or where nothing can be read."""
         with self._lock:
             total, n = self._window
             self._window = [0.0, 0]
-        return total / n if n else None
+        if n:
+            return total / n
+        return self.read() if self._thread is not None and not self._stop.is_set() else None
 
     def overall(self) -> float | None:
         """Mean busy % since `start`."""

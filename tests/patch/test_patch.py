@@ -641,3 +641,18 @@ def test_an_unpatched_model_can_be_freed():
     del model
     gc.collect()
     assert alive() is None, "tigon still holds an unpatched model"
+
+
+@pytest.mark.parametrize("model_type", family_params())
+def test_rope_keep_dtype_is_what_hfs_function_does(model_type):
+    """A family's rotary function either keeps q's and k's dtype when handed float32 cos/sin (OLMo
+    casts back) or promotes: the table's `keep_dtype` must say which, or a bf16 model's attention
+    gets float32 queries from the patched path. Checked on HF's own function, not on a model."""
+    module = importlib.import_module(modeling_module(FAMILIES[model_type]))
+    for rope in FAMILIES[model_type].ropes:
+        if rope.form != "cos_sin" or rope.halves or not hasattr(module, rope.function):
+            continue
+        q, k = (torch.randn(1, 2, 3, 8, dtype=torch.bfloat16) for _ in range(2))
+        cos, sin = (torch.randn(1, 3, 8 // 2 if rope.cos == "once" else 8) for _ in range(2))
+        q_out, _ = getattr(module, rope.function)(q, k, cos, sin)
+        assert (q_out.dtype == torch.bfloat16) == rope.keep_dtype, f"{rope.function}: keep_dtype={rope.keep_dtype}"

@@ -67,12 +67,15 @@ def compare_compute_loss(pair, tmp_path, beta, counted, rtol):
     args = gkd._arguments(cfg, torch.float32, False)
     student = AutoModelForCausalLM.from_pretrained(root / "student", dtype=torch.float32)
     teacher = gkd._teacher(cfg, str(root / "teacher"), torch.float32)
-    chats = [s.messages for s in random.sample(load_samples([str(tiny.BUNDLED_DATASET)], seed=0), 3)]
+    samples = load_samples([str(tiny.BUNDLED_DATASET)], seed=0)
+    chats = [s.messages for s in random.sample(samples, 3)]
     trainer = gkd.TigonGKDTrainer(model=student, teacher_model=teacher, args=args,
                                   train_dataset=Dataset.from_list([{"messages": list(m)} for m in chats]),
                                   processing_class=tokenizer)
     batch = trainer.data_collator([{"messages": list(m)} for m in chats])
-    assert (batch["attention_mask"] == 0).any() and (batch["labels"] == -100).any()
+    while not (batch["attention_mask"] == 0).any():  # three chats of one length (a few draws in 100): others
+        batch = trainer.data_collator([{"messages": list(s.messages)} for s in random.sample(samples, 3)])
+    assert (batch["labels"] == -100).any()
     items = (batch["labels"][:, 1:] != -100).sum() + 3 if counted else None
     batch = {k: v.to(trainer.model.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     items = items.to(trainer.model.device) if counted else None

@@ -76,6 +76,8 @@ def rollout(trainer, completions=4, prompt_len=5, completion_len=7, old=True, re
               "completion_mask": completion_mask, "advantages": torch.randn(completions, generator=g),
               "num_items_in_batch": completion_mask.sum().float()}
     inputs = {k: v.to(trainer.model.device) for k, v in inputs.items()}
+    prompt_ids, prompt_mask, completion_ids, completion_mask = (
+        inputs[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask"))
     with torch.no_grad():
         logits = trainer.model(input_ids=torch.cat([prompt_ids, completion_ids], 1),
                                attention_mask=torch.cat([prompt_mask, completion_mask], 1)).logits

@@ -191,6 +191,7 @@ def measure_training(
     try:
         times, losses = timed_steps(model, step_model, vocab, batch, seq, warmup, steps, sync_steps=sync_steps,
                                     busy=busy if sampling else None)
+        window = busy.window() if sampling else None
     finally:
         busy.stop()
     record = dict(
@@ -199,7 +200,6 @@ def measure_training(
         peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan"),
         losses=losses,
     )
-    window = busy.window() if sampling else None
     if window is not None:
         record["gpu_busy_pct"] = round(window, 1)
     return record

@@ -331,7 +331,7 @@ FAMILIES: dict[str, Family] = {
     # OLMo's LayerNorm has neither weight nor bias and a fixed epsilon.
     "olmo": _family(
         "olmo", "Olmo", norm=Norm("OlmoLayerNorm", casting="float32", eps=1e-5, kind="layer", weight=False),
-        norms=None,
+        rope=Rope(keep_dtype=True), norms=None,
     ),
     # OLMo 2 multiplies by the weight in fp32 and rounds once, as Gemma does, but without the +1.
     "olmo2": _family(

@@ -602,6 +602,26 @@ def packed_sequence_finder(original: Callable[[torch.Tensor], Any]) -> Callable[
     return find_packed_sequence_indices
 
 
+def run_decoder(
+    decoder: torch.nn.Module,
+    input_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``decoder(input_ids=..., attention_mask=..., position_ids=..., **kwargs)`` for a causal LM's
+    backbone. Given no positions, no mask and no cache (whole, unpadded sequences, as in training),
+    it passes the positions HF would make, marked as whole sequences, so that HF's mask code does
+    not look for packed sequences on the device (:func:`packed_sequence_finder`)."""
+    tokens = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
+    no_cache = kwargs.get("past_key_values") is None and kwargs.get("cache") is None
+    made = position_ids is None and attention_mask is None and no_cache and tokens is not None
+    if made:
+        position_ids = _whole_sequence_positions(tokens)
+    with handoff.WHOLE_SEQUENCES.lent(position_ids, True) if made else contextlib.nullcontext():
+        return decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+
+
 def _mean_as_hf(loss_sum: torch.Tensor, kwargs: dict) -> torch.Tensor:
     count = kwargs["num_items_in_batch"]
     return loss_sum / (count.to(loss_sum.device) if isinstance(count, torch.Tensor) else count)
@@ -639,14 +659,7 @@ def causal_lm_forward(
         if aux_loss is not None and kwargs.get("output_router_logits") is None:
             kwargs["output_router_logits"] = self.config.output_router_logits
         # What every family's forward calls (Llama 4's base_model_prefix names a multimodal model's).
-        decoder = self.model
-        tokens = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
-        no_cache = kwargs.get("past_key_values") is None and kwargs.get("cache") is None
-        made = position_ids is None and attention_mask is None and no_cache and tokens is not None
-        if made:
-            position_ids = _whole_sequence_positions(tokens)
-        with handoff.WHOLE_SEQUENCES.lent(position_ids, True) if made else contextlib.nullcontext():
-            outputs = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        outputs = run_decoder(self.model, input_ids, attention_mask, position_ids, **kwargs)
         hidden = outputs.last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:, :]

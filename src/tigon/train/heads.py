@@ -9,6 +9,8 @@ import types
 import torch
 from accelerate.utils import is_peft_model
 
+from tigon.patch.forwards import run_decoder
+
 HIDDEN = "tigon_last_hidden_state"  # the keyword that makes a model return its last hidden states
 _NOT_FOR_THE_BACKBONE = ("labels", "return_dict", "output_attentions", "output_hidden_states", "use_cache")
 
@@ -29,7 +31,7 @@ def add_hidden_output(model: torch.nn.Module) -> None:
         if not kwargs.pop(HIDDEN, False):
             return forward(*args, **kwargs)
         kwargs = {k: v for k, v in kwargs.items() if v is not None and k not in _NOT_FOR_THE_BACKBONE}
-        return self.base_model(*args, use_cache=False, **kwargs).last_hidden_state
+        return run_decoder(self.base_model, *args, use_cache=False, **kwargs).last_hidden_state
 
     causal.forward = types.MethodType(hidden_or_forward, causal)
     causal._tigon_hidden_output = True
