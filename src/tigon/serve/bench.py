@@ -147,10 +147,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", metavar="DIR", help="serve this model directory instead of building one")
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2, help="requests per client in the concurrent phase")
+    parser.add_argument("--sequential", type=int, metavar="N",
+                        help="requests in the one-at-a-time phase (default: one per client); its tokens/s is "
+                             "per request, so fewer only shorten the run")
     parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per request")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--out", metavar="DIR", default="bench-out", help="where serve_bench.json and the server log go")
     args = parser.parse_args(argv)
+    sequential = args.clients if args.sequential is None else args.sequential
+    for flag, value in (("--clients", args.clients), ("--rounds", args.rounds), ("--sequential", sequential),
+                        ("--max-tokens", args.max_tokens), ("--prompt-tokens", args.prompt_tokens)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -166,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             asyncio.run(run_phase(base, "bench", prompts[: args.clients], args.clients, args.max_tokens))  # warm-up
             phases = {
-                "one at a time": asyncio.run(run_phase(base, "bench", prompts[: args.clients], 1, args.max_tokens)),
+                "one at a time": asyncio.run(run_phase(base, "bench", prompts[: sequential], 1, args.max_tokens)),
                 "concurrent": asyncio.run(run_phase(base, "bench", prompts, args.clients, args.max_tokens)),
             }
         finally:
