@@ -1,15 +1,20 @@
-"""Cross-entropy over the last dim of the logits, with label smoothing, z-loss and logit softcapping.
+"""Cross-entropy over the last dim of the logits, with label smoothing, z-loss, logit softcapping,
+class weights and token scaling.
 
     x'      = softcap * tanh(x / softcap)                  (only when softcap is set; Gemma 2)
     lse     = logsumexp(x')
-    loss_i  = lse - (1 - eps) * x'[t] - eps * mean(x') + z_loss_scale * lse^2
+    loss_i  = (1 - eps) w_t (lse - x'[t]) + eps / V * sum_j w_j (lse - x'_j) + z_loss_scale * w_t * lse^2
+            (times p_t = softmax(x')[t], detached, with token scaling)
             = 0 where t == ignore_index
 
-then "mean" (over the rows whose target is not ignored), "sum" or "none". That is
-``torch.nn.functional.cross_entropy(x', t, label_smoothing=eps)`` plus the z-loss, with two
+with class weights w (all 1 without them), then "mean" (divided by the sum of w_t over the rows
+whose target is not ignored: their count without weights), "sum" or "none". That is
+``torch.nn.functional.cross_entropy(x', t, weight=w, label_smoothing=eps)`` plus the z-loss, with two
 differences: the class dim is the last one (logits ``(..., V)``, target ``(...)``), and a "mean"
 over a batch whose every target is ignored is 0 with zero gradients, not NaN. The loss is fp32 for
 fp16/bf16 logits (what ``F.cross_entropy(x.float(), t)`` gives); the gradient has the logits' dtype.
+The same pass can write each row's z-loss term and its argmax (the walk over the row takes the max
+anyway), so a training step can report its token accuracy without logits or another pass.
 
 Forward reads each row once, walking the vocabulary in blocks with an online logsumexp, and keeps
 one fp32 lse per row. Backward reads the row again and writes ``(softmax - onehot) * scale`` into

@@ -10,8 +10,8 @@ input dtype fits `max_chunk_bytes`. Per chunk, in forward:
     loss_c, and dlogits over the chunk  one Triton pass (cross_entropy's kernel, WRITE_GRAD), in
                                         place: the chunk buffer is private to this op
     grad_h_c  = dlogits @ W             straight into its rows of grad_h
-    grad_W   += dlogits.T @ h_c         accumulated in W's dtype (an fp32 copy of W would cost
-                                        2 bytes per weight more than the budget allows)
+    grad_W   += dlogits.T @ h_c         accumulated in W's dtype (an fp32 sum costs 2 bytes per
+                                        weight more: opt in with fp32_weight_grad)
     grad_b   += dlogits.sum(0)          in fp32
 
 Each GEMM runs only for a tensor that requires grad (a frozen W costs no weight-gradient GEMM).
