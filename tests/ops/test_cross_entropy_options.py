@@ -7,16 +7,9 @@ import torch.nn.functional as TF
 import tigon.functional as F
 from tigon.ops.cross_entropy import LossOutput, cross_entropy_reference
 from tests.helpers import assert_close, compare_fwd_bwd
+from tests.ops.test_cross_entropy import _inputs
 
 IGNORE = -100
-
-
-def _inputs(lead, vocab, dtype, device, scale=2.0):
-    logits = (scale * torch.randn(*lead, vocab, device=device)).to(dtype).requires_grad_()
-    target = torch.randint(0, vocab, lead, device=device)
-    flat = target.view(-1)
-    flat[torch.randperm(flat.numel(), device=device)[: max(1, flat.numel() // 4)]] = IGNORE
-    return logits, target
 
 
 def _class_weight(vocab, device):

@@ -9,23 +9,9 @@ import tigon.functional as F
 from tigon.ops.cross_entropy import cross_entropy_reference
 from tigon.ops.linear_cross_entropy import linear_cross_entropy_reference
 from tests.helpers import assert_close, compare_fwd_bwd
+from tests.ops.test_linear_cross_entropy import _budget, _inputs
 
 IGNORE = -100
-
-
-def _inputs(lead, hidden, vocab, dtype, device, bias=True):
-    h = torch.randn(*lead, hidden, device=device).to(dtype).requires_grad_()
-    w = (torch.randn(vocab, hidden, device=device) * 2 * hidden**-0.5).to(dtype).requires_grad_()
-    b = (0.5 * torch.randn(vocab, device=device)).to(dtype).requires_grad_() if bias else None
-    target = torch.randint(0, vocab, lead, device=device)
-    flat = target.view(-1)
-    flat[torch.randperm(flat.numel(), device=device)[: max(1, flat.numel() // 4)]] = IGNORE
-    return h, w, b, target
-
-
-def _budget(vocab, dtype, rows=5):
-    """Chunks of `rows` rows: with 13 tokens, two full chunks and a partial one."""
-    return rows * vocab * dtype.itemsize
 
 
 @pytest.mark.parametrize(
