@@ -67,9 +67,10 @@ def _softcapped(x, softcap, HAS_SOFTCAP: tl.constexpr):
 def _target_weight(class_weight_ptr, target, in_vocab, HAS_WEIGHT: tl.constexpr):
     # The target's class weight (1 without weights); 0 where the target has no class (its row's
     # lse is NaN or it is ignored, so the value never shows).
+    weight = 1.0
     if HAS_WEIGHT:
-        return tl.load(class_weight_ptr + target, mask=in_vocab, other=0.0).to(tl.float32)
-    return 1.0
+        weight = tl.load(class_weight_ptr + target, mask=in_vocab, other=0.0).to(tl.float32)
+    return weight
 
 
 @triton.jit
