@@ -52,3 +52,41 @@ def test_bad_options_fail_at_construction(cls):
         cls(reduction="avg")
     with pytest.raises(ValueError, match="label_smoothing must be"):
         cls(label_smoothing=2.0)
+
+
+def test_cross_entropy_loss_weight_is_torch_modules(device):
+    weight = torch.rand(300, device=device) + 0.1
+    ours = tigon.nn.CrossEntropyLoss(weight=weight, label_smoothing=0.1)
+    theirs = torch.nn.CrossEntropyLoss(weight=weight, label_smoothing=0.1)
+    logits = torch.randn(9, 300, device=device)
+    target = torch.randint(0, 300, (9,), device=device)
+    target[0] = -100
+    assert_close(ours(logits, target), theirs(logits, target), name="weighted loss")
+    assert "weight" in dict(ours.named_buffers())
+
+
+def test_new_options_reach_the_ops(device):
+    logits = torch.randn(7, 300, device=device)
+    target = torch.randint(0, 300, (7,), device=device)
+    weight = torch.rand(300, device=device)
+    options = dict(z_loss_scale=1e-2, token_scaling=True, return_z_loss=True, return_argmax=True)
+    got = tigon.nn.CrossEntropyLoss(weight=weight, **options)(logits, target)
+    want = tigon.functional.cross_entropy(logits, target, weight=weight, **options)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    hidden, head = torch.randn(7, 16, device=device), torch.randn(300, 16, device=device)
+    module = tigon.nn.LinearCrossEntropyLoss(class_weight=weight, fp32_weight_grad=True, **options)
+    got = module(hidden, head, target)
+    want = tigon.functional.linear_cross_entropy(hidden, head, target, class_weight=weight, fp32_weight_grad=True,
+                                                 **options)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert "token_scaling=True" in repr(module) and "fp32_weight_grad=True" in repr(module)
+
+
+@pytest.mark.parametrize("cls,name", [(tigon.nn.CrossEntropyLoss, "weight"), (tigon.nn.LinearCrossEntropyLoss, "class_weight")])
+def test_bad_class_weight_fails_at_construction(cls, name):
+    with pytest.raises(ValueError, match=f"{name} must be None or a 1-D float tensor"):
+        cls(**{name: torch.ones(3, 4)})
+    with pytest.raises(ValueError, match="return_argmax must be a bool"):
+        cls(return_argmax="yes")

@@ -93,3 +93,26 @@ def test_torch_compile_of_a_patched_model_gives_eager_results():
     finally:
         torch._dynamo.reset()
     assert_same_run(got, want)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["linear_cross_entropy", "cross_entropy"])
+def test_token_accuracy_is_handed_to_the_lender(fused):
+    """With a list lent for its labels, the patched causal LM appends the step's argmax hits and
+    target count, those of HF's logits; without one it computes none and the loss is the same."""
+    model = tiny_model("llama")
+    ids, mask, labels = batch()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    labels[0, 3:8] = logits[0, 2:7].argmax(-1)  # five hits at least, whatever the weights
+    targets = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+    valid = targets != -100
+    tigon.patch(model, linear_cross_entropy=fused, cross_entropy=not fused)
+    model.train()
+    plain = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    hits = []
+    with handoff.TOKEN_ACCURACY.lent(labels, hits):
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    assert len(handoff.TOKEN_ACCURACY) == 0 and len(hits) == 1
+    (hit, count), = hits
+    assert count == valid.sum() and hit == ((logits.argmax(-1) == targets) & valid).sum() and hit >= 5
+    assert torch.equal(loss, plain)

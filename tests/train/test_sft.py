@@ -77,6 +77,11 @@ def test_kernels_on_trains_like_kernels_off(tmp_path, caplog):
     assert sorted(off) == sorted(on) == [1, 2]
     for step in off:
         assert on[step] == pytest.approx(off[step], rel=1e-4)
+    # The patched loss hands over its token accuracy; HF's own loss has none to give.
+    records = {kind: [json.loads(line) for line in (tmp_path / kind / "metrics.jsonl").read_text().splitlines()]
+               for kind in ("on", "off")}
+    assert all(0.0 <= r["accuracy"] <= 1.0 for r in records["on"] if "loss" in r)
+    assert not any("accuracy" in r for r in records["off"])
 
 
 RESUMABLE = ["--tuner", "lora", "--lora-dropout", "0.2", "--max-steps", "6", "--lr", "1e-2"]

@@ -42,7 +42,7 @@ from tigon.ops.composite.linear_group import linear_group_reference
 from tigon.ops.composite.lora import LoraProjection, lora_linear_group_reference, lora_linear_reference
 from tigon.ops.composite.lora_mlp import lora_gated_mlp_reference
 from tigon.ops.composite.norm_mlp import add_rms_norm_glu_mlp_reference
-from tigon.ops.cross_entropy import LossOptions, check_loss_options, cross_entropy_reference
+from tigon.ops.cross_entropy import LossOptions, LossOutput, check_flags, check_loss_options, cross_entropy_reference
 from tigon.ops.dequantize import QuantizedWeight, dequantize_reference
 from tigon.ops.dora import dora_norm_reference, dora_scale_reference
 from tigon.ops.glu import geglu_reference, swiglu_reference
@@ -52,7 +52,8 @@ from tigon.ops.rms_norm import NormedInput, add_rms_norm_reference, rms_norm_ref
 from tigon.ops.rope import rope_reference
 
 __all__ = [
-    "INTERPRET", "LoraProjection", "LossOptions", "NormedInput", "QuantizedWeight", "autocast_dtype", "check_loss_options",
+    "INTERPRET", "LoraProjection", "LossOptions", "LossOutput", "NormedInput", "QuantizedWeight", "autocast_dtype",
+    "check_flags", "check_loss_options",
     "disabled", "op_names", "placement", "reset", "why_not_triton",
     "add_rms_norm_glu_mlp_reference", "add_rms_norm_reference", "cross_entropy_reference", "dequantize_reference",
     "dora_norm_reference", "dora_scale_reference", "geglu_reference",

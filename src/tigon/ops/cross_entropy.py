@@ -1,15 +1,20 @@
-"""Cross-entropy over the last dim of the logits, with label smoothing, z-loss and logit softcapping.
+"""Cross-entropy over the last dim of the logits, with label smoothing, z-loss, logit softcapping,
+class weights and token scaling.
 
     x'      = softcap * tanh(x / softcap)                  (only when softcap is set; Gemma 2)
     lse     = logsumexp(x')
-    loss_i  = lse - (1 - eps) * x'[t] - eps * mean(x') + z_loss_scale * lse^2
+    loss_i  = (1 - eps) w_t (lse - x'[t]) + eps / V * sum_j w_j (lse - x'_j) + z_loss_scale * w_t * lse^2
+            (times p_t = softmax(x')[t], detached, with token scaling)
             = 0 where t == ignore_index
 
-then "mean" (over the rows whose target is not ignored), "sum" or "none". That is
-``torch.nn.functional.cross_entropy(x', t, label_smoothing=eps)`` plus the z-loss, with two
+with class weights w (all 1 without them), then "mean" (divided by the sum of w_t over the rows
+whose target is not ignored: their count without weights), "sum" or "none". That is
+``torch.nn.functional.cross_entropy(x', t, weight=w, label_smoothing=eps)`` plus the z-loss, with two
 differences: the class dim is the last one (logits ``(..., V)``, target ``(...)``), and a "mean"
 over a batch whose every target is ignored is 0 with zero gradients, not NaN. The loss is fp32 for
 fp16/bf16 logits (what ``F.cross_entropy(x.float(), t)`` gives); the gradient has the logits' dtype.
+The same pass can write each row's z-loss term and its argmax (the walk over the row takes the max
+anyway), so a training step can report its token accuracy without logits or another pass.
 
 Forward reads each row once, walking the vocabulary in blocks with an online logsumexp, and keeps
 one fp32 lse per row. Backward reads the row again and writes ``(softmax - onehot) * scale`` into
@@ -59,18 +64,34 @@ def _softcapped(x, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _target_weight(class_weight_ptr, target, in_vocab, HAS_WEIGHT: tl.constexpr):
+    # The target's class weight (1 without weights); 0 where the target has no class (its row's
+    # lse is NaN or it is ignored, so the value never shows).
+    weight = 1.0
+    if HAS_WEIGHT:
+        weight = tl.load(class_weight_ptr + target, mask=in_vocab, other=0.0).to(tl.float32)
+    return weight
+
+
+@triton.jit
 def _ce_row_grad(
-    logits_ptr, grad_ptr, n_cols, target, valid, lse, scale,
+    logits_ptr, grad_ptr, class_weight_ptr, n_cols, target, valid, lse, scale, w_target, weight_total,
     label_smoothing, z_loss_scale, softcap,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # d loss / d x'_j = softmax_j * (1 + 2 z lse) - (1 - eps) [j == t] - eps / V, times d x'/d x.
+    # With class weights w (all 1 without them; weight_total = sum(w), V without them):
+    # d loss / d x'_j = softmax_j * ((1 - eps) w_t + eps W / V + 2 z w_t lse)
+    #                   - (1 - eps) w_t [j == t] - eps w_j / V, times d x'/d x.
     # Each element is read and then written by the same thread, so grad_ptr may equal logits_ptr.
     cols = tl.arange(0, BLOCK)
-    softmax_scale = scale * (1.0 + 2.0 * z_loss_scale * lse)
-    target_scale = scale * (1.0 - label_smoothing)
+    softmax_scale = scale * (
+        (1.0 - label_smoothing) * w_target + label_smoothing * weight_total / n_cols
+        + 2.0 * z_loss_scale * w_target * lse
+    )
+    target_scale = scale * (1.0 - label_smoothing) * w_target
     smooth = scale * label_smoothing / n_cols
     # An ignored row reads nothing (0 columns); its gradient is 0 whatever the masked values give.
     read_cols = tl.where(valid, n_cols, 0)
@@ -81,7 +102,10 @@ def _ce_row_grad(
         x = _softcapped(x, softcap, HAS_SOFTCAP)
         g = tl.exp(x - lse) * softmax_scale - tl.where(offs == target, target_scale, 0.0)
         if HAS_SMOOTHING:
-            g -= smooth
+            if HAS_WEIGHT:
+                g -= smooth * tl.load(class_weight_ptr + offs, mask=in_row, other=0.0).to(tl.float32)
+            else:
+                g -= smooth
         if HAS_SOFTCAP:
             g *= 1.0 - (x / softcap) * (x / softcap)
         tl.store(grad_ptr + offs, tl.where(valid, g, 0.0).to(grad_ptr.dtype.element_ty), mask=in_row)
@@ -91,10 +115,15 @@ def _ce_row_grad(
 @triton.jit
 def _ce_fwd_kernel(
     logits_ptr, target_ptr, loss_ptr, lse_ptr, grad_ptr, scale_ptr,
+    class_weight_ptr, weight_total_ptr, argmax_ptr, z_loss_ptr,
     n_cols, logits_row_stride, grad_row_stride, scale_stride,
     ignore_index, label_smoothing, z_loss_scale, softcap,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    TOKEN_SCALING: tl.constexpr,
+    WRITE_ARGMAX: tl.constexpr,
+    WRITE_Z_LOSS: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -108,19 +137,37 @@ def _ce_fwd_kernel(
     row_max = float("-inf")
     sum_exp = 0.0
     row_sum = 0.0
+    # The argmax rides on the max the loop takes anyway: the first index of the largest value, or
+    # of the first NaN (what torch.argmax gives), found without another pass over the row.
+    best = float("-inf")
+    best_index = 0
+    first_nan = n_cols
     for start in range(0, n_cols, BLOCK):
         offs = start + cols
         mask = offs < row_cols
         x = tl.load(logits_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         x = tl.where(mask, _softcapped(x, softcap, HAS_SOFTCAP), float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(x, axis=0))
+        block_max = tl.max(x, axis=0)
+        new_max = tl.maximum(row_max, block_max)
         # While every value seen is -inf (or the row is ignored) there is no finite shift; 0 keeps
         # exp() at 0 instead of NaN.
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)
         sum_exp = sum_exp * tl.exp(row_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
         row_max = new_max
         if HAS_SMOOTHING:
-            row_sum += tl.sum(tl.where(mask, x, 0.0), axis=0)
+            if HAS_WEIGHT:
+                w = tl.load(class_weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                row_sum += tl.sum(tl.where(mask, w * x, 0.0), axis=0)
+            else:
+                row_sum += tl.sum(tl.where(mask, x, 0.0), axis=0)
+        if WRITE_ARGMAX:
+            is_nan = x != x
+            first_nan = tl.minimum(first_nan, tl.min(tl.where(is_nan, offs, n_cols), axis=0))
+            finite_or_inf = tl.where(is_nan, float("-inf"), x)
+            block_best = tl.max(finite_or_inf, axis=0)
+            block_index = start + tl.argmax(finite_or_inf, axis=0, tie_break_left=True)
+            best_index = tl.where(block_best > best, block_index, best_index)
+            best = tl.maximum(best, block_best)
     # tl.max and tl.maximum skip NaN (the GPU's max.f32; the interpreter copies it), so a NaN in
     # the row reaches the lse only through exp() and sum_exp: no floor or max may touch sum_exp,
     # or a NaN row becomes a finite loss. A +inf logit makes sum_exp NaN (exp(inf - inf)), as
@@ -133,39 +180,68 @@ def _ce_fwd_kernel(
 
     x_target = tl.load(logits_ptr + target, mask=in_vocab, other=0.0).to(tl.float32)
     x_target = _softcapped(x_target, softcap, HAS_SOFTCAP)
-    loss = lse - (1.0 - label_smoothing) * x_target + z_loss_scale * lse * lse
+    w_target = _target_weight(class_weight_ptr, target, in_vocab, HAS_WEIGHT)
+    if HAS_WEIGHT:
+        weight_total = tl.load(weight_total_ptr)
+    else:
+        weight_total = n_cols * 1.0
+    # torch's weighted, smoothed loss: (1 - eps) w_t (lse - x_t) + eps / V sum_j w_j (lse - x_j).
+    z_term = z_loss_scale * w_target * lse * lse
+    loss = (1.0 - label_smoothing) * w_target * (lse - x_target) + z_term
     if HAS_SMOOTHING:
-        loss -= label_smoothing * row_sum / n_cols
-    tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
+        loss += label_smoothing * (weight_total * lse - row_sum) / n_cols
+    # Token scaling: the row's loss times its target's probability, a constant to the gradient.
+    token_scale = 1.0
+    if TOKEN_SCALING:
+        token_scale = tl.exp(x_target - lse)
+    tl.store(loss_ptr + row, tl.where(valid, loss * token_scale, 0.0))
     tl.store(lse_ptr + row, lse)
+    if WRITE_Z_LOSS:
+        tl.store(z_loss_ptr + row, tl.where(valid, z_term * token_scale, 0.0))
+    if WRITE_ARGMAX:
+        index = tl.where(first_nan < n_cols, first_nan, best_index)
+        tl.store(argmax_ptr + row, tl.where(valid, index, -1).to(tl.int64))
 
     if WRITE_GRAD:
-        scale = tl.load(scale_ptr + row * scale_stride).to(tl.float32)
+        scale = tl.load(scale_ptr + row * scale_stride).to(tl.float32) * token_scale
         _ce_row_grad(
-            logits_ptr, grad_ptr + row * grad_row_stride, n_cols, target, valid, lse, scale,
-            label_smoothing, z_loss_scale, softcap,
-            HAS_SOFTCAP=HAS_SOFTCAP, HAS_SMOOTHING=HAS_SMOOTHING, BLOCK=BLOCK,
+            logits_ptr, grad_ptr + row * grad_row_stride, class_weight_ptr, n_cols, target, valid, lse, scale,
+            w_target, weight_total, label_smoothing, z_loss_scale, softcap,
+            HAS_SOFTCAP=HAS_SOFTCAP, HAS_SMOOTHING=HAS_SMOOTHING, HAS_WEIGHT=HAS_WEIGHT, BLOCK=BLOCK,
         )
 
 
 @launched
 @triton.jit
 def _ce_bwd_kernel(
-    logits_ptr, target_ptr, lse_ptr, grad_ptr, scale_ptr,
+    logits_ptr, target_ptr, lse_ptr, grad_ptr, scale_ptr, class_weight_ptr, weight_total_ptr,
     n_cols, logits_row_stride, grad_row_stride, scale_stride,
     ignore_index, label_smoothing, z_loss_scale, softcap,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    TOKEN_SCALING: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    logits_ptr += row * logits_row_stride
     target = tl.load(target_ptr + row)
+    valid = target != ignore_index
+    in_vocab = valid & (target >= 0) & (target < n_cols)
+    lse = tl.load(lse_ptr + row)
     scale = tl.load(scale_ptr + row * scale_stride).to(tl.float32)
+    if TOKEN_SCALING:
+        x_target = tl.load(logits_ptr + target, mask=in_vocab, other=0.0).to(tl.float32)
+        scale *= tl.exp(_softcapped(x_target, softcap, HAS_SOFTCAP) - lse)
+    if HAS_WEIGHT:
+        weight_total = tl.load(weight_total_ptr)
+    else:
+        weight_total = n_cols * 1.0
     _ce_row_grad(
-        logits_ptr + row * logits_row_stride, grad_ptr + row * grad_row_stride, n_cols,
-        target, target != ignore_index, tl.load(lse_ptr + row), scale,
+        logits_ptr, grad_ptr + row * grad_row_stride, class_weight_ptr, n_cols, target, valid, lse, scale,
+        _target_weight(class_weight_ptr, target, in_vocab, HAS_WEIGHT), weight_total,
         label_smoothing, z_loss_scale, softcap,
-        HAS_SOFTCAP=HAS_SOFTCAP, HAS_SMOOTHING=HAS_SMOOTHING, BLOCK=BLOCK,
+        HAS_SOFTCAP=HAS_SOFTCAP, HAS_SMOOTHING=HAS_SMOOTHING, HAS_WEIGHT=HAS_WEIGHT, BLOCK=BLOCK,
     )
 
 
@@ -176,16 +252,70 @@ class LossOptions(NamedTuple):
     label_smoothing: float = 0.0
     z_loss_scale: float = 0.0
     softcap: float | None = None
+    token_scaling: bool = False
+
+
+class LossOutput(NamedTuple):
+    """What a loss returns when asked for more than the loss (``return_z_loss`` or
+    ``return_argmax``); the fields not asked for are None.
+
+    Attributes:
+        loss: the loss, as the op returns it alone (z-loss included).
+        z_loss: the z-loss term of `loss`, ``z_loss_scale * lse**2`` per row (times the class
+            weight and the token scale where those apply), reduced as `loss` is; detached.
+        argmax: int64, shape of the target: each row's predicted class (the first index of the
+            largest logit, after softcap; the first NaN's index in a row holding one, as
+            torch.argmax), -1 where the target is ignored.
+        accuracy: fp32 0-dim: the fraction of the rows that are not ignored whose argmax is their
+            target (0 when every row is ignored); unweighted.
+    """
+
+    loss: torch.Tensor
+    z_loss: torch.Tensor | None = None
+    argmax: torch.Tensor | None = None
+    accuracy: torch.Tensor | None = None
+
+
+class ClassWeight(NamedTuple):
+    """Class weights as the kernels read them: fp32 ``(V,)`` and their sum (0-dim, on the device,
+    so that nothing is read back to the host)."""
+
+    weight: torch.Tensor
+    total: torch.Tensor
+
+
+def class_weights(weight: torch.Tensor | None) -> ClassWeight | None:
+    """`weight` (a checked ``(V,)`` float tensor, or None) as the kernels take it. The weights
+    are constants to the loss: no gradient reaches them."""
+    if weight is None:
+        return None
+    weight = weight.detach().to(torch.float32).contiguous()
+    return ClassWeight(weight, weight.sum())
+
+
+def target_weights(target: torch.Tensor, ignore_index: int, weight: torch.Tensor | None) -> torch.Tensor | None:
+    """Each row's class weight, `weight[target]`, 0 on ignored rows (None without weights). A
+    target outside the classes reads the last (or first) one: its row's loss is NaN anyway."""
+    if weight is None:
+        return None
+    valid = target != ignore_index
+    picked = weight[target.clamp(0, weight.shape[0] - 1).long()]
+    return torch.where(valid, picked, torch.zeros_like(picked))
 
 
 def mean_denominator(
-    target: torch.Tensor, ignore_index: int, num_items_in_batch: int | torch.Tensor | None, dtype: torch.dtype
+    target: torch.Tensor,
+    ignore_index: int,
+    num_items_in_batch: int | torch.Tensor | None,
+    dtype: torch.dtype,
+    weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The 0-dim divisor of a "mean": `num_items_in_batch` if given, else the count of targets
-    that are not `ignore_index`; 1 where that is 0, so an all-ignored batch gives 0, not NaN.
-    Computed on the targets' device without a host sync."""
+    that are not `ignore_index` (with class weights `weight`, the sum of their weights, as
+    torch's); 1 where that is 0, so an all-ignored batch gives 0, not NaN. Computed on the
+    targets' device without a host sync."""
     if num_items_in_batch is None:
-        count = (target != ignore_index).sum()
+        count = (target != ignore_index).sum() if weight is None else target_weights(target, ignore_index, weight).sum()
     elif isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.device == target.device:
         count = num_items_in_batch
     else:
@@ -201,6 +331,7 @@ def reduce_losses(
     ignore_index: int,
     reduction: str,
     num_items_in_batch: int | torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token `losses` reduced as the ops do it ("mean" divides by :func:`mean_denominator`)."""
     if reduction == "none":
@@ -208,7 +339,15 @@ def reduce_losses(
     total = losses.sum()
     if reduction == "sum":
         return total
-    return total / mean_denominator(target, ignore_index, num_items_in_batch, total.dtype)
+    return total / mean_denominator(target, ignore_index, num_items_in_batch, total.dtype, weight)
+
+
+def token_accuracy(argmax: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """fp32 0-dim: the fraction of the targets that are not `ignore_index` equal to `argmax`
+    (0 when all are ignored), on the device."""
+    valid = target != ignore_index
+    hits = ((argmax == target) & valid).sum(dtype=torch.float32)
+    return hits / valid.sum(dtype=torch.float32).clamp_min(1.0)
 
 
 def cross_entropy_reference(
@@ -219,7 +358,12 @@ def cross_entropy_reference(
     label_smoothing: float = 0.0,
     z_loss_scale: float = 0.0,
     softcap: float | None = None,
-) -> torch.Tensor:
+    weight: torch.Tensor | None = None,
+    token_scaling: bool = False,
+    return_z_loss: bool = False,
+    return_argmax: bool = False,
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> torch.Tensor | LossOutput:
     """The loss written the obvious way over ``torch.nn.functional.cross_entropy``: the test oracle
     and the fallback. Where it departs from torch, it does what the kernel does: an ignored row's
     logits are not used (torch's gradient there is NaN when they hold a NaN; this one is 0), and a
@@ -234,16 +378,36 @@ def cross_entropy_reference(
         x2d = softcap * torch.tanh(x2d / softcap)
     # Every row gets a class in range here (torch's own ignore_index never matches); the ignored
     # rows are zeroed below, where their loss is finite.
+    safe_target = torch.where(ignored | out_of_range, 0, target1d).long()
+    w = None if weight is None else weight.detach().to(x2d.dtype)
     losses = torch.nn.functional.cross_entropy(
-        x2d, torch.where(ignored | out_of_range, 0, target1d).long(), reduction="none",
-        label_smoothing=label_smoothing,
+        x2d, safe_target, weight=w, reduction="none", label_smoothing=label_smoothing
     )
+    z_rows = torch.zeros_like(losses)
     if z_loss_scale:
-        losses = losses + z_loss_scale * torch.logsumexp(x2d, dim=-1).pow(2)
+        z_rows = z_loss_scale * torch.logsumexp(x2d, dim=-1).pow(2)
+        if w is not None:
+            z_rows = z_rows * w[safe_target]
+        losses = losses + z_rows
+    if token_scaling:
+        probability = x2d.log_softmax(-1).gather(1, safe_target[:, None])[:, 0].exp().detach()
+        losses, z_rows = losses * probability, z_rows * probability
     # A product, not masked_fill: its gradient carries the NaN back into the row's logits.
-    losses = losses * torch.where(out_of_range, float("nan"), 1.0).to(losses.dtype)
-    losses = torch.where(ignored, 0.0, losses)
-    return reduce_losses(losses.view(target.shape), target, ignore_index, reduction)
+    nan_rows = torch.where(out_of_range, float("nan"), 1.0).to(losses.dtype)
+    losses = torch.where(ignored, 0.0, losses * nan_rows)
+    loss = reduce_losses(losses.view(target.shape), target, ignore_index, reduction, num_items_in_batch, w)
+    if not (return_z_loss or return_argmax):
+        return loss
+    out = LossOutput(loss)
+    if return_z_loss:
+        z_rows = torch.where(ignored, 0.0, z_rows * nan_rows).detach()
+        out = out._replace(
+            z_loss=reduce_losses(z_rows.view(target.shape), target, ignore_index, reduction, num_items_in_batch, w)
+        )
+    if return_argmax:
+        argmax = torch.where(ignored, -1, x2d.detach().argmax(-1)).view(target.shape)
+        out = out._replace(argmax=argmax, accuracy=token_accuracy(argmax, target, ignore_index))
+    return out
 
 
 def vocab_block_config(n_cols: int, writes_grad: bool) -> tuple[int, int]:
@@ -253,7 +417,7 @@ def vocab_block_config(n_cols: int, writes_grad: bool) -> tuple[int, int]:
     return block, max(1, min(16, block // (32 * ELEMENTS_PER_THREAD[writes_grad])))
 
 
-def _kernel_options(options: LossOptions, n_cols: int, writes_grad: bool) -> dict:
+def _kernel_options(options: LossOptions, n_cols: int, writes_grad: bool, class_weight: ClassWeight | None) -> dict:
     block, num_warps = vocab_block_config(n_cols, writes_grad)
     return dict(
         ignore_index=options.ignore_index,
@@ -262,6 +426,8 @@ def _kernel_options(options: LossOptions, n_cols: int, writes_grad: bool) -> dic
         softcap=float(options.softcap) if options.softcap is not None else 1.0,
         HAS_SOFTCAP=options.softcap is not None,
         HAS_SMOOTHING=options.label_smoothing > 0,
+        HAS_WEIGHT=class_weight is not None,
+        TOKEN_SCALING=bool(options.token_scaling),
         BLOCK=block,
         num_warps=num_warps,
     )
@@ -275,89 +441,119 @@ def cross_entropy_rows(
     options: LossOptions,
     grad: torch.Tensor | None = None,
     scale: torch.Tensor | None = None,
+    class_weight: ClassWeight | None = None,
+    argmax: torch.Tensor | None = None,
+    z_loss: torch.Tensor | None = None,
 ) -> None:
     """Write each row's fp32 loss and lse into `loss` and `lse`; with `grad`, also the gradient of
     ``sum(scale * loss)`` in the same pass. `scale` is 0-dim or one value per row; `grad` may be
-    `logits2d` itself (its rows are then overwritten: only for a buffer nobody else reads)."""
+    `logits2d` itself (its rows are then overwritten: only for a buffer nobody else reads). With
+    `argmax` (int64, one per row) and `z_loss` (fp32, one per row), also each row's argmax and
+    z-loss term, in the same pass."""
     n_rows, n_cols = logits2d.shape
     write_grad = grad is not None
     _ce_fwd_kernel[(n_rows,)](
         logits2d, target1d, loss, lse,
         grad if write_grad else logits2d, scale if write_grad else lse,
+        *_weight_pointers(class_weight, lse),
+        argmax if argmax is not None else target1d, z_loss if z_loss is not None else lse,
         n_cols, logits2d.stride(0), grad.stride(0) if write_grad else 0,
         _scale_stride(scale) if write_grad else 0,
+        WRITE_ARGMAX=argmax is not None,
+        WRITE_Z_LOSS=z_loss is not None,
         WRITE_GRAD=write_grad,
-        **_kernel_options(options, n_cols, write_grad),
+        **_kernel_options(options, n_cols, write_grad, class_weight),
     )
+
+
+def _weight_pointers(class_weight: ClassWeight | None, placeholder: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # Without weights the kernels never read these: any fp32 tensor stands in.
+    return (placeholder, placeholder) if class_weight is None else class_weight
 
 
 def _scale_stride(scale: torch.Tensor) -> int:
     return scale.stride(0) if scale.dim() else 0
 
 
-def cross_entropy_backward(logits, target, lse, scale, options):
+def cross_entropy_backward(logits, target, lse, scale, options, class_weight=None):
     """The logits' gradient, of the logits' shape, by the backward kernel; `scale` is 0-dim or one
     value per row (the loss's gradient)."""
     logits2d, target1d = rows_view(logits), target.reshape(-1)
     n_rows, n_cols = logits2d.shape
     grad = torch.empty((n_rows, n_cols), dtype=logits2d.dtype, device=logits2d.device)
     _ce_bwd_kernel[(n_rows,)](
-        logits2d, target1d, lse, grad, scale,
+        logits2d, target1d, lse, grad, scale, *_weight_pointers(class_weight, lse),
         n_cols, logits2d.stride(0), grad.stride(0), _scale_stride(scale),
-        **_kernel_options(options, n_cols, True),
+        **_kernel_options(options, n_cols, True, class_weight),
     )
     return grad.view(logits.shape)
 
 
-def _row_losses(logits, target, options):
-    """Each row's fp32 loss (shape of `target`) and lse (one per row) by the forward kernel."""
+def _row_losses(logits, target, options, class_weight=None, want_z_loss=False, want_argmax=False):
+    """Each row's fp32 loss (shape of `target`), lse (one per row), and if asked its z-loss term
+    and argmax (shape of `target`; else None), by the forward kernel."""
     loss = torch.empty(target.shape, dtype=torch.float32, device=logits.device)
     lse = torch.empty(target.shape, dtype=torch.float32, device=logits.device)
-    cross_entropy_rows(rows_view(logits), target.reshape(-1), loss.view(-1), lse.view(-1), options)
-    return loss, lse
+    z_loss = torch.empty(target.shape, dtype=torch.float32, device=logits.device) if want_z_loss else None
+    argmax = torch.empty(target.shape, dtype=torch.int64, device=logits.device) if want_argmax else None
+    cross_entropy_rows(
+        rows_view(logits), target.reshape(-1), loss.view(-1), lse.view(-1), options, class_weight=class_weight,
+        argmax=None if argmax is None else argmax.view(-1), z_loss=None if z_loss is None else z_loss.view(-1),
+    )
+    return loss, lse, z_loss, argmax
 
 
 def _reference_point(ctx, saved):
     logits, target, _ = saved
-    options, reduction = ctx.config
-    return CROSS_ENTROPY, _reference_in_function_order, (logits, target, options, reduction)
+    options, reduction, class_weight, wanted = ctx.config
+    return CROSS_ENTROPY, _reference_in_function_order, (logits, target, class_weight, options, reduction, wanted)
 
 
-def _reference_in_function_order(logits, target, options, reduction):
-    ignore_index, label_smoothing, z_loss_scale, softcap = options
-    return cross_entropy_reference(logits, target, ignore_index, reduction, label_smoothing, z_loss_scale, softcap)
+def _reference_in_function_order(logits, target, class_weight, options, reduction, wanted):
+    out = cross_entropy_reference(
+        logits, target, options.ignore_index, reduction, options.label_smoothing, options.z_loss_scale,
+        options.softcap, None if class_weight is None else class_weight.weight, options.token_scaling, True, True,
+    )
+    return out.loss, out.z_loss, out.argmax
 
 
 class _CrossEntropyFunction(torch.autograd.Function):
+    """Returns (loss, z_loss, argmax), the last two empty unless `wanted` (a pair of bools) asks
+    for them; neither has a gradient."""
+
     @staticmethod
-    def forward(ctx, logits, target, options, reduction):
-        loss, lse = _row_losses(logits, target, options)
+    def forward(ctx, logits, target, class_weight, options, reduction, wanted):
+        loss, lse, z_loss, argmax = _row_losses(logits, target, options, class_weight, *wanted)
         ctx.save_for_backward(logits, target, lse)
-        ctx.config = (options, reduction)
-        if reduction == "none":
-            return loss
-        total = loss.sum()
-        if reduction == "sum":
-            return total
-        ctx.denominator = mean_denominator(target, options.ignore_index, None, torch.float32)
-        return total / ctx.denominator
+        ctx.config = (options, reduction, class_weight, wanted)
+        z_loss = loss.new_empty(0) if z_loss is None else z_loss
+        argmax = target.new_empty(0, dtype=torch.int64) if argmax is None else argmax
+        if reduction != "none":
+            if reduction == "mean":
+                weight = None if class_weight is None else class_weight.weight
+                ctx.denominator = mean_denominator(target, options.ignore_index, None, torch.float32, weight)
+            divisor = ctx.denominator if reduction == "mean" else 1
+            loss = loss.sum() / divisor
+            z_loss = z_loss.sum() / divisor if wanted[0] else z_loss
+        ctx.mark_non_differentiable(z_loss, argmax)
+        return loss, z_loss, argmax
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     @backward_fallback(_reference_point)
-    def backward(ctx, saved, grad_output):
+    def backward(ctx, saved, grad_output, *_):
         logits, target, lse = saved
-        options, reduction = ctx.config
+        options, reduction, class_weight, _ = ctx.config
         if reduction == "none":
             scale = grad_output.reshape(-1)
         else:
             scale = grad_output / ctx.denominator if reduction == "mean" else grad_output
-        return cross_entropy_backward(logits, target, lse, scale, options), None, None, None
+        return cross_entropy_backward(logits, target, lse, scale, options, class_weight), None, None, None, None, None
 
 
 def check_loss_options(options: LossOptions, reduction: str) -> None:
     """ValueError for an option outside its domain."""
-    ignore_index, label_smoothing, z_loss_scale, softcap = options
+    ignore_index, label_smoothing, z_loss_scale, softcap, token_scaling = options
     if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
         raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
     check_choice("reduction", reduction, REDUCTIONS)
@@ -367,6 +563,28 @@ def check_loss_options(options: LossOptions, reduction: str) -> None:
         raise ValueError(f"z_loss_scale must be a non-negative float, got {z_loss_scale!r}")
     if softcap is not None and (not isinstance(softcap, (int, float)) or softcap <= 0):
         raise ValueError(f"softcap must be None or a positive float, got {softcap!r}")
+    if not isinstance(token_scaling, bool):
+        raise ValueError(f"token_scaling must be a bool, got {token_scaling!r}")
+
+
+def check_flags(**flags: object) -> None:
+    """Each of `flags` (name=value) is a bool."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
+def check_class_weight(name: str, weight: torch.Tensor | None, n_classes: int, device: torch.device) -> None:
+    """`weight` is None or a ``(n_classes,)`` float tensor on `device`: one weight per class."""
+    if weight is None:
+        return
+    if not isinstance(weight, torch.Tensor):
+        raise ValueError(f"{name} must be None or a ({n_classes},) float tensor, got {type(weight).__name__}")
+    if not weight.is_floating_point():
+        raise ValueError(f"{name} must be a float tensor of class weights, got {weight.dtype}")
+    if weight.shape != (n_classes,):
+        raise ValueError(f"{name} must have shape ({n_classes},), one weight per class, got {tuple(weight.shape)}")
+    check_device(name, weight, device)
 
 
 def check_target(target: torch.Tensor, rows_shape: torch.Size, device: torch.device, of: str) -> None:
@@ -396,17 +614,37 @@ def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int) 
         )
 
 
-def _check(logits, target, options, reduction) -> None:
+def _check(logits, target, options, reduction, weight) -> None:
     check_float("logits", logits)
     if logits.dim() == 0 or logits.shape[-1] == 0:
         raise ValueError(f"logits must have a non-empty last (vocabulary) dim, got shape {tuple(logits.shape)}")
     check_target(target, logits.shape[:-1], logits.device, "logits")
     check_loss_options(options, reduction)
+    check_class_weight("weight", weight, logits.shape[-1], logits.device)
 
 
-def _cross_entropy_kernel(logits, target, ignore_index, reduction, label_smoothing, z_loss_scale, softcap):
-    options = LossOptions(ignore_index, label_smoothing, z_loss_scale, softcap)
-    return _CrossEntropyFunction.apply(logits, target, options, reduction)
+def loss_output(loss, z_loss, argmax, target, ignore_index, wanted):
+    """The public result: `loss` alone, or a :class:`LossOutput` with what `wanted` (return_z_loss,
+    return_argmax) asks for."""
+    want_z_loss, want_argmax = wanted
+    if not (want_z_loss or want_argmax):
+        return loss
+    return LossOutput(
+        loss,
+        z_loss if want_z_loss else None,
+        argmax if want_argmax else None,
+        token_accuracy(argmax, target, ignore_index) if want_argmax else None,
+    )
+
+
+def _cross_entropy_kernel(
+    logits, target, ignore_index, reduction, label_smoothing, z_loss_scale, softcap, weight, token_scaling,
+    return_z_loss, return_argmax,
+):
+    options = LossOptions(ignore_index, label_smoothing, z_loss_scale, softcap, token_scaling)
+    wanted = (return_z_loss, return_argmax)
+    loss, z_loss, argmax = _CrossEntropyFunction.apply(logits, target, class_weights(weight), options, reduction, wanted)
+    return loss_output(loss, z_loss, argmax, target, ignore_index, wanted)
 
 
 # Inside torch.compile: the same launchers as library ops, reduced by torch ops around them.
@@ -421,7 +659,7 @@ def _forward_fake(logits, target, ignore_index, label_smoothing, z_loss_scale, s
     _forward_fake,
 )
 def _forward_op(logits, target, ignore_index, label_smoothing, z_loss_scale, softcap):
-    return _row_losses(logits, target, LossOptions(ignore_index, label_smoothing, z_loss_scale, softcap))
+    return _row_losses(logits, target, LossOptions(ignore_index, label_smoothing, z_loss_scale, softcap))[:2]
 
 
 @library_op(
@@ -448,7 +686,16 @@ def _op_backward(ctx, grad_losses, _):
 _forward_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
-def _cross_entropy_compiled(logits, target, ignore_index, reduction, label_smoothing, z_loss_scale, softcap):
+def _cross_entropy_compiled(
+    logits, target, ignore_index, reduction, label_smoothing, z_loss_scale, softcap, weight, token_scaling,
+    return_z_loss, return_argmax,
+):
+    if weight is not None or token_scaling or return_z_loss or return_argmax:
+        # Not library ops yet: inside torch.compile these options run the reference.
+        return cross_entropy_reference(
+            logits, target, ignore_index, reduction, label_smoothing, z_loss_scale, softcap, weight, token_scaling,
+            return_z_loss, return_argmax,
+        )
     losses, _ = _forward_op(
         logits, target, ignore_index, float(label_smoothing), float(z_loss_scale),
         None if softcap is None else float(softcap),
@@ -468,7 +715,11 @@ def cross_entropy(
     label_smoothing: float = 0.0,
     z_loss_scale: float = 0.0,
     softcap: float | None = None,
-) -> torch.Tensor:
+    weight: torch.Tensor | None = None,
+    token_scaling: bool = False,
+    return_z_loss: bool = False,
+    return_argmax: bool = False,
+) -> torch.Tensor | LossOutput:
     """Cross-entropy of `logits` against class indices `target`, with the class dim last.
 
     Args:
@@ -478,18 +729,34 @@ def cross_entropy(
             A target outside ``[0, V)`` gives its row a NaN loss and gradient (checked on the
             device; ``TIGON_DEBUG=1`` raises a ValueError naming it instead).
         ignore_index: target value to skip.
-        reduction: ``"mean"`` over the non-ignored rows, ``"sum"``, or ``"none"`` (shape of `target`).
+        reduction: ``"mean"`` over the non-ignored rows (with `weight`: divided by the sum of
+            their targets' weights), ``"sum"``, or ``"none"`` (shape of `target`).
         label_smoothing: eps in [0, 1], as in ``torch.nn.functional.cross_entropy``.
-        z_loss_scale: adds ``z_loss_scale * logsumexp(logits)**2`` to each non-ignored row's loss.
+        z_loss_scale: adds ``z_loss_scale * logsumexp(logits)**2`` to each non-ignored row's loss
+            (times the target's class weight with `weight`).
         softcap: if set, the logits become ``softcap * tanh(logits / softcap)`` first (Gemma 2).
+        weight: ``(V,)`` float class weights, exactly as ``torch.nn.functional.cross_entropy``'s
+            `weight` (label smoothing included); constants: no gradient reaches them.
+        token_scaling: multiply each row's loss (z-loss included) by its target's probability
+            ``softmax(logits)[target]``, detached: the gradient is the scaled row's, with no
+            gradient through the scale.
+        return_z_loss: also return the z-loss term on its own (see :class:`LossOutput`).
+        return_argmax: also return each row's argmax and the token accuracy, computed in the
+            forward pass over the row (no extra pass over the logits).
 
     Returns:
-        The loss in fp32 (the logits' dtype if that is float64). A "mean" over an all-ignored batch
+        The loss in fp32 (the logits' dtype if that is float64); with `return_z_loss` or
+        `return_argmax`, a :class:`LossOutput` holding it. A "mean" over an all-ignored batch
         is 0, where torch gives NaN. A NaN or +inf logit in a row that is not ignored makes that
         row's loss NaN, as in torch (the module docstring has the details). The gradient is written
         to a fresh buffer in backward.
     """
-    _check(logits, target, LossOptions(ignore_index, label_smoothing, z_loss_scale, softcap), reduction)
+    options = LossOptions(ignore_index, label_smoothing, z_loss_scale, softcap, token_scaling)
+    _check(logits, target, options, reduction, weight)
+    check_flags(return_z_loss=return_z_loss, return_argmax=return_argmax)
     if debug_enabled():
         check_target_range(target, logits.shape[-1], ignore_index)
-    return CROSS_ENTROPY(None, logits, target, ignore_index, reduction, label_smoothing, z_loss_scale, softcap)
+    return CROSS_ENTROPY(
+        None, logits, target, ignore_index, reduction, label_smoothing, z_loss_scale, softcap, weight, token_scaling,
+        return_z_loss, return_argmax,
+    )

@@ -10,8 +10,8 @@ input dtype fits `max_chunk_bytes`. Per chunk, in forward:
     loss_c, and dlogits over the chunk  one Triton pass (cross_entropy's kernel, WRITE_GRAD), in
                                         place: the chunk buffer is private to this op
     grad_h_c  = dlogits @ W             straight into its rows of grad_h
-    grad_W   += dlogits.T @ h_c         accumulated in W's dtype (an fp32 copy of W would cost
-                                        2 bytes per weight more than the budget allows)
+    grad_W   += dlogits.T @ h_c         accumulated in W's dtype (an fp32 sum costs 2 bytes per
+                                        weight more: opt in with fp32_weight_grad)
     grad_b   += dlogits.sum(0)          in fp32
 
 Each GEMM runs only for a tensor that requires grad (a frozen W costs no weight-gradient GEMM).
@@ -39,13 +39,17 @@ from tigon.ops._dispatch import Op, backward_fallback, debug_enabled, empty_if, 
 from tigon.ops._launch import cdiv, launched, multiprocessor_count
 from tigon.ops.cross_entropy import (
     LossOptions,
+    LossOutput,
+    check_class_weight,
+    check_flags,
     check_loss_options,
     check_target,
     check_target_range,
+    class_weights,
     cross_entropy_reference,
     cross_entropy_rows,
+    loss_output,
     mean_denominator,
-    reduce_losses,
 )
 
 # The logits chunk's budget; 128 MiB keeps the op's extra memory under the TARGETS.md bound at
@@ -82,14 +86,18 @@ def linear_cross_entropy_reference(
     z_loss_scale: float = 0.0,
     softcap: float | None = None,
     num_items_in_batch: int | torch.Tensor | None = None,
-) -> torch.Tensor:
+    class_weight: torch.Tensor | None = None,
+    token_scaling: bool = False,
+    return_z_loss: bool = False,
+    return_argmax: bool = False,
+) -> torch.Tensor | LossOutput:
     """``cross_entropy(F.linear(hidden, weight, bias), target)`` with the whole logits in memory:
     the test oracle and the fallback."""
     logits = torch.nn.functional.linear(hidden, weight, bias)
-    losses = cross_entropy_reference(
-        logits, target, ignore_index, "none", label_smoothing, z_loss_scale, softcap
+    return cross_entropy_reference(
+        logits, target, ignore_index, reduction, label_smoothing, z_loss_scale, softcap, class_weight, token_scaling,
+        return_z_loss, return_argmax, num_items_in_batch,
     )
-    return reduce_losses(losses, target, ignore_index, reduction, num_items_in_batch)
 
 
 def chunk_rows(max_chunk_bytes: int, vocab: int, dtype: torch.dtype) -> int:
@@ -100,11 +108,14 @@ def chunk_rows(max_chunk_bytes: int, vocab: int, dtype: torch.dtype) -> int:
 
 
 def _chunked_loss_and_grads(
-    hidden2d, weight, bias, target1d, options, chunk, scale, need_hidden, need_weight, need_bias
+    hidden2d, weight, bias, target1d, options, chunk, scale, need_hidden, need_weight, need_bias,
+    class_weight=None, argmax=None, z_loss=None, fp32_weight_grad=False,
 ):
     """Per-row fp32 losses and, for the tensors that need them, the gradients of
     ``sum(scale * losses)`` (`scale` is 0-dim or one value per row; None when no gradient is
-    needed)."""
+    needed). With `argmax` / `z_loss` (one per row), also each row's argmax and z-loss term, in
+    the same pass. `fp32_weight_grad`: the chunks' weight gradients are summed in fp32 and
+    rounded to the weight's dtype once, at the end."""
     n_rows = hidden2d.shape[0]
     vocab = weight.shape[0]
     device = hidden2d.device
@@ -116,6 +127,8 @@ def _chunked_loss_and_grads(
     grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=device) if need_weight else None
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if need_bias else None
     per_row_scale = scale is not None and scale.dim() == 1
+    weight_grad_sum = None  # fp32, with fp32_weight_grad
+    fp32_weight_grad = fp32_weight_grad and need_weight and weight.dtype != torch.float32
 
     for start in range(0, n_rows, chunk):
         end = min(start + chunk, n_rows)
@@ -128,17 +141,29 @@ def _chunked_loss_and_grads(
             logits, target1d[start:end], losses[start:end], lse[: end - start], options,
             grad=logits if write_grad else None,
             scale=scale[start:end] if per_row_scale else scale,
+            class_weight=class_weight,
+            argmax=None if argmax is None else argmax[start:end],
+            z_loss=None if z_loss is None else z_loss[start:end],
         )
         # `logits` now holds d loss / d logits for this chunk.
         if need_hidden:
             torch.mm(logits, weight, out=grad_hidden[start:end])
-        if need_weight:
+        if fp32_weight_grad:
+            # This chunk's share, rounded once (cuBLAS sums it in fp32), into the fp32 sum.
+            torch.mm(logits.t(), hidden_c, out=grad_weight)
+            if start == 0:
+                weight_grad_sum = grad_weight.float()
+            else:
+                weight_grad_sum += grad_weight
+        elif need_weight:
             if start == 0:
                 torch.mm(logits.t(), hidden_c, out=grad_weight)
             else:
                 grad_weight.addmm_(logits.t(), hidden_c)
         if need_bias:
             grad_bias += logits.sum(0, dtype=torch.float32)
+    if weight_grad_sum is not None:
+        grad_weight.copy_(weight_grad_sum)
     if grad_bias is not None:
         grad_bias = grad_bias.to(bias.dtype)
     return losses, grad_hidden, grad_weight, grad_bias
@@ -151,61 +176,86 @@ def _scale_in_place(t: torch.Tensor, scale: torch.Tensor) -> None:
 
 
 def _reference(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss_scale, softcap,
-               num_items_in_batch, max_chunk_bytes):
+               num_items_in_batch, max_chunk_bytes, class_weight=None, token_scaling=False, return_z_loss=False,
+               return_argmax=False, fp32_weight_grad=False):
     """:func:`linear_cross_entropy_reference` with the public function's arguments."""
     return linear_cross_entropy_reference(
-        hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss_scale, softcap, num_items_in_batch
+        hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss_scale, softcap, num_items_in_batch,
+        class_weight, token_scaling, return_z_loss, return_argmax,
     )
 
 
-def _reference_in_function_order(hidden, weight, bias, target, num_items_in_batch, options, reduction, *_):
-    ignore_index, label_smoothing, z_loss_scale, softcap = options
-    return linear_cross_entropy_reference(
-        hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss_scale, softcap, num_items_in_batch
+def _reference_in_function_order(hidden, weight, bias, target, num_items_in_batch, options, reduction, max_chunk_bytes,
+                                 grad_enabled, class_weight, wanted, fp32_weight_grad):
+    out = linear_cross_entropy_reference(
+        hidden, weight, target, bias, options.ignore_index, reduction, options.label_smoothing, options.z_loss_scale,
+        options.softcap, num_items_in_batch, None if class_weight is None else class_weight.weight,
+        options.token_scaling, True, True,
     )
+    return out.loss, out.z_loss, out.argmax
 
 
 def _reference_point(ctx, saved):
     hidden, weight, bias, target = saved
-    options, reduction, _ = ctx.config
-    inputs = (hidden, weight, bias, target, ctx.num_items_in_batch, options, reduction, None, None)
+    options, reduction, _, class_weight, wanted, fp32_weight_grad = ctx.config
+    inputs = (hidden, weight, bias, target, ctx.num_items_in_batch, options, reduction, None, None, class_weight, wanted,
+              fp32_weight_grad)
     return LINEAR_CROSS_ENTROPY, _reference_in_function_order, inputs
 
 
 class _LinearCrossEntropyFunction(torch.autograd.Function):
+    """Returns (loss, z_loss, argmax), the last two empty unless `wanted` (a pair of bools) asks
+    for them; neither has a gradient."""
+
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, num_items_in_batch, options, reduction, max_chunk_bytes, grad_enabled):
+    def forward(ctx, hidden, weight, bias, target, num_items_in_batch, options, reduction, max_chunk_bytes, grad_enabled,
+                class_weight, wanted, fp32_weight_grad):
         hidden2d, target1d = rows_view(hidden), target.reshape(-1)
         chunk = chunk_rows(max_chunk_bytes, weight.shape[0], hidden.dtype)
         # needs_input_grad follows requires_grad even under no_grad, when no backward can come.
         needs = [grad_enabled and need for need in ctx.needs_input_grad[:3]]
         ctx.save_for_backward(hidden, weight, bias, target)
-        ctx.config = (options, reduction, chunk)
+        ctx.config = (options, reduction, chunk, class_weight, wanted, fp32_weight_grad)
         ctx.num_items_in_batch = num_items_in_batch
         ctx.grads = None
+        want_z_loss, want_argmax = wanted
+        z_loss = torch.empty(target1d.shape[0] if want_z_loss else 0, dtype=torch.float32, device=hidden.device)
+        argmax = torch.empty(target1d.shape[0] if want_argmax else 0, dtype=torch.int64, device=hidden.device)
+        extras = dict(
+            class_weight=class_weight, argmax=argmax if want_argmax else None, z_loss=z_loss if want_z_loss else None,
+            fp32_weight_grad=fp32_weight_grad,
+        )
+        argmax = argmax.view(target.shape) if want_argmax else argmax
         if reduction == "none":
             # The per-row grad_output arrives in backward, which recomputes the chunks with it.
-            losses = _chunked_loss_and_grads(hidden2d, weight, bias, target1d, options, chunk, None, False, False, False)[0]
-            return losses.view(target.shape)
+            losses = _chunked_loss_and_grads(
+                hidden2d, weight, bias, target1d, options, chunk, None, False, False, False, **extras
+            )[0]
+            z_loss = z_loss.view(target.shape) if want_z_loss else z_loss
+            ctx.mark_non_differentiable(z_loss, argmax)
+            return losses.view(target.shape), z_loss, argmax
         if reduction == "mean":
             ctx.inverse_denominator = 1.0 / mean_denominator(
-                target1d, options.ignore_index, num_items_in_batch, torch.float32
+                target1d, options.ignore_index, num_items_in_batch, torch.float32,
+                None if class_weight is None else class_weight.weight,
             )
         else:
             ctx.inverse_denominator = torch.ones((), dtype=torch.float32, device=hidden.device)
         losses, *grads = _chunked_loss_and_grads(
             hidden2d, weight, bias, target1d, options, chunk,
-            ctx.inverse_denominator if any(needs) else None, *needs,
+            ctx.inverse_denominator if any(needs) else None, *needs, **extras,
         )
         ctx.grads = grads if any(needs) else None
-        return losses.sum() * ctx.inverse_denominator
+        z_loss = z_loss.sum() * ctx.inverse_denominator if want_z_loss else z_loss
+        ctx.mark_non_differentiable(z_loss, argmax)
+        return losses.sum() * ctx.inverse_denominator, z_loss, argmax
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     @backward_fallback(_reference_point)
-    def backward(ctx, saved, grad_output):
+    def backward(ctx, saved, grad_output, *_):
         hidden, weight, bias, target = saved
-        options, reduction, chunk = ctx.config
+        options, reduction, chunk, class_weight, _, fp32_weight_grad = ctx.config
         if ctx.grads is not None:
             # Computed in forward for grad_output = 1. Handed over once: a second backward
             # (retain_graph=True) recomputes below.
@@ -217,15 +267,15 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             scale = grad_output.reshape(-1) if reduction == "none" else grad_output * ctx.inverse_denominator
             grads = _chunked_loss_and_grads(
                 rows_view(hidden), weight, bias, target.reshape(-1), options, chunk, scale,
-                *ctx.needs_input_grad[:3],
+                *ctx.needs_input_grad[:3], class_weight=class_weight, fp32_weight_grad=fp32_weight_grad,
             )[1:]
         grad_hidden, grad_weight, grad_bias = grads
         if grad_hidden is not None:
             grad_hidden = grad_hidden.view(hidden.shape)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, *[None] * 9
 
 
-def _check(hidden, weight, target, bias, options, reduction, num_items_in_batch, max_chunk_bytes) -> None:
+def _check(hidden, weight, target, bias, options, reduction, num_items_in_batch, max_chunk_bytes, class_weight) -> None:
     check_float("hidden", hidden)
     if hidden.dim() == 0:
         raise ValueError("hidden must have at least one dimension (the hidden size), got a scalar")
@@ -255,17 +305,20 @@ def _check(hidden, weight, target, bias, options, reduction, num_items_in_batch,
             check_device("num_items_in_batch", num_items_in_batch, hidden.device)
     if not isinstance(max_chunk_bytes, int) or isinstance(max_chunk_bytes, bool) or max_chunk_bytes <= 0:
         raise ValueError(f"max_chunk_bytes must be a positive int, got {max_chunk_bytes!r}")
+    check_class_weight("class_weight", class_weight, weight.shape[0], hidden.device)
 
 
 def _linear_cross_entropy_kernel(
     hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss_scale, softcap,
-    num_items_in_batch, max_chunk_bytes,
+    num_items_in_batch, max_chunk_bytes, class_weight, token_scaling, return_z_loss, return_argmax, fp32_weight_grad,
 ):
-    options = LossOptions(ignore_index, label_smoothing, z_loss_scale, softcap)
-    return _LinearCrossEntropyFunction.apply(
+    options = LossOptions(ignore_index, label_smoothing, z_loss_scale, softcap, token_scaling)
+    wanted = (return_z_loss, return_argmax)
+    loss, z_loss, argmax = _LinearCrossEntropyFunction.apply(
         hidden, weight, bias, target, num_items_in_batch, options, reduction, max_chunk_bytes,
-        torch.is_grad_enabled(),
+        torch.is_grad_enabled(), class_weights(class_weight), wanted, fp32_weight_grad,
     )
+    return loss_output(loss, z_loss, argmax, target, ignore_index, wanted)
 
 
 # Inside torch.compile: the chunk loop as library ops (opaque, so the loop's count can follow a
@@ -343,8 +396,14 @@ _rows_op.register_autograd(_rows_backward, setup_context=_rows_setup_context)
 
 def _linear_cross_entropy_compiled(
     hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss_scale, softcap,
-    num_items_in_batch, max_chunk_bytes,
+    num_items_in_batch, max_chunk_bytes, class_weight, token_scaling, return_z_loss, return_argmax, fp32_weight_grad,
 ):
+    if class_weight is not None or token_scaling or return_z_loss or return_argmax or fp32_weight_grad:
+        # Not library ops yet: inside torch.compile these options run the reference.
+        return linear_cross_entropy_reference(
+            hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss_scale, softcap,
+            num_items_in_batch, class_weight, token_scaling, return_z_loss, return_argmax,
+        )
     chunk = chunk_rows(max_chunk_bytes, weight.shape[0], hidden.dtype)
     options = (ignore_index, float(label_smoothing), float(z_loss_scale), None if softcap is None else float(softcap), chunk)
     if reduction == "none":
@@ -376,7 +435,12 @@ def linear_cross_entropy(
     softcap: float | None = None,
     num_items_in_batch: int | torch.Tensor | None = None,
     max_chunk_bytes: int | None = None,
-) -> torch.Tensor:
+    class_weight: torch.Tensor | None = None,
+    token_scaling: bool = False,
+    return_z_loss: bool = False,
+    return_argmax: bool = False,
+    fp32_weight_grad: bool = False,
+) -> torch.Tensor | LossOutput:
     """``cross_entropy(hidden @ weight.T + bias, target)`` without ever holding the (N, V) logits.
 
     Args:
@@ -392,20 +456,32 @@ def linear_cross_entropy(
             (gradient accumulation that matches one large batch). Needs reduction="mean".
         max_chunk_bytes: the most bytes one chunk of logits may take (at least one row);
             default ``DEFAULT_MAX_CHUNK_BYTES``. Larger is faster and uses more memory.
+        class_weight: ``(V,)`` float class weights, as `weight` of
+            :func:`tigon.functional.cross_entropy` (torch's `weight`): named apart because
+            `weight` here is the LM head. With `num_items_in_batch` that count is the divisor.
+        token_scaling, return_z_loss, return_argmax: as in
+            :func:`tigon.functional.cross_entropy`; the argmax is taken over each chunk's logits
+            in the pass that computes its loss: the logits still never exist as a whole.
+        fp32_weight_grad: for fp16/bf16 weights, sum the chunks' weight gradients in fp32 and
+            round once at the end (each chunk's share is rounded to the weight's dtype once), not
+            in the weight's dtype after every chunk: closer to the exact gradient over many chunks,
+            for an fp32 buffer of the weight's size more. No effect on fp32 weights.
 
     Returns:
-        The loss in fp32 (shape of `target` for reduction="none"). An all-ignored batch gives 0
+        The loss in fp32 (shape of `target` for reduction="none"); with `return_z_loss` or
+        `return_argmax`, a :class:`~tigon.ops.cross_entropy.LossOutput` holding it. An all-ignored batch gives 0
         and zero gradients. NaN/inf in `hidden`, `weight` or `bias` give NaN where the unfused
         loss does (the module docstring has the details). Gradients are computed in forward, for
         the tensors that require grad, and backward only scales them; no host sync in either.
     """
     if max_chunk_bytes is None:
         max_chunk_bytes = DEFAULT_MAX_CHUNK_BYTES
-    options = LossOptions(ignore_index, label_smoothing, z_loss_scale, softcap)
-    _check(hidden, weight, target, bias, options, reduction, num_items_in_batch, max_chunk_bytes)
+    options = LossOptions(ignore_index, label_smoothing, z_loss_scale, softcap, token_scaling)
+    _check(hidden, weight, target, bias, options, reduction, num_items_in_batch, max_chunk_bytes, class_weight)
+    check_flags(return_z_loss=return_z_loss, return_argmax=return_argmax, fp32_weight_grad=fp32_weight_grad)
     if debug_enabled():
         check_target_range(target, weight.shape[0], ignore_index)
     return LINEAR_CROSS_ENTROPY(
         None, hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss_scale, softcap,
-        num_items_in_batch, max_chunk_bytes,
+        num_items_in_batch, max_chunk_bytes, class_weight, token_scaling, return_z_loss, return_argmax, fp32_weight_grad,
     )

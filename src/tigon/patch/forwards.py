@@ -622,6 +622,16 @@ def run_decoder(
         return decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
 
 
+def _recorded(out: Any, accuracy: list | None, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """The loss of a loss op's result; with a :data:`handoff.TOKEN_ACCURACY` list, the result's
+    argmax hits on `targets` and their count appended to it first."""
+    if accuracy is None:
+        return out
+    valid = targets != ignore_index
+    accuracy.append((((out.argmax == targets) & valid).sum(), valid.sum()))
+    return out.loss
+
+
 def _mean_as_hf(loss_sum: torch.Tensor, kwargs: dict) -> torch.Tensor:
     count = kwargs["num_items_in_batch"]
     return loss_sum / (count.to(loss_sum.device) if isinstance(count, torch.Tensor) else count)
@@ -670,15 +680,18 @@ def causal_lm_forward(
             hidden = hidden * getattr(self.config, head.multiplier)
         ignore_index = kwargs.get("ignore_index", -100)
         has_count = kwargs.get("num_items_in_batch") is not None
+        accuracy = handoff.TOKEN_ACCURACY.get(labels)
+        targets = _shifted_targets(labels, kwargs, ignore_index).to(hidden.device)
         # The loss computes the weight's gradient in forward: nothing reads the weights after this.
         with head_weights:
             weight = _full(self.lm_head.weight, dtensor)
             loss = F.linear_cross_entropy(
-                hidden.to(weight.dtype), weight, _shifted_targets(labels, kwargs, ignore_index).to(hidden.device),
-                _full(self.lm_head.bias, dtensor), ignore_index=ignore_index,
+                hidden.to(weight.dtype), weight, targets, _full(self.lm_head.bias, dtensor), ignore_index=ignore_index,
                 softcap=getattr(self.config, head.softcap) if head.softcap is not None else None,
                 reduction="sum" if has_count else "mean", max_chunk_bytes=CAUSAL_LM_LOSS_CHUNK_BYTES,
+                return_argmax=accuracy is not None,
             )
+        loss = _recorded(loss, accuracy, targets, ignore_index)
         if has_count:
             loss = _mean_as_hf(loss, kwargs)
         fields = {key: value for key, value in outputs.items() if key != "last_hidden_state"}
@@ -695,10 +708,13 @@ def causal_lm_forward(
         ignore_index = kwargs.get("ignore_index", -100)
         has_count = kwargs.get("num_items_in_batch") is not None
         logits = out.logits
+        accuracy = handoff.TOKEN_ACCURACY.get(labels)
+        targets = _shifted_targets(labels, kwargs, ignore_index).to(logits.device)
         loss = F.cross_entropy(
-            logits, _shifted_targets(labels, kwargs, ignore_index).to(logits.device),
-            ignore_index=ignore_index, reduction="sum" if has_count else "mean",
+            logits, targets, ignore_index=ignore_index, reduction="sum" if has_count else "mean",
+            return_argmax=accuracy is not None,
         )
+        loss = _recorded(loss, accuracy, targets, ignore_index)
         if has_count:
             loss = _mean_as_hf(loss, kwargs)
         loss = add_aux_loss(self, loss, out.get("aux_loss"))

@@ -41,6 +41,15 @@ The slots, with who writes each, who reads it, and how long a value lives:
     duration of the attention call also sets the projection's forward to :func:`_answered_forward`
     (the one forward-attribute change not made by the patch itself); read by that forward. Lives
     for the attention call.
+``TOKEN_ACCURACY``
+    key: the labels tensor a training step passes to a causal LM; value: a list, to which the
+    patched causal-LM forward (:func:`~tigon.patch.forwards.causal_lm_forward`, either loss path)
+    appends ``(hits, count)``: 0-dim device tensors, the targets its loss did not ignore that the
+    model's argmax predicts, and their number, taken from the loss kernel's pass (no logits, no
+    host sync). Lent by the trainer of ``tigon sft``
+    (:meth:`~tigon.train.trainer.TigonTrainer.compute_loss`) around its loss; read back once per
+    log as the ``accuracy`` metric. Lives for that loss call. A forward that finds no list computes
+    no argmax; a run whose loss is not tigon's reports no accuracy.
 
 Every reader computes its value itself when the slot holds nothing for it, so a hand-off that
 does not happen (another thread, a hook that replaced a tensor, a forward that stopped early)
@@ -134,7 +143,8 @@ NORMED = Slot("normed", single=True)
 MLP_INPUT = Slot("mlp_input")
 WHOLE_SEQUENCES = Slot("whole_sequences")
 PROJECTION_CALLS = Slot("projection_calls")
-SLOTS = (NEXT_NORM, NORMED, MLP_INPUT, WHOLE_SEQUENCES, PROJECTION_CALLS)
+TOKEN_ACCURACY = Slot("token_accuracy")
+SLOTS = (NEXT_NORM, NORMED, MLP_INPUT, WHOLE_SEQUENCES, PROJECTION_CALLS, TOKEN_ACCURACY)
 
 
 def _answered_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -1,7 +1,6 @@
 """What tigon's trainers with a fused loss share (the TRL ones of `tigon rlhf`, and `tigon
-distill`'s): the models' last hidden states and LM heads that the loss takes instead of logits, and
-its metrics accumulated as device tensors, read back once per log (a read per step would make the
-host wait for the GPU at every step)."""
+distill`'s): the models' last hidden states and LM heads that the loss takes instead of logits (its
+metrics go through `TigonTrainer`'s device-side sums)."""
 
 from __future__ import annotations
 
@@ -43,7 +42,6 @@ class FusedTrainer:
     _HIDDEN_MODELS: tuple[str, ...] = ("model", "ref_model")
 
     def __init__(self, **kwargs: Any):
-        self._sums: dict[str, dict[str, list[torch.Tensor]]] = {"train": {}, "eval": {}}
         for name in self._HIDDEN_MODELS:
             if isinstance(kwargs.get(name), torch.nn.Module):
                 add_hidden_output(kwargs[name])
@@ -62,36 +60,6 @@ class FusedTrainer:
     def _head(self, model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
         head = self.accelerator.unwrap_model(model).get_output_embeddings()
         return head.weight, head.bias
-
-    def _add(self, mode: str, key: str, total: torch.Tensor, count: torch.Tensor | float) -> None:
-        """Accumulate `total` over `count` items for the next log (no host sync: a count given
-        as a number becomes a device tensor by a fill, not a copy)."""
-        total = total.detach().float()
-        if not isinstance(count, torch.Tensor):
-            count = total.new_full((), float(count))
-        self._sums[mode].setdefault(key, []).append(torch.stack([total, count.float()]))
-
-    def _averages(self, mode: str) -> dict[str, float]:
-        """The accumulated metrics' means over their items (and over the processes)."""
-        store = self._sums[mode]
-        if not store:
-            return {}
-        keys = list(store)
-        totals = torch.stack([torch.stack(store[k]).sum(0) for k in keys])
-        if self.accelerator.num_processes > 1:
-            totals = self.accelerator.reduce(totals, "sum")
-        store.clear()
-        return {k: s / c for k, (s, c) in zip(keys, totals.tolist()) if c > 0}
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        mode = "train" if self.model.training else "eval"
-        values = self._averages(mode)
-        if hasattr(self, "_metrics"):  # TRL's trainers log their metrics from there
-            for key, value in values.items():
-                self._metrics[mode][key] = [value]
-        else:
-            logs.update({(f"eval_{k}" if mode == "eval" else k): v for k, v in values.items()})
-        super().log(logs, start_time)
 
     def create_model_card(self, *args: Any, **kwargs: Any) -> None:
         """None: TRL writes one (README.md) into the output directory at each checkpoint."""

@@ -44,7 +44,7 @@ from tigon.train.modeling import (QUANT_FILE, add_lora, apply_kernels, check_bit
                                   prepare_quantized, quantization_config, quantization_record, quiet_transformers)
 from tigon.train.stop import StopOnSignal, signal_name
 from tigon.train.template import encode, encode_all, ensure_chat_template
-from tigon.train.trainer import TigonTrainer
+from tigon.train.trainer import TOKEN_ACCURACY, TigonTrainer
 
 log = logging.getLogger("tigon.train")
 
@@ -600,9 +600,10 @@ def _run(cfg: SFTConfig) -> Path:
         return TigonTrainer(model=built.model, args=args, train_dataset=train_data, eval_dataset=eval_data,
                             data_collator=Collator(tokenizer.pad_token_id, cfg.max_length if cfg.cuda_graphs else None),
                             processing_class=tokenizer, save_limit=cfg.save_limit,
-                            cuda_graphs=cfg.cuda_graphs)
+                            cuda_graphs=cfg.cuda_graphs, token_accuracy=True)
 
     job = Job("sft", train_data, train_data.num_tokens(), len(train_data),
               arguments=lambda dtype: training_arguments(cfg, dtype, eval_data is not None), trainer=trainer,
-              prompts=lambda: pick_prompts(tokenizer, samples, cfg.samples, cfg.max_length))
+              prompts=lambda: pick_prompts(tokenizer, samples, cfg.samples, cfg.max_length),
+              metrics={TOKEN_ACCURACY: "acc"})
     return train(cfg, resume_from, tokenizer, job)

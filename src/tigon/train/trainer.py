@@ -37,8 +37,12 @@ from typing import Any
 import torch
 from accelerate.utils import DistributedType
 
+from tigon.patch import handoff
 from tigon.train.batching import NUM_TOKENS
 from tigon.train.checkpoint import AtomicTrainer
+
+
+TOKEN_ACCURACY = "accuracy"  # the next-token accuracy of the training steps, where the patched loss gives it
 
 
 class TigonTrainer(AtomicTrainer):
@@ -52,12 +56,59 @@ class TigonTrainer(AtomicTrainer):
     _in_training_mode: Any = None  # the model whose every module the last full train() walk set
     _grad_buffers: list | None = None  # cuda_graphs with accumulation: (flat buffer, [(parameter, its view)]) per dtype
 
-    def __init__(self, *args, cuda_graphs: bool = False, **kwargs):
+    def __init__(self, *args, cuda_graphs: bool = False, token_accuracy: bool = False, **kwargs):
         """`cuda_graphs`: the model runs under torch.compile's CUDA-graph mode (``--cuda-graphs``):
         each micro-batch starts a new replay generation, and with gradient accumulation every
-        trainable parameter has its gradient before the backward (see the module docstring)."""
+        trainable parameter has its gradient before the backward (see the module docstring).
+        `token_accuracy`: log the training steps' next-token accuracy (``accuracy``) where the
+        model's loss is tigon's patched one, which hands it over (``handoff.TOKEN_ACCURACY``)."""
+        # Metrics summed on the device per mode, key -> [stack([total, count])], read once per log.
+        self._sums: dict[str, dict[str, list[torch.Tensor]]] = {"train": {}, "eval": {}}
         super().__init__(*args, **kwargs)
         self.cuda_graphs = cuda_graphs
+        self.token_accuracy = token_accuracy
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        labels = inputs.get("labels") if self.token_accuracy and model.training and isinstance(inputs, dict) else None
+        if labels is None:
+            return super().compute_loss(model, inputs, *args, **kwargs)
+        hits: list[tuple[torch.Tensor, torch.Tensor]] = []
+        with handoff.TOKEN_ACCURACY.lent(labels, hits):
+            out = super().compute_loss(model, inputs, *args, **kwargs)
+        for hit, count in hits:
+            self._add("train", TOKEN_ACCURACY, hit, count)
+        return out
+
+    def _add(self, mode: str, key: str, total: torch.Tensor, count: torch.Tensor | float) -> None:
+        """Accumulate `total` over `count` items for the next log (no host sync: a count given
+        as a number becomes a device tensor by a fill, not a copy)."""
+        total = total.detach().float()
+        if not isinstance(count, torch.Tensor):
+            count = total.new_full((), float(count))
+        self._sums[mode].setdefault(key, []).append(torch.stack([total, count.float()]))
+
+    def _averages(self, mode: str) -> dict[str, float]:
+        """The accumulated metrics' means over their items (and over the processes)."""
+        store = self._sums[mode]
+        if not store:
+            return {}
+        keys = list(store)
+        totals = torch.stack([torch.stack(store[k]).sum(0) for k in keys])
+        if self.accelerator.num_processes > 1:
+            totals = self.accelerator.reduce(totals, "sum")
+        store.clear()
+        return {k: s / c for k, (s, c) in zip(keys, totals.tolist()) if c > 0}
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        values = self._averages(mode)
+        if hasattr(self, "_metrics"):  # TRL's trainers log their metrics from there
+            for key, value in values.items():
+                self._metrics[mode][key] = [value]
+        else:
+            logs.update({(f"eval_{k}" if mode == "eval" else k): v for k, v in values.items()})
+        super().log(logs, start_time)
+
 
     def training_step(self, model, inputs: dict[str, Any], *args, **kwargs):
         if self.cuda_graphs:

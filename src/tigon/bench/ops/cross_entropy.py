@@ -1,5 +1,7 @@
 """Benchmark cases for cross_entropy and linear_cross_entropy (the TARGETS.md shape first, then
-the token sweep 1K..32K), and the linear_cross_entropy chunk-budget sweep (32 MiB..2 GiB)."""
+the token sweep 1K..32K), the linear_cross_entropy chunk-budget sweep (32 MiB..2 GiB), and
+linear_cross_entropy with every option of issue 25 on (class weights, token scaling, z-loss and
+argmax returned, fp32 weight-gradient sum), to set beside the plain case's time."""
 
 from __future__ import annotations
 
@@ -79,4 +81,38 @@ register(BenchOp(
     sizes=[(8192, HIDDEN, VOCAB, mib) for mib in BUDGETS_MIB],
     cpu_sizes=[(256, 256, 4099, 1), (256, 256, 4099, 4)],
     size_names="tokens x hidden x vocab x chunk budget MiB",
+))
+
+
+def _lce_options_inputs(size, dtype, device):
+    h, w, y = _lce_inputs(size, dtype, device)
+    return h, w, y, torch.rand(size[2], device=device) + 0.5
+
+
+def _tigon_lce_options(h, w, y, class_weight):
+    return F.linear_cross_entropy(
+        h, w, y, class_weight=class_weight, token_scaling=True, z_loss_scale=1e-4, return_z_loss=True,
+        return_argmax=True, fp32_weight_grad=True,
+    ).loss
+
+
+def _eager_lce_options(h, w, y, class_weight):
+    logits = torch.nn.functional.linear(h, w).float()
+    lse = torch.logsumexp(logits, -1)
+    rows = torch.nn.functional.cross_entropy(logits, y, weight=class_weight, reduction="none")
+    rows = (rows + 1e-4 * class_weight[y] * lse**2) * (logits.gather(1, y[:, None])[:, 0] - lse).exp().detach()
+    logits.argmax(-1)  # the accuracy's argmax, which tigon's pass gives
+    return rows.sum() / class_weight[y].sum()
+
+
+register(BenchOp(
+    name="linear_cross_entropy_options",
+    make_inputs=_lce_options_inputs,
+    tigon=_tigon_lce_options,
+    eager=_eager_lce_options,
+    bytes_moved=_lce_bytes,
+    flops=_lce_flops,
+    sizes=[(8192, HIDDEN, VOCAB)],
+    cpu_sizes=[(256, 256, 4099)],
+    size_names="tokens x hidden x vocab",
 ))
