@@ -440,7 +440,7 @@ def test_gpu_bf16_kernels_and_fused_loss_train_like_trl(tmp_path, monkeypatch, t
 def test_gpu_steps_never_wait_for_the_device(tmp_path, monkeypatch, method, tuner):
     """Between logs nothing in a `tigon rlhf` step (the policy and reference forwards, the fused
     loss, the metrics, the token count) reads the GPU back. Every sequence is cut to --max-length,
-    so the batches are unpadded and carry no attention mask, as in the benchmark."""
+    so the batches (KTO's KL batch too) are unpadded and carry no attention mask, as in the benchmark."""
     from transformers import TrainerCallback
 
     monkeypatch.delenv("TIGON_DISABLE")  # the Triton paths, compiled
@@ -450,8 +450,11 @@ def test_gpu_steps_never_wait_for_the_device(tmp_path, monkeypatch, method, tune
     tokenizer.save_pretrained(tmp_path / "m")
     words = rlhf.BUNDLED_PREFERENCES.read_text().split()
     rng = random.Random(0)
+    # One prompt for all: KTO's KL batch pairs each answer with another row's prompt, and prompts of
+    # different lengths would pad it (HF's SDPA mask code then reads the mask back to see if it may skip it).
+    prompt = " ".join(rng.choices(words, k=20))
     (tmp_path / "pairs.jsonl").write_text("".join(
-        json.dumps({"prompt": " ".join(rng.choices(words, k=20)), "chosen": " ".join(rng.choices(words, k=200)),
+        json.dumps({"prompt": prompt, "chosen": " ".join(rng.choices(words, k=200)),
                     "rejected": " ".join(rng.choices(words, k=200))}) + "\n" for _ in range(64)))
 
     class StrictSteps(TrainerCallback):
