@@ -76,3 +76,13 @@ def test_rms_norm_module_inplace_backward(device):
     got_dx, got_dw = torch.autograd.grad(ours(x), (x, ours.weight), dy)
     assert got_dx.data_ptr() == dy.data_ptr()
     assert torch.equal(got_dx, want_dx) and torch.equal(got_dw, want_dw)
+
+
+def test_layer_norm_module_inplace_backward(device):
+    ours = tigon.nn.LayerNorm(41, inplace_backward=True).to(device)
+    x = torch.randn(6, 41, device=device, requires_grad=True)
+    dy = torch.randn(6, 41, device=device)
+    (want,) = torch.autograd.grad(torch.nn.functional.layer_norm(x, (41,), ours.weight, ours.bias), x, dy.clone())
+    (got,) = torch.autograd.grad(ours(x), x, dy)
+    assert got.data_ptr() == dy.data_ptr()
+    torch.testing.assert_close(got, want)

@@ -66,14 +66,18 @@ class RMSNorm(torch.nn.Module):
 
 
 class LayerNorm(torch.nn.LayerNorm):
-    """torch.nn.LayerNorm (same arguments and state dict) over the fused kernel; the last dim only."""
+    """torch.nn.LayerNorm (same arguments and state dict) over the fused kernel; the last dim only.
+    ``inplace_backward=True`` is :class:`RMSNorm`'s option, under the same conditions."""
 
-    def __init__(self, normalized_shape: int | tuple[int], eps: float = 1e-5, **kwargs) -> None:
+    def __init__(
+        self, normalized_shape: int | tuple[int], eps: float = 1e-5, *, inplace_backward: bool = False, **kwargs
+    ) -> None:
         super().__init__(normalized_shape, eps, **kwargs)
         if len(self.normalized_shape) != 1:
             raise ValueError(
                 f"normalized_shape must be one dim (the last), got {tuple(self.normalized_shape)}"
             )
+        self.inplace_backward = inplace_backward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.weight, self.bias, self.eps)
+        return F.layer_norm(x, self.weight, self.bias, self.eps, inplace_backward=self.inplace_backward)

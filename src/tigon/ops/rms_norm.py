@@ -24,7 +24,9 @@ from typing import NamedTuple
 
 import torch
 
-from tigon.ops._checks import KERNEL_DTYPES, check_choice, check_eps, check_float, check_vector, rows_view
+from tigon.ops._checks import (
+    KERNEL_DTYPES, check_choice, check_eps, check_float, check_vector, input_grad_rows, rows_view,
+)
 from tigon.ops._dispatch import Op, backward_fallback, empty_if, library_op, tl, triton
 from tigon.ops._launch import cdiv, launched, persistent_programs, row_block_config
 
@@ -126,7 +128,7 @@ def _rms_norm_bwd_kernel(
             grad_x += tl.load(
                 grad_sum_ptr + rows[:, None] * grad_sum_row_stride + cols[None, :], mask=mask, other=0.0
             ).to(tl.float32)
-        # With an in-place backward grad_x_ptr is grad_out_ptr: this program read these elements above.
+        # In place (inplace_backward) grad_x_ptr is grad_out_ptr: this program read these elements above.
         tl.store(grad_x_ptr + rows[:, None] * grad_x_row_stride + cols[None, :], grad_x, mask=mask)
 
     if COMPUTE_GRAD_WEIGHT:
@@ -304,18 +306,12 @@ def rms_norm_backward(
     normalised (any shape, or its 2-D rows) and its `rstd`; `grad_sum` (or None) is the gradient
     reaching the sum ``x + residual`` directly.
 
-    With `in_place`, dx is written over `grad_out` (which the caller guarantees no one reads
-    afterwards, see :func:`rms_norm`) when it can hold it: contiguous and of `source`'s dtype;
-    otherwise dx gets a buffer of its own. Each element is read before it is written, by the same
-    program."""
+    With `in_place`, dx is written over `grad_out` where it can hold it (:func:`input_grad_rows`)."""
     x2d = rows_view(source)
     n_rows, n_cols = x2d.shape
     grad_out2d = rows_view(grad_out)
     grad_sum2d = rows_view(grad_sum) if grad_sum is not None else grad_out2d
-    if in_place and grad_out.is_contiguous() and grad_out.dtype == source.dtype:
-        grad_x = grad_out2d
-    else:
-        grad_x = torch.empty_like(x2d)
+    grad_x = input_grad_rows(grad_out, grad_out2d, x2d, in_place)
     block_rows, block_cols, num_warps = _backward_block_config(n_cols)
     n_programs = persistent_programs(cdiv(n_rows, block_rows), x2d.device)
     grad_weight_partial = (
