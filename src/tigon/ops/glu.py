@@ -8,9 +8,10 @@ MLP is ``down_proj(act(gate_proj(x) * gate_multiplier) * up_proj(x)) * down_mult
 down projection without bias is linear, so its multiplier is the GLU's out_multiplier.
 
 One forward and one backward kernel serve every activation (an ACTIVATION constexpr). The kernels
-compute in fp32 and round once to the input dtype (the multipliers included: eager code rounds
-``gate * gate_multiplier`` and the activation each to the input dtype on the way). Backward recomputes the activation from `gate`,
-so only `gate` and `up` are saved, never ``act(gate)`` or the product. The gated MLPs around them
+compute in fp32 and round once to the input dtype, the multipliers included (eager code rounds
+``gate * gate_multiplier``, the activation and the product each to the input dtype on the way).
+Backward recomputes the activation from `gate`, so only `gate` and `up` are saved, never
+``act(gate)`` or the product. The gated MLPs around them
 (:mod:`tigon.ops.composite.glu_mlp`, ...) use the launchers :func:`glu_forward` and :func:`glu_backward`.
 """
 
