@@ -312,6 +312,30 @@ def test_a_second_width_under_compile_keeps_the_kernels():
     assert len(graphs) == 2  # the second width made the width symbolic; the third reused that graph
 
 
+def test_glu_multipliers_and_a_weightless_norm_under_compile():
+    """Falcon-H1's scaled SwiGLU and an RMSNorm without a weight trace into the library ops (no
+    graph break) and give the references' values and gradients."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def step(x, up):
+        return F.swiglu(F.rms_norm(x, None), up, gate_multiplier=0.7, out_multiplier=1.3)
+
+    def reference(x, up):
+        return ops.swiglu_reference(ops.rms_norm_reference(x, None), up, 0.7, 1.3)
+
+    compiled = torch.compile(step, backend=_recording_backend(graphs), fullgraph=True)
+    x, up = _t(3, 37, grad=True), _t(3, 37, grad=True)
+    x_ref, up_ref = (t.detach().clone().requires_grad_() for t in (x, up))
+    with kernel_launches() as launches:
+        compiled(x, up).sum().backward()
+    reference(x_ref, up_ref).sum().backward()
+    assert launches["_glu_bwd_kernel"] and launches["_rms_norm_bwd_kernel"]
+    assert {"glu", "rms_norm"} <= _tigon_ops(graphs)
+    assert_close(x.grad, x_ref.grad, name="x grad")
+    assert_close(up.grad, up_ref.grad, name="up grad")
+
+
 def test_reasons_to_run_the_reference_are_decided_when_tracing(monkeypatch):
     monkeypatch.setenv("TIGON_DISABLE", "rms_norm")
     torch._dynamo.reset()

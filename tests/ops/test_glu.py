@@ -177,6 +177,7 @@ def test_empty_input(device):
         (lambda: F.swiglu(torch.randn(3), torch.randn(3), gate_multiplier=torch.tensor(2.0)), "gate_multiplier must be"),
         (lambda: F.geglu(torch.randn(3), torch.randn(3), out_multiplier=float("inf")), "out_multiplier must be"),
         (lambda: F.swiglu(torch.randn(3), torch.randn(3), out_multiplier=True), "out_multiplier must be a finite"),
+        (lambda: F.swiglu(torch.randn(3), torch.randn(3), gate_multiplier=float("nan")), "gate_multiplier must be"),
     ],
 )
 def test_bad_arguments_raise_value_error(call, match):

@@ -269,7 +269,8 @@ class _GLUFunction(torch.autograd.Function):
 def _check_multipliers(gate_multiplier: object, out_multiplier: object) -> tuple[float, float]:
     """The multipliers as floats: finite real numbers (a tensor would get no gradient here)."""
     for name, value in (("gate_multiplier", gate_multiplier), ("out_multiplier", out_multiplier)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        # Comparisons, not math.isfinite, which torch.compile cannot trace (NaN fails both).
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -math.inf < value < math.inf:
             raise ValueError(f"{name} must be a finite float, got {value!r}")
     return float(gate_multiplier), float(out_multiplier)
 
