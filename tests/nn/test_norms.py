@@ -59,3 +59,30 @@ def test_layer_norm_module_is_torch_compatible(device):
     assert set(no_bias.state_dict()) == {"weight"}
     no_bias(x).sum().backward()
     assert x.grad is not None
+
+
+def test_rms_norm_module_inplace_backward(device):
+    """inplace_backward=True on the module reaches the op: dx lands in the incoming gradient's
+    storage, with the values of the default module's backward; the state dict is unchanged."""
+    default = tigon.nn.RMSNorm(53, eps=1e-5).to(device)
+    with torch.no_grad():
+        default.weight.normal_()
+    ours = tigon.nn.RMSNorm(53, eps=1e-5, inplace_backward=True).to(device)
+    ours.load_state_dict(default.state_dict())
+    assert "inplace_backward=True" in repr(ours) and "inplace_backward" not in repr(default)
+    x = torch.randn(4, 53, device=device, requires_grad=True)
+    dy = torch.randn(4, 53, device=device)
+    want_dx, want_dw = torch.autograd.grad(default(x), (x, default.weight), dy.clone())
+    got_dx, got_dw = torch.autograd.grad(ours(x), (x, ours.weight), dy)
+    assert got_dx.data_ptr() == dy.data_ptr()
+    assert torch.equal(got_dx, want_dx) and torch.equal(got_dw, want_dw)
+
+
+def test_layer_norm_module_inplace_backward(device):
+    ours = tigon.nn.LayerNorm(41, inplace_backward=True).to(device)
+    x = torch.randn(6, 41, device=device, requires_grad=True)
+    dy = torch.randn(6, 41, device=device)
+    (want,) = torch.autograd.grad(torch.nn.functional.layer_norm(x, (41,), ours.weight, ours.bias), x, dy.clone())
+    (got,) = torch.autograd.grad(ours(x), x, dy)
+    assert got.data_ptr() == dy.data_ptr()
+    torch.testing.assert_close(got, want)

@@ -53,8 +53,8 @@ OPCHECK_CASES = {
     "rope": lambda: (_t(2, 3, 5, 16, grad=True).transpose(1, 2).contiguous().transpose(1, 2), _t(2, 1, 5, 16, grad=True),
                      _t(5, 12), _t(5, 12), False),
     "rope_backward": lambda: (_t(2, 3, 5, 16), None, _t(1, 5, 16), _t(1, 5, 16), True, torch.float32),
-    "glu": lambda: (_t(4, 37, grad=True), _t(4, 37, grad=True), "gelu_tanh"),
-    "glu_backward": lambda: (_t(4, 37), _t(4, 37), _t(4, 37), "silu"),
+    "glu": lambda: (_t(4, 37, grad=True), _t(4, 37, grad=True), "gelu_tanh", 0.7, 1.3),
+    "glu_backward": lambda: (_t(4, 37), _t(4, 37), _t(4, 37), "silu", -1.5, 0.5),
     "glu_mlp": lambda: (_t(2, 3, 16, grad=True), _t(24, 16, grad=True), _t(24, 16, grad=True), _t(16, 24, grad=True),
                         _t(24, grad=True), None, _t(16, grad=True), "silu"),
     "glu_mlp_backward": lambda: (_t(5, 16), _t(5, 16), _t(5, 24), _t(5, 24), _t(24, 16), _t(24, 16), _t(16, 24), "gelu",
@@ -310,6 +310,30 @@ def test_a_second_width_under_compile_keeps_the_kernels():
             assert_close(compiled(x, w), 2 * ops.rms_norm_reference(x, w), name=f"width {width}")
     assert launches["_rms_norm_fwd_kernel"] == 3
     assert len(graphs) == 2  # the second width made the width symbolic; the third reused that graph
+
+
+def test_glu_multipliers_and_a_weightless_norm_under_compile():
+    """Falcon-H1's scaled SwiGLU and an RMSNorm without a weight trace into the library ops (no
+    graph break) and give the references' values and gradients."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def step(x, up):
+        return F.swiglu(F.rms_norm(x, None), up, gate_multiplier=0.7, out_multiplier=1.3)
+
+    def reference(x, up):
+        return ops.swiglu_reference(ops.rms_norm_reference(x, None), up, 0.7, 1.3)
+
+    compiled = torch.compile(step, backend=_recording_backend(graphs), fullgraph=True)
+    x, up = _t(3, 37, grad=True), _t(3, 37, grad=True)
+    x_ref, up_ref = (t.detach().clone().requires_grad_() for t in (x, up))
+    with kernel_launches() as launches:
+        compiled(x, up).sum().backward()
+    reference(x_ref, up_ref).sum().backward()
+    assert launches["_glu_bwd_kernel"] and launches["_rms_norm_bwd_kernel"]
+    assert {"glu", "rms_norm"} <= _tigon_ops(graphs)
+    assert_close(x.grad, x_ref.grad, name="x grad")
+    assert_close(up.grad, up_ref.grad, name="up grad")
 
 
 def test_reasons_to_run_the_reference_are_decided_when_tracing(monkeypatch):

@@ -34,6 +34,80 @@ def test_glu_matches_torch(poison_outputs, device, dtype, approximate, shape):
     assert out[0].is_contiguous()
 
 
+MULTIPLIERS = [(0.7, 1.3), (-1.75, 0.25)]
+
+
+def _torch_scaled_glu(approximate, gate_multiplier, out_multiplier):
+    """Falcon-H1's order in plain PyTorch: the gate scaled, the activation, times up, scaled."""
+    plain = _torch_glu(approximate)
+    return lambda g, u: plain(g * gate_multiplier, u) * out_multiplier
+
+
+def _tigon_scaled_glu(approximate, gate_multiplier, out_multiplier):
+    multipliers = {"gate_multiplier": gate_multiplier, "out_multiplier": out_multiplier}
+    if approximate is None:
+        return lambda g, u: F.swiglu(g, u, **multipliers)
+    return lambda g, u: F.geglu(g, u, approximate=approximate, **multipliers)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("approximate", [None, "tanh", "none"], ids=["swiglu", "geglu-tanh", "geglu-erf"])
+@pytest.mark.parametrize("multipliers", MULTIPLIERS, ids=str)
+def test_multipliers_match_torch(poison_outputs, device, dtype, approximate, multipliers):
+    """``act(gate * gate_multiplier) * up * out_multiplier``, forward and backward, on contiguous
+    inputs and on the strided halves of a fused projection (the kernels' two layouts)."""
+    ours, theirs = _tigon_scaled_glu(approximate, *multipliers), _torch_scaled_glu(approximate, *multipliers)
+    gate, up = _pair((2, 5, 299), dtype, device)
+    compare_fwd_bwd(ours, theirs, (gate, up), name=f"{approximate} {multipliers}")
+    fused = torch.randn(3, 2 * 301, dtype=dtype, device=device)
+    halves = [half.detach().requires_grad_() for half in (fused[:, :301], fused[:, 301:])]
+    compare_fwd_bwd(ours, theirs, halves, name=f"{approximate} {multipliers} halves")
+
+
+@pytest.mark.parametrize("approximate", [None, "tanh"], ids=["swiglu", "geglu-tanh"])
+def test_multipliers_keep_nan_and_inf(device, approximate):
+    """A NaN or inf gate element gives what the torch formula gives there (NaN/inf, not a finite
+    number), forward and backward; the other elements of its row stay finite and right."""
+    gate, up = _pair((4, 37), torch.float32, device)
+    with torch.no_grad():
+        gate[1, 3], gate[2, 5], up[3, 7] = float("nan"), float("inf"), float("-inf")
+    grad = torch.randn(4, 37, device=device)
+    results = []
+    for fn in (_tigon_scaled_glu(approximate, 0.7, 1.3), _torch_scaled_glu(approximate, 0.7, 1.3)):
+        g, u = gate.detach().requires_grad_(), up.detach().requires_grad_()
+        out = fn(g, u)
+        out.backward(grad)
+        results.append((out.detach(), g.grad, u.grad))
+    for got, want in zip(*results):
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+        finite = want.isfinite()
+        assert_close(got[finite], want[finite], name="finite elements")
+
+
+def test_down_multiplier_folds_into_a_bias_free_down_projection(device):
+    """transformers' FalconH1MLP, ``down(up * act(gate * gm)) * dm``, equals
+    ``down(swiglu(gate, up, gm, dm))`` for its bias-free down projection, forward and backward."""
+    from transformers import FalconH1Config
+    from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1MLP
+
+    config = FalconH1Config(hidden_size=48, intermediate_size=131, mlp_multipliers=[0.7, 1.3], hidden_act="silu")
+    hf = FalconH1MLP(config).double().to(device)  # runs on compare_fwd_bwd's float64 copies
+    assert hf.down_proj.bias is None
+    names = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+
+    def ours(x, gate_w, up_w, down_w):
+        gate, up = torch.nn.functional.linear(x, gate_w), torch.nn.functional.linear(x, up_w)
+        return torch.nn.functional.linear(F.swiglu(gate, up, gate_multiplier=0.7, out_multiplier=1.3), down_w)
+
+    def theirs(x, *weights):
+        return torch.func.functional_call(hf, dict(zip(names, weights)), (x,))
+
+    x = torch.randn(3, 5, 48, device=device, requires_grad=True)
+    weights = [(torch.randn(*shape, device=device) / shape[1] ** 0.5).requires_grad_() for shape in
+               ((131, 48), (131, 48), (48, 131))]
+    compare_fwd_bwd(ours, theirs, (x, *weights), name="falcon_h1 mlp")
+
+
 def test_references_are_the_torch_formulas():
     gate, up = torch.randn(5, 33), torch.randn(5, 33)
     assert torch.equal(swiglu_reference(gate, up), _torch_glu(None)(gate, up))
@@ -100,6 +174,10 @@ def test_empty_input(device):
         (lambda: F.swiglu(torch.ones(3, dtype=torch.int32), torch.ones(3)), "gate must be a floating-point"),
         (lambda: F.swiglu(torch.randn(3), torch.randn(3, device="meta")), "up is on meta"),
         (lambda: F.geglu(torch.randn(3), torch.randn(3), approximate="erf"), "approximate must be one of"),
+        (lambda: F.swiglu(torch.randn(3), torch.randn(3), gate_multiplier=torch.tensor(2.0)), "gate_multiplier must be"),
+        (lambda: F.geglu(torch.randn(3), torch.randn(3), out_multiplier=float("inf")), "out_multiplier must be"),
+        (lambda: F.swiglu(torch.randn(3), torch.randn(3), out_multiplier=True), "out_multiplier must be a finite"),
+        (lambda: F.swiglu(torch.randn(3), torch.randn(3), gate_multiplier=float("nan")), "gate_multiplier must be"),
     ],
 )
 def test_bad_arguments_raise_value_error(call, match):
@@ -113,6 +191,16 @@ def test_bad_arguments_raise_value_error(call, match):
 def test_bf16_on_gpu(approximate, shape):
     gate, up = _pair(shape, torch.bfloat16, torch.device("cuda"))
     compare_fwd_bwd(_tigon_glu(approximate), _torch_glu(approximate), (gate, up), torch.bfloat16, name="bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("approximate", [None, "tanh", "none"], ids=["swiglu", "geglu-tanh", "geglu-erf"])
+def test_bf16_multipliers_on_gpu(approximate):
+    gate, up = _pair((3, 2049, 11008), torch.bfloat16, torch.device("cuda"))
+    compare_fwd_bwd(
+        _tigon_scaled_glu(approximate, 0.7, 1.3), _torch_scaled_glu(approximate, 0.7, 1.3), (gate, up), torch.bfloat16,
+        name="bf16 multipliers",
+    )
 
 
 @pytest.mark.gpu

@@ -44,6 +44,35 @@ def test_empty_and_bad_arguments(device):
         F.layer_norm(torch.ones(2, 9, dtype=torch.int32), None, None)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("affine", ["weight+bias", "none"])
+def test_inplace_backward_writes_dx_over_dy(poison_outputs, device, dtype, affine):
+    """inplace_backward: dx is the incoming gradient's own storage and equals the default
+    backward's dx bit for bit, a non-finite row's NaN included; a non-contiguous dy is left alone."""
+    x = 3 + 2 * torch.randn(3, 5, 299, dtype=dtype, device=device)
+    x[1, 4, 7] = float("nan")
+    x.requires_grad_()
+    params = [
+        (scale * torch.randn(299, dtype=dtype, device=device) + shift).requires_grad_() if "weight" in affine else None
+        for scale, shift in ((0.2, 1.0), (0.2, 0.0))
+    ]
+    leaves = [x] + [p for p in params if p is not None]
+    grad_out = torch.randn(x.shape, dtype=dtype, device=device)
+    default_out = grad_out.clone()
+    want = torch.autograd.grad(F.layer_norm(x, *params), leaves, default_out)
+    assert torch.equal(default_out, grad_out)
+    got = torch.autograd.grad(F.layer_norm(x, *params, inplace_backward=True), leaves, grad_out)
+    assert got[0].data_ptr() == grad_out.data_ptr()
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
+    assert got[0][1, 4].isnan().all() and not got[0][0].isnan().any()
+    strided = torch.randn(3, 5, 2 * 299, dtype=dtype, device=device)[..., ::2]
+    kept = strided.clone()
+    (dx,) = torch.autograd.grad(F.layer_norm(x, *params, inplace_backward=True), x, strided)
+    assert torch.equal(strided, kept) and dx.data_ptr() != strided.data_ptr()
+    torch.testing.assert_close(dx, torch.autograd.grad(F.layer_norm(x, *params), x, kept)[0], equal_nan=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(4, 2048, 4096), (3, 65536), (37, 4099)])
 def test_bf16_on_gpu(shape):
@@ -51,3 +80,16 @@ def test_bf16_on_gpu(shape):
     w = torch.randn(shape[-1], dtype=torch.bfloat16, device="cuda", requires_grad=True)
     b = torch.randn(shape[-1], dtype=torch.bfloat16, device="cuda", requires_grad=True)
     compare_fwd_bwd(F.layer_norm, layer_norm_reference, (x, w, b), name="bf16")
+
+
+@pytest.mark.gpu
+def test_bf16_inplace_backward_on_gpu():
+    x = torch.randn(8192, 4096, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    weight = torch.randn(4096, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    bias = torch.randn(4096, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    grad_out = torch.randn_like(x)
+    want = torch.autograd.grad(F.layer_norm(x, weight, bias), (x, weight, bias), grad_out.clone())
+    got = torch.autograd.grad(F.layer_norm(x, weight, bias, inplace_backward=True), (x, weight, bias), grad_out)
+    assert got[0].data_ptr() == grad_out.data_ptr()
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)

@@ -85,6 +85,111 @@ def test_no_weight_is_the_plain_normalisation(poison_outputs, device, dtype, cas
     assert out[0].dtype == dtype
 
 
+def _trap_ones(monkeypatch):
+    """Make torch.ones raise: weight=None must reach the kernels as None, not as a scale of ones."""
+
+    def ones(*args, **kwargs):
+        raise AssertionError("weight=None was replaced by a tensor of ones")
+
+    monkeypatch.setattr(torch, "ones", ones)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("casting,offset", [("llama", 0.0), ("gemma", 1.0), ("none", 0.5)])
+def test_no_weight_reaches_the_kernels_as_none(poison_outputs, monkeypatch, device, dtype, casting, offset):
+    """The scale of a weightless norm is ``offset + 1``, applied in the kernels; rms_norm and
+    add_rms_norm alike, with a NaN row staying NaN (forward and backward) and the others exact."""
+    _trap_ones(monkeypatch)
+    x = torch.randn(4, 3, 301, dtype=dtype, device=device)
+    x[1, 2, 17] = float("nan")
+    x.requires_grad_()
+    residual = torch.randn_like(x, requires_grad=True)
+
+    def plain(x):  # the formula in plain PyTorch, not tigon's reference
+        up = x.to(torch.promote_types(x.dtype, torch.float32))
+        x_hat = up * torch.rsqrt(up.pow(2).mean(-1, keepdim=True) + 1e-5)
+        if casting == "llama":
+            return (offset + 1.0) * x_hat.to(x.dtype)
+        return (x_hat * (offset + 1.0)).to(x.dtype)
+
+    cases = [
+        (lambda x: F.rms_norm(x, None, 1e-5, offset=offset, casting=casting), plain, (x,)),
+        (
+            lambda x, r: F.add_rms_norm(x, r, None, 1e-5, offset=offset, casting=casting),
+            lambda x, r: (plain(x + r), x + r),
+            (x, residual),
+        ),
+    ]
+    for ours, theirs, args in cases:
+        finite = [a.detach()[[0, 2, 3]].requires_grad_() for a in args]
+        compare_fwd_bwd(ours, theirs, finite, name=f"no weight {casting}")
+        leaves = [a.detach().requires_grad_() for a in args]
+        out = ours(*leaves)
+        out = out if isinstance(out, torch.Tensor) else out[0]
+        assert out.dtype == dtype
+        out.backward(torch.randn_like(out))
+        assert out[1, 2].isnan().all() and not out[[0, 2, 3]].isnan().any()
+        assert leaves[0].grad[1, 2].isnan().all() and not leaves[0].grad[[0, 2, 3]].isnan().any()
+
+
+def _inplace_case(dtype, device, residual):
+    x = torch.randn(3, 5, 299, dtype=dtype, device=device)
+    x[2, 1, 0] = float("inf")  # a non-finite row: NaN forward and backward, in place too
+    x.requires_grad_()
+    weight = (1 + 0.2 * torch.randn(299, dtype=dtype, device=device)).requires_grad_()
+    r = torch.randn_like(x, requires_grad=True) if residual else None
+    return x, r, weight
+
+
+def _norm_grads(x, r, weight, casting, inplace, grad_out, grad_sum):
+    """(dx, dweight) of the norm (and of add_rms_norm's sum, when `r` is given) for the given
+    output gradients, by autograd.grad, so no leaf's .grad buffer is involved."""
+    if r is None:
+        out = F.rms_norm(x, weight, casting=casting, inplace_backward=inplace)
+        return torch.autograd.grad(out, (x, weight), grad_out)
+    normed, total = F.add_rms_norm(x, r, weight, casting=casting, inplace_backward=inplace)
+    return torch.autograd.grad((normed, total), (x, weight), (grad_out, grad_sum))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("casting", ["llama", "gemma", "none"])
+@pytest.mark.parametrize("residual", [False, True], ids=["rms_norm", "add_rms_norm"])
+def test_inplace_backward_writes_dx_over_dy(poison_outputs, device, dtype, casting, residual):
+    """inplace_backward: dx is the incoming gradient's own storage (no new x-sized buffer) and
+    equals the out-of-place backward's dx bit for bit, NaN row included; the weight gradient too."""
+    x, r, weight = _inplace_case(dtype, device, residual)
+    grad_out = torch.randn(x.shape, dtype=dtype, device=device)
+    grad_sum = torch.randn_like(grad_out) if residual else None
+    kept_out, kept_sum = grad_out.clone(), (grad_sum.clone() if residual else None)
+    default_out = kept_out.clone()
+    want_dx, want_dw = _norm_grads(x, r, weight, casting, False, default_out, kept_sum)
+    assert torch.equal(default_out, kept_out)  # the default backward leaves the incoming gradient alone
+    got_dx, got_dw = _norm_grads(x, r, weight, casting, True, grad_out, grad_sum)
+    assert got_dx.data_ptr() == grad_out.data_ptr()
+    torch.testing.assert_close(got_dx, want_dx, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(got_dw, want_dw, rtol=0, atol=0, equal_nan=True)
+    assert got_dx[2, 1].isnan().all() and not got_dx[:2].isnan().any()
+    if residual:
+        assert torch.equal(grad_sum, kept_sum)  # the sum's gradient is only read
+
+
+def test_inplace_backward_allocates_where_dy_cannot_hold_dx(poison_outputs, device):
+    """A non-contiguous dy, or one of another dtype than x (fp16 x, fp32 weight, "llama" casting:
+    the output is fp32), is not written: dx gets its own buffer, with the out-of-place values."""
+    x = torch.randn(4, 37, dtype=torch.float16, device=device, requires_grad=True)
+    half, full = {"dtype": torch.float16, "device": device}, {"dtype": torch.float32, "device": device}
+    cases = [
+        (torch.randn(37, **half), torch.randn(37, 4, **half).t()),
+        (torch.randn(37, **full), torch.randn(4, 37, **full)),
+    ]
+    for weight, grad_out in cases:
+        kept = grad_out.clone()
+        (got,) = torch.autograd.grad(F.rms_norm(x, weight, inplace_backward=True), x, grad_out)
+        (want,) = torch.autograd.grad(F.rms_norm(x, weight), x, kept)
+        assert torch.equal(grad_out, kept) and got.data_ptr() != grad_out.data_ptr()
+        assert got.dtype == torch.float16 and torch.equal(got, want)
+
+
 def test_frozen_weight_gets_no_gradient(device):
     x = torch.randn(3, 40, device=device, requires_grad=True)
     weight = torch.randn(40, device=device)
@@ -156,6 +261,48 @@ def test_bf16_on_gpu(casting, offset, shape):
         lambda x, r, w: F.add_rms_norm(x, r, w, offset=offset, casting=casting),
         lambda x, r, w: add_rms_norm_reference(x, r, w, 1e-6, offset, casting),
         (x, r, weight), torch.bfloat16, name="add bf16",
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("residual", [False, True], ids=["rms_norm", "add_rms_norm"])
+def test_bf16_inplace_backward_on_gpu(residual):
+    """bf16 16384 x 4096: the in-place backward equals the out-of-place one bit for bit and
+    allocates no x-sized buffer (the out-of-place one allocates dx)."""
+    x = torch.randn(16384, 4096, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    weight = (1 + 0.2 * torch.randn(4096, dtype=torch.bfloat16, device="cuda")).requires_grad_()
+    r = torch.randn_like(x, requires_grad=True) if residual else None
+    grad_sum = torch.randn_like(x) if residual else None
+    extra, grads = {}, {}
+    for inplace in (False, True):
+        grad_out = torch.randn(x.shape, dtype=x.dtype, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+        if r is None:
+            outs, wanted = F.rms_norm(x, weight, inplace_backward=inplace), grad_out
+        else:
+            outs, wanted = F.add_rms_norm(x, r, weight, inplace_backward=inplace), (grad_out, grad_sum)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        grads[inplace] = torch.autograd.grad(outs, (x, weight), wanted)
+        torch.cuda.synchronize()
+        extra[inplace] = torch.cuda.max_memory_allocated() - base
+        if inplace:
+            assert grads[inplace][0].data_ptr() == grad_out.data_ptr()
+        del outs, wanted, grad_out
+    for got, want in zip(grads[True], grads[False]):
+        assert torch.equal(got, want)
+    assert extra[False] >= x.numel() * x.element_size()
+    assert extra[True] <= extra[False] - x.numel() * x.element_size() + (1 << 20)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("casting", ["llama", "gemma"])
+def test_bf16_no_weight_on_gpu(casting):
+    x = torch.randn(37, 4099, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    compare_fwd_bwd(
+        lambda x: F.rms_norm(x, None, casting=casting),
+        lambda x: rms_norm_reference(x, None, 1e-6, 0.0, casting),
+        (x,), torch.bfloat16, name="bf16 no weight",
     )
 
 

@@ -583,6 +583,41 @@ def test_gelu_new_mlp_fuses_as_tanh_gelu_with_and_without_lora(monkeypatch):
     assert calls == [("lora_gated_mlp", "gelu_tanh")] * 2
 
 
+@pytest.mark.parametrize("model_type", family_params(["falcon_h1"]))
+def test_falcon_h1_mlp_multipliers_run_in_the_glu_op(model_type, monkeypatch):
+    """Falcon-H1's gate and down multipliers reach the SwiGLU op, the down one folded into its
+    output scale (the bias-free down_proj is linear), with HF's loss, logits and gradients; a hook
+    on one layer's down_proj keeps that layer's down multiplier after it, so the hook sees HF's
+    input to it. LoRA down projections fold too (their numbers: tests/patch/test_training.py)."""
+    from peft import LoraConfig, get_peft_model
+
+    from tigon import functional
+
+    calls = []
+    real = functional.swiglu
+    monkeypatch.setattr(functional, "swiglu", lambda g, u, **k: calls.append(tuple(k.values())) or real(g, u, **k))
+    seen = []
+
+    def keep_input(module, args, out):
+        seen.append(args[0].detach())
+
+    model = tiny_model(model_type)
+    next(m for m in model.modules() if type(m).__name__ == "FalconH1MLP").down_proj.register_forward_hook(keep_input)
+    want = run(model)
+    tigon.patch(model)
+    assert_same_run(run(model), want)
+    assert calls == [(0.7, 1.0), (0.7, 1.3)]
+    assert_close(seen[1], seen[0], name="hooked down_proj input")
+    tigon.unpatch(model)
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"], init_lora_weights=False)
+    lora = get_peft_model(tiny_model(model_type), config)
+    calls.clear()
+    tigon.patch(lora)
+    run(lora)
+    assert calls == [(0.7, 1.3)] * 2
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("model_type", family_params(["phi", "olmo", "cohere", "nemotron"]))
 def test_layer_norm_forward_matches_hf_with_and_without_autocast(model_type, dtype, device):

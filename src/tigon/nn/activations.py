@@ -55,8 +55,11 @@ def module_activation(module: Any) -> str | None:
     return _module_classes().get(type(module))
 
 
-def glu(activation: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``act(gate) * up`` on the GLU kernel for `activation`."""
+def glu(
+    activation: str, gate: torch.Tensor, up: torch.Tensor, gate_multiplier: float = 1.0, out_multiplier: float = 1.0
+) -> torch.Tensor:
+    """``act(gate * gate_multiplier) * up * out_multiplier`` on the GLU kernel for `activation`."""
+    multipliers = {"gate_multiplier": gate_multiplier, "out_multiplier": out_multiplier}
     if activation == "silu":
-        return F.swiglu(gate, up)
-    return F.geglu(gate, up, approximate="tanh" if activation == "gelu_tanh" else "none")
+        return F.swiglu(gate, up, **multipliers)
+    return F.geglu(gate, up, approximate="tanh" if activation == "gelu_tanh" else "none", **multipliers)

@@ -14,6 +14,11 @@ class RMSNorm(torch.nn.Module):
     ``RMSNorm(h, offset=1.0, casting="gemma")`` replaces GemmaRMSNorm, whose weight starts at zero;
     ``RMSNorm(h, elementwise_affine=False)`` is a norm without a scale (``weight`` is None), as
     ``torch.nn.RMSNorm(h, elementwise_affine=False)``.
+
+    ``inplace_backward=True`` writes the input gradient over the output gradient's storage, saving
+    one ``x``-sized buffer in backward: only for a norm whose output feeds nothing but layers
+    that make their own gradient for it (linear projections), as :func:`tigon.ops.rms_norm.rms_norm`
+    details. Not part of the state dict.
     """
 
     def __init__(
@@ -24,6 +29,7 @@ class RMSNorm(torch.nn.Module):
         offset: float = 0.0,
         casting: str = "llama",
         elementwise_affine: bool = True,
+        inplace_backward: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -38,6 +44,7 @@ class RMSNorm(torch.nn.Module):
         # Without a weight there is nothing to offset: the scale is one.
         self.offset = offset if elementwise_affine else 0.0
         self.casting = casting
+        self.inplace_backward = inplace_backward
 
     @property
     def eps(self) -> float:
@@ -46,25 +53,31 @@ class RMSNorm(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(
-            hidden_states, self.weight, self.variance_epsilon, offset=self.offset, casting=self.casting
+            hidden_states, self.weight, self.variance_epsilon, offset=self.offset, casting=self.casting,
+            inplace_backward=self.inplace_backward,
         )
 
     def extra_repr(self) -> str:
         return (
             f"({self.hidden_size},), eps={self.variance_epsilon}, offset={self.offset}, "
             f"casting={self.casting!r}, elementwise_affine={self.weight is not None}"
+            + (", inplace_backward=True" if self.inplace_backward else "")
         )
 
 
 class LayerNorm(torch.nn.LayerNorm):
-    """torch.nn.LayerNorm (same arguments and state dict) over the fused kernel; the last dim only."""
+    """torch.nn.LayerNorm (same arguments and state dict) over the fused kernel; the last dim only.
+    ``inplace_backward=True`` is :class:`RMSNorm`'s option, under the same conditions."""
 
-    def __init__(self, normalized_shape: int | tuple[int], eps: float = 1e-5, **kwargs) -> None:
+    def __init__(
+        self, normalized_shape: int | tuple[int], eps: float = 1e-5, *, inplace_backward: bool = False, **kwargs
+    ) -> None:
         super().__init__(normalized_shape, eps, **kwargs)
         if len(self.normalized_shape) != 1:
             raise ValueError(
                 f"normalized_shape must be one dim (the last), got {tuple(self.normalized_shape)}"
             )
+        self.inplace_backward = inplace_backward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.weight, self.bias, self.eps)
+        return F.layer_norm(x, self.weight, self.bias, self.eps, inplace_backward=self.inplace_backward)

@@ -55,6 +55,17 @@ def check_eps(eps: float) -> None:
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
 
 
+def input_grad_rows(grad_out: torch.Tensor, grad_out2d: torch.Tensor, x2d: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """Where a norm's backward writes dx (rows shaped as `x2d`): with `in_place`, over the output
+    gradient's rows `grad_out2d` when they can hold it (`grad_out` contiguous, of x's dtype), else
+    a buffer of its own. The kernels read each element of grad_out before writing it, in the same
+    program; whether anyone else still reads grad_out is the caller's promise (see
+    :func:`tigon.ops.rms_norm.rms_norm`)."""
+    if in_place and grad_out.is_contiguous() and grad_out.dtype == x2d.dtype:
+        return grad_out2d
+    return torch.empty_like(x2d)
+
+
 def rows_view(x: torch.Tensor) -> torch.Tensor:
     """`x` as a 2-D (rows, last dim) tensor whose last dim is contiguous.
 

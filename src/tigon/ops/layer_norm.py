@@ -10,9 +10,11 @@ are its gradients.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from tigon.ops._checks import KERNEL_DTYPES, check_eps, check_float, check_vector, rows_view
+from tigon.ops._checks import KERNEL_DTYPES, check_eps, check_float, check_vector, input_grad_rows, rows_view
 from tigon.ops._dispatch import Op, backward_fallback, empty_if, library_op, tl, triton
 from tigon.ops._launch import cdiv, launched, persistent_programs, row_block_config
 
@@ -95,6 +97,7 @@ def _layer_norm_bwd_kernel(
         mean_grad = tl.sum(grad_x_hat, axis=1) / n_cols
         mean_dot = tl.sum(grad_x_hat * x_hat, axis=1) / n_cols
         grad_x = (grad_x_hat - mean_grad[:, None] - x_hat * mean_dot[:, None]) * rstd[:, None]
+        # In place (inplace_backward) grad_x_ptr is grad_out_ptr: this program read these elements above.
         tl.store(grad_x_ptr + rows[:, None] * grad_x_row_stride + cols[None, :], grad_x, mask=mask)
 
     if COMPUTE_GRAD_WEIGHT:
@@ -104,10 +107,12 @@ def _layer_norm_bwd_kernel(
 
 
 def layer_norm_reference(
-    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float = 1e-5
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float = 1e-5,
+    inplace_backward: bool = False,
 ) -> torch.Tensor:
     """LayerNorm in PyTorch, computed in fp32 and rounded once: the test oracle and the fallback.
-    A row whose variance is not finite is a NaN row, forward and backward, as in the kernel."""
+    A row whose variance is not finite is a NaN row, forward and backward, as in the kernel.
+    `inplace_backward` is the kernel's memory option, nothing here."""
     compute = torch.promote_types(x.dtype, torch.float32)
     x_up = x.to(compute)
     # torch's layer_norm gives such a row NaN when it holds a NaN or inf, but 0 (the bare bias)
@@ -149,7 +154,7 @@ def layer_norm_rows(x, weight, bias, eps):
 
 def _reference_point(ctx, saved):
     x, weight, bias, _, _ = saved
-    return LAYER_NORM, layer_norm_reference, (x, weight, bias, ctx.eps)
+    return LAYER_NORM, layer_norm_reference, (x, weight, bias, ctx.eps, False)
 
 
 def _grads(ctx, saved, grad_out, backward):
@@ -160,32 +165,34 @@ def _grads(ctx, saved, grad_out, backward):
     needs_bias = bias is not None and ctx.needs_input_grad[2]
     grad_x, grad_weight, grad_bias = backward(grad_out, x, weight, bias, mean, rstd, needs_weight, needs_bias)
     return (
-        grad_x.view(ctx.shape), grad_weight if needs_weight else None, grad_bias if needs_bias else None, None
+        grad_x.view(ctx.shape), grad_weight if needs_weight else None, grad_bias if needs_bias else None, None, None
     )
 
 
 class _LayerNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, eps):
+    def forward(ctx, x, weight, bias, eps, inplace_backward):
         out, mean, rstd = layer_norm_rows(x, weight, bias, eps)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.eps = eps
         ctx.shape = x.shape
+        ctx.inplace_backward = inplace_backward
         return out
 
     @staticmethod
     @backward_fallback(_reference_point)
     def backward(ctx, saved, grad_out):
-        return _grads(ctx, saved, grad_out, layer_norm_backward)
+        return _grads(ctx, saved, grad_out, functools.partial(layer_norm_backward, in_place=ctx.inplace_backward))
 
 
-def layer_norm_backward(grad_out, x, weight, bias, mean, rstd, needs_weight, needs_bias):
+def layer_norm_backward(grad_out, x, weight, bias, mean, rstd, needs_weight, needs_bias, in_place=False):
     """(dx as 2-D rows, dweight or None, dbias or None) by the backward kernel, from the forward's
-    input `x` (any shape, or its 2-D rows) and its per-row `mean` and `rstd`."""
+    input `x` (any shape, or its 2-D rows) and its per-row `mean` and `rstd`. With `in_place`,
+    dx is written over `grad_out` where it can hold it (:func:`input_grad_rows`)."""
     x2d = rows_view(x)
     n_rows, n_cols = x2d.shape
     grad_out2d = rows_view(grad_out)
-    grad_x = torch.empty_like(x2d)
+    grad_x = input_grad_rows(grad_out, grad_out2d, x2d, in_place)
     block_rows, block_cols, num_warps = row_block_config(n_cols)
     n_programs = persistent_programs(cdiv(n_rows, block_rows), x2d.device)
     partial = lambda needed: (  # noqa: E731
@@ -208,7 +215,8 @@ def layer_norm_backward(grad_out, x, weight, bias, mean, rstd, needs_weight, nee
     return grad_x, grad_weight, grad_bias
 
 
-# Inside torch.compile: the same launchers as library ops, with the Function's gradients.
+# Inside torch.compile: the same launchers as library ops, with the Function's gradients (never in
+# place: the library ops are functional).
 @library_op(
     "layer_norm", "(Tensor x, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor, Tensor)",
     lambda x, weight, bias, eps: _forward_buffers(x),
@@ -244,7 +252,7 @@ _forward_op.register_autograd(
 
 LAYER_NORM = Op(
     "layer_norm", _LayerNormFunction.apply, layer_norm_reference,
-    compiled=lambda x, weight, bias, eps: _forward_op(x, weight, bias, eps)[0],
+    compiled=lambda x, weight, bias, eps, inplace_backward: _forward_op(x, weight, bias, eps)[0],
 )
 
 
@@ -253,6 +261,8 @@ def layer_norm(
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
     eps: float = 1e-5,
+    *,
+    inplace_backward: bool = False,
 ) -> torch.Tensor:
     """LayerNorm over the last dim of `x`, ``(x - mean) * rstd * weight + bias``.
 
@@ -262,6 +272,9 @@ def layer_norm(
         weight: ``(hidden,)`` scale, or None for none.
         bias: ``(hidden,)`` shift, or None for none.
         eps: added to the variance.
+        inplace_backward: write the input gradient over the output gradient's storage, under the
+            conditions :func:`tigon.ops.rms_norm.rms_norm` gives (the caller promises that
+            nothing else reads that gradient); the values are those of the default backward.
 
     Returns:
         A tensor of the shape and dtype of `x`.
@@ -280,4 +293,4 @@ def layer_norm(
         unsupported = "float64 weight or bias runs on the reference"
     elif x.shape[-1] > MAX_KERNEL_COLS:
         unsupported = f"last dim {x.shape[-1]} is wider than the kernel's {MAX_KERNEL_COLS}"
-    return LAYER_NORM(unsupported, x, weight, bias, float(eps))
+    return LAYER_NORM(unsupported, x, weight, bias, float(eps), bool(inplace_backward))

@@ -19,11 +19,14 @@ row's finite elements on the CPU). So does a row whose sum of squares overflows 
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 
-from tigon.ops._checks import KERNEL_DTYPES, check_choice, check_eps, check_float, check_vector, rows_view
+from tigon.ops._checks import (
+    KERNEL_DTYPES, check_choice, check_eps, check_float, check_vector, input_grad_rows, rows_view,
+)
 from tigon.ops._dispatch import Op, backward_fallback, empty_if, library_op, tl, triton
 from tigon.ops._launch import cdiv, launched, persistent_programs, row_block_config
 
@@ -40,6 +43,7 @@ def _rms_norm_fwd_kernel(
     eps, offset,
     CASTING: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
 ):
@@ -64,11 +68,13 @@ def _rms_norm_fwd_kernel(
     rstd = tl.where(sum_sq < float("inf"), tl.rsqrt(sum_sq / n_cols + eps), float("nan"))
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
-    weight = tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + offset
     x_hat = x * rstd[:, None]
     if CASTING == "llama":
         x_hat = x_hat.to(x_ptr.dtype.element_ty).to(tl.float32)
-    out = x_hat * weight[None, :]
+    if HAS_WEIGHT:
+        out = x_hat * (tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + offset)[None, :]
+    else:
+        out = x_hat * (1.0 + offset)
     tl.store(out_ptr + rows[:, None] * out_row_stride + cols[None, :], out, mask=mask)
 
 
@@ -81,6 +87,7 @@ def _rms_norm_bwd_kernel(
     offset,
     CASTING: tl.constexpr,
     HAS_GRAD_SUM: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
     COMPUTE_GRAD_WEIGHT: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
@@ -90,7 +97,8 @@ def _rms_norm_bwd_kernel(
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_COLS)
     col_mask = cols < n_cols
-    weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+    if HAS_WEIGHT:
+        weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
     grad_weight_acc = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
 
     for block in range(pid, tl.cdiv(n_rows, BLOCK_ROWS), tl.num_programs(0)):
@@ -110,13 +118,17 @@ def _rms_norm_bwd_kernel(
                 grad_weight_acc += grad_out * x_hat.to(x_ptr.dtype.element_ty).to(tl.float32)
             else:
                 grad_weight_acc += grad_out * x_hat
-        grad_x_hat = grad_out * weight[None, :]
+        if HAS_WEIGHT:
+            grad_x_hat = grad_out * weight[None, :]
+        else:
+            grad_x_hat = grad_out * (1.0 + offset)
         mean_dot = tl.sum(grad_x_hat * x_hat, axis=1) / n_cols
         grad_x = (grad_x_hat - x_hat * mean_dot[:, None]) * rstd[:, None]
         if HAS_GRAD_SUM:
             grad_x += tl.load(
                 grad_sum_ptr + rows[:, None] * grad_sum_row_stride + cols[None, :], mask=mask, other=0.0
             ).to(tl.float32)
+        # In place (inplace_backward) grad_x_ptr is grad_out_ptr: this program read these elements above.
         tl.store(grad_x_ptr + rows[:, None] * grad_x_row_stride + cols[None, :], grad_x, mask=mask)
 
     if COMPUTE_GRAD_WEIGHT:
@@ -131,27 +143,36 @@ def _reference_rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rms_norm_reference(
-    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0, casting: str = "llama"
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    casting: str = "llama",
+    inplace_backward: bool = False,
 ) -> torch.Tensor:
     """RMSNorm written the obvious way in PyTorch: the test oracle and the fallback. A row holding
-    a NaN or inf gives a NaN row (and NaN gradients for it), as the kernel does."""
+    a NaN or inf gives a NaN row (and NaN gradients for it), as the kernel does. Without a weight
+    the scale is ``offset + 1``; `inplace_backward` is the kernel's memory option, nothing here."""
     if casting == "none":
-        return x * _reference_rstd(x, eps) * (offset + weight)
+        return x * _reference_rstd(x, eps) * (offset + (1.0 if weight is None else weight))
     compute = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for a float64 oracle
     x_up = x.to(compute)
     x_hat = x_up * _reference_rstd(x_up, eps)
     if casting == "gemma":
-        return (x_hat * (offset + weight.to(compute))).to(x.dtype)
+        return (x_hat * (offset + (1.0 if weight is None else weight.to(compute)))).to(x.dtype)
+    if weight is None:
+        return (offset + 1.0) * x_hat.to(x.dtype)
     return (offset + weight) * x_hat.to(x.dtype)
 
 
 def add_rms_norm_reference(
     x: torch.Tensor,
     residual: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     eps: float = 1e-6,
     offset: float = 0.0,
     casting: str = "llama",
+    inplace_backward: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual), x + residual)`` in PyTorch."""
     total = x + residual
@@ -168,7 +189,7 @@ class NormedInput(NamedTuple):
     """
 
     source: torch.Tensor
-    weight: torch.Tensor
+    weight: torch.Tensor | None
     eps: float
     offset: float
     casting: str
@@ -178,8 +199,8 @@ class NormedInput(NamedTuple):
             return rms_norm(self.source, self.weight, self.eps, offset=self.offset, casting=self.casting)
 
 
-def _output_dtype(x: torch.Tensor, weight: torch.Tensor, casting: str) -> torch.dtype:
-    return x.dtype if casting == "gemma" else torch.promote_types(x.dtype, weight.dtype)
+def _output_dtype(x: torch.Tensor, weight: torch.Tensor | None, casting: str) -> torch.dtype:
+    return x.dtype if casting == "gemma" or weight is None else torch.promote_types(x.dtype, weight.dtype)
 
 
 def _forward_buffers(x, residual, weight, casting):
@@ -192,7 +213,7 @@ def _forward_buffers(x, residual, weight, casting):
 
 
 def rms_norm_rows(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, offset: float, casting: str
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float, offset: float, casting: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward kernel outside autograd: ``(normed, source, rstd)``, where `source` is the
     normalised input (the sum ``x + residual`` when there is a residual, else `x` as 2-D rows)
@@ -206,12 +227,13 @@ def rms_norm_rows(
         residual2d = total = x2d  # unused by the kernel; any pointer will do
     block_rows, block_cols, num_warps = row_block_config(n_cols)
     _rms_norm_fwd_kernel[(cdiv(n_rows, block_rows),)](
-        x2d, residual2d, weight, out, total, rstd,
+        x2d, residual2d, weight if weight is not None else x2d, out, total, rstd,
         n_rows, n_cols,
         x2d.stride(0), residual2d.stride(0), n_cols, n_cols if residual is not None else x2d.stride(0),
         eps, offset,
         CASTING=casting,
         HAS_RESIDUAL=residual is not None,
+        HAS_WEIGHT=weight is not None,
         BLOCK_ROWS=block_rows,
         BLOCK_COLS=block_cols,
         num_warps=num_warps,
@@ -219,7 +241,7 @@ def rms_norm_rows(
     return out, total, rstd
 
 
-def _norm_and_sum(x, residual, weight, eps, offset, casting):
+def _norm_and_sum(x, residual, weight, eps, offset, casting, inplace_backward=False):
     """What :class:`_RMSNormFunction` returns, by the references."""
     if residual is None:
         return rms_norm_reference(x, weight, eps, offset, casting), None
@@ -232,7 +254,8 @@ def _reference_point(ctx, saved):
     x = source.view(shape)
     # x and the residual enter only through their sum, so (sum, 0) stands in for them.
     residual = torch.zeros_like(x) if has_residual else None
-    return (ADD_RMS_NORM if has_residual else RMS_NORM), _norm_and_sum, (x, residual, weight, eps, offset, casting)
+    inputs = (x, residual, weight, eps, offset, casting, False)
+    return (ADD_RMS_NORM if has_residual else RMS_NORM), _norm_and_sum, inputs
 
 
 def _grads(ctx, saved, grad_out, grad_sum, backward):
@@ -245,22 +268,24 @@ def _grads(ctx, saved, grad_out, grad_sum, backward):
         grad_out, grad_sum if has_residual else None, source, weight, rstd, offset, casting, need_weight
     )
     grad_x = grad_x.view(shape)
-    return grad_x, (grad_x if has_residual else None), (grad_weight if need_weight else None), None, None, None
+    return grad_x, (grad_x if has_residual else None), (grad_weight if need_weight else None), None, None, None, None
 
 
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, weight, eps, offset, casting):
+    def forward(ctx, x, residual, weight, eps, offset, casting, inplace_backward):
         out, source, rstd = rms_norm_rows(x, residual, weight, eps, offset, casting)
         # Backward needs the normalised row's input: the sum when there is a residual.
         ctx.save_for_backward(source, weight, rstd)
         ctx.config = (eps, offset, casting, x.shape, residual is not None)
+        ctx.inplace_backward = inplace_backward
         return out, (source if residual is not None else None)
 
     @staticmethod
     @backward_fallback(_reference_point)
     def backward(ctx, saved, grad_out, grad_sum):
-        return _grads(ctx, saved, grad_out, grad_sum, rms_norm_backward)
+        backward = functools.partial(rms_norm_backward, in_place=ctx.inplace_backward)
+        return _grads(ctx, saved, grad_out, grad_sum, backward)
 
 
 def _backward_block_config(n_cols: int) -> tuple[int, int, int]:
@@ -274,15 +299,19 @@ def _backward_block_config(n_cols: int) -> tuple[int, int, int]:
     return max(1, 8192 // block_cols), block_cols, 4
 
 
-def rms_norm_backward(grad_out, grad_sum, source, weight, rstd, offset, casting, compute_grad_weight):
+def rms_norm_backward(
+    grad_out, grad_sum, source, weight, rstd, offset, casting, compute_grad_weight, in_place=False
+):
     """(dx as 2-D rows, dweight or None) by the backward kernel, from the `source` the forward
     normalised (any shape, or its 2-D rows) and its `rstd`; `grad_sum` (or None) is the gradient
-    reaching the sum ``x + residual`` directly."""
+    reaching the sum ``x + residual`` directly.
+
+    With `in_place`, dx is written over `grad_out` where it can hold it (:func:`input_grad_rows`)."""
     x2d = rows_view(source)
     n_rows, n_cols = x2d.shape
     grad_out2d = rows_view(grad_out)
     grad_sum2d = rows_view(grad_sum) if grad_sum is not None else grad_out2d
-    grad_x = torch.empty_like(x2d)
+    grad_x = input_grad_rows(grad_out, grad_out2d, x2d, in_place)
     block_rows, block_cols, num_warps = _backward_block_config(n_cols)
     n_programs = persistent_programs(cdiv(n_rows, block_rows), x2d.device)
     grad_weight_partial = (
@@ -291,12 +320,13 @@ def rms_norm_backward(grad_out, grad_sum, source, weight, rstd, offset, casting,
         else rstd  # unused by the kernel
     )
     _rms_norm_bwd_kernel[(n_programs,)](
-        grad_out2d, grad_sum2d, x2d, weight, rstd, grad_x, grad_weight_partial,
+        grad_out2d, grad_sum2d, x2d, weight if weight is not None else x2d, rstd, grad_x, grad_weight_partial,
         n_rows, n_cols,
         grad_out2d.stride(0), grad_sum2d.stride(0), x2d.stride(0), grad_x.stride(0),
         offset,
         CASTING=casting,
         HAS_GRAD_SUM=grad_sum is not None,
+        HAS_WEIGHT=weight is not None,
         COMPUTE_GRAD_WEIGHT=compute_grad_weight,
         BLOCK_ROWS=block_rows,
         BLOCK_COLS=block_cols,
@@ -311,7 +341,8 @@ def _check(x, weight, eps, casting, residual=None) -> str | None:
     check_float("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the normalised one), got a scalar")
-    check_vector("weight", weight, x.shape[-1], x.device)
+    if weight is not None:
+        check_vector("weight", weight, x.shape[-1], x.device)
     check_eps(eps)
     check_choice("casting", casting, CASTINGS)
     if residual is not None:
@@ -322,22 +353,23 @@ def _check(x, weight, eps, casting, residual=None) -> str | None:
             raise ValueError(f"residual must have the dtype of x ({x.dtype}), got {residual.dtype}")
         if residual.device != x.device:
             raise ValueError(f"residual is on {residual.device}, expected {x.device} like x")
-    if weight.dtype not in KERNEL_DTYPES:
+    if weight is not None and weight.dtype not in KERNEL_DTYPES:
         return f"weight dtype {weight.dtype} runs on the reference"
     if x.shape[-1] > MAX_KERNEL_COLS:
         return f"last dim {x.shape[-1]} is wider than the kernel's {MAX_KERNEL_COLS}"
     return None
 
 
-def _rms_norm_kernel(x, weight, eps, offset, casting):
-    return _RMSNormFunction.apply(x, None, weight, float(eps), float(offset), casting)[0]
+def _rms_norm_kernel(x, weight, eps, offset, casting, inplace_backward=False):
+    return _RMSNormFunction.apply(x, None, weight, float(eps), float(offset), casting, inplace_backward)[0]
 
 
-def _add_rms_norm_kernel(x, residual, weight, eps, offset, casting):
-    return _RMSNormFunction.apply(x, residual, weight, float(eps), float(offset), casting)
+def _add_rms_norm_kernel(x, residual, weight, eps, offset, casting, inplace_backward=False):
+    return _RMSNormFunction.apply(x, residual, weight, float(eps), float(offset), casting, inplace_backward)
 
 
-# Inside torch.compile: the same launchers as library ops, with the Function's gradients.
+# Inside torch.compile: the same launchers as library ops, with the Function's gradients. The
+# library ops are functional, so there the backward is never in place.
 def _forward_fake(x, residual, weight, eps, offset, casting):
     out, total, rstd = _forward_buffers(x, residual, weight, casting)
     return out, (total if total is not None else x.new_empty(0)), rstd
@@ -345,7 +377,7 @@ def _forward_fake(x, residual, weight, eps, offset, casting):
 
 @library_op(
     "rms_norm",
-    "(Tensor x, Tensor? residual, Tensor weight, float eps, float offset, str casting) -> (Tensor, Tensor, Tensor)",
+    "(Tensor x, Tensor? residual, Tensor? weight, float eps, float offset, str casting) -> (Tensor, Tensor, Tensor)",
     _forward_fake,
 )
 def _forward_op(x, residual, weight, eps, offset, casting):
@@ -354,18 +386,20 @@ def _forward_op(x, residual, weight, eps, offset, casting):
 
 
 def _backward_fake(grad_out, grad_sum, source, weight, rstd, offset, casting, compute_grad_weight):
-    return source.new_empty(source.shape), empty_if(compute_grad_weight, weight)
+    return source.new_empty(source.shape), empty_if(compute_grad_weight, source if weight is None else weight)
 
 
 @library_op(
     "rms_norm_backward",
-    "(Tensor grad_out, Tensor? grad_sum, Tensor source, Tensor weight, Tensor rstd, float offset, str casting, "
+    "(Tensor grad_out, Tensor? grad_sum, Tensor source, Tensor? weight, Tensor rstd, float offset, str casting, "
     "bool compute_grad_weight) -> (Tensor, Tensor)",
     _backward_fake,
 )
 def _backward_op(grad_out, grad_sum, source, weight, rstd, offset, casting, compute_grad_weight):
     grad_x, grad_weight = rms_norm_backward(grad_out, grad_sum, source, weight, rstd, offset, casting, compute_grad_weight)
-    return grad_x.view(source.shape), (grad_weight if compute_grad_weight else weight.new_empty(0))
+    if not compute_grad_weight:
+        grad_weight = (source if weight is None else weight).new_empty(0)
+    return grad_x.view(source.shape), grad_weight
 
 
 def _setup_context(ctx, inputs, output):
@@ -380,11 +414,11 @@ _forward_op.register_autograd(
 )
 
 
-def _rms_norm_compiled(x, weight, eps, offset, casting):
+def _rms_norm_compiled(x, weight, eps, offset, casting, inplace_backward=False):
     return _forward_op(x, None, weight, float(eps), float(offset), casting)[0]
 
 
-def _add_rms_norm_compiled(x, residual, weight, eps, offset, casting):
+def _add_rms_norm_compiled(x, residual, weight, eps, offset, casting, inplace_backward=False):
     out, total, _ = _forward_op(x, residual, weight, float(eps), float(offset), casting)
     return out, total
 
@@ -400,6 +434,7 @@ def rms_norm(
     *,
     offset: float = 0.0,
     casting: str = "llama",
+    inplace_backward: bool = False,
 ) -> torch.Tensor:
     """RMSNorm over the last dim of `x`, scaled by ``offset + weight``.
 
@@ -412,29 +447,48 @@ def rms_norm(
         offset: added to `weight` (1.0 for Gemma, whose weights are stored as ``scale - 1``).
         casting: ``"llama"``, ``"gemma"`` or ``"none"``: where rounding to the input dtype
             happens (see the module docstring).
+        inplace_backward: write the input gradient over the output gradient's storage instead
+            of a new ``x``-sized buffer (one fewer activation-sized tensor at the backward's
+            peak). Opt-in, because autograd may hand the same gradient tensor to other readers,
+            and the kernel cannot tell: it is safe only when nothing but this norm reads the
+            gradient of its output. That holds when the output feeds only ops whose backward
+            makes a fresh gradient for it (linear layers, matmuls, or several such consumers,
+            whose gradients autograd sums into a buffer of its own). It does not hold when the
+            output is added to or concatenated with another tensor whose gradient is still to
+            be used (autograd hands ``a + b``'s gradient to both terms as one tensor), is the
+            tensor passed to ``.backward(g)`` / ``autograd.grad(..., g)`` (g is overwritten),
+            has a hook or ``retain_grad()`` that keeps its gradient, or when the backward is
+            differentiated again (``create_graph=True``). The write happens only where the
+            output gradient can hold dx (contiguous, of `x`'s dtype: not with ``"llama"``
+            casting and a wider weight dtype); elsewhere, on the reference path and inside
+            torch.compile the backward allocates as usual. The values are those of the
+            out-of-place backward, bit for bit.
 
     Returns:
         A tensor of the shape of `x`; dtype of `x` (``"llama"``/``"none"`` promote with the
         weight's dtype, as the HF modules do).
     """
-    if weight is None and isinstance(x, torch.Tensor) and x.dim():
-        # A scale of ones in x's dtype: the kernels' own rounding, and no gradient to compute.
-        weight = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
-    return RMS_NORM(_check(x, weight, eps, casting), x, weight, eps, offset, casting)
+    return RMS_NORM(_check(x, weight, eps, casting), x, weight, eps, offset, casting, bool(inplace_backward))
 
 
 def add_rms_norm(
     x: torch.Tensor,
     residual: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     eps: float = 1e-6,
     *,
     offset: float = 0.0,
     casting: str = "llama",
+    inplace_backward: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add then RMSNorm in one kernel: returns ``(rms_norm(x + residual), x + residual)``.
 
     The sum is rounded to the input dtype before it is normalised, as in the unfused code. Arguments
-    are those of :func:`rms_norm`; `residual` has the shape and dtype of `x`.
+    are those of :func:`rms_norm`; `residual` has the shape and dtype of `x`. With
+    `inplace_backward` the gradient of x and of the residual (one tensor) is written over the
+    normed output's gradient, under the conditions :func:`rms_norm` gives for that one; the
+    sum's gradient is only read.
     """
-    return ADD_RMS_NORM(_check(x, weight, eps, casting, residual), x, residual, weight, eps, offset, casting)
+    return ADD_RMS_NORM(
+        _check(x, weight, eps, casting, residual), x, residual, weight, eps, offset, casting, bool(inplace_backward)
+    )

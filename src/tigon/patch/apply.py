@@ -236,7 +236,7 @@ def _plan(
     lora_mlp = lora_forward if mlp_cls is not None and _lora_mlp(family, switches) else None
     patched_mlp = None
     if glu_ops or lora_mlp is not None:
-        patched_mlp = forwards.mlp_forward(mlp, _original(mlp_cls, "forward"), glu_ops, lora_mlp)
+        patched_mlp = forwards.mlp_forward(mlp, _original(mlp_cls, "forward"), glu_ops, lora_mlp, lora_forward)
         plan.append(_Replacement(mlp.switch if glu_ops else "lora", mlp_cls, "forward", patched_mlp))
     loss_switch = next((name for name in ("linear_cross_entropy", "cross_entropy") if switches[name]), None)
     causal_lm = find(family.causal_lm)

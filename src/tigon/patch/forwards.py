@@ -294,29 +294,49 @@ def _lora_projections(layers: Sequence[torch.nn.Module], x: torch.Tensor) -> lis
 
 @functools.lru_cache(maxsize=None)
 def mlp_forward(
-    mlp: MLP, original: Callable[..., torch.Tensor], glu_ops: bool, lora_forward: Callable[..., Any] | None = None
+    mlp: MLP,
+    original: Callable[..., torch.Tensor],
+    glu_ops: bool,
+    lora_forward: Callable[..., Any] | None = None,
+    linear_forward: Callable[..., Any] | None = None,
 ) -> Callable[..., torch.Tensor]:
     """Forward for an HF gated MLP whose activation is one of `mlp.switch`'s (else `original` runs).
 
     With `lora_forward` (PEFT LoRA linears run it; not for a packed gate_up_proj): gate, up and
     down projections that are such qualifying linears, with no hooks, run as one
-    :func:`tigon.functional.lora_gated_mlp`.
+    :func:`tigon.functional.lora_gated_mlp`. `linear_forward` is the forward tigon.patch binds to
+    PEFT's LoRA linears (it is not a hook) even where the MLP does not fuse them.
     With `glu_ops`: projections that are plain linears run as one :func:`tigon.functional.glu_mlp`
     (saves less for backward), others (LoRA, quantised) their own forwards around
     :func:`tigon.functional.swiglu` / :func:`~tigon.functional.geglu`, and so does an MLP with
-    multipliers (Falcon-H1), scaling the gate before the activation and the output after the down
-    projection as its forward does. Anything else runs `original`.
+    multipliers (Falcon-H1): the GLU op scales the gate before the activation, and the output
+    too where the down projection is linear in its input (:func:`scales_through`), else the
+    down projection's output is scaled after it, as the MLP's forward does. Anything else runs
+    `original`.
     """
+
+    def scales_through(down: torch.nn.Module) -> bool:
+        """Whether ``down(y * m)`` is ``down(y) * m`` up to rounding, so that the down multiplier
+        can join the GLU op: a bias-free nn.Linear, or a qualifying PEFT LoRA linear on one, with
+        nothing that calling it would run besides (a hook would see the scaled input)."""
+        if getattr(down, "bias", None) is not None or has_hooks(down, own_forward=linear_forward):
+            return False
+        if type(down) is torch.nn.Linear:
+            return True
+        return linear_forward is not None and lora.runs(down, linear_forward) and lora.active_adapter(down)[0] is not None
 
     def projected(self: torch.nn.Module, x: torch.Tensor, activation: str) -> torch.Tensor:
         if mlp.packed:
             gate, up = getattr(self, mlp.projections[0])(x).chunk(2, dim=-1)
         else:
             gate, up = getattr(self, mlp.projections[0])(x), getattr(self, mlp.projections[1])(x)
+        down = getattr(self, mlp.projections[-1])
         if mlp.multipliers is None:
-            return getattr(self, mlp.projections[-1])(glu(activation, gate, up))
+            return down(glu(activation, gate, up))
         gate_multiplier, down_multiplier = (getattr(self, name) for name in mlp.multipliers)
-        return getattr(self, mlp.projections[-1])(glu(activation, gate * gate_multiplier, up)) * down_multiplier
+        if scales_through(down):
+            return down(glu(activation, gate, up, gate_multiplier, down_multiplier))
+        return down(glu(activation, gate, up, gate_multiplier)) * down_multiplier
 
     def computed(self: torch.nn.Module, x: torch.Tensor, activation: str) -> torch.Tensor | None:
         if lora_forward is not None and mlp.multipliers is None:
