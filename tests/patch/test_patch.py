@@ -691,3 +691,39 @@ def test_rope_keep_dtype_is_what_hfs_function_does(model_type):
         cos, sin = (torch.randn(1, 3, 8 // 2 if rope.cos == "once" else 8) for _ in range(2))
         q_out, _ = getattr(module, rope.function)(q, k, cos, sin)
         assert (q_out.dtype == torch.bfloat16) == rope.keep_dtype, f"{rope.function}: keep_dtype={rope.keep_dtype}"
+
+
+@pytest.mark.parametrize("wrap", ["plain", "lora", "own forward", "moe"])
+def test_a_model_dropped_while_patched_is_freed(wrap):
+    """A notebook that patches a model, trains it and loads the next one must get the first one's
+    memory back without calling unpatch: nothing of tigon's may hold a patched model."""
+    import gc
+    import types
+    import weakref
+
+    model = tiny_model("qwen3_moe" if wrap == "moe" else "llama")
+    if wrap == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj", "gate_proj"]))
+    if wrap == "own forward":  # a forward bound on the instance before the patch (as trainers do)
+        model.forward = types.MethodType(type(model).forward, model)
+    applied = tigon.patch(model)
+    assert wrap != "moe" or "moe_experts" in str(applied)
+    model(input_ids=batch()[0])
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None, "tigon still holds a model dropped while patched"
+
+
+def test_unpatch_restores_a_forward_bound_on_the_instance():
+    import types
+
+    model = tiny_model("llama")
+    own = types.MethodType(type(model).forward, model)
+    model.forward = own
+    tigon.patch(model)
+    assert model.forward != own
+    tigon.unpatch(model)
+    assert vars(model)["forward"] == own and vars(model)["forward"].__self__ is model

@@ -100,25 +100,49 @@ _class_patches: dict[str, list[tuple[int, str]]] = {}
 
 @dataclass
 class _Undo:
-    """What one instance patch changed, for :func:`unpatch` to restore."""
+    """What one instance patch changed, for :func:`unpatch` to restore. The modules are held by
+    weak reference: the record is the value of a weak-keyed map from the model, and a strong
+    reference to the model (or to any module that is it) would keep a patched model alive
+    after its user let go of it."""
 
-    forwards: list[tuple[torch.nn.Module, str, Any]] = field(default_factory=list)  # (module, attr, previous)
+    forwards: list[tuple[weakref.ref, str, Any]] = field(default_factory=list)  # (module, attr, previous)
     shared: list[tuple[int, str]] = field(default_factory=list)
-    links: list[torch.nn.Module] = field(default_factory=list)  # layers holding a handoff.NEXT_NORM
-    experts: tuple[Any, str] | None = None  # (the HF model, its experts implementation before)
+    links: list[weakref.ref] = field(default_factory=list)  # layers holding a handoff.NEXT_NORM
+    experts: tuple[weakref.ref, str] | None = None  # (the HF model, its experts implementation before)
 
     def run(self) -> None:
         if self.experts is not None:
-            hf_model, previous = self.experts
-            hf_model.set_experts_implementation(previous)
-        for layer in self.links:
+            hf_model, previous = self.experts[0](), self.experts[1]
+            if hf_model is not None:
+                hf_model.set_experts_implementation(previous)
+        for layer in filter(None, (ref() for ref in self.links)):
             handoff.NEXT_NORM.drop(layer)
-        for module, attr, previous in reversed(self.forwards):
+        for ref, attr, previous in reversed(self.forwards):
+            module = ref()
+            if module is None:
+                continue
             if previous is _MISSING:
                 delattr(module, attr)
             else:
-                setattr(module, attr, previous)
+                setattr(module, attr, types.MethodType(previous.func, module) if isinstance(previous, _Rebound)
+                        else previous)
         _release_all(self.shared)
+
+
+@dataclass(frozen=True)
+class _Rebound:
+    """A forward bound to its own module (PEFT's, a trainer's), kept as its function: the bound
+    method would hold the module strongly."""
+
+    func: Any
+
+
+def _previous(module: torch.nn.Module, attr: str) -> Any:
+    """What `module` holds as `attr` itself (not through its class), to restore on undo."""
+    previous = vars(module).get(attr, _MISSING)
+    if isinstance(previous, types.MethodType) and previous.__self__ is module:
+        return _Rebound(previous.__func__)
+    return previous
 
 
 def _release_all(keys: list[tuple[int, str]]) -> None:
@@ -352,14 +376,15 @@ def _patch_instance(model: torch.nn.Module, switches: dict[str, bool]) -> Patche
             for sub in model.modules():
                 if replacement.binds_on(sub):
                     attr = forward_attr(sub)
-                    undo.forwards.append((sub, attr, vars(sub).get(attr, _MISSING)))
+                    undo.forwards.append((weakref.ref(sub), attr, _previous(sub, attr)))
                     setattr(sub, attr, types.MethodType(replacement.new, sub))
                     applied.update(dict.fromkeys((replacement.switch, *replacement.also)))
         if _CROSS_LAYER_ADD_NORM and switches["add_rms_norm"] and family.layer.fuse is not None:
-            undo.links = _link_next_norms(model, family, module, switches["rms_norm"])
+            undo.links = [weakref.ref(layer) for layer in _link_next_norms(model, family, module, switches["rms_norm"])]
         if switches["moe_experts"] and family.experts is not None:
-            undo.experts = _use_tigon_experts(model, hf_model, getattr(module, family.experts))
-            if undo.experts is not None:
+            before = _use_tigon_experts(model, hf_model, getattr(module, family.experts))
+            if before is not None:
+                undo.experts = (weakref.ref(before[0]), before[1])
                 applied["moe_experts"] = None
     except BaseException:
         undo.run()

@@ -141,6 +141,23 @@ def format_table(phases: dict[str, dict[str, Any]]) -> str:
     return "\n".join([head, *rows])
 
 
+def report(args: argparse.Namespace, phases: dict[str, dict[str, Any]], out: Path) -> None:
+    """Print the table and write ``serve_bench.json`` to `out`."""
+    import torch
+    import transformers
+
+    speedup = phases["concurrent"]["tokens_per_s"] / phases["one at a time"]["tokens_per_s"]
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    record = {"shape": args.model or args.shape, "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
+              "device": device, "torch": torch.__version__, "transformers": transformers.__version__,
+              "phases": phases, "speedup": speedup, "target": 8.0, "meets_target": speedup >= 8.0,
+              "date": time.strftime("%Y-%m-%d")}
+    (out / "serve_bench.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(format_table(phases))
+    print(f"concurrent / one at a time: {speedup:.2f}x tokens/s (target >= 8x) on {device}; "
+          f"{out / 'serve_bench.json'}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tigon.serve.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama1b")
@@ -177,25 +194,14 @@ def main(argv: list[str] | None = None) -> int:
                 "one at a time": asyncio.run(run_phase(base, "bench", prompts[: sequential], 1, args.max_tokens)),
                 "concurrent": asyncio.run(run_phase(base, "bench", prompts, args.clients, args.max_tokens)),
             }
+            # Written before the server stops: its shutdown (open requests, the engine) takes a while.
+            report(args, phases, out)
         finally:
             proc.send_signal(signal.SIGINT)
             try:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    speedup = phases["concurrent"]["tokens_per_s"] / phases["one at a time"]["tokens_per_s"]
-    import torch
-    import transformers
-
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    record = {"shape": args.model or args.shape, "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
-              "device": device, "torch": torch.__version__, "transformers": transformers.__version__,
-              "phases": phases, "speedup": speedup, "target": 8.0, "meets_target": speedup >= 8.0,
-              "date": time.strftime("%Y-%m-%d")}
-    (out / "serve_bench.json").write_text(json.dumps(record, indent=1) + "\n")
-    print(format_table(phases))
-    print(f"concurrent / one at a time: {speedup:.2f}x tokens/s (target >= 8x) on {device}; "
-          f"{out / 'serve_bench.json'}")
     return 0
 
 
