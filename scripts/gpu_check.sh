@@ -2,18 +2,24 @@
 # One device-machine call: gpu-marked tests, op benchmarks at the TARGETS.md shapes, the linear-CE
 # chunk-budget sweep and the end-to-end benchmark. Everything lands in $OUT/results.tar.gz (the
 # device tool returns at most 8 files) plus the text logs.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|moetests|ops|norms|rope|sweep|e2e|small|host|sft|profile|headstart|maxctx ...]
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|moetests|ops|norms|rope|sweep|e2e|small|host|serve|moe|sft|profile|headstart|maxctx ...]
 # (host: per-call host time of the small ops; small: the host-bound 1x1024 e2e with CUDA-graph replay)
 # GPU_TESTS narrows the tests stage (pytest arguments); MC_ARGS
 # are the maxctx stage's arguments to tigon.bench.max_context (its results merge into those already
 # recorded in docs/bench/max_context.json); PROFILE_ARGS are scripts/profile_e2e.py's; BENCH_OPS narrows
 # the ops stage to those op cases. Wheels carried in .whl/ (the device tool's way to bring packages
 # the machine lacks: trl, liger-kernel, ...) are installed to /tmp/site first, with those of the
-# other .whl* folders carried (.whl-bnb: bitsandbytes). GPU_WORKERS runs the tests on that many xdist workers.
+# other .whl* folders carried (.whl-bnb: bitsandbytes) but .whl-serve: the serving stack (a newer
+# transformers among it) goes to its own folder, on the path of the serve stage alone.
+# GPU_WORKERS runs the tests on that many xdist workers.
 # TIMEOUT_<stage> (seconds) overrides a stage's time limit: keep their sum under the call's limit.
 set -uo pipefail
-if compgen -G ".whl*/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl*/*.whl || exit 1
+wheels=()
+for whl in .whl*/*.whl; do
+  case "$whl" in .whl-serve/*|'.whl*/*.whl') ;; *) wheels+=("$whl") ;; esac
+done
+if [ ${#wheels[@]} -gt 0 ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${wheels[@]}" || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TIGON_STRICT=1
@@ -50,6 +56,14 @@ for stage in "${stages[@]}"; do
            tail -15 "$RES/e2e_1x1024.txt" ;;
     host)  timeout ${!limit_var:-300} python3 -m tigon.cli bench --host --out "$RES/host" > "$RES/host.txt" 2>&1
            grep -A40 "^op " "$RES/host.txt" | tail -32 ;;
+    serve) if compgen -G ".whl-serve/*.whl" > /dev/null && [ ! -d /tmp/serve-site ]; then
+             python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/serve-site .whl-serve/*.whl
+           fi
+           PYTHONPATH=/tmp/serve-site:$PYTHONPATH timeout ${!limit_var:-300} python3 -m tigon.serve.bench \
+             --sequential ${SERVE_SEQUENTIAL:-4} --out "$RES/serve" > "$RES/serve.txt" 2>&1
+           tail -6 "$RES/serve.txt" ;;
+    moe)   timeout ${!limit_var:-300} python3 -m tigon.bench.moe_e2e --out "$RES/moe" > "$RES/moe_e2e.txt" 2>&1
+           tail -9 "$RES/moe_e2e.txt" ;;
     rope)  timeout ${!limit_var:-300} python3 -m tigon.cli bench --ops rope --out "$RES/rope" > "$RES/rope.txt" 2>&1
            tail -12 "$RES/rope.txt" ;;
     sft)   OUT="$RES/sft" bash scripts/sft_gpu_compare.sh ;;
