@@ -12,6 +12,8 @@ from typing import Callable
 
 import torch
 
+E2E_TOKENS = 10 * 4 * 2048  # tokens timed per `tigon bench --e2e` shape (10 steps at 4 x 2048)
+
 
 def _cmd_env(args: argparse.Namespace) -> int:
     from tigon import ops
@@ -76,7 +78,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         failed = False
         for batch, seq in shapes:  # one e2e.json per shape, in OUT/BxT when there are several
             out = None if not args.out else Path(args.out) / f"{batch}x{seq}" if len(shapes) > 1 else Path(args.out)
-            records = run_e2e(impls=args.e2e_impls or ["eager", "tigon"], batch=batch, seq=seq, out_dir=out)
+            # At least the tokens of 10 steps of 4 x 2048: a small batch's timed window then spans
+            # several of the GPU-utilisation counter's sample periods (up to 1 s each).
+            steps = max(10, E2E_TOKENS // (batch * seq))
+            records = run_e2e(impls=args.e2e_impls or ["eager", "tigon"], batch=batch, seq=seq, steps=steps, out_dir=out)
             failed |= any("error" in r for r in records)
         return 1 if failed else 0
     from tigon.bench import run_benchmarks
@@ -227,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="host time per fwd+bwd call (microseconds) at tiny sizes, where the GPU's work is negligible")
     bench.add_argument("--e2e", nargs="*", metavar="BxT",
                        help="end-to-end fine-tuning (full and LoRA) eager vs tigon instead of ops, at each batch x "
-                            "tokens shape given (default 4x2048; 1x1024 is host-bound); more knobs: "
+                            "tokens shape given (default 4x2048; 1x1024 is host-bound), timing as many tokens as 10 steps of "
+                            "4x2048 (80 steps at 1x1024); more knobs: "
                             "python -m tigon.bench.e2e --help")
     bench.add_argument("--e2e-impls", nargs="+", metavar="IMPL",
                        choices=["eager", "tigon", "compile", "tigon+compile", "tigon+graphs", "peer"],

@@ -58,11 +58,12 @@ def test_bench_e2e_runs_each_shape_given(tmp_path, monkeypatch, capsys):
     calls = []
     monkeypatch.setattr(e2e, "run_e2e", lambda **kw: calls.append(kw) or [{"mode": "full"}])
     assert main(["bench", "--e2e", "1x1024", "4x2048", "--e2e-impls", "tigon", "tigon+graphs", "--out", str(tmp_path)]) == 0
-    assert [(c["batch"], c["seq"], c["impls"], c["out_dir"].name) for c in calls] == [
-        (1, 1024, ["tigon", "tigon+graphs"], "1x1024"), (4, 2048, ["tigon", "tigon+graphs"], "4x2048")]
+    assert [(c["batch"], c["seq"], c["impls"], c["out_dir"].name, c["steps"]) for c in calls] == [
+        (1, 1024, ["tigon", "tigon+graphs"], "1x1024", 80), (4, 2048, ["tigon", "tigon+graphs"], "4x2048", 10)]
     calls.clear()
     assert main(["bench", "--e2e"]) == 0
-    assert [(c["batch"], c["seq"], c["impls"], c["out_dir"]) for c in calls] == [(4, 2048, ["eager", "tigon"], None)]
+    assert [(c["batch"], c["seq"], c["impls"], c["out_dir"], c["steps"]) for c in calls] == [
+        (4, 2048, ["eager", "tigon"], None, 10)]
     assert main(["bench", "--e2e", "1x1024x3"]) == 2
     assert "--e2e takes batch x tokens shapes such as 1x1024, got 1x1024x3" in capsys.readouterr().err
 
