@@ -342,12 +342,18 @@ def reduce_losses(
     return total / mean_denominator(target, ignore_index, num_items_in_batch, total.dtype, weight)
 
 
+def token_hits(argmax: torch.Tensor, target: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 0-dim ``(hits, count)``: how many of the targets that are not `ignore_index` equal
+    `argmax`, and how many there are, on the device (what an accuracy over several batches sums)."""
+    valid = target != ignore_index
+    return ((argmax == target) & valid).sum(dtype=torch.float32), valid.sum(dtype=torch.float32)
+
+
 def token_accuracy(argmax: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """fp32 0-dim: the fraction of the targets that are not `ignore_index` equal to `argmax`
     (0 when all are ignored), on the device."""
-    valid = target != ignore_index
-    hits = ((argmax == target) & valid).sum(dtype=torch.float32)
-    return hits / valid.sum(dtype=torch.float32).clamp_min(1.0)
+    hits, count = token_hits(argmax, target, ignore_index)
+    return hits / count.clamp_min(1.0)
 
 
 def cross_entropy_reference(

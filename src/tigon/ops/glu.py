@@ -139,7 +139,7 @@ def swiglu_reference(
     gate: torch.Tensor, up: torch.Tensor, gate_multiplier: float = 1.0, out_multiplier: float = 1.0
 ) -> torch.Tensor:
     """``silu(gate * gate_multiplier) * up * out_multiplier`` in PyTorch."""
-    return _scaled(torch_f.silu(_scaled(gate, gate_multiplier)) * up, out_multiplier)
+    return glu_reference(gate, up, "silu", gate_multiplier, out_multiplier)
 
 
 def geglu_reference(
@@ -147,7 +147,7 @@ def geglu_reference(
     out_multiplier: float = 1.0,
 ) -> torch.Tensor:
     """``gelu(gate * gate_multiplier, approximate) * up * out_multiplier`` in PyTorch."""
-    return _scaled(torch_f.gelu(_scaled(gate, gate_multiplier), approximate=approximate) * up, out_multiplier)
+    return glu_reference(gate, up, APPROXIMATIONS[approximate], gate_multiplier, out_multiplier)
 
 
 def _row_views(*tensors: torch.Tensor) -> list[torch.Tensor]:

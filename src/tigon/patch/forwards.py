@@ -19,6 +19,7 @@ import torch
 from tigon import functional as F
 from tigon.nn.activations import glu, glu_kind, module_activation
 from tigon.ops import autocast_dtype
+from tigon.ops.cross_entropy import token_hits
 from tigon.ops.rms_norm import NormedInput
 from tigon.patch import handoff, lora
 from tigon.patch.families import MLP, Attention, Head, Layer, Norm, Rope
@@ -647,8 +648,7 @@ def _recorded(out: Any, accuracy: list | None, targets: torch.Tensor, ignore_ind
     argmax hits on `targets` and their count appended to it first."""
     if accuracy is None:
         return out
-    valid = targets != ignore_index
-    accuracy.append((((out.argmax == targets) & valid).sum(), valid.sum()))
+    accuracy.append(token_hits(out.argmax, targets, ignore_index))
     return out.loss
 
 
