@@ -1,8 +1,8 @@
-"""Where a `tigon sft` step spends its time: wall time per step, the host's Python by function
+"""Where a `tigon sft` (or `tigon rlhf`) step spends its time: wall time per step, the host's Python by function
 over five steps (cProfile), the GPU's kernels and idle stretches over two steps, and every
 device-to-host synchronisation in one step with the Python line that made it (GPU only).
 
-Usage: PYTHONPATH=src python3 scripts/profile_sft.py [tigon sft options...]
+Usage: PYTHONPATH=src python3 scripts/profile_sft.py [rlhf] [tigon sft / tigon rlhf options...]
 e.g. after scripts/sft_gpu_compare.sh has written its model and data to /tmp/sft-compare:
     python3 scripts/profile_sft.py --model /tmp/sft-compare/model --dataset /tmp/sft-compare/text.jsonl \
         --tuner lora --dtype bf16 --max-length 2048 --batch-size 4 --max-steps 24 --save-steps 0 \
@@ -113,14 +113,18 @@ def record_sync(message, category, filename, lineno, file=None, line=None):
 
 warnings.showwarning = record_sync
 warnings.simplefilter("always")
-# The Trainer class run_sft builds (AtomicTrainer before TigonTrainer existed: A/B of older trees).
-trainer_name = "TigonTrainer" if hasattr(run, "TigonTrainer") else "AtomicTrainer"
+# Every trainer tigon builds (sft's, and rlhf's TRL subclasses) runs TigonTrainer.__init__
+# (AtomicTrainer's on trees older than it): the profiler joins its callbacks there.
+base = getattr(run, "TigonTrainer", None) or run.AtomicTrainer
+base_init = base.__init__
 
 
-class ProfiledTrainer(getattr(run, trainer_name)):
-    def __init__(self, *args, callbacks=None, **kwargs):
-        super().__init__(*args, callbacks=[*(callbacks or []), profiler], **kwargs)
+def init_with_profiler(self, *args, **kwargs):
+    base_init(self, *args, **kwargs)
+    if profiler not in self.callback_handler.callbacks:
+        self.add_callback(profiler)
 
 
-setattr(run, trainer_name, ProfiledTrainer)
-sys.exit(cli.main(["sft", *sys.argv[1:]]))
+base.__init__ = init_with_profiler
+command = sys.argv[1:2] if sys.argv[1:2] == ["rlhf"] else []
+sys.exit(cli.main([*(command or ["sft"]), *sys.argv[1 + len(command):]]))
