@@ -2,9 +2,9 @@
 # One device-machine call: gpu-marked tests, op benchmarks at the TARGETS.md shapes, the linear-CE
 # chunk-budget sweep and the end-to-end benchmark. Everything lands in $OUT/results.tar.gz (the
 # device tool returns at most 8 files) plus the text logs.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|moetests|ops|norms|rope|sweep|e2e|small|host|serve|moe|rl|sft|profile|dpoprof|headstart|maxctx ...]
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|moetests|ops|norms|rope|sweep|e2e|small|host|serve|moe|rl|dpo|sft|profile|dpoprof|headstart|maxctx ...]
 # (host: per-call host time of the small ops; small: the host-bound 1x1024 e2e with CUDA-graph replay;
-# rl: the GRPO loss against TRL's own log-prob path; dpoprof: where a `tigon rlhf --method dpo` step goes)
+# rl: the GRPO loss against TRL's own log-prob path; dpo: tigon rlhf against TRL's DPOTrainer; dpoprof: where a `tigon rlhf --method dpo` step goes)
 # GPU_TESTS narrows the tests stage (pytest arguments); MC_ARGS
 # are the maxctx stage's arguments to tigon.bench.max_context (its results merge into those already
 # recorded in docs/bench/max_context.json); PROFILE_ARGS are scripts/profile_e2e.py's; BENCH_OPS narrows
@@ -68,6 +68,7 @@ for stage in "${stages[@]}"; do
     rl)    timeout ${!limit_var:-200} python3 -m tigon.cli bench --ops linear_policy_loss_trl --impls tigon peer \
              --out "$RES/rl" > "$RES/rl.txt" 2>&1
            grep -A8 "^op " "$RES/rl.txt" ;;
+    dpo)   OUT="$RES/dpo" STEPS=${STEPS:-20} WHEELS=.whl bash scripts/rlhf_gpu_compare.sh ;;
     rope)  timeout ${!limit_var:-300} python3 -m tigon.cli bench --ops rope --out "$RES/rope" > "$RES/rope.txt" 2>&1
            tail -12 "$RES/rope.txt" ;;
     sft)   OUT="$RES/sft" bash scripts/sft_gpu_compare.sh ;;

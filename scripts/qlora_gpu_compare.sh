@@ -11,7 +11,8 @@
 # Usage: bash scripts/qlora_gpu_compare.sh [prep|qlora8b|dora1b|int8|tests ...]   (default: all)
 #   prep     only write the random 8B and 1B models to $WORK (the others write theirs when missing)
 # Wheels the machine lacks: bitsandbytes from $BNB_WHEELS (default .whl-bnb), Liger-Kernel (and others)
-# from .whl, installed to /tmp/site. Results: $OUT/qlora-*.json and logs. STEPS sets the timed steps.
+# from .whl, installed to /tmp/site. Results: $OUT/qlora-*.json and logs. STEPS sets the timed steps,
+# IMPLS the implementations (qlora_bench.py's --impls, default all three).
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 WORK=${WORK:-/tmp/qlora-bench}
@@ -30,7 +31,8 @@ stages=("$@")
 bench() {  # name, timeout, then qlora_bench.py arguments
   local name=$1 limit=$2
   shift 2
-  timeout "$limit" python3 scripts/qlora_bench.py --steps "$STEPS" --work "$WORK" --out "$OUT/qlora-$name.json" "$@" \
+  timeout "$limit" python3 scripts/qlora_bench.py --steps "$STEPS" --work "$WORK" --out "$OUT/qlora-$name.json" \
+    ${IMPLS:+--impls "$IMPLS"} "$@" \
     > "$OUT/qlora-$name.log" 2>&1
   echo "== $name (rc $?)"
   grep -E '^(tigon|peft|liger|  seq)' "$OUT/qlora-$name.log" | cut -c1-200

@@ -1,5 +1,6 @@
 """GPU busy fraction: sampled off the training loop's thread, averaged per log window and overall."""
 
+import threading
 import time
 
 from tigon.timing import BusyMeter
@@ -38,11 +39,24 @@ def test_busy_meter_without_nvml_never_starts():
     assert meter.window() is None and meter.overall() is None
 
 
-def test_busy_meter_window_shorter_than_the_interval_reads_once_now():
-    """A run shorter than the sampling interval still gets a figure: one read at the window's end."""
-    readings = iter([0.0, 70.0, 80.0])
-    meter = BusyMeter(lambda: next(readings), interval=60.0)
-    assert meter.start()  # the probe reads 0.0; the thread's first sample is a minute away
-    assert meter.window() == 70.0 and meter.window() == 80.0
+def test_busy_meter_reads_off_the_callers_thread():
+    """A window with no sample of its own repeats the latest one and reads nothing on the caller's
+    thread (a read can take tens of milliseconds: the training loop would wait for it)."""
+    caller = threading.get_ident()
+    readers: list[int] = []
+    readings = iter([0.0, 70.0, 80.0] + [90.0] * 1000)
+
+    def read():
+        readers.append(threading.get_ident())
+        return next(readings)
+
+    meter = BusyMeter(read, interval=0.05)
+    assert meter.start()  # the probe, read here, is no sample
+    assert meter.window() is None  # nothing sampled yet
+    _wait_for(lambda: len(readers) >= 2)
+    first = meter.window()
+    assert first is not None and first >= 70.0
+    assert meter.window() == meter._latest  # no new sample: the latest repeated
     meter.stop()
-    assert meter.window() is None and meter.overall() is None
+    assert readers[0] == caller and caller not in readers[1:]
+    assert meter.window() is None

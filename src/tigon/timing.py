@@ -74,9 +74,11 @@ class BusyMeter:
     """The fraction of wall time the GPU was running a kernel, from a thread that samples the
     driver's utilisation counter (NVML: the share of its last sample period, 1/6 s to 1 s, in which
     any kernel ran) every `interval` seconds. Nothing in the training loop waits for it or for the
-    GPU. CUDA events cannot give this: an event pair times the span between two points of a stream,
-    idle gaps included, so a step whose GPU waits for the host between kernels would read as busy.
-    `read` returns a percentage or None (no NVML: the meter never starts)."""
+    GPU: after the probe in `start`, every read happens on the meter's thread (one read can take
+    tens of milliseconds: torch initialises NVML on each call). CUDA events cannot give this: an
+    event pair times the span between two points of a stream, idle gaps included, so a step whose
+    GPU waits for the host between kernels would read as busy. `read` returns a percentage or None
+    (no NVML: the meter never starts)."""
 
     def __init__(self, read=_gpu_utilisation, interval: float = 0.2):
         self.read, self.interval = read, interval
@@ -84,6 +86,7 @@ class BusyMeter:
         self._stop = threading.Event()
         self._window = [0.0, 0]  # sum and count of samples since the last `window()`
         self._total = [0.0, 0]
+        self._latest: float | None = None
         self._thread: threading.Thread | None = None
 
     def start(self) -> bool:
@@ -100,20 +103,22 @@ class BusyMeter:
             if value is None:
                 continue
             with self._lock:
+                self._latest = value
                 for acc in (self._window, self._total):
                     acc[0] += value
                     acc[1] += 1
 
     def window(self) -> float | None:
-        """Mean busy % since the last call. A window shorter than the interval, with no sample
-        in it, gets one read now (the counter's own sample period covers the recent past); None
-        once stopped or where nothing can be read."""
+        """Mean busy % since the last call. A window shorter than the interval, with no sample of
+        its own, repeats the latest sample (the counter's sample period spans the recent past);
+        None before the first sample and once stopped."""
         with self._lock:
             total, n = self._window
             self._window = [0.0, 0]
+            latest = self._latest
         if n:
             return total / n
-        return self.read() if self._thread is not None and not self._stop.is_set() else None
+        return latest if self._thread is not None and not self._stop.is_set() else None
 
     def overall(self) -> float | None:
         """Mean busy % since `start`."""

@@ -288,6 +288,37 @@ def test_reference_forward_equals_precomputed_log_probs(tiny_run, tmp_path, meth
     assert max(forward.values()) - min(forward.values()) > 1e-4  # the policy moved away from its reference
 
 
+def test_reference_switches_the_adapter_off_as_peft_does_without_its_status_walk(tiny_run, monkeypatch):
+    """The LoRA reference is the model with its adapter off, as under PEFT's disable_adapter():
+    the same logits, the adapter's trainable flags back afterwards, and no walk of every module
+    for PEFT's adapter status (host time a LoRA step pays in full) in any step."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from types import SimpleNamespace
+
+    root, _ = tiny_run
+    model = get_peft_model(plain_model(root), LoraConfig(r=4, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_()  # an adapter that has trained: on and off differ
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    flags = {name: p.requires_grad for name, p in model.named_parameters()}
+    with model.disable_adapter(), torch.no_grad():
+        peft_reference = model(input_ids=ids).logits
+    adapted = model(input_ids=ids).logits.detach()
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(unwrap_model=lambda m: m), ref_model=None,
+                              _adapter_layers=None)
+    monkeypatch.setattr(PeftModel, "get_model_status", lambda self: pytest.fail("walked the adapter status"))
+    for _ in range(2):  # the second step reuses the layers found in the first
+        with rlhf._FusedPreference._as_reference(trainer, model):
+            reference = model(input_ids=ids).logits
+        torch.testing.assert_close(reference, peft_reference, rtol=0, atol=0)
+        assert not torch.equal(reference, adapted) and not reference.requires_grad
+        assert {name: p.requires_grad for name, p in model.named_parameters()} == flags
+        torch.testing.assert_close(model(input_ids=ids).logits, adapted, rtol=0, atol=0)
+    assert len(trainer._adapter_layers) == 2 * 7  # q k v o gate up down in each of the two layers
+
+
 def test_eval_split_records_the_eval_metrics(tiny_run, tmp_path):
     root, _ = tiny_run
     _, argv = settings(root, max_steps=2, eval_split=0.25, save_steps=1)

@@ -189,11 +189,12 @@ def main(argv: list[str] | None = None) -> int:
         proc = start_server(model_dir, port, "bench", out / "serve_bench_server.log")
         base = f"http://127.0.0.1:{port}/v1"
         try:
-            asyncio.run(run_phase(base, "bench", prompts[: args.clients], args.clients, args.max_tokens))  # warm-up
-            phases = {
-                "one at a time": asyncio.run(run_phase(base, "bench", prompts[: sequential], 1, args.max_tokens)),
-                "concurrent": asyncio.run(run_phase(base, "bench", prompts, args.clients, args.max_tokens)),
-            }
+            # Warm-up: every batch size the concurrent phase reaches, at a few tokens per request.
+            asyncio.run(run_phase(base, "bench", prompts[: args.clients], args.clients, min(args.max_tokens, 32)))
+            phases = {}
+            for name, count, clients in (("one at a time", sequential, 1), ("concurrent", n, args.clients)):
+                phases[name] = asyncio.run(run_phase(base, "bench", prompts[:count], clients, args.max_tokens))
+                print(format_table({name: phases[name]}).splitlines()[1], flush=True)  # a cut run keeps it
             # Written before the server stops: its shutdown (open requests, the engine) takes a while.
             report(args, phases, out)
         finally:
