@@ -3,6 +3,7 @@
 # shape (random weights, the built-in tokenizer), LoRA r=16 all-linear, 4 pairs x 2 x 1024 tokens
 # (every sequence exactly 1024 tokens: no padding), bf16, the same pairs, order and seed. Runs:
 #   tigon            tigon rlhf (kernels, fused preference loss)
+#   tigon-recompute  tigon rlhf --recompute-mlp (the MLPs keep only their inputs for backward)
 #   tigon-nokernels  tigon rlhf --no-kernels (the fused loss alone)
 #   trl              TRL's DPOTrainer, gradient checkpointing off as in the tigon runs
 #   trl-ckpt         TRL's DPOTrainer as TRL configures it by default (checkpointing on)
@@ -80,8 +81,8 @@ if [ "$METHOD" != dpo ]; then
   exit 0
 fi
 COMMON=(--model "$WORK/model" --dataset "$WORK/pairs.jsonl" --max-length 1024 --batch-size 4 --max-steps "$STEPS")
-for kernels in --kernels --no-kernels; do
-  name=tigon; [ "$kernels" = --no-kernels ] && name=tigon-nokernels
+for kernels in --kernels --recompute-mlp --no-kernels; do
+  case "$kernels" in --kernels) name=tigon ;; --recompute-mlp) name=tigon-recompute ;; *) name=tigon-nokernels ;; esac
   timeout 300 python3 -m tigon.cli rlhf --method dpo "${COMMON[@]}" --tuner lora --lora-rank 16 --dtype bf16 \
     --lr 1e-5 --save-steps 0 --samples 0 --overwrite --output-dir "$WORK/$name" $kernels > "$OUT/rlhf-$name.log" 2>&1
   echo "$name: $(grep -E '^done:|tigon: applied' "$OUT/rlhf-$name.log" | tr '\n' ' ')"
@@ -94,4 +95,4 @@ for ckpt in "" --checkpointing; do
   echo "$name: $(grep -E '^done:' "$OUT/rlhf-$name.log")"
   cp "$WORK/$name/metrics.jsonl" "$OUT/rlhf-$name.metrics.jsonl" 2>/dev/null
 done
-python3 scripts/rlhf_compare_summary.py "$OUT" rlhf tigon tigon-nokernels trl trl-ckpt
+python3 scripts/rlhf_compare_summary.py "$OUT" rlhf tigon tigon-recompute tigon-nokernels trl trl-ckpt

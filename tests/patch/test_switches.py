@@ -93,6 +93,7 @@ CASES = {
     "lora": ("lora", {}),
     "offload_activations": ("checkpointed", {}),
     "tiled_mlp": ("llama", {}),
+    "recompute_mlp": ("llama", {}),
     "moe_experts": ("qwen3_moe", {}),
 }
 
@@ -125,9 +126,15 @@ def test_every_switch_changes_what_runs(name, monkeypatch):
     from tigon.patch import offload, tiled
 
     ran: set[str] = set()
+
+    def seen(op: str, real, *args, **kwargs):
+        ran.add(op)
+        if kwargs.get("recompute"):
+            ran.add("recompute_mlp")
+        return real(*args, **kwargs)
+
     for op in functional.__all__:
-        real = getattr(functional, op)
-        monkeypatch.setattr(functional, op, lambda *a, _op=op, _real=real, **k: ran.add(_op) or _real(*a, **k))
+        monkeypatch.setattr(functional, op, functools.partial(seen, op, getattr(functional, op)))
     apply, session = tiled._TiledFunction.apply, offload.ActivationOffload
     monkeypatch.setattr(tiled._TiledFunction, "apply", lambda *a: ran.add("tiled_mlp") or apply(*a))
     monkeypatch.setattr(offload, "ActivationOffload", lambda *a: ran.add("offload_activations") or session(*a))
@@ -150,3 +157,28 @@ def test_every_switch_changes_what_runs(name, monkeypatch):
         assert gone and gone <= set(ops), f"{name}=False stopped {sorted(gone)}; the table says {ops}"
     else:
         assert name in gone, f"{name}=False did not take its wrapper away"
+
+
+@pytest.mark.parametrize("kind", ["llama", "lora"])
+def test_recompute_mlp_keeps_less_and_changes_no_number(kind):
+    """recompute_mlp: the MLPs (add + norm + MLP as one op, or the fused LoRA MLP) keep neither
+    gate nor up for backward; loss and every gradient are those without it, bit for bit."""
+    from tests.helpers import saved_activation_bytes
+
+    ids, mask, labels = batch(seed=3, rows=2, cols=11, pad_tail=2)
+    model = _model(kind).train()
+    config = model.config
+    results = []
+    for recompute in (False, True):
+        tigon.patch(model, recompute_mlp=recompute)
+        model.zero_grad(set_to_none=True)
+        kept, out = saved_activation_bytes(model, input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        results.append((kept, out.loss.detach(), grads))
+    (kept, loss, grads), (kept_recomputed, loss_recomputed, grads_recomputed) = results
+    gate_and_up = 2 * ids.numel() * config.intermediate_size * 4 * config.num_hidden_layers
+    assert kept - kept_recomputed == gate_and_up
+    assert torch.equal(loss, loss_recomputed) and len(grads) == len(grads_recomputed) > 0
+    for default, recomputed in zip(grads, grads_recomputed):
+        assert torch.equal(default, recomputed)

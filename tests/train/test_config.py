@@ -74,6 +74,7 @@ def test_defaults_depend_on_builtin_or_real_model():
     ({"tuner": "full", "dtype": "fp16"}, set(), "--dtype fp16 cannot be used with --tuner full"),
     ({"resume": "latest", "overwrite": True}, set(), "--resume and --overwrite are incompatible"),
     ({"kernels": False, "kernels_off": ["rope"]}, set(), "--kernels-off has no effect with --no-kernels"),
+    ({"kernels": False, "recompute_mlp": True}, set(), "^--recompute-mlp: applied by tigon.patch, which --no-kernels"),
     ({"kernels_off": ["rope", "warp_drive"]}, set(), "--kernels-off: unknown kernel\\(s\\) warp_drive; choose from rms_norm"),
     ({"lr": 0.0}, set(), "--lr must be > 0"),
     ({"batch_size": -1}, set(), "--batch-size must be > 0"),

@@ -37,6 +37,8 @@ def test_apply_kernels_follows_the_switches(caplog):
         tigon.unpatch(model)
         fewer = applied(apply_kernels(model, SFTConfig(kernels_off=["rms_norm"])))
         assert fewer == everything - {"rms_norm"}
+        tigon.unpatch(model)
+        assert applied(apply_kernels(model, SFTConfig(recompute_mlp=True))) == everything | {"recompute_mlp"}
     finally:
         tigon.unpatch(model)
     assert apply_kernels(model, SFTConfig(kernels=False)).startswith("tigon: kernels off (--no-kernels)")

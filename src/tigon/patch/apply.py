@@ -259,9 +259,12 @@ def _plan(
     glu_ops = mlp_cls is not None and mlp.gated and switches[mlp.switch]
     lora_mlp = lora_forward if mlp_cls is not None and _lora_mlp(family, switches) else None
     patched_mlp = None
+    recompute = ("recompute_mlp",) if switches["recompute_mlp"] else ()
     if glu_ops or lora_mlp is not None:
-        patched_mlp = forwards.mlp_forward(mlp, _original(mlp_cls, "forward"), glu_ops, lora_mlp, lora_forward)
-        plan.append(_Replacement(mlp.switch if glu_ops else "lora", mlp_cls, "forward", patched_mlp))
+        patched_mlp = forwards.mlp_forward(
+            mlp, _original(mlp_cls, "forward"), glu_ops, lora_mlp, lora_forward, switches["recompute_mlp"]
+        )
+        plan.append(_Replacement(mlp.switch if glu_ops else "lora", mlp_cls, "forward", patched_mlp, recompute))
     loss_switch = next((name for name in ("linear_cross_entropy", "cross_entropy") if switches[name]), None)
     causal_lm = find(family.causal_lm)
     aux_loss = find(family.head.aux_loss) if family.head.aux_loss else None
@@ -281,9 +284,9 @@ def _plan(
         joins_mlp = glu_ops and not switches["tiled_mlp"]
         fused = forwards.decoder_layer_forward(
             family.layer, family.norm, _original(layer, "forward"),
-            mlp if joins_mlp else None, patched_mlp if joins_mlp else None,
+            mlp if joins_mlp else None, patched_mlp if joins_mlp else None, switches["recompute_mlp"],
         )
-        plan.append(_Replacement("add_rms_norm", layer, "forward", fused))
+        plan.append(_Replacement("add_rms_norm", layer, "forward", fused, recompute if joins_mlp else ()))
     if family.attention is not None and (switches["qkv_group"] or lora_forward is not None):
         cls = find(family.attention.cls)
         if cls is not None:
@@ -475,6 +478,7 @@ def patch(
     lora: bool = True,
     offload_activations: bool = False,
     tiled_mlp: bool = False,
+    recompute_mlp: bool = False,
     moe_experts: bool = True,
     **others: bool,
 ) -> Patched:
@@ -484,7 +488,7 @@ def patch(
         target: a ``config.model_type`` (``"llama"``, ``"qwen2"``, ...) to patch that family's
             transformers classes, for models built before or after the call; or a model instance
             (plain, on any device, or wrapped by PEFT) to patch only its modules, in place.
-        rms_norm ... tiled_mlp: the switches of :data:`tigon.patch.switches.TABLE`, which says
+        rms_norm ... recompute_mlp: the switches of :data:`tigon.patch.switches.TABLE`, which says
             what each replaces and which ops it covers; a switch a family has no use for is
             ignored. `linear_cross_entropy` (loss straight from the hidden states, logits never
             materialised) and `cross_entropy` (loss from materialised logits) are exclusive.
@@ -494,7 +498,11 @@ def patch(
             TRL is imported already. `offload_activations` (under gradient checkpointing, the
             checkpointed hidden states wait in pinned host memory: :mod:`tigon.patch.offload`) and
             `tiled_mlp` (the MLP over chunks of tokens: :mod:`tigon.patch.tiled`) are exact, off by
-            default, and for long context. `moe_experts` sets a patched model's experts
+            default, and for long context. `recompute_mlp` (exact, off by default) has the gated
+            MLPs that run as one op keep neither gate nor up for backward, which forms them again:
+            about half of a decoder layer's activations for two more GEMMs per layer, for runs
+            without gradient checkpointing whose memory is tight (``tigon rlhf``'s policy and
+            reference in one step). `moe_experts` sets a patched model's experts
             implementation to tigon's fused experts op (:mod:`tigon.nn.moe`) for the model instance
             (its config's setting, restored by :func:`unpatch`).
         others: nothing; a name here is no switch, and raises.
@@ -514,7 +522,7 @@ def patch(
         rms_norm=rms_norm, rope=rope, swiglu=swiglu, geglu=geglu, layer_norm=layer_norm,
         add_rms_norm=add_rms_norm, qkv_group=qkv_group, linear_cross_entropy=linear_cross_entropy,
         cross_entropy=cross_entropy, trl_log_probs=trl_log_probs, lora=lora, offload_activations=offload_activations,
-        tiled_mlp=tiled_mlp, moe_experts=moe_experts,
+        tiled_mlp=tiled_mlp, recompute_mlp=recompute_mlp, moe_experts=moe_experts,
     ))
     if isinstance(target, str):
         result = _patch_classes(target, switches)

@@ -99,13 +99,14 @@ def _add_norm(norm: Norm, module: torch.nn.Module, x: torch.Tensor, residual: to
 
 
 def _add_norm_mlp(
-    norm: Norm, module: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor, weights: tuple, activation: str
+    norm: Norm, module: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor, weights: tuple, activation: str,
+    recompute: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(mlp(module(residual + x)), residual + x)`` as one op."""
     x, residual = _summands(x, residual)
     return F.add_rms_norm_glu_mlp(
         x, residual, module.weight, getattr(module, norm.eps), *weights,
-        offset=norm.offset, casting=norm.casting, activation=activation,
+        offset=norm.offset, casting=norm.casting, activation=activation, recompute=recompute,
     )
 
 
@@ -151,6 +152,7 @@ def decoder_layer_forward(
     original: Callable[..., torch.Tensor],
     mlp: MLP | None = None,
     patched_mlp_forward: Callable[..., torch.Tensor] | None = None,
+    recompute_mlp: bool = False,
 ) -> Callable[..., torch.Tensor]:
     """Forward for an HF decoder layer with its residual add and following RMSNorm fused.
 
@@ -162,7 +164,8 @@ def decoder_layer_forward(
 
     With `mlp` (the family's gated MLP, whose modules run `patched_mlp_forward`), a plain-linear MLP
     with nothing but that forward to run goes into the same op as the add + RMSNorm before it
-    (:func:`tigon.functional.add_rms_norm_glu_mlp`): the same kernels, less host time per layer.
+    (:func:`tigon.functional.add_rms_norm_glu_mlp`): the same kernels, less host time per layer;
+    with `recompute_mlp` that op keeps neither gate nor up for backward.
     """
     sandwich = layer.fuse == "sandwich"
     input_norm, fused_norm = layer.norms[0], layer.norms[2 if sandwich else 1]
@@ -215,7 +218,9 @@ def decoder_layer_forward(
         feed_forward = getattr(self, layer.feed_forward)
         weights, activation = _fusable_mlp(feed_forward)
         if weights is not None:
-            hidden_states, residual = _add_norm_mlp(norm, norm_module, hidden_states, residual, weights, activation)
+            hidden_states, residual = _add_norm_mlp(
+                norm, norm_module, hidden_states, residual, weights, activation, recompute_mlp
+            )
             hidden_states = mlp_dropout(mlp, feed_forward, hidden_states)
         else:
             hidden_states, residual = _add_norm(norm, norm_module, hidden_states, residual)
@@ -300,6 +305,7 @@ def mlp_forward(
     glu_ops: bool,
     lora_forward: Callable[..., Any] | None = None,
     linear_forward: Callable[..., Any] | None = None,
+    recompute: bool = False,
 ) -> Callable[..., torch.Tensor]:
     """Forward for an HF gated MLP whose activation is one of `mlp.switch`'s (else `original` runs).
 
@@ -313,7 +319,8 @@ def mlp_forward(
     multipliers (Falcon-H1): the GLU op scales the gate before the activation, and the output
     too where the down projection is linear in its input (:func:`scales_through`), else the
     down projection's output is scaled after it, as the MLP's forward does. Anything else runs
-    `original`.
+    `original`. With `recompute` (the recompute_mlp switch), the one-op MLPs keep neither gate nor
+    up for backward, which forms them again.
     """
 
     def scales_through(down: torch.nn.Module) -> bool:
@@ -345,12 +352,13 @@ def mlp_forward(
             if all(lora.runs(layer, lora_forward) and not has_hooks(layer, own_forward=lora_forward) for layer in layers):
                 projections = _lora_projections(layers, x)
                 if projections is not None:
-                    return F.lora_gated_mlp(x, *projections, activation=activation)
+                    return F.lora_gated_mlp(x, *projections, activation=activation, recompute=recompute)
         if not glu_ops:
             return None
         weights = _glu_mlp_weights(mlp, self) if mlp.multipliers is None else None
         if weights is not None:
-            return F.glu_mlp(x, *weights, activation=activation, normed_input=handoff.MLP_INPUT.get(x))
+            return F.glu_mlp(x, *weights, activation=activation, normed_input=handoff.MLP_INPUT.get(x),
+                             recompute=recompute)
         return projected(self, x, activation)
 
     def forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -58,6 +58,8 @@ TABLE: tuple[Switch, ...] = (
             "dora_scale_backward")),
     Switch("offload_activations", False, "under gradient checkpointing, the checkpointed hidden states in host memory"),
     Switch("tiled_mlp", False, "the MLP over chunks of tokens: its intermediates never exist whole"),
+    Switch("recompute_mlp", False, "gated MLPs keep only their input for backward, which forms gate and up again "
+           "(two more GEMMs per layer)"),
     Switch("moe_experts", True, "a patched model's mixture-of-experts experts on the fused experts op (grouped GEMMs)",
            ("moe_experts",)),
 )

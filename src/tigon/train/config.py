@@ -106,6 +106,9 @@ class SFTConfig:
                                      "in host memory (needs --gradient-checkpointing)")
     tiled_mlp: bool = _opt(False, "long context: run the MLP over chunks of tokens so its intermediates "
                            "never exist whole")
+    recompute_mlp: bool = _opt(False, "keep only the MLPs' inputs for backward, which forms gate and up again: "
+                               "about half of a layer's activations for two more GEMMs per layer (for runs "
+                               "without --gradient-checkpointing)")
     output_dir: str = _opt("tigon-out", "where checkpoints, metrics.jsonl and loss.png go", metavar="DIR")
     save_steps: int = _opt(500, "write a checkpoint every N steps and at the end (0: none, only final/)")
     save_limit: int | None = _opt(None, "keep only the newest N step checkpoints (default: keep all)")
@@ -328,7 +331,8 @@ def resolve(cfg: SFTConfig, given: set[str] = frozenset()) -> SFTConfig:
     if cfg.offload_activations and not cfg.gradient_checkpointing:
         raise SFTError("--offload-activations offloads what gradient checkpointing keeps: add "
                        "--gradient-checkpointing")
-    memory = [f"--{name.replace('_', '-')}" for name in ("offload_activations", "tiled_mlp") if getattr(cfg, name)]
+    memory = [f"--{name.replace('_', '-')}" for name in ("offload_activations", "tiled_mlp", "recompute_mlp")
+              if getattr(cfg, name)]
     if memory and not cfg.kernels:
         raise SFTError(f"{', '.join(memory)}: applied by tigon.patch, which --no-kernels turns off "
                        "(leave out single kernels with --kernels-off)")

@@ -307,7 +307,7 @@ def apply_kernels(model: torch.nn.Module, cfg: SFTConfig) -> str:
 
     try:
         switches = dict(kernel_switches(cfg.kernels_off), offload_activations=cfg.offload_activations,
-                        tiled_mlp=cfg.tiled_mlp)
+                        tiled_mlp=cfg.tiled_mlp, recompute_mlp=cfg.recompute_mlp)
         return str(tigon.patch(model, **switches))  # patch logs the line itself
     except ValueError as err:
         line = f"tigon: kernels off: {err}"

@@ -85,6 +85,34 @@ def test_glu_mlp_with_normed_input_keeps_the_source_and_matches_exactly(poison_o
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("bias, with_source", [(False, False), (True, True)])
+def test_glu_mlp_recompute_keeps_neither_gate_nor_up_and_gives_the_same_numbers(device, dtype, bias, with_source):
+    """recompute=True: backward forms gate and up again; outputs and every gradient equal the
+    default's bit for bit (also where x is renormalised from its norm's source)."""
+    tokens, hidden, intermediate = 9, 24, 40
+    x, weights, biases = _mlp_args((tokens,), hidden, intermediate, dtype, device, bias)
+    norm_weight = torch.randn(hidden, dtype=dtype, device=device, requires_grad=True)
+    grad = torch.randn(tokens, hidden, dtype=dtype, device=device)
+    results = []
+    for recompute in (False, True):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, norm_weight, *weights, *biases)]
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            if with_source:
+                normed, total = F.add_rms_norm(leaves[0], torch.zeros_like(leaves[0]), leaves[1], 1e-6)
+                source = NormedInput(total, leaves[1], 1e-6, 0.0, "llama")
+            else:
+                normed, source = leaves[0], None
+            out = F.glu_mlp(normed, *_split(leaves[2:]), normed_input=source, recompute=recompute)
+        (out * grad).sum().backward()
+        intermediates = [t for t in saved if t.shape[-1:] == (intermediate,) and t.numel() == tokens * intermediate]
+        assert len(intermediates) == (0 if recompute else 2)
+        results.append([out, *(leaf.grad for leaf in leaves if leaf.grad is not None)])
+    for default, recomputed in zip(*results, strict=True):
+        assert torch.equal(default, recomputed)
+
+
 def test_glu_mlp_normed_input_bad_arguments():
     x, weights, _ = _mlp_args((4,), 8, 12, torch.float32, torch.device("cpu"), False)
     with pytest.raises(ValueError, match="normed_input must be a tigon.ops.NormedInput"):

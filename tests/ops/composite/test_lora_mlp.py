@@ -16,7 +16,7 @@ def _mlp(hidden, intermediate, ranks, dtype, device, **kwargs):
     return gate, up, down
 
 
-def _check_mlp(x, projections, activation, dtype=None):
+def _check_mlp(x, projections, activation, dtype=None, recompute=False):
     fields = saved_tensors(projections)
     scalings = [p.scaling for p in projections]
 
@@ -27,7 +27,7 @@ def _check_mlp(x, projections, activation, dtype=None):
         return [v for p in regroup(tensors) for v in p]
 
     compare_fwd_bwd(
-        lambda x, *t: lora_gated_mlp(x, *regroup(t), activation=activation),
+        lambda x, *t: lora_gated_mlp(x, *regroup(t), activation=activation, recompute=recompute),
         lambda x, *t: lora_gated_mlp_reference(x, activation, *flat(t)),
         (x, *fields), dtype, name=f"lora_gated_mlp {activation}",
     )
@@ -90,6 +90,34 @@ def test_saves_only_x_gate_up_and_rank_sized_products(device):
         lora_gated_mlp(x, *projections)
     activations = sorted(tuple(t.shape) for t in saved if t.shape[:1] == (n,))
     assert activations == sorted([(n, hidden), (n, intermediate), (n, intermediate), (n, 3 + 5), (n, 2)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_recompute_matches_reference(poison_outputs, device, dtype, bias):
+    x = torch.randn(2, 13, 40, dtype=dtype, device=device, requires_grad=True)
+    _check_mlp(x, _mlp(40, 72, (4, 6, 2), dtype, device, bias=bias, trainable_base=bias), "gelu_tanh", recompute=True)
+
+
+def test_recompute_keeps_no_gate_or_up_and_gives_the_same_numbers(device):
+    """recompute=True saves only x and the rank-sized products, and backward's gate and up, formed
+    again, are the forward's: outputs and every gradient equal those of the default, bit for bit."""
+    n, hidden, intermediate = 30, 24, 50
+    projections = _mlp(hidden, intermediate, (3, 5, 2), torch.float16, device)
+    leaves = [t for p in projections for t in (p.lora_a, p.lora_b)]
+    x = torch.randn(n, hidden, dtype=torch.float16, device=device, requires_grad=True)
+    grad = torch.randn(n, hidden, dtype=torch.float16, device=device)
+    results = []
+    for recompute in (False, True):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = lora_gated_mlp(x, *projections, recompute=recompute)
+        results.append((out, *torch.autograd.grad(out, [x, *leaves], grad)))
+        activations = sorted(tuple(t.shape) for t in saved if t.shape[:1] == (n,))
+        kept = [(n, intermediate), (n, intermediate)] if not recompute else []
+        assert activations == sorted([(n, hidden), (n, 3 + 5), (n, 2), *kept])
+    for default, recomputed in zip(*results):
+        assert torch.equal(default, recomputed)
 
 
 def test_autocast(device):

@@ -92,8 +92,11 @@ def test_group_of_mixed_projections(poison_outputs, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("kind,dora", [("nf4-double", False), ("fp4", True), ("int8", True), (None, True)])
-def test_gated_mlp(poison_outputs, device, dtype, kind, dora):
+@pytest.mark.parametrize("kind,dora,recompute", [("nf4-double", False, False), ("fp4", True, False),
+                                                 ("int8", True, False), (None, True, False),
+                                                 ("nf4-double", False, True), ("int8", True, True)])
+def test_gated_mlp(poison_outputs, device, dtype, kind, dora, recompute):
+    """(recompute: a quantised base dequantised again for gate and up; a DoRA gate keeps its z.)"""
     x = torch.randn(2, 5, 64, dtype=dtype, device=device, requires_grad=True)
     projections = [
         _variant(_projection(64, 128, 4, dtype, device, bias=dora), kind, dora),
@@ -102,12 +105,13 @@ def test_gated_mlp(poison_outputs, device, dtype, kind, dora):
     ]
 
     def ours(x, *values):
-        return lora_gated_mlp(x, *_rebuild(values, projections))
+        return lora_gated_mlp(x, *_rebuild(values, projections), recompute=recompute)
 
     def reference(x, *values):
         return lora_gated_mlp_reference(x, "silu", *[v for p in _rebuild(values, projections) for v in p])
 
-    compare_fwd_bwd(ours, reference, (x, *_flat_tensors(projections)), dtype, name=f"mlp {kind} dora={dora}")
+    compare_fwd_bwd(ours, reference, (x, *_flat_tensors(projections)), dtype,
+                    name=f"mlp {kind} dora={dora} recompute={recompute}")
 
 
 def _saved_shapes(fn):

@@ -94,6 +94,28 @@ def test_saves_the_sum_rstd_gate_and_up_only(device):
     assert kept == 4 * (tokens * hidden + tokens + 2 * tokens * intermediate)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_recompute_keeps_no_gate_or_up_and_gives_the_same_numbers(device, dtype):
+    """recompute=True: only the sum and rstd are kept; outputs and gradients equal the default's
+    bit for bit (gate and up formed again from the renormalised sum)."""
+    tokens, hidden, intermediate = 6, 16, 40
+    x, r, w, weights, biases = _args((2, tokens), hidden, intermediate, dtype, device, True)
+    grads = torch.randn(2, tokens, hidden, dtype=dtype, device=device), torch.randn(2, tokens, hidden, dtype=dtype,
+                                                                                    device=device)
+    results = []
+    for recompute in (False, True):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, r, w, *weights, *biases)]
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out, total = F.add_rms_norm_glu_mlp(*leaves[:3], EPS, *leaves[3:], recompute=recompute)
+        torch.autograd.backward((out, total), grads)
+        kept = [t for t in saved if t.numel() == 2 * tokens * intermediate]
+        assert len(kept) == (0 if recompute else 2)
+        results.append([out, total, *(leaf.grad for leaf in leaves)])
+    for default, recomputed in zip(*results, strict=True):
+        assert torch.equal(default, recomputed)
+
+
 def test_float64_and_tigon_disable_run_the_reference(device, monkeypatch):
     calls = []
     monkeypatch.setattr(norm_mlp._AddNormGLUMLPFunction, "apply", lambda *a: calls.append(1))

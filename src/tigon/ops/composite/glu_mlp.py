@@ -4,7 +4,8 @@
 
 The three projections are torch matmuls around the kernels of :mod:`tigon.ops.glu`. The op saves
 the MLP input, `gate` and `up` only: the down projection's input ``act(gate) * up`` is recomputed
-in backward, by the same pass that computes the gradients of `gate` and `up`.
+in backward, by the same pass that computes the gradients of `gate` and `up`. With ``recompute``
+it saves the input alone, and backward forms `gate` and `up` again (:func:`recomputed_projections`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ def glu_mlp_forward(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, 
     gate = torch_f.linear(x, gate_weight, gate_bias)
     up = torch_f.linear(x, up_weight, up_bias)
     return torch_f.linear(glu_forward(gate, up, activation), down_weight, down_bias), gate, up
+
+
+def recomputed_projections(x2d, gate_weight, up_weight, gate_bias, up_bias) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gate` and `up` again from the MLP's input rows, for a backward that did not keep them: the
+    forward's GEMMs on the same operands (under the forward's autocast state, which the Functions'
+    custom_bwd restores), so the forward's values."""
+    return torch_f.linear(x2d, gate_weight, gate_bias), torch_f.linear(x2d, up_weight, up_bias)
 
 
 def glu_mlp_backward(
@@ -102,7 +110,7 @@ def _input(ctx, saved) -> torch.Tensor:
 
 def _reference_point(ctx, saved):
     gate_weight, up_weight, down_weight, *biases = saved[2:8]
-    inputs = (_input(ctx, saved), gate_weight, up_weight, down_weight, *biases, ctx.activation, None, None, None)
+    inputs = (_input(ctx, saved), gate_weight, up_weight, down_weight, *biases, ctx.activation, None, None, None, None)
     return GLU_MLP, lambda *args: glu_mlp_reference(*args[:8]), inputs
 
 
@@ -111,10 +119,12 @@ class _GLUMLPFunction(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation,
-                norm_source, norm_weight, norm_config):
+                norm_source, norm_weight, norm_config, recompute):
         out, gate, up = glu_mlp_forward(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation)
         # With a norm source, x itself is not kept: backward renormalises the source.
         kept = (norm_source, norm_weight) if norm_source is not None else (x,)
+        if recompute:
+            gate = up = None
         ctx.save_for_backward(gate, up, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, *kept)
         ctx.activation, ctx.norm_config = activation, norm_config
         return out
@@ -123,19 +133,25 @@ class _GLUMLPFunction(torch.autograd.Function):
     @torch.amp.custom_bwd(device_type="cuda")
     @backward_fallback(_reference_point)
     def backward(ctx, saved, grad_out):
-        gate, up, gate_weight, up_weight, down_weight = saved[:5]
+        gate, up, gate_weight, up_weight, down_weight, gate_bias, up_bias = saved[:7]
+
+        rows: list[torch.Tensor] = []  # the input rows, formed at most once
 
         def input_rows() -> torch.Tensor:
-            x = _input(ctx, saved)
-            return x.reshape(-1, x.shape[-1])
+            if not rows:
+                x = _input(ctx, saved)
+                rows.append(x.reshape(-1, x.shape[-1]))
+            return rows[0]
 
+        if gate is None:  # recompute
+            gate, up = recomputed_projections(input_rows(), gate_weight, up_weight, gate_bias, up_bias)
         grads = glu_mlp_backward(
             grad_out, input_rows, gate, up, gate_weight, up_weight, down_weight, ctx.activation,
             ctx.needs_input_grad[:7],
         )
         if grads[0] is not None:
             grads[0] = grads[0].view(*grad_out.shape[:-1], grads[0].shape[-1])
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
 def _check_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation) -> str | None:
@@ -172,14 +188,16 @@ def _check_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_
     return None
 
 
-def _glu_mlp_kernel(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, normed_input):
+def _glu_mlp_kernel(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, normed_input,
+                    recompute):
     norm = (None, None, None) if normed_input is None else (*normed_input[:2], tuple(normed_input[2:]))
     return _GLUMLPFunction.apply(
-        x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, *norm
+        x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, *norm, recompute
     )
 
 
-def _glu_mlp_reference(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, normed_input):
+def _glu_mlp_reference(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, normed_input,
+                       recompute):
     return glu_mlp_reference(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation)
 
 
@@ -252,8 +270,9 @@ def _op_backward(ctx, grad_out, *_):
 _forward_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
-def _glu_mlp_compiled(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, normed_input):
-    # normed_input is not used: a compiled graph keeps x for the weight gradients.
+def _glu_mlp_compiled(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, normed_input,
+                      recompute):
+    # normed_input and recompute are not used: what a compiled graph keeps is the compiler's choice.
     dtype = autocast_dtype(x)
     if dtype is None:
         return _forward_op(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation)[0]
@@ -277,6 +296,7 @@ def glu_mlp(
     *,
     activation: str = "silu",
     normed_input: NormedInput | None = None,
+    recompute: bool = False,
 ) -> torch.Tensor:
     """The gated MLP ``down(act(gate(x)) * up(x))`` of Llama / Gemma, saving less for backward.
 
@@ -293,6 +313,9 @@ def glu_mlp(
             layer's ``post_attention_layernorm``), what it was computed from: then that input is
             saved instead of `x`, and `x` is renormalised in backward (one cheap kernel), so a
             hidden-sized tensor per layer is not kept for the weight gradients.
+        recompute: keep neither ``gate(x)`` nor ``up(x)``: backward forms them again (two more
+            GEMMs, the same values), two intermediate-sized tensors less per call. Inside
+            torch.compile the compiler decides what is kept.
 
     Returns:
         ``(..., hidden)``.
@@ -301,4 +324,4 @@ def glu_mlp(
     unsupported = _check_mlp(*args)
     if normed_input is not None:
         _check_normed_input(x, normed_input)
-    return GLU_MLP(unsupported, *args, normed_input)
+    return GLU_MLP(unsupported, *args, normed_input, bool(recompute))

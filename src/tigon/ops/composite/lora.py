@@ -220,12 +220,16 @@ def stacked(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def lora_group_forward(
-    x2d: torch.Tensor, projections: Sequence[LoraProjection], adapters: Sequence[LoraProjection] | None = None
+    x2d: torch.Tensor, projections: Sequence[LoraProjection], adapters: Sequence[LoraProjection] | None = None,
+    xa: torch.Tensor | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor, list]:
     """Every projection's output of the rows `x2d`, ``x [A₁; A₂; …]ᵀ`` (N × Σr) for backward, and
-    each one's DoRA state (see :func:`lora_forward`)."""
+    each one's DoRA state (see :func:`lora_forward`). Given `xa` (that product, from an earlier
+    pass over the same rows), it is not formed again: the outputs are then the earlier pass's, bit
+    for bit."""
     lora_as = [p.lora_a for p in projections]
-    xa = torch.mm(x2d, stacked(lora_as).t())
+    if xa is None:
+        xa = torch.mm(x2d, stacked(lora_as).t())
     adapters = adapters or projections
     results = [lora_forward(x2d, xa[:, cols], p, own)
                for p, own, cols in zip(projections, adapters, lora_rank_slices(lora_as))]

@@ -12,7 +12,11 @@ activation that saves ``act(gate)``, ``up`` and the product for backward. Here:
 * the activation is the gated-activation kernel of :mod:`tigon.ops.glu`;
 * saved per layer: x, gate, up and the rank-sized ``x Aᵀ`` / ``h A_downᵀ``. The down projection's
   input ``h = act(gate) * up`` is recomputed in backward by the same pass that forms the
-  gradients of gate and up.
+  gradients of gate and up;
+* with ``recompute=True``, gate and up are not kept either: backward forms them again from x and
+  the kept ``x Aᵀ`` (the same GEMMs on the same operands, so the same values), which costs the gate
+  and up base GEMMs once more and saves two intermediate-sized tensors per layer, about half of
+  what a decoder layer keeps for backward.
 
 Quantised bases and DoRA projections work as in :mod:`tigon.ops.composite.lora`. A DoRA gate or up
 projection saves its unscaled output z in place of its output (which backward rescales again, a
@@ -57,10 +61,15 @@ def lora_gated_mlp_reference(x: torch.Tensor, activation: str, *flat) -> torch.T
     return lora_linear_reference(h, *down)
 
 
+def _reference(x: torch.Tensor, activation: str, recompute: bool, *flat) -> torch.Tensor:
+    """The reference in the op's argument order (what the fused op keeps changes no value)."""
+    return lora_gated_mlp_reference(x, activation, *flat)
+
+
 def _reference_point(ctx, saved):
     (x2d, *_), projections, _ = load_projections(ctx, saved)
     x = x2d.view(*ctx.lead_shape, x2d.shape[1])
-    return LORA_GATED_MLP, lora_gated_mlp_reference, (x, ctx.activation, *flatten_projections(projections))
+    return LORA_GATED_MLP, _reference, (x, ctx.activation, ctx.recompute, *flatten_projections(projections))
 
 
 def _kept(output: torch.Tensor, dora: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -77,7 +86,7 @@ def _output(kept: torch.Tensor, projection: LoraProjection, dora: tuple[torch.Te
 
 class _LoraGatedMLPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, activation, *flat):
+    def forward(ctx, x, activation, recompute, *flat):
         own = unflatten_projections(flat)
         (gate_proj, up_proj, down_proj), ctx.adapter_dtypes = adapters_in(x.dtype, own)
         x2d = rows_view(x)
@@ -86,7 +95,10 @@ class _LoraGatedMLPFunction(torch.autograd.Function):
         ha = torch.mm(h, down_proj.lora_a.t())
         out, down_dora = lora_forward(h, ha, down_proj, own[2])
         del h  # recomputed in backward
-        kept = [_kept(t, dora) for t, dora in zip((gate, up), gate_up_doras)]
+        # A DoRA gate or up keeps its z: its weight norm comes from the adapters in their own
+        # dtype, which backward no longer has.
+        ctx.recompute = recompute and gate_up_doras == [None, None]
+        kept = [None, None] if ctx.recompute else [_kept(t, dora) for t, dora in zip((gate, up), gate_up_doras)]
         doras = dora_saved([*gate_up_doras, down_dora])
         save_projections(ctx, (x2d, *kept, xa, ha), [gate_proj, up_proj, down_proj], doras)
         ctx.activation = activation
@@ -98,11 +110,13 @@ class _LoraGatedMLPFunction(torch.autograd.Function):
     def backward(ctx, saved, grad_out):
         (x2d, gate, up, xa, ha), (gate_proj, up_proj, down_proj), dora_tensors = load_projections(ctx, saved)
         gate_dora, up_dora, down_dora = dora_restored(dora_tensors)
+        if ctx.recompute:
+            (gate, up), _, _ = lora_group_forward(x2d, [gate_proj, up_proj], xa=xa)
         gate, up = _output(gate, gate_proj, gate_dora), _output(up, up_proj, up_dora)
         width = len(LoraProjection._fields)
-        needs = ctx.needs_input_grad
-        gate_up_needs = (needs[0], *needs[2 : 2 + 2 * width])
-        down_needs = (True, *needs[2 + 2 * width :])
+        needs = (ctx.needs_input_grad[0], *ctx.needs_input_grad[3:])  # x's, then the projections' fields'
+        gate_up_needs = needs[: 1 + 2 * width]
+        down_needs = (True, *needs[1 + 2 * width :])
         dy = rows_view(grad_out)
 
         # dh = s dy B A + dy W of the down projection; it, gate and up are ours alone, so the
@@ -122,17 +136,18 @@ class _LoraGatedMLPFunction(torch.autograd.Function):
         )
         if grad_x is not None:
             grad_x = grad_x.view(*ctx.lead_shape, x2d.shape[1])
-        return (grad_x, None, *adapter_grads_back(gate_up_grads + down_grads, ctx.adapter_dtypes))
+        return (grad_x, None, None, *adapter_grads_back(gate_up_grads + down_grads, ctx.adapter_dtypes))
 
 
-def _lora_gated_mlp_compiled(x, activation, *flat):
-    # Inside torch.compile: the LoRA projections trace their references around the GLU kernel.
+def _lora_gated_mlp_compiled(x, activation, recompute, *flat):
+    # Inside torch.compile: the LoRA projections trace their references around the GLU kernel
+    # (what is saved for backward is the compiler's choice).
     gate, up, down = unflatten_projections(flat)
     return lora_linear_reference(glu_op(lora_linear_reference(x, *gate), lora_linear_reference(x, *up), activation), *down)
 
 
 LORA_GATED_MLP = Op(
-    "lora_gated_mlp", _LoraGatedMLPFunction.apply, lora_gated_mlp_reference, compiled=_lora_gated_mlp_compiled
+    "lora_gated_mlp", _LoraGatedMLPFunction.apply, _reference, compiled=_lora_gated_mlp_compiled
 )
 
 
@@ -143,6 +158,7 @@ def lora_gated_mlp(
     down: LoraProjection,
     *,
     activation: str = "silu",
+    recompute: bool = False,
 ) -> torch.Tensor:
     """``down(act(gate(x)) * up(x))`` with a LoRA adapter on each projection, as one op that saves
     only x, the gate and up outputs and rank-sized products (see the module docstring).
@@ -153,6 +169,9 @@ def lora_gated_mlp(
         down: :class:`~tigon.ops.LoraProjection` of shape ``(hidden, intermediate)``.
         activation: ``"silu"`` (SwiGLU), ``"gelu_tanh"`` (GeGLU with gelu_pytorch_tanh) or
             ``"gelu"`` (exact erf GeGLU).
+        recompute: keep neither gate nor up for backward, which forms them again (two more base
+            GEMMs; the same values): two intermediate-sized tensors less per call. A DoRA gate
+            or up projection keeps them regardless. Inside torch.compile the compiler decides.
 
     Each projection may have its own rank and scaling, and a bias. All tensors share x's device;
     weights and biases share x's dtype, the adapters may have another float dtype (cast inside the
@@ -178,4 +197,4 @@ def lora_gated_mlp(
             f"got {tuple(down.weight.shape)}"
         )
     x, flat = projections_for_autocast(x, [gate, up, down], dtype)
-    return LORA_GATED_MLP.without_autocast(dtype, None, x, activation, *flat)
+    return LORA_GATED_MLP.without_autocast(dtype, None, x, activation, bool(recompute), *flat)

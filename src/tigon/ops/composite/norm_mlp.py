@@ -9,8 +9,9 @@ checks instead of two, and the MLP's input is recomputed in backward by a bare k
 training step on a fast GPU waits for the host to issue each layer, so this is time on the step.
 
 Saved for backward: the sum ``x + r`` (the residual stream, kept anyway), one fp32 rstd per row,
-and the MLP's gate and up projections; the normed input is recomputed from the sum (the same
-kernel on the same rows, so bit for bit the forward's).
+and the MLP's gate and up projections (not those with ``recompute``: backward forms them again from
+the normed input); the normed input is recomputed from the sum (the same kernel on the same rows,
+so bit for bit the forward's).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tigon.ops._checks import rows_view
 from tigon.ops._dispatch import Op, backward_fallback
 from tigon.ops.composite.glu_mlp import (
     GLU_MLP, _check_mlp, _glu_mlp_compiled, glu_mlp_backward, glu_mlp_forward, glu_mlp_reference,
+    recomputed_projections,
 )
 from tigon.ops.rms_norm import (
     ADD_RMS_NORM, _add_rms_norm_compiled, _check as _check_norm, add_rms_norm_reference, rms_norm_backward,
@@ -37,19 +39,26 @@ def add_rms_norm_glu_mlp_reference(
     return glu_mlp_reference(normed, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation), total
 
 
-def _reference_in_function_order(x, residual, norm_weight, gate_weight, up_weight, down_weight, gate_bias, up_bias,
-                            down_bias, eps, offset, casting, activation):
-    """The reference with the Function's argument order."""
+def _reference_in_op_order(x, residual, norm_weight, eps, gate_weight, up_weight, down_weight, gate_bias, up_bias,
+                           down_bias, offset, casting, activation, recompute):
+    """The reference with the op's argument order (what the fused op keeps changes no value)."""
     return add_rms_norm_glu_mlp_reference(
         x, residual, norm_weight, eps, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias,
         offset, casting, activation,
     )
 
 
+def _reference_in_function_order(x, residual, norm_weight, gate_weight, up_weight, down_weight, gate_bias, up_bias,
+                            down_bias, eps, offset, casting, activation, recompute):
+    """The reference with the Function's argument order."""
+    return _reference_in_op_order(x, residual, norm_weight, eps, gate_weight, up_weight, down_weight, gate_bias,
+                                  up_bias, down_bias, offset, casting, activation, recompute)
+
+
 def _reference_point(ctx, saved):
     total, _, norm_weight, _, _, *weights_and_biases = saved
     # x and the residual enter only through their sum, so (sum, 0) stands in for them.
-    inputs = (total, torch.zeros_like(total), norm_weight, *weights_and_biases, *ctx.config)
+    inputs = (total, torch.zeros_like(total), norm_weight, *weights_and_biases, *ctx.config, False)
     return ADD_RMS_NORM_GLU_MLP, _reference_in_function_order, inputs
 
 
@@ -58,9 +67,11 @@ class _AddNormGLUMLPFunction(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, x, residual, norm_weight, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias,
-                eps, offset, casting, activation):
+                eps, offset, casting, activation, recompute):
         normed, total, rstd = rms_norm_rows(x, residual, norm_weight, eps, offset, casting)
         out, gate, up = glu_mlp_forward(normed, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation)
+        if recompute:
+            gate = up = None
         ctx.save_for_backward(
             total, rstd, norm_weight, gate, up, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias
         )
@@ -71,13 +82,19 @@ class _AddNormGLUMLPFunction(torch.autograd.Function):
     @torch.amp.custom_bwd(device_type="cuda")
     @backward_fallback(_reference_point)
     def backward(ctx, saved, grad_out, grad_total):
-        total, rstd, norm_weight, gate, up, gate_weight, up_weight, down_weight, *_ = saved
+        total, rstd, norm_weight, gate, up, gate_weight, up_weight, down_weight, gate_bias, up_bias, _ = saved
         eps, offset, casting, activation = ctx.config
         needs = ctx.needs_input_grad
         need_normed = any(needs[:3])  # the MLP's input gradient feeds x's, the residual's and the norm weight's
+        normed: list[torch.Tensor] = []  # formed at most once
 
         def normed_rows() -> torch.Tensor:
-            return rms_norm_rows(rows_view(total), None, norm_weight, eps, offset, casting)[0]
+            if not normed:
+                normed.append(rms_norm_rows(rows_view(total), None, norm_weight, eps, offset, casting)[0])
+            return normed[0]
+
+        if gate is None:  # recompute
+            gate, up = recomputed_projections(normed_rows(), gate_weight, up_weight, gate_bias, up_bias)
 
         mlp_grads = glu_mlp_backward(
             grad_out, normed_rows, gate, up, gate_weight, up_weight, down_weight, activation, (need_normed, *needs[3:9]),
@@ -90,28 +107,29 @@ class _AddNormGLUMLPFunction(torch.autograd.Function):
             grad_sum = grad_sum.view(total.shape)
         return (
             grad_sum if needs[0] else None, grad_sum if needs[1] else None, grad_norm_weight if needs[2] else None,
-            *(g if need else None for g, need in zip(mlp_grads[1:], needs[3:9])), None, None, None, None,
+            *(g if need else None for g, need in zip(mlp_grads[1:], needs[3:9])), None, None, None, None, None,
         )
 
 
 def _kernel(x, residual, norm_weight, eps, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias,
-            offset, casting, activation):
+            offset, casting, activation, recompute):
     return _AddNormGLUMLPFunction.apply(
         x, residual, norm_weight, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias,
-        float(eps), float(offset), casting, activation,
+        float(eps), float(offset), casting, activation, recompute,
     )
 
 
 def _compiled(x, residual, norm_weight, eps, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias,
-              offset, casting, activation):
+              offset, casting, activation, recompute):
     # Inside torch.compile: the two ops' library ops, one after the other.
     normed, total = _add_rms_norm_compiled(x, residual, norm_weight, eps, offset, casting)
-    out = _glu_mlp_compiled(normed, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, None)
+    out = _glu_mlp_compiled(normed, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation,
+                            None, recompute)
     return out, total
 
 
 ADD_RMS_NORM_GLU_MLP = Op(
-    "add_rms_norm_glu_mlp", _kernel, add_rms_norm_glu_mlp_reference, compiled=_compiled, parts=(ADD_RMS_NORM, GLU_MLP)
+    "add_rms_norm_glu_mlp", _kernel, _reference_in_op_order, compiled=_compiled, parts=(ADD_RMS_NORM, GLU_MLP)
 )
 
 
@@ -130,6 +148,7 @@ def add_rms_norm_glu_mlp(
     offset: float = 0.0,
     casting: str = "llama",
     activation: str = "silu",
+    recompute: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add + RMSNorm, then the gated MLP on the normed sum, as one op: returns
     ``(glu_mlp(rms_norm(x + residual)), x + residual)``.
@@ -140,6 +159,8 @@ def add_rms_norm_glu_mlp(
         norm_weight, eps, offset, casting: the RMSNorm's, as for :func:`tigon.ops.rms_norm.rms_norm`.
         gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation: the gated
             MLP's, as for :func:`tigon.ops.composite.glu_mlp.glu_mlp`.
+        recompute: keep neither the gate nor the up projection for backward, which forms them
+            again from the normed input (as :func:`~tigon.ops.composite.glu_mlp.glu_mlp`'s).
 
     Returns:
         The MLP's output ``(..., hidden)`` and the sum (the residual stream after the add). Works
@@ -152,4 +173,4 @@ def add_rms_norm_glu_mlp(
     unsupported = _check_norm(x, norm_weight, eps, casting, residual) or _check_mlp(
         x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation
     )
-    return ADD_RMS_NORM_GLU_MLP(unsupported, *args, offset, casting, activation)
+    return ADD_RMS_NORM_GLU_MLP(unsupported, *args, offset, casting, activation, bool(recompute))
