@@ -8,7 +8,7 @@
 #   trl              TRL's DPOTrainer, gradient checkpointing off as in the tigon runs
 #   trl-ckpt         TRL's DPOTrainer as TRL configures it by default (checkpointing on)
 # and prints tok/s (median after the first logs), peak MiB and the largest per-step loss difference
-# to TRL's (scripts/rlhf_compare_summary.py). Targets (TARGETS.md): tigon >= 1.6x trl's tok/s, peak <= 0.5x trl's.
+# to TRL's (scripts/rlhf_compare_summary.py). RUNS names the DPO runs to make (default: all five). Targets (TARGETS.md): tigon >= 1.6x trl's tok/s, peak <= 0.5x trl's.
 # METHOD=grpo or METHOD=gkd instead compares, on the same model, LoRA r=16, bf16 and seed:
 #   grpo  8 prompts x 8 completions (GEN_LEN tokens each, default 256; a random model never stops
 #         early, so every completion is full length) per step, reward builtin:length, beta 0
@@ -81,8 +81,10 @@ if [ "$METHOD" != dpo ]; then
   exit 0
 fi
 COMMON=(--model "$WORK/model" --dataset "$WORK/pairs.jsonl" --max-length 1024 --batch-size 4 --max-steps "$STEPS")
+RUNS=" ${RUNS:-tigon tigon-recompute tigon-nokernels trl trl-ckpt} "  # the DPO runs to make
 for kernels in --kernels --recompute-mlp --no-kernels; do
   case "$kernels" in --kernels) name=tigon ;; --recompute-mlp) name=tigon-recompute ;; *) name=tigon-nokernels ;; esac
+  [[ "$RUNS" == *" $name "* ]] || continue
   timeout 300 python3 -m tigon.cli rlhf --method dpo "${COMMON[@]}" --tuner lora --lora-rank 16 --dtype bf16 \
     --lr 1e-5 --save-steps 0 --samples 0 --overwrite --output-dir "$WORK/$name" $kernels > "$OUT/rlhf-$name.log" 2>&1
   echo "$name: $(grep -E '^done:|tigon: applied' "$OUT/rlhf-$name.log" | tr '\n' ' ')"
@@ -90,6 +92,7 @@ for kernels in --kernels --recompute-mlp --no-kernels; do
 done
 for ckpt in "" --checkpointing; do
   name=trl${ckpt:+-ckpt}
+  [[ "$RUNS" == *" $name "* ]] || continue
   timeout 300 python3 scripts/rlhf_trl_baseline.py "${COMMON[@]}" --lora-rank 16 --lr 1e-5 $ckpt \
     --output-dir "$WORK/$name" > "$OUT/rlhf-$name.log" 2>&1
   echo "$name: $(grep -E '^done:' "$OUT/rlhf-$name.log")"
