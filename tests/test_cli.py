@@ -99,3 +99,17 @@ def test_other_commands_show_their_defaults(capsys, command):
     for action in sub._actions:
         if action.option_strings[-1:] != ["--help"] and action.default not in (None, False, argparse.SUPPRESS):
             assert "default" in entries[action.option_strings[-1]], entries[action.option_strings[-1]]
+
+
+def test_a_refused_option_is_the_only_line_a_fresh_process_prints(tmp_path):
+    """In a fresh process (where PEFT first imports bitsandbytes, whose CPU backend warns at import
+    on CPUs with AVX-512 bf16 about an optional kernel package) a bad option is one line."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "tigon.cli", "sft", "--recompute-mlp", "--no-kernels", "--output-dir", str(tmp_path / "o")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("tigon sft: error: --recompute-mlp: applied by tigon.patch") and proc.stderr.count("\n") == 1

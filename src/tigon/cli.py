@@ -258,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # bitsandbytes' CPU backend warns at import (PEFT imports it wherever it is installed) that an
+    # optional kernel package is missing; on CPUs with AVX-512 bf16 that line opens every command.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     run: Callable[[argparse.Namespace], int] = args.run
     # A line of its own, also when Ctrl-C arrives at chat's "you> " prompt.
     start = "\n" if args.command == "chat" else ""
