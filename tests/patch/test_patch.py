@@ -727,3 +727,25 @@ def test_unpatch_restores_a_forward_bound_on_the_instance():
     assert model.forward != own
     tigon.unpatch(model)
     assert vars(model)["forward"] == own and vars(model)["forward"].__self__ is model
+
+
+def test_instance_patch_survives_transformers_hub_kernels(tmp_path):
+    """transformers >= 5.25 loads with its hub kernels on (the `kernels` package) and re-kernelizes
+    at each train()/eval() switch, which drops every forward set on a module instance: tigon.patch
+    switches them off while the model is patched, and back on when it is unpatched."""
+    pytest.importorskip("kernels")
+    from transformers import AutoModelForCausalLM
+
+    tiny_model("llama", num_hidden_layers=1).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, use_kernels=True)
+    assert model.use_kernels
+    want = run(copy.deepcopy(model))
+    tigon.patch(model)
+    assert not model.use_kernels
+    for mode in (True, False, True):
+        model.train(mode)
+    norm = model.model.norm
+    assert "tigon_" in vars(norm)["forward"].__func__.__qualname__
+    assert_same_run(run(model), want)
+    tigon.unpatch(model)
+    assert model.use_kernels and "forward" not in vars(norm)

@@ -109,6 +109,7 @@ class _Undo:
     shared: list[tuple[int, str]] = field(default_factory=list)
     links: list[weakref.ref] = field(default_factory=list)  # layers holding a handoff.NEXT_NORM
     experts: tuple[weakref.ref, str] | None = None  # (the HF model, its experts implementation before)
+    hub_kernels: weakref.ref | None = None  # the HF model whose transformers hub kernels were switched off
 
     def run(self) -> None:
         if self.experts is not None:
@@ -127,6 +128,9 @@ class _Undo:
                 setattr(module, attr, types.MethodType(previous.func, module) if isinstance(previous, _Rebound)
                         else previous)
         _release_all(self.shared)
+        hf_model = self.hub_kernels() if self.hub_kernels is not None else None
+        if hf_model is not None:
+            hf_model.use_kernels = True
 
 
 @dataclass(frozen=True)
@@ -371,6 +375,12 @@ def _patch_instance(model: torch.nn.Module, switches: dict[str, bool]) -> Patche
     undo = _Undo()
     applied: dict[str, None] = {}
     try:
+        if getattr(hf_model, "use_kernels", False):
+            # transformers' hub kernels (the `kernels` package, on by default in from_pretrained
+            # since transformers 5.25) re-kernelize at each train()/eval() switch, which drops
+            # every forward set on a module instance, tigon's among them: off while patched.
+            hf_model.use_kernels = False
+            undo.hub_kernels = weakref.ref(hf_model)
         for replacement in plan:
             if not replacement.per_module:
                 undo.shared.append(_acquire(replacement.owner, replacement.name, replacement.new))

@@ -25,7 +25,9 @@ class AutoModelForCausalLM:
 
     Takes transformers' arguments plus tigon's switches (``rms_norm=False``, ...). The patch is
     on the family's classes, so it also holds for other models of that family in the process
-    until ``tigon.unpatch(model_type)``.
+    until ``tigon.unpatch(model_type)``. ``from_pretrained`` loads without transformers' hub
+    kernels unless ``use_kernels=True`` is given (transformers >= 5.25 turns them on by default,
+    and they would take the patched layers' place).
     """
 
     def __init__(self) -> None:
@@ -42,6 +44,7 @@ class AutoModelForCausalLM:
             hub = {key: kwargs[key] for key in _HUB_ARGUMENTS if key in kwargs}
             config = AutoConfig.from_pretrained(pretrained_model_name_or_path, **hub)
         patch(config.model_type, **switches)
+        kwargs.setdefault("use_kernels", False)
         return HFAuto.from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     @staticmethod

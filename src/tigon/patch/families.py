@@ -34,15 +34,16 @@ class Norm:
         casting: the RMSNorm's rounding; for a LayerNorm class of the family's own, which computes in
             float32 and rounds once (OLMo, Cohere), ``"float32"``; for a subclass of torch's
             LayerNorm that follows autocast as torch's does (Nemotron), ``"torch"``.
-        eps: the attribute holding epsilon (Llama's modules call it `variance_epsilon`), or the
-            value itself where the module hard-codes it (OLMo's LayerNorm).
+        eps: the attribute holding epsilon (Llama's modules call it `variance_epsilon`), several
+            names where transformers renamed it between releases (the first the module has is
+            read), or the value itself where the module hard-codes it (OLMo's LayerNorm).
         weight: False for a norm with no weight (Llama 4's QK L2 norm, OLMo's LayerNorm).
     """
 
     cls: str
     offset: float = 0.0
     casting: str = "llama"
-    eps: str | float = "variance_epsilon"
+    eps: str | tuple[str, ...] | float = "variance_epsilon"
     kind: str = "rms"
     weight: bool = True
 
@@ -320,7 +321,8 @@ FAMILIES: dict[str, Family] = {
     # A layer of its own (per-layer inputs, an optional expert block beside the MLP, a layer scalar)
     # and a RoPE applied to q and k apart keep HF's code; norms with and without a weight.
     "gemma4_text": _family(
-        "gemma4", "Gemma4Text", experts=True, norm=Norm("Gemma4RMSNorm", casting=FLOAT_WEIGHT, eps="eps"),
+        "gemma4", "Gemma4Text", experts=True,
+        norm=Norm("Gemma4RMSNorm", casting=FLOAT_WEIGHT, eps=("eps", "variance_epsilon")),  # 5.25 renamed it
         mlp=MLP("Gemma4TextMLP", "geglu"), rope=(), head=SOFTCAP_HEAD, causal_lm="Gemma4ForCausalLM", norms=None,
     ),
     "granite": _family("granite", "Granite", head=Head(scale="logits_scaling"), scale="residual_multiplier"),
@@ -365,10 +367,11 @@ FAMILIES: dict[str, Family] = {
     # Complex-number RoPE on (batch, tokens, heads, head_dim); weightless L2 norm of q and k; MoE
     # layers return (hidden states, router logits).
     "llama4_text": _family(
-        "llama4", "Llama4Text", norm=Norm("Llama4TextRMSNorm", eps="eps"),
+        "llama4", "Llama4Text", norm=Norm("Llama4TextRMSNorm", eps=("eps", "variance_epsilon")),  # 5.25 renamed it
         mlp=MLP("Llama4TextMLP", act="activation_fn"), attention=Attention("Llama4TextAttention"),
         rope=Rope("apply_rotary_emb", form="complex", interleaved=True, keep_dtype=True, tokens_first=True),
-        causal_lm="Llama4ForCausalLM", other_norms=(Norm("Llama4TextL2Norm", eps="eps", weight=False),),
+        causal_lm="Llama4ForCausalLM",
+        other_norms=(Norm("Llama4TextL2Norm", eps=("eps", "variance_epsilon"), weight=False),),
         feed_forward="feed_forward",
     ),
     "starcoder2": _family(

@@ -27,8 +27,15 @@ from tigon.patch.modules import has_hooks, plain_linear, zero3_partitioned
 
 
 def norm_eps(norm: Norm, module: torch.nn.Module) -> float:
-    """`module`'s epsilon: the attribute the table names, or the value the module hard-codes."""
-    return norm.eps if isinstance(norm.eps, float) else getattr(module, norm.eps)
+    """`module`'s epsilon: the value the module hard-codes, or the attribute the table names (the
+    first of its names the module has)."""
+    if isinstance(norm.eps, float):
+        return norm.eps
+    names = (norm.eps,) if isinstance(norm.eps, str) else norm.eps
+    for name in names[:-1]:
+        if hasattr(module, name):
+            return getattr(module, name)
+    return getattr(module, names[-1])
 
 
 @functools.lru_cache(maxsize=None)
@@ -95,7 +102,7 @@ def _summands(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, to
 def _add_norm(norm: Norm, module: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor):
     """``(module(residual + x), residual + x)`` in one kernel."""
     x, residual = _summands(x, residual)
-    return F.add_rms_norm(x, residual, module.weight, getattr(module, norm.eps), offset=norm.offset, casting=norm.casting)
+    return F.add_rms_norm(x, residual, module.weight, norm_eps(norm, module), offset=norm.offset, casting=norm.casting)
 
 
 def _add_norm_mlp(
@@ -105,14 +112,14 @@ def _add_norm_mlp(
     """``(mlp(module(residual + x)), residual + x)`` as one op."""
     x, residual = _summands(x, residual)
     return F.add_rms_norm_glu_mlp(
-        x, residual, module.weight, getattr(module, norm.eps), *weights,
+        x, residual, module.weight, norm_eps(norm, module), *weights,
         offset=norm.offset, casting=norm.casting, activation=activation, recompute=recompute,
     )
 
 
 def _normed_from(norm: Norm, module: torch.nn.Module, source: torch.Tensor) -> NormedInput:
     """What says that a tensor is `module`'s norm of `source` (for :data:`handoff.MLP_INPUT`)."""
-    return NormedInput(source, module.weight, float(getattr(module, norm.eps)), norm.offset, norm.casting)
+    return NormedInput(source, module.weight, float(norm_eps(norm, module)), norm.offset, norm.casting)
 
 
 def _take_normed(x: torch.Tensor, norm_module: torch.nn.Module | None) -> torch.Tensor | None:
