@@ -10,6 +10,7 @@ it saves the input alone, and backward forms `gate` and `up` again (:func:`recom
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import torch
@@ -135,13 +136,10 @@ class _GLUMLPFunction(torch.autograd.Function):
     def backward(ctx, saved, grad_out):
         gate, up, gate_weight, up_weight, down_weight, gate_bias, up_bias = saved[:7]
 
-        rows: list[torch.Tensor] = []  # the input rows, formed at most once
-
+        @functools.cache  # formed at most once
         def input_rows() -> torch.Tensor:
-            if not rows:
-                x = _input(ctx, saved)
-                rows.append(x.reshape(-1, x.shape[-1]))
-            return rows[0]
+            x = _input(ctx, saved)
+            return x.reshape(-1, x.shape[-1])
 
         if gate is None:  # recompute
             gate, up = recomputed_projections(input_rows(), gate_weight, up_weight, gate_bias, up_bias)

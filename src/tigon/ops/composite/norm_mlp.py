@@ -16,6 +16,8 @@ so bit for bit the forward's).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from tigon.ops._checks import rows_view
@@ -86,12 +88,9 @@ class _AddNormGLUMLPFunction(torch.autograd.Function):
         eps, offset, casting, activation = ctx.config
         needs = ctx.needs_input_grad
         need_normed = any(needs[:3])  # the MLP's input gradient feeds x's, the residual's and the norm weight's
-        normed: list[torch.Tensor] = []  # formed at most once
-
+        @functools.cache  # formed at most once
         def normed_rows() -> torch.Tensor:
-            if not normed:
-                normed.append(rms_norm_rows(rows_view(total), None, norm_weight, eps, offset, casting)[0])
-            return normed[0]
+            return rms_norm_rows(rows_view(total), None, norm_weight, eps, offset, casting)[0]
 
         if gate is None:  # recompute
             gate, up = recomputed_projections(normed_rows(), gate_weight, up_weight, gate_bias, up_bias)
