@@ -2,9 +2,10 @@
 # One device-machine call: gpu-marked tests, op benchmarks at the TARGETS.md shapes, the linear-CE
 # chunk-budget sweep and the end-to-end benchmark. Everything lands in $OUT/results.tar.gz (the
 # device tool returns at most 8 files) plus the text logs.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|moetests|ops|norms|rope|sweep|e2e|small|host|serve|moe|rl|dpo|sft|profile|dpoprof|headstart|maxctx ...]
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|moetests|ops|norms|rope|sweep|e2e|small|host|serve|moe|rl|dpo|sft|profile|dpoprof|dpomem|headstart|maxctx ...]
 # (host: per-call host time of the small ops; small: the host-bound 1x1024 e2e with CUDA-graph replay;
-# rl: the GRPO loss against TRL's own log-prob path; dpo: tigon rlhf against TRL's DPOTrainer; dpoprof: where a `tigon rlhf --method dpo` step goes)
+# rl: the GRPO loss against TRL's own log-prob path; dpo: tigon rlhf against TRL's DPOTrainer; dpoprof: where a `tigon rlhf --method dpo` step goes;
+# dpomem: what is live at its memory peak; DPO_ARGS: more tigon rlhf options for both)
 # GPU_TESTS narrows the tests stage (pytest arguments); MC_ARGS
 # are the maxctx stage's arguments to tigon.bench.max_context (its results merge into those already
 # recorded in docs/bench/max_context.json); PROFILE_ARGS are scripts/profile_e2e.py's; BENCH_OPS narrows
@@ -75,13 +76,15 @@ for stage in "${stages[@]}"; do
     profile) timeout ${!limit_var:-300} python3 scripts/profile_e2e.py ${PROFILE_ARGS:-full} --trace "$RES/step_trace.json" > "$RES/profile.txt" 2>&1
            gzip -f "$RES/step_trace.json"
            cat "$RES/profile.txt" | tail -70 ;;
-    dpoprof) WORK=/tmp/rlhf-compare
+    dpoprof|dpomem) WORK=/tmp/rlhf-compare
            PREP_ONLY=1 WORK=$WORK OUT="$RES" WHEELS=.whl bash scripts/rlhf_gpu_compare.sh > /dev/null 2>&1
-           timeout ${!limit_var:-240} python3 scripts/profile_sft.py rlhf --method dpo --model $WORK/model \
+           tool=profile_sft.py; [ "$stage" = dpomem ] && tool=memory_peak_gpu.py
+           log="$RES/$stage${DPO_ARGS:+-$(echo $DPO_ARGS | tr -dc 'a-z-')}.txt"
+           timeout ${!limit_var:-240} python3 scripts/$tool rlhf --method dpo --model $WORK/model \
              --dataset $WORK/pairs.jsonl --max-length 1024 --batch-size 4 --max-steps 24 --tuner lora --lora-rank 16 \
-             --dtype bf16 --lr 1e-5 --save-steps 0 --samples 0 --overwrite --output-dir $WORK/prof \
-             > "$RES/dpo_profile.txt" 2>&1
-           grep -E -A12 "^profiled|^step wall|^device-to-host" "$RES/dpo_profile.txt" | cut -c1-160 ;;
+             --dtype bf16 --lr 1e-5 --save-steps 0 --samples 0 --overwrite --output-dir $WORK/prof ${DPO_ARGS:-} \
+             > "$log" 2>&1
+           grep -E -A28 "^profiled|^step wall|^device-to-host|^peak" "$log" | cut -c1-220 ;;
     headstart) timeout ${!limit_var:-300} python3 scripts/head_start.py full > "$RES/head_start.txt" 2>&1
            cat "$RES/head_start.txt" ;;
     maxctx) mkdir -p "$RES/mc" && cp -n docs/bench/max_context.json "$RES/mc/" 2>/dev/null

@@ -85,8 +85,20 @@ def load(path: Path, quant: str | None, dtype: torch.dtype, device: torch.device
     return get_peft_model(model, lora).train()
 
 
-def steps(model, batches: list[torch.Tensor], warmup: int, dtype: torch.dtype, device: torch.device) -> dict:
-    """Train on `batches` (the first `warmup` untimed); tokens/s of the rest, peak memory, losses."""
+def train_step(model, ids: torch.Tensor, optimizer, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def steps(model, batches: list[torch.Tensor], warmup: int, dtype: torch.dtype, device: torch.device,
+          inspect: tuple[str, ...] = ()) -> dict:
+    """Train on `batches` (the first `warmup` untimed); tokens/s of the rest, peak memory, losses.
+    `inspect` adds steps after them: "memory" prints what is live at one step's memory peak,
+    "profile" the kernels of two steps."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     cuda = device.type == "cuda"
@@ -99,14 +111,23 @@ def steps(model, batches: list[torch.Tensor], warmup: int, dtype: torch.dtype, d
         if i == warmup:
             torch.cuda.synchronize() if cuda else None
             start = time.perf_counter()
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
+        losses.append(train_step(model, ids, optimizer, dtype, device))
     torch.cuda.synchronize() if cuda else None
     seconds = time.perf_counter() - start
+    if "memory" in inspect:
+        from memory_peak_gpu import PeakRecord
+
+        with PeakRecord(batches[0].numel()) as record:
+            train_step(model, batches[-1], optimizer, dtype, device)
+        print(record.report(), flush=True)
+    if "profile" in inspect:
+        from kernel_report import report_profile
+
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for ids in batches[-2:]:
+                train_step(model, ids, optimizer, dtype, device)
+            torch.cuda.synchronize()
+        report_profile(prof, 2)
     timed = sum(b.numel() for b in batches[warmup:])
     out = {"tokens_per_s": round(timed / seconds, 1), "losses": [round(float(x), 5) for x in losses]}
     if cuda:
@@ -132,6 +153,8 @@ def main() -> None:
     parser.add_argument("--work", default="/tmp/qlora-bench")
     parser.add_argument("--out", required=True)
     parser.add_argument("--prep-only", action="store_true", help="only write the random model under --work")
+    parser.add_argument("--inspect", nargs="*", choices=["memory", "profile"], default=[],
+                        help="after the timed steps: what is live at a step's memory peak, the kernels of two steps")
     args = parser.parse_args()
 
     import tigon
@@ -163,7 +186,7 @@ def main() -> None:
                 apply_liger_kernel_to_llama(model=model.get_base_model())
             elif impl != "peft":
                 raise ValueError(f"--impls: unknown {impl!r}; choose from tigon, peft, liger")
-            run = steps(model, batches, args.warmup, dtype, device)
+            run = steps(model, batches, args.warmup, dtype, device, tuple(args.inspect))
             run["sweep"] = {n: steps(model, b, 1, dtype, device) for n, b in sweeps.items()}
         except ImportError as err:
             run = {"error": f"not installed: {err}"}

@@ -12,12 +12,12 @@
 #   prep     only write the random 8B and 1B models to $WORK (the others write theirs when missing)
 # Wheels the machine lacks: bitsandbytes from $BNB_WHEELS (default .whl-bnb), Liger-Kernel (and others)
 # from .whl, installed to /tmp/site. Results: $OUT/qlora-*.json and logs. STEPS sets the timed steps,
-# IMPLS the implementations (qlora_bench.py's --impls, default all three).
+# SWEEP= (empty) skips the sweep. IMPLS the implementations (qlora_bench.py's --impls, default all three), INSPECT its --inspect (memory, profile).
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 WORK=${WORK:-/tmp/qlora-bench}
 STEPS=${STEPS:-10}
-SWEEP=${SWEEP:-1024,2048,4096,8192,16384}
+SWEEP=${SWEEP-1024,2048,4096,8192,16384}
 mkdir -p "$OUT" "$WORK"
 for dir in "${BNB_WHEELS:-.whl-bnb}" .whl; do
   if compgen -G "$dir/*.whl" > /dev/null; then
@@ -32,10 +32,10 @@ bench() {  # name, timeout, then qlora_bench.py arguments
   local name=$1 limit=$2
   shift 2
   timeout "$limit" python3 scripts/qlora_bench.py --steps "$STEPS" --work "$WORK" --out "$OUT/qlora-$name.json" \
-    ${IMPLS:+--impls "$IMPLS"} "$@" \
+    ${IMPLS:+--impls "$IMPLS"} ${INSPECT:+--inspect $INSPECT} "$@" \
     > "$OUT/qlora-$name.log" 2>&1
   echo "== $name (rc $?)"
-  grep -E '^(tigon|peft|liger|  seq)' "$OUT/qlora-$name.log" | cut -c1-200
+  grep -E '^(tigon|peft|liger|  seq|peak|profiled|  )' "$OUT/qlora-$name.log" | cut -c1-220
 }
 for stage in "${stages[@]}"; do
   case "$stage" in
