@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import tempfile
+import traceback
 import weakref
 
 import torch
@@ -26,8 +27,9 @@ class LiveBytes(TorchDispatchMode):
     """Counts the bytes of the storages that ops create while it is active, until each is freed;
     records the largest total and what made up it."""
 
-    def __init__(self):
+    def __init__(self, sites: bool = False):
         super().__init__()
+        self.sites = sites
         self.live: dict[int, tuple[int, str]] = {}
         self.total = self.peak = 0
         self.at_peak: list[tuple[int, str]] = []
@@ -46,13 +48,22 @@ class LiveBytes(TorchDispatchMode):
             key = storage.data_ptr()
             if key in self.live or id(storage) in inputs or storage.nbytes() == 0:
                 continue
-            self.live[key] = (storage.nbytes(), f"{func.__name__} {str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}")
+            what = f"{func.__name__} {str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}"
+            if self.sites:
+                what += " @ " + code_site()
+            self.live[key] = (storage.nbytes(), what)
             self.total += storage.nbytes()
             weakref.finalize(storage, self._freed, key)
             if self.total > self.peak:
                 self.peak = self.total
                 self.at_peak = list(self.live.values())
         return out
+
+
+def code_site(frames: int = 2) -> str:
+    """The innermost lines of tigon, transformers or PEFT code on the stack."""
+    own = [f for f in traceback.extract_stack() if any(p in f.filename for p in ("tigon/", "transformers/", "peft/"))]
+    return " <- ".join(f"{f.filename.split('/')[-1]}:{f.lineno} {f.name}" for f in own[::-1][:frames])
 
 
 def build(args, path: str):
@@ -92,6 +103,7 @@ def main() -> None:
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--no-kernels", action="store_true")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--sites", action="store_true", help="name the code that made each tensor, too")
     args = parser.parse_args()
     import tigon
 
@@ -100,7 +112,7 @@ def main() -> None:
     if not args.no_kernels:
         tigon.patch(model)
     ids = torch.randint(0, args.vocab, (1, args.tokens))
-    meter = LiveBytes()
+    meter = LiveBytes(args.sites)
     with meter, torch.autocast("cpu", dtype=torch.bfloat16):
         model(input_ids=ids, labels=ids).loss.backward()
     per_token = 1 / args.tokens / 1024

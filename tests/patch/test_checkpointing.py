@@ -70,3 +70,29 @@ def test_non_reentrant_early_stop_is_not_a_kernel_failure(model_type, monkeypatc
     assert_same_run(run(model), want)
     broken = [reason for op in ops.op_names() if "failed" in (reason := ops.why_not_triton(op, torch.device("cpu")) or "")]
     assert not broken, broken
+
+
+def test_early_stop_leaves_no_frames_in_reference_cycles():
+    """Checkpointing's early stop is an exception raised inside the fused ops of every recomputed
+    layer. Re-raised so that no frame holds it, it leaves nothing behind; re-raised from a frame
+    that holds it, each recomputation's traceback (every frame it passed, with their tensors:
+    whole layers of activations) stays in a reference cycle until the garbage collector runs,
+    which a GPU step's few Python allocations make rare."""
+    import gc
+
+    model = tiny_model("llama").train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    tigon.patch(model)
+    run(model)
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        run(model)
+        gc.collect()
+        frames = [o.f_code.co_name for o in gc.garbage if type(o).__name__ == "frame"]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert not frames, f"frames kept alive by reference cycles: {sorted(set(frames))}"

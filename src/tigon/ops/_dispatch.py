@@ -211,7 +211,8 @@ class Op:
         try:
             out = self.kernel(*args)
         except Exception as err:  # compile or launch failure: this op stays on the reference
-            self.failed(err)
+            if not self.falls_back(err):
+                raise
             return self.reference(*args)
         if debug_enabled():
             _debug_check(self, out, args)
@@ -242,15 +243,23 @@ class Op:
             return self.compiled(*args)
         return self.reference(*args)
 
-    def failed(self, err: BaseException, stage: str = "") -> None:
-        """Handle an error raised by this op's kernel path (`stage`: "" or "backward "): re-raise
-        it under TIGON_STRICT or when it is not the kernel's failure; else the op runs its
-        reference from now on, said once."""
+    def falls_back(self, err: BaseException, stage: str = "") -> bool:
+        """Whether this op falls back for an error its kernel path raised (`stage`: "" or
+        "backward "): not under TIGON_STRICT nor for an error that is not the kernel's failure,
+        which the caller re-raises; else the op runs its reference from now on, said once.
+
+        The caller re-raises with a bare ``raise`` in its ``except`` block: an exception raised
+        again from a function holding it (``raise err`` here) would keep that frame, and through
+        the traceback every frame it passed with their tensors, in a reference cycle until the
+        garbage collector runs. Checkpointing's early stop passes through every fused op of a
+        recomputed layer: that cycle kept whole layers of activations alive (gc only runs every
+        so many Python allocations, and a GPU step makes few)."""
         if _flag(_strict_value()) or not is_kernel_failure(err):
-            raise err
+            return False
         self.broken = f"its {stage}kernel failed ({type(err).__name__}: {err})"
         _noted.add(self.broken)  # the warning below is this reason's one message
         log.warning("tigon: %s %skernel failed, falling back to the PyTorch reference: %r", self.name, stage, err)
+        return True
 
 
 def _covered(op: Op, reason: str) -> list[str]:
@@ -341,7 +350,7 @@ def backward_fallback(
     """Decorate an autograd Function's ``backward(ctx, saved, *grads)`` (`saved`: its saved
     tensors, unpacked once, before a backward that overwrites some of them in place) into a
     ``backward(ctx, *grads)`` that, when it raises (a backward kernel that fails to compile or
-    launch), returns the reference's gradients, by autograd, with the rules of :meth:`Op.failed`
+    launch), returns the reference's gradients, by autograd, with the rules of :meth:`Op.falls_back`
     (said once, TIGON_STRICT re-raises, out of memory propagates).
 
     `reference_point(ctx, saved)` gives ``(op, reference, inputs)``: `inputs` line up with the
@@ -357,7 +366,8 @@ def backward_fallback(
                 return backward(ctx, saved, *grads)
             except Exception as err:
                 op, reference, inputs = reference_point(ctx, saved)
-                op.failed(err, "backward ")
+                if not op.falls_back(err, "backward "):
+                    raise
                 return reference_grads(reference, inputs, grads, ctx.needs_input_grad)
 
         return guarded
