@@ -142,3 +142,21 @@ def test_cuda_graphs_accumulate_into_gradients_that_exist_before_backward(tokeni
     for name, p in trainable.items():
         assert p.grad is seen[name]
         torch.testing.assert_close(p.grad, once[name])
+
+
+def test_unwrap_model_walks_each_model_once(tokenizer, tmp_path, monkeypatch):
+    import accelerate.accelerator
+
+    t = trainer(tokenizer, tmp_path, rows(tokenizer, 4, random.Random()), "no")
+    walks = []
+    real = accelerate.accelerator.extract_model_from_parallel
+    monkeypatch.setattr(accelerate.accelerator, "extract_model_from_parallel",
+                        lambda m, *a, **k: walks.append(m) or real(m, *a, **k))
+    wrapper = torch.nn.DataParallel(t.model)
+    for step in range(3):
+        assert t.accelerator.unwrap_model(t.model) is t.model
+        assert t.accelerator.unwrap_model(wrapper) is t.model
+        assert t.accelerator.unwrap_model(wrapper, keep_fp32_wrapper=False) is t.model
+        # Once per model and arguments (the Trainer asked for its model already): accelerate
+        # walks every module each time.
+        assert len(walks) == 2, step

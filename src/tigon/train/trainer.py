@@ -16,6 +16,8 @@ over every module and parameter per step (counting parameters for the FLOP total
 model in training mode, collecting parameters to clip) are done once instead. For LoRA the host,
 not the GPU, sets the step time, so each millisecond of Python is a millisecond per step.
 
+accelerate's ``unwrap_model`` walks every module on each call; its answer is kept per model.
+
 Under DDP (``torchrun``) the gradients are views into DDP's all-reduce buckets instead of a second
 copy beside them.
 
@@ -32,7 +34,8 @@ fill per parameter and step).
 
 from __future__ import annotations
 
-from typing import Any
+import weakref
+from typing import Any, Callable
 
 import torch
 from accelerate.utils import DistributedType
@@ -43,6 +46,25 @@ from tigon.train.checkpoint import AtomicTrainer
 
 
 TOKEN_ACCURACY = "accuracy"  # the next-token accuracy of the training steps, where the patched loss gives it
+
+
+def _unwrap_once(unwrap: Callable[..., torch.nn.Module]) -> Callable[..., torch.nn.Module]:
+    """accelerate's ``unwrap_model``, asked once per model and arguments.
+
+    Each call walks every module looking for compiled regions (1337 modules for LoRA on the
+    16-layer TARGETS.md Llama, ~5-20 ms of host time), and the preference and GRPO trainers ask for
+    the LM head and the reference's switch several times a step. What a model unwraps to does not
+    change while it trains; compiling it or wrapping it again makes a new object, asked anew."""
+    known: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def unwrap_model(model: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        answers = known.setdefault(model, {})
+        key = (args, tuple(sorted(kwargs.items())))
+        if key not in answers:
+            answers[key] = unwrap(model, *args, **kwargs)
+        return answers[key]
+
+    return unwrap_model
 
 
 class TigonTrainer(AtomicTrainer):
@@ -146,6 +168,7 @@ class TigonTrainer(AtomicTrainer):
         # measured on two H200s, it did not move. The Trainer offers no argument for it.
         if self.accelerator.ddp_handler is not None:
             self.accelerator.ddp_handler.gradient_as_bucket_view = True
+        self.accelerator.unwrap_model = _unwrap_once(self.accelerator.unwrap_model)
 
     def _clip_grad_norm(self, model):
         # The Trainer hands the clip model.parameters(), another walk over every module per step;
