@@ -238,6 +238,20 @@ def test_chunking_plans(poison_outputs, device, method, plan):
     )
 
 
+def test_chunks_hold_the_fewest_pairs_that_make_full_size_gemms():
+    # The chunk of logits lives at the training step's memory peak: the default plan holds one
+    # pair of 2 x 1024 tokens at Llama 3's vocabulary (501 MiB in bf16), not three; short pairs
+    # share a chunk up to PREFERRED_CHUNK_BYTES, or up to a smaller max_chunk_bytes.
+    from tigon.ops.linear_preference import DEFAULT_MAX_CHUNK_BYTES, PreferenceOptions, plan_chunks
+
+    dpo, bf16 = PreferenceOptions("dpo"), torch.bfloat16
+    assert tuple(plan_chunks(dpo, 8, 1024, 128256, bf16, DEFAULT_MAX_CHUNK_BYTES, False)) == (True, 1, 2048)
+    assert tuple(plan_chunks(dpo, 16, 128, 128256, bf16, DEFAULT_MAX_CHUNK_BYTES, False)) == (True, 4, 1024)
+    assert tuple(plan_chunks(dpo, 16, 128, 128256, bf16, 2**27, False)) == (True, 2, 512)
+    assert tuple(plan_chunks(dpo, 4, 128, 128256, bf16, DEFAULT_MAX_CHUNK_BYTES, False)) == (True, 2, 512)
+    assert not plan_chunks(dpo, 8, 4096, 128256, bf16, DEFAULT_MAX_CHUNK_BYTES, False).one_pass
+
+
 def test_kto_estimates_the_kl_baseline_from_the_batch(poison_outputs, device):
     # Without kl_baseline, z0 = max(0, mean policy/reference log ratio), detached: a two-pass plan.
     kw = dict(METHOD_KWARGS["kto"])

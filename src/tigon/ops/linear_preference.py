@@ -78,6 +78,10 @@ DEFAULT_GAMMA = 0.5  # SimPO's target reward margin (TRL's default)
 # bf16 take 1.05 GB, Qwen's V = 151936 1.24 GB. Chunks hold whole pairs, so the buffer is only as
 # large as the pairs it holds.
 DEFAULT_MAX_CHUNK_BYTES = 3 * 2**29
+# ...and no more pairs than fit in this: the chunk is alive at the training step's memory peak
+# (the loss runs with every layer's activations held), and a pair of 2 x 1024 tokens already
+# makes GEMMs of 2048 rows, as fast per row as longer ones.
+PREFERRED_CHUNK_BYTES = 2**28
 
 
 class PreferenceOptions(NamedTuple):
@@ -253,13 +257,16 @@ class _Plan(NamedTuple):
 
 def plan_chunks(options, n_seq, seq_len, vocab, dtype, max_chunk_bytes, kl_given):
     """One pass in chunks of whole units when one unit's logits fit the budget (and KTO's baseline
-    is given), else two passes over chunks of rows."""
+    is given; as many units as fit in ``PREFERRED_CHUNK_BYTES``, at least one), else two passes
+    over chunks of rows."""
     paired = options.method != "kto"
     n_units = n_seq // 2 if paired else n_seq
     unit_rows = (2 if paired else 1) * seq_len
-    budget_rows = max(1, max_chunk_bytes // (vocab * dtype.itemsize))
+    row_bytes = vocab * dtype.itemsize
+    budget_rows = max(1, max_chunk_bytes // row_bytes)
     if unit_rows <= budget_rows and (paired or kl_given):
-        units = min(n_units, budget_rows // unit_rows)
+        preferred_rows = min(budget_rows, PREFERRED_CHUNK_BYTES // row_bytes)
+        units = min(n_units, max(1, preferred_rows // unit_rows))
         return _Plan(True, units, units * unit_rows)
     return _Plan(False, 0, min(chunk_rows(max_chunk_bytes, vocab, dtype), n_seq * seq_len))
 
