@@ -417,3 +417,36 @@ def test_mlp_recognised_after_its_class_forward_is_patched(monkeypatch, spy):
     with ours.disable_adapter():
         ours(input_ids=_ids())
     assert len(calls) == 2  # the fallback is the class's (patched) forward
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_lora_ops_keep_the_norms_inputs_not_their_outputs(family, monkeypatch):
+    """With the norms on tigon's kernel too, each layer's q/k/v group and LoRA MLP save the tensor
+    their RMSNorm normalised (which the norm keeps anyway) instead of the norm's output, and
+    renormalise it in backward: two hidden-sized tensors less per layer, the same loss and
+    gradients bit for bit."""
+    from tests.helpers import saved_activation_bytes
+    from tigon.patch import handoff
+
+    model, _ = _models(family)
+    tigon.patch(model)
+    ids = _ids()
+
+    def step():
+        kept, out = saved_activation_bytes(model, input_ids=ids, labels=ids)
+        out.loss.backward()
+        grads = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+        model.zero_grad(set_to_none=True)
+        return kept, out.loss.detach(), grads
+
+    handed_over = step()
+    monkeypatch.setattr(handoff.NORMED_INPUT, "get", lambda key: None)
+    normed_kept = step()
+    config = model.config
+    # The first layer's input norm reads the frozen embeddings with a frozen weight: it keeps
+    # nothing, so its output is kept.
+    fewer = 2 * config.num_hidden_layers - 1
+    assert normed_kept[0] - handed_over[0] == fewer * ids.numel() * config.hidden_size * 4
+    assert torch.equal(handed_over[1], normed_kept[1])
+    for name, grad in normed_kept[2].items():
+        assert torch.equal(handed_over[2][name], grad), name

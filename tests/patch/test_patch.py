@@ -355,7 +355,7 @@ def test_fused_layer_mlp_keeps_the_residual_sum_not_the_normed_input(model_type,
         hooks = [layer.mlp.register_forward_hook(lambda m, i, o: ran.append(1)) for layer in model.model.layers]
         alone = saved_bytes_loss_and_grads()
         assert len(ran) == model.config.num_hidden_layers  # an MLP with a hook runs as its module
-        monkeypatch.setattr(handoff.MLP_INPUT, "get", lambda key: None)
+        monkeypatch.setattr(handoff.NORMED_INPUT, "get", lambda key: None)
         unfused = saved_bytes_loss_and_grads()
     finally:
         for hook in hooks:

@@ -199,6 +199,21 @@ class NormedInput(NamedTuple):
             return rms_norm(self.source, self.weight, self.eps, offset=self.offset, casting=self.casting)
 
 
+def check_normed_input(x: torch.Tensor, normed_input: NormedInput) -> None:
+    """Raise ValueError unless `normed_input` can say how `x` was normed: a NormedInput whose
+    source has x's shape and device and whose weight (if any) is a vector of x's width."""
+    if not isinstance(normed_input, NormedInput):
+        raise ValueError(f"normed_input must be a tigon.ops.NormedInput, got {type(normed_input).__name__}")
+    source, weight = normed_input.source, normed_input.weight
+    if source.shape != x.shape or source.device != x.device:
+        raise ValueError(
+            f"normed_input.source must have x's shape {tuple(x.shape)} on {x.device}, "
+            f"got {tuple(source.shape)} on {source.device}"
+        )
+    if weight is not None:
+        check_vector("normed_input.weight", weight, x.shape[-1], x.device)
+
+
 def _output_dtype(x: torch.Tensor, weight: torch.Tensor | None, casting: str) -> torch.dtype:
     return x.dtype if casting == "gemma" or weight is None else torch.promote_types(x.dtype, weight.dtype)
 

@@ -23,7 +23,7 @@ from tigon.ops.cross_entropy import token_hits
 from tigon.ops.rms_norm import NormedInput
 from tigon.patch import handoff, lora
 from tigon.patch.families import MLP, Attention, Head, Layer, Norm, Rope
-from tigon.patch.modules import has_hooks, plain_linear, zero3_partitioned
+from tigon.patch.modules import forward_attr, has_hooks, plain_linear, zero3_partitioned
 
 
 def norm_eps(norm: Norm, module: torch.nn.Module) -> float:
@@ -118,8 +118,17 @@ def _add_norm_mlp(
 
 
 def _normed_from(norm: Norm, module: torch.nn.Module, source: torch.Tensor) -> NormedInput:
-    """What says that a tensor is `module`'s norm of `source` (for :data:`handoff.MLP_INPUT`)."""
-    return NormedInput(source, module.weight, float(norm_eps(norm, module)), norm.offset, norm.casting)
+    """What says that a tensor is `module`'s norm of `source` (for :data:`handoff.NORMED_INPUT`)."""
+    weight = getattr(module, "weight", None) if norm.weight else None  # as rms_norm_forward reads it
+    return NormedInput(source, weight, float(norm_eps(norm, module)), norm.offset, norm.casting)
+
+
+def _calls_only(module: torch.nn.Module, forward: Callable[..., Any]) -> bool:
+    """Whether calling `module` runs `forward` (bound to it by tigon.patch, or its class's) and
+    nothing else."""
+    bound = vars(module).get(forward_attr(module))
+    own = getattr(bound, "__func__", None) if bound is not None else getattr(type(module), "forward", None)
+    return own is forward and not has_hooks(module, own_forward=forward)
 
 
 def _take_normed(x: torch.Tensor, norm_module: torch.nn.Module | None) -> torch.Tensor | None:
@@ -219,9 +228,15 @@ def decoder_layer_forward(
         if args or zero3_partitioned(norm_module.weight) or has_hooks(norm_module, own_forward=norm_forward):
             return inner(self, hidden_states, *args, **kwargs)
         residual = hidden_states
+        # Made by tigon's kernel (the previous layer's add, or this norm's own forward) from the
+        # layer's input: the q/k/v projections may save that input, which the norm keeps anyway.
+        made_by_kernel = normed is not None or _calls_only(first_norm, norm_forward)
         if normed is None:
             normed = first_norm(hidden_states)
-        hidden_states = branch(self, _first(mixer(self)(hidden_states=normed, **kwargs)), 0)
+        lending = (handoff.NORMED_INPUT.lent(normed, _normed_from(norm, first_norm, hidden_states)) if made_by_kernel
+                   else contextlib.nullcontext())
+        with lending:
+            hidden_states = branch(self, _first(mixer(self)(hidden_states=normed, **kwargs)), 0)
         feed_forward = getattr(self, layer.feed_forward)
         weights, activation = _fusable_mlp(feed_forward)
         if weights is not None:
@@ -231,7 +246,7 @@ def decoder_layer_forward(
             hidden_states = mlp_dropout(mlp, feed_forward, hidden_states)
         else:
             hidden_states, residual = _add_norm(norm, norm_module, hidden_states, residual)
-            with handoff.MLP_INPUT.lent(hidden_states, _normed_from(norm, norm_module, residual)):
+            with handoff.NORMED_INPUT.lent(hidden_states, _normed_from(norm, norm_module, residual)):
                 hidden_states = _first(feed_forward(hidden_states))
         # (Llama 4's expert block returns its output flattened to tokens x hidden.)
         out = branch(self, hidden_states, 1).view(residual.shape)
@@ -359,12 +374,13 @@ def mlp_forward(
             if all(lora.runs(layer, lora_forward) and not has_hooks(layer, own_forward=lora_forward) for layer in layers):
                 projections = _lora_projections(layers, x)
                 if projections is not None:
-                    return F.lora_gated_mlp(x, *projections, activation=activation, recompute=recompute)
+                    return F.lora_gated_mlp(x, *projections, activation=activation, recompute=recompute,
+                                            normed_input=handoff.NORMED_INPUT.get(x))
         if not glu_ops:
             return None
         weights = _glu_mlp_weights(mlp, self) if mlp.multipliers is None else None
         if weights is not None:
-            return F.glu_mlp(x, *weights, activation=activation, normed_input=handoff.MLP_INPUT.get(x),
+            return F.glu_mlp(x, *weights, activation=activation, normed_input=handoff.NORMED_INPUT.get(x),
                              recompute=recompute)
         return projected(self, x, activation)
 
@@ -420,7 +436,7 @@ def _lora_group(projections: tuple, x: torch.Tensor, lora_forward: Callable[...,
 
     def compute() -> Sequence[torch.Tensor] | None:  # while their forwards are displaced: no `runs`
         weights = _lora_projections(projections, x)
-        return None if weights is None else F.lora_linear_group(x, weights)
+        return None if weights is None else F.lora_linear_group(x, weights, normed_input=handoff.NORMED_INPUT.get(x))
 
     return _Group(x, projections, compute)
 

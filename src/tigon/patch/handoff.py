@@ -23,12 +23,14 @@ The slots, with who writes each, who reads it, and how long a value lives:
     the next layer's forward. Lives until taken, until the sum is freed, or until the next value is
     written: the slot holds one value at a time, so a forward that stopped between the add and the
     norm leaves nothing behind past the next step.
-``MLP_INPUT``
-    key: the normed tensor a fused decoder layer passes to its MLP; value: the
-    :class:`~tigon.ops.rms_norm.NormedInput` saying which sum and weight it was normed from.
-    Written by the decoder-layer forward around its MLP call; read by the MLP forward
-    (:func:`~tigon.patch.forwards.mlp_forward`: ``glu_mlp`` then saves the sum, which the norm keeps
-    anyway, instead of the normed tensor). Lives for that MLP call.
+``NORMED_INPUT``
+    key: the normed tensor a fused decoder layer passes to its MLP or its attention; value: the
+    :class:`~tigon.ops.rms_norm.NormedInput` saying which tensor and weight it was normed from (by
+    tigon's RMSNorm kernel). Written by the decoder-layer forward around its MLP and attention
+    calls; read by the MLP forward (:func:`~tigon.patch.forwards.mlp_forward`: ``glu_mlp``,
+    ``lora_gated_mlp``) and by the q/k/v group of the attention forward (``lora_linear_group``),
+    which then save that input, which the norm keeps anyway, instead of the normed tensor. Lives
+    for that call.
 ``WHOLE_SEQUENCES``
     key: position ids the causal-LM forward made for a batch of whole sequences; value: True.
     Written by :func:`~tigon.patch.forwards.causal_lm_forward` around its decoder call; read by
@@ -140,11 +142,11 @@ class Slot:
 
 NEXT_NORM = Slot("next_norm")
 NORMED = Slot("normed", single=True)
-MLP_INPUT = Slot("mlp_input")
+NORMED_INPUT = Slot("normed_input")
 WHOLE_SEQUENCES = Slot("whole_sequences")
 PROJECTION_CALLS = Slot("projection_calls")
 TOKEN_ACCURACY = Slot("token_accuracy")
-SLOTS = (NEXT_NORM, NORMED, MLP_INPUT, WHOLE_SEQUENCES, PROJECTION_CALLS, TOKEN_ACCURACY)
+SLOTS = (NEXT_NORM, NORMED, NORMED_INPUT, WHOLE_SEQUENCES, PROJECTION_CALLS, TOKEN_ACCURACY)
 
 
 def _answered_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:

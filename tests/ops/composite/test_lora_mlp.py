@@ -1,7 +1,9 @@
 import pytest
 import torch
 
-from tigon.ops.composite.lora import LoraProjection, restore_projections, saved_tensors
+import tigon.functional as F
+from tigon.ops import NormedInput
+from tigon.ops.composite.lora import LoraProjection, lora_linear_group, restore_projections, saved_tensors
 from tigon.ops.composite.lora_mlp import lora_gated_mlp, lora_gated_mlp_reference
 from tests.helpers import compare_fwd_bwd
 from tests.ops.composite.test_lora import _float32_adapters, _graph_node_names, _projection, one_cpu_thread  # noqa: F401 (autouse fixture)
@@ -222,3 +224,80 @@ def test_peak_memory_below_eager_on_gpu():
     assert ours <= eager, (ours / 2**20, eager / 2**20)
     # x is the caller's; the layer keeps gate and up (and rank-sized scraps) alive.
     assert ours_saved <= 2 * 8192 * 14336 * 2 + 2**22, ours_saved / 2**20
+
+
+def _normed_runs(dtype, device, casting, offset, call, with_weight):
+    """`call(x, normed_input)` -> (outputs, parameters) on x = add_rms_norm(a, r)'s output, run
+    with normed_input (the sum and the norm's weight) and without: for each, the outputs, every
+    gradient, and whether x itself was saved for backward."""
+    a, r = (torch.randn(2, 7, 24, dtype=dtype, device=device) for _ in range(2))
+    norm_weight = torch.randn(24, dtype=dtype, device=device) if with_weight else None
+    results = []
+    for with_source in (True, False):
+        leaves = [t.detach().clone().requires_grad_() for t in (a, r, norm_weight) if t is not None]
+        weight = leaves[2] if with_weight else None
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            x, total = F.add_rms_norm(leaves[0], leaves[1], weight, 1e-6, offset=offset, casting=casting)
+            outs, params = call(x, NormedInput(total, weight, 1e-6, offset, casting) if with_source else None)
+        upstream = [torch.randn(o.shape, generator=torch.Generator().manual_seed(i)).to(o) for i, o in enumerate(outs)]
+        torch.autograd.backward(outs, upstream)
+        results.append((outs, [t.grad for t in (*leaves, *params)], any(t.data_ptr() == x.data_ptr() for t in saved)))
+        for p in params:
+            p.grad = None
+    return results
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("casting, offset, with_weight", [("llama", 0.0, True), ("gemma", 1.0, True), ("llama", 0.0, False)])
+@pytest.mark.parametrize("op", ["group", "mlp", "mlp recompute"])
+def test_normed_input_keeps_the_norms_input_and_matches_exactly(poison_outputs, device, dtype, casting, offset,
+                                                                with_weight, op):
+    """x is an RMSNorm's output: with normed_input the LoRA ops save the norm's input (kept by the
+    norm anyway) instead of x and renormalise it in backward; outputs and every gradient are the
+    same bits as without."""
+    torch.manual_seed(0)
+    if op == "group":
+        projections = [_projection(24, n, 4, dtype, device, trainable_base=True) for n in (24, 8, 8)]
+
+        def call(x, normed):
+            return lora_linear_group(x, projections, normed_input=normed), [t for p in projections for t in p[:3]]
+    else:
+        projections = _mlp(24, 40, (3, 5, 2), dtype, device, bias=True, trainable_base=True)
+
+        def call(x, normed):
+            out = lora_gated_mlp(x, *projections, recompute=op == "mlp recompute", normed_input=normed)
+            return [out], [t for p in projections for t in p if isinstance(t, torch.Tensor)]
+
+    (outs, grads, saved_x), (want_outs, want_grads, want_saved_x) = _normed_runs(
+        dtype, device, casting, offset, call, with_weight
+    )
+    assert want_saved_x and not saved_x
+    for got, want in zip(outs, want_outs, strict=True):
+        assert torch.equal(got, want)
+    for got, want in zip(grads, want_grads, strict=True):
+        assert (got is None and want is None) or torch.equal(got, want)
+
+
+def test_normed_input_bad_arguments():
+    x = torch.randn(4, 8)
+    projections = _mlp(8, 12, (2, 2, 2), torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="normed_input must be a tigon.ops.NormedInput"):
+        lora_gated_mlp(x, *projections, normed_input=(x, torch.ones(8), 1e-6, 0.0, "llama"))
+    with pytest.raises(ValueError, match=r"normed_input.source must have x's shape \(4, 8\)"):
+        lora_linear_group(x, projections[:2], normed_input=NormedInput(torch.ones(5, 8), None, 1e-6, 0.0, "llama"))
+    with pytest.raises(ValueError, match=r"normed_input.weight must have shape \(8,\)"):
+        lora_linear_group(x, projections[:2], normed_input=NormedInput(torch.ones(4, 8), torch.ones(7), 1e-6, 0.0, "llama"))
+
+
+def test_normed_input_needing_no_gradient_is_kept_itself(device):
+    # A norm of a frozen input with a frozen weight saves nothing: renormalising would save the
+    # same bytes and add a kernel, so x is kept.
+    source, weight = torch.randn(6, 24, device=device), torch.randn(24, device=device)
+    x = F.rms_norm(source, weight, 1e-6)
+    projections = [_projection(24, 8, 2, torch.float32, device)]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        lora_linear_group(x, projections, normed_input=NormedInput(source, weight, 1e-6, 0.0, "llama"))
+    assert any(t.data_ptr() == x.data_ptr() for t in saved)
+    assert not any(t.data_ptr() == source.data_ptr() for t in saved)

@@ -16,10 +16,10 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as torch_f
 
-from tigon.ops._checks import KERNEL_DTYPES, check_choice, check_device, check_float, check_vector
+from tigon.ops._checks import KERNEL_DTYPES, check_choice, check_device, check_float
 from tigon.ops._dispatch import Op, autocast_dtype, backward_fallback, empty_if, library_op
 from tigon.ops.glu import ACTIVATIONS, glu_backward, glu_forward, glu_reference
-from tigon.ops.rms_norm import NormedInput
+from tigon.ops.rms_norm import NormedInput, check_normed_input
 
 
 def glu_mlp_reference(
@@ -199,18 +199,6 @@ def _glu_mlp_reference(x, gate_weight, up_weight, down_weight, gate_bias, up_bia
     return glu_mlp_reference(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation)
 
 
-def _check_normed_input(x: torch.Tensor, normed_input: NormedInput) -> None:
-    if not isinstance(normed_input, NormedInput):
-        raise ValueError(f"normed_input must be a tigon.ops.NormedInput, got {type(normed_input).__name__}")
-    source, weight = normed_input.source, normed_input.weight
-    if source.shape != x.shape or source.device != x.device:
-        raise ValueError(
-            f"normed_input.source must have x's shape {tuple(x.shape)} on {x.device}, "
-            f"got {tuple(source.shape)} on {source.device}"
-        )
-    check_vector("normed_input.weight", weight, x.shape[-1], x.device)
-
-
 # Inside torch.compile: the same launchers as library ops, with the Function's gradients (the
 # intermediates not overwritten: a library op mutates none of its inputs).
 def _forward_fake(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation):
@@ -321,5 +309,5 @@ def glu_mlp(
     args = (x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation)
     unsupported = _check_mlp(*args)
     if normed_input is not None:
-        _check_normed_input(x, normed_input)
+        check_normed_input(x, normed_input)
     return GLU_MLP(unsupported, *args, normed_input, bool(recompute))

@@ -15,7 +15,10 @@ tensor is written once:
   ``dx += dy W`` in the second base GEMM; ``dW = dyᵀ x`` and ``db = Σ dy`` only when they need a
   gradient (a frozen base skips its weight-gradient GEMM).
 
-Saved for backward: x and ``xa`` (N × r), nothing of size N × out.
+Saved for backward: x and ``xa`` (N × r), nothing of size N × out. Given ``normed_input`` (x is an
+RMSNorm's output, as a decoder layer's q/k/v and MLP inputs are), the norm's input is saved in
+x's place, which the norm keeps for its own backward anyway, and x is renormalised in backward
+(:class:`~tigon.ops.rms_norm.NormedInput`): one hidden-sized tensor less per op.
 
 Adapters may be kept in another float dtype than x (PEFT keeps them in float32 on a half-precision
 model): they are cast to x's dtype inside the op, the GEMMs run in x's dtype, and their gradients
@@ -54,6 +57,7 @@ from tigon.ops._checks import check_device, check_float, check_input, check_vect
 from tigon.ops._dispatch import Op, autocast_dtype
 from tigon.ops.dequantize import QuantizedWeight, check_quantized, dequantize_reference, dequantized
 from tigon.ops.dora import DORA_NORM, DORA_SCALE, DORA_SCALE_BACKWARD, dora_norm_reference, dora_scale_reference
+from tigon.ops.rms_norm import NormedInput, check_normed_input
 
 
 class LoraProjection(NamedTuple):
@@ -348,28 +352,51 @@ def lora_backward_from_input(
             flat_grads[i * width] = torch.mm(dy.t(), x2d)
 
 
+def keep_rows(ctx, x2d: torch.Tensor, normed: NormedInput | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What a LoRA op saves of its input rows `x2d` (for the A and base-weight gradients): the rows,
+    or, when `normed` says they are an RMSNorm's output, that norm's input and weight, which
+    :func:`kept_rows` renormalises. Save both tensors it returns. Rows that need no gradient came
+    from a norm that saved nothing (its input and weight frozen, as a first layer's are under
+    LoRA): they are kept themselves."""
+    if normed is None or not x2d.requires_grad:
+        ctx.norm_config = None
+        return x2d, None
+    ctx.norm_config = (normed.eps, normed.offset, normed.casting, x2d.dtype)
+    return normed.source, normed.weight
+
+
+def kept_rows(ctx, first: torch.Tensor, second: torch.Tensor | None) -> torch.Tensor:
+    """The input rows again from the two tensors :func:`keep_rows` returned (saved and unpacked):
+    the same kernel on the same rows, so bit for bit the forward's (cast to its dtype, as the op's
+    autocast cast made them)."""
+    if ctx.norm_config is None:
+        return first
+    eps, offset, casting, dtype = ctx.norm_config
+    return rows_view(NormedInput(first, second, eps, offset, casting).recompute()).to(dtype)
+
+
 class _LoraGroupFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, *flat):
+    def forward(ctx, x, normed, *flat):
         own = unflatten_projections(flat)
         projections, ctx.adapter_dtypes = adapters_in(x.dtype, own)
         x2d = rows_view(x)
         outs, xa, doras = lora_group_forward(x2d, projections, own)
-        save_projections(ctx, (x2d, xa), projections, dora_saved(doras))
+        save_projections(ctx, (*keep_rows(ctx, x2d, normed), xa), projections, dora_saved(doras))
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not a zero tensor
         ctx.lead_shape = x.shape[:-1]
         return tuple(out.view(*x.shape[:-1], out.shape[-1]) for out in outs)
 
     @staticmethod
     def backward(ctx, *grad_outs):
-        (x2d, xa), projections, doras = load_projections(ctx, ctx.saved_tensors)
+        (*rows, xa), projections, doras = load_projections(ctx, ctx.saved_tensors)
+        x2d = kept_rows(ctx, *rows)
         grads = [None if g is None else rows_view(g) for g in grad_outs]
-        grad_x, flat_grads = lora_group_backward(
-            x2d, xa, grads, projections, ctx.needs_input_grad, dora_restored(doras)
-        )
+        needs = (ctx.needs_input_grad[0], *ctx.needs_input_grad[2:])  # x's, then the projections' fields'
+        grad_x, flat_grads = lora_group_backward(x2d, xa, grads, projections, needs, dora_restored(doras))
         if grad_x is not None:
             grad_x = grad_x.view(*ctx.lead_shape, x2d.shape[1])
-        return (grad_x, *adapter_grads_back(flat_grads, ctx.adapter_dtypes))
+        return (grad_x, None, *adapter_grads_back(flat_grads, ctx.adapter_dtypes))
 
 
 def check_projection(
@@ -435,9 +462,12 @@ def projections_for_autocast(
 
 
 LORA_LINEAR = Op(
-    "lora_linear", lambda x, *flat: _LoraGroupFunction.apply(x, *flat)[0], lora_linear_reference, uses_triton=False
+    "lora_linear", lambda x, *flat: _LoraGroupFunction.apply(x, None, *flat)[0], lora_linear_reference, uses_triton=False
 )
-LORA_LINEAR_GROUP = Op("lora_linear_group", _LoraGroupFunction.apply, lora_linear_group_reference, uses_triton=False)
+LORA_LINEAR_GROUP = Op(
+    "lora_linear_group", _LoraGroupFunction.apply, lambda x, normed, *flat: lora_linear_group_reference(x, *flat),
+    uses_triton=False,
+)
 
 
 def lora_linear(
@@ -480,7 +510,9 @@ def lora_linear(
     return LORA_LINEAR.without_autocast(dtype, None, x, *flat)
 
 
-def lora_linear_group(x: torch.Tensor, projections: Sequence[LoraProjection]) -> tuple[torch.Tensor, ...]:
+def lora_linear_group(
+    x: torch.Tensor, projections: Sequence[LoraProjection], *, normed_input: NormedInput | None = None
+) -> tuple[torch.Tensor, ...]:
     """Several LoRA linears of the same input (q/k/v, or gate/up), as one op.
 
     Equal to ``tuple(lora_linear(x, *p) for p in projections)``, but x is read once for all the
@@ -491,6 +523,10 @@ def lora_linear_group(x: torch.Tensor, projections: Sequence[LoraProjection]) ->
         x: input ``(..., in)``.
         projections: one :class:`LoraProjection` per output; each may have its own rank, scaling
             and output width.
+        normed_input: when `x` is an RMSNorm's output whose input is kept anyway (a decoder
+            layer's input norm), what it was computed from: that input is saved instead of `x`,
+            and `x` is renormalised in backward (one cheap kernel; the same values), so a
+            hidden-sized tensor per call is not kept.
 
     Returns:
         One ``(..., out_i)`` tensor per projection.
@@ -501,5 +537,7 @@ def lora_linear_group(x: torch.Tensor, projections: Sequence[LoraProjection]) ->
     dtype = autocast_dtype(x)
     for i, projection in enumerate(projections):
         check_projection(f"projections[{i}]", projection, x, autocast=dtype is not None)
+    if normed_input is not None:
+        check_normed_input(x, normed_input)
     x, flat = projections_for_autocast(x, projections, dtype)
-    return LORA_LINEAR_GROUP.without_autocast(dtype, None, x, *flat)
+    return LORA_LINEAR_GROUP.without_autocast(dtype, None, x, normed_input, *flat)

@@ -12,7 +12,9 @@ activation that saves ``act(gate)``, ``up`` and the product for backward. Here:
 * the activation is the gated-activation kernel of :mod:`tigon.ops.glu`;
 * saved per layer: x, gate, up and the rank-sized ``x Aᵀ`` / ``h A_downᵀ``. The down projection's
   input ``h = act(gate) * up`` is recomputed in backward by the same pass that forms the
-  gradients of gate and up;
+  gradients of gate and up. Given ``normed_input`` (x is the layer's post-attention RMSNorm of a
+  sum the norm keeps anyway), the sum is saved in x's place and x renormalised in backward, as
+  :func:`tigon.ops.composite.lora.lora_linear_group` does;
 * with ``recompute=True``, gate and up are not kept either: backward forms them again from x and
   the kept ``x Aᵀ`` (the same GEMMs on the same operands, so the same values), which costs the gate
   and up base GEMMs once more and saves two intermediate-sized tensors per layer, about half of
@@ -44,6 +46,8 @@ from tigon.ops.composite.lora import (
     lora_forward,
     lora_group_backward,
     lora_group_forward,
+    keep_rows,
+    kept_rows,
     lora_linear_reference,
     projections_for_autocast,
     save_projections,
@@ -51,6 +55,7 @@ from tigon.ops.composite.lora import (
 )
 from tigon.ops.dora import DORA_SCALE
 from tigon.ops.glu import ACTIVATIONS, glu_backward, glu_forward, glu_op, glu_reference
+from tigon.ops.rms_norm import NormedInput, check_normed_input
 
 
 def lora_gated_mlp_reference(x: torch.Tensor, activation: str, *flat) -> torch.Tensor:
@@ -61,15 +66,16 @@ def lora_gated_mlp_reference(x: torch.Tensor, activation: str, *flat) -> torch.T
     return lora_linear_reference(h, *down)
 
 
-def _reference(x: torch.Tensor, activation: str, recompute: bool, *flat) -> torch.Tensor:
+def _reference(x: torch.Tensor, activation: str, recompute: bool, normed: NormedInput | None, *flat) -> torch.Tensor:
     """The reference in the op's argument order (what the fused op keeps changes no value)."""
     return lora_gated_mlp_reference(x, activation, *flat)
 
 
 def _reference_point(ctx, saved):
-    (x2d, *_), projections, _ = load_projections(ctx, saved)
+    (*rows, _, _, _, _), projections, _ = load_projections(ctx, saved)
+    x2d = kept_rows(ctx, *rows)
     x = x2d.view(*ctx.lead_shape, x2d.shape[1])
-    return LORA_GATED_MLP, _reference, (x, ctx.activation, ctx.recompute, *flatten_projections(projections))
+    return LORA_GATED_MLP, _reference, (x, ctx.activation, ctx.recompute, None, *flatten_projections(projections))
 
 
 def _kept(output: torch.Tensor, dora: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -86,7 +92,7 @@ def _output(kept: torch.Tensor, projection: LoraProjection, dora: tuple[torch.Te
 
 class _LoraGatedMLPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, activation, recompute, *flat):
+    def forward(ctx, x, activation, recompute, normed, *flat):
         own = unflatten_projections(flat)
         (gate_proj, up_proj, down_proj), ctx.adapter_dtypes = adapters_in(x.dtype, own)
         x2d = rows_view(x)
@@ -100,7 +106,7 @@ class _LoraGatedMLPFunction(torch.autograd.Function):
         ctx.recompute = recompute and gate_up_doras == [None, None]
         kept = [None, None] if ctx.recompute else [_kept(t, dora) for t, dora in zip((gate, up), gate_up_doras)]
         doras = dora_saved([*gate_up_doras, down_dora])
-        save_projections(ctx, (x2d, *kept, xa, ha), [gate_proj, up_proj, down_proj], doras)
+        save_projections(ctx, (*keep_rows(ctx, x2d, normed), *kept, xa, ha), [gate_proj, up_proj, down_proj], doras)
         ctx.activation = activation
         ctx.lead_shape = x.shape[:-1]
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -108,13 +114,14 @@ class _LoraGatedMLPFunction(torch.autograd.Function):
     @staticmethod
     @backward_fallback(_reference_point)
     def backward(ctx, saved, grad_out):
-        (x2d, gate, up, xa, ha), (gate_proj, up_proj, down_proj), dora_tensors = load_projections(ctx, saved)
+        (*rows, gate, up, xa, ha), (gate_proj, up_proj, down_proj), dora_tensors = load_projections(ctx, saved)
+        x2d = kept_rows(ctx, *rows)
         gate_dora, up_dora, down_dora = dora_restored(dora_tensors)
         if ctx.recompute:
             (gate, up), _, _ = lora_group_forward(x2d, [gate_proj, up_proj], xa=xa)
         gate, up = _output(gate, gate_proj, gate_dora), _output(up, up_proj, up_dora)
         width = len(LoraProjection._fields)
-        needs = (ctx.needs_input_grad[0], *ctx.needs_input_grad[3:])  # x's, then the projections' fields'
+        needs = (ctx.needs_input_grad[0], *ctx.needs_input_grad[4:])  # x's, then the projections' fields'
         gate_up_needs = needs[: 1 + 2 * width]
         down_needs = (True, *needs[1 + 2 * width :])
         dy = rows_view(grad_out)
@@ -136,10 +143,10 @@ class _LoraGatedMLPFunction(torch.autograd.Function):
         )
         if grad_x is not None:
             grad_x = grad_x.view(*ctx.lead_shape, x2d.shape[1])
-        return (grad_x, None, None, *adapter_grads_back(gate_up_grads + down_grads, ctx.adapter_dtypes))
+        return (grad_x, None, None, None, *adapter_grads_back(gate_up_grads + down_grads, ctx.adapter_dtypes))
 
 
-def _lora_gated_mlp_compiled(x, activation, recompute, *flat):
+def _lora_gated_mlp_compiled(x, activation, recompute, normed, *flat):
     # Inside torch.compile: the LoRA projections trace their references around the GLU kernel
     # (what is saved for backward is the compiler's choice).
     gate, up, down = unflatten_projections(flat)
@@ -159,6 +166,7 @@ def lora_gated_mlp(
     *,
     activation: str = "silu",
     recompute: bool = False,
+    normed_input: NormedInput | None = None,
 ) -> torch.Tensor:
     """``down(act(gate(x)) * up(x))`` with a LoRA adapter on each projection, as one op that saves
     only x, the gate and up outputs and rank-sized products (see the module docstring).
@@ -172,6 +180,10 @@ def lora_gated_mlp(
         recompute: keep neither gate nor up for backward, which forms them again (two more base
             GEMMs; the same values): two intermediate-sized tensors less per call. A DoRA gate
             or up projection keeps them regardless. Inside torch.compile the compiler decides.
+        normed_input: when `x` is an RMSNorm's output whose input is kept anyway (a decoder
+            layer's post-attention norm), what it was computed from: that input is saved instead
+            of `x`, and `x` is renormalised in backward (the same values), one hidden-sized
+            tensor less per call.
 
     Each projection may have its own rank and scaling, and a bias. All tensors share x's device;
     weights and biases share x's dtype, the adapters may have another float dtype (cast inside the
@@ -196,5 +208,7 @@ def lora_gated_mlp(
             f"down weight must have shape ({x.shape[-1]}, {intermediate}) to return x's width, "
             f"got {tuple(down.weight.shape)}"
         )
+    if normed_input is not None:
+        check_normed_input(x, normed_input)
     x, flat = projections_for_autocast(x, [gate, up, down], dtype)
-    return LORA_GATED_MLP.without_autocast(dtype, None, x, activation, bool(recompute), *flat)
+    return LORA_GATED_MLP.without_autocast(dtype, None, x, activation, bool(recompute), normed_input, *flat)
