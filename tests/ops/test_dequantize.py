@@ -128,6 +128,7 @@ def test_bad_arguments(device):
         (lambda: dequantize(weight._replace(shape=(7, 64)), torch.float32), "data must hold 224 bytes"),
         (lambda: dequantize(weight._replace(absmax=weight.absmax[:-1]), torch.float32), "absmax must hold 6 values"),
         (lambda: dequantize(weight._replace(code=weight.code[:8]), torch.float32), "code must be the 16 float32"),
+        (lambda: dequantize(weight._replace(blocksize=48), torch.float32), "blocksize must be a power of two"),
         (lambda: dequantize(QuantizedWeight(torch.zeros(3, 4, dtype=torch.int8), torch.ones(2), (3, 4)), torch.float32),
          "one float32 scale per row"),
     ]

@@ -28,7 +28,8 @@ from tigon.ops._checks import check_choice, check_float
 from tigon.ops._dispatch import Op, tl, triton
 from tigon.ops._launch import cdiv
 
-# Packed bytes per program: 2048 weights, each thread a few 16-byte vectors of output.
+# Packed bytes per program (at least one block): 2048 weights, each thread a few 16-byte vectors of
+# output.
 BYTES_PER_PROGRAM = 1024
 INT8_BLOCK = 2048
 NUM_WARPS = 4
@@ -51,27 +52,30 @@ def _to_output(value, out_ptr):
 @triton.jit
 def _dequantize_4bit_kernel(
     packed_ptr, code_ptr, absmax_ptr, scale_code_ptr, scale_absmax_ptr, offset_ptr, out_ptr,
-    n_bytes, n_elements, blocksize, scale_blocksize,
+    n_bytes, n_elements,
+    BLOCKSIZE: tl.constexpr,
+    SCALE_BLOCKSIZE: tl.constexpr,
     NESTED: tl.constexpr,
-    BYTES: tl.constexpr,
+    BLOCKS: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    byte = pid * BYTES + tl.arange(0, BYTES)
-    in_range = byte < n_bytes
-    packed = tl.load(packed_ptr + byte, mask=in_range, other=0).to(tl.int32)
-    # Both elements of a byte lie in one block: blocksizes are even.
-    block = (2 * byte) // blocksize
+    # BLOCKS whole quantisation blocks per program, one row of the tile each: the absmax is read
+    # (and double-dequantised) once per block and broadcast along its row.
+    HALF: tl.constexpr = BLOCKSIZE // 2  # bytes per block
+    block = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+    byte = block[:, None] * HALF + tl.arange(0, HALF)[None, :]
+    packed = tl.load(packed_ptr + byte, mask=byte < n_bytes, other=0).to(tl.int32)
+    block_in = block * BLOCKSIZE < n_elements
     if NESTED:
-        q = tl.load(absmax_ptr + block, mask=in_range, other=0).to(tl.int32)
-        scale = tl.load(scale_absmax_ptr + block // scale_blocksize, mask=in_range, other=0.0)
+        q = tl.load(absmax_ptr + block, mask=block_in, other=0).to(tl.int32)
+        scale = tl.load(scale_absmax_ptr + block // SCALE_BLOCKSIZE, mask=block_in, other=0.0)
         absmax = tl.load(scale_code_ptr + q) * scale
         absmax = absmax + tl.load(offset_ptr)
     else:
-        absmax = tl.load(absmax_ptr + block, mask=in_range, other=0.0)
-    high = tl.load(code_ptr + (packed >> 4)) * absmax
-    low = tl.load(code_ptr + (packed & 15)) * absmax
-    values = tl.reshape(tl.join(high, low), (2 * BYTES,))  # high, low, high, low, ...
-    element = pid * (2 * BYTES) + tl.arange(0, 2 * BYTES)
+        absmax = tl.load(absmax_ptr + block, mask=block_in, other=0.0)
+    high = tl.load(code_ptr + (packed >> 4)) * absmax[:, None]
+    low = tl.load(code_ptr + (packed & 15)) * absmax[:, None]
+    values = tl.reshape(tl.join(high, low), (BLOCKS, BLOCKSIZE))  # high, low, high, low, ... per row
+    element = block[:, None] * BLOCKSIZE + tl.arange(0, BLOCKSIZE)[None, :]
     tl.store(out_ptr + element, _to_output(values, out_ptr), mask=element < n_elements)
 
 
@@ -161,10 +165,12 @@ def _dequantize_into(out: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor
     scale_code = weight.scale_code if nested else weight.absmax
     scale_absmax = weight.scale_absmax if nested else weight.absmax
     offset = weight.offset if nested else weight.absmax
-    _dequantize_4bit_kernel[(cdiv(n_bytes, BYTES_PER_PROGRAM),)](
+    blocks = max(1, 2 * BYTES_PER_PROGRAM // weight.blocksize)
+    _dequantize_4bit_kernel[(cdiv(cdiv(n, weight.blocksize), blocks),)](
         packed, weight.code, weight.absmax, scale_code, scale_absmax, offset, out,
-        n_bytes, n, weight.blocksize, weight.scale_blocksize,
-        NESTED=nested, BYTES=BYTES_PER_PROGRAM, num_warps=NUM_WARPS,
+        n_bytes, n,
+        BLOCKSIZE=weight.blocksize, SCALE_BLOCKSIZE=weight.scale_blocksize, NESTED=nested, BLOCKS=blocks,
+        num_warps=NUM_WARPS,
         enable_fp_fusion=False,  # the nested absmax is a multiply, then an add: not one FMA
     )
     return out
@@ -199,8 +205,11 @@ def check_quantized(name: str, weight: QuantizedWeight, device: torch.device | N
             raise ValueError(f"{name} absmax must hold one float32 scale per row ({shape[0]}), got "
                              f"{weight.absmax.dtype} {tuple(weight.absmax.shape)}")
         return
-    if weight.blocksize < 2 or weight.blocksize % 2:
-        raise ValueError(f"{name} blocksize must be even and >= 2, got {weight.blocksize}")
+    if weight.blocksize < 2 or weight.blocksize & (weight.blocksize - 1):
+        raise ValueError(f"{name} blocksize must be a power of two >= 2 (bitsandbytes' are 32 to 4096), "
+                         f"got {weight.blocksize}")
+    if weight.nested and (weight.scale_blocksize < 1 or weight.scale_blocksize & (weight.scale_blocksize - 1)):
+        raise ValueError(f"{name} scale_blocksize must be a power of two, got {weight.scale_blocksize}")
     if weight.data.numel() * weight.data.element_size() != cdiv(n, 2):
         raise ValueError(f"{name} data must hold {cdiv(n, 2)} bytes (two 4-bit codes each) for shape {shape}, "
                          f"got {weight.data.numel() * weight.data.element_size()}")
