@@ -28,9 +28,10 @@ from tigon.ops._checks import check_choice, check_float
 from tigon.ops._dispatch import Op, tl, triton
 from tigon.ops._launch import cdiv
 
-# Packed bytes per program (at least one block): 2048 weights, each thread a few 16-byte vectors of
-# output.
-BYTES_PER_PROGRAM = 1024
+# Packed bytes per program (at least one block): 8192 weights over 4 warps, each thread 32 bytes
+# in and 128 out (bf16). The fastest of 512-4096 bytes and 4 or 8 warps on an H200
+# (scripts/dequant_bench.py).
+BYTES_PER_PROGRAM = 4096
 INT8_BLOCK = 2048
 NUM_WARPS = 4
 INV_127 = 0.007874015718698502  # fp32(1 / 127), the constant bitsandbytes multiplies by
