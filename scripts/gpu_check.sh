@@ -13,7 +13,8 @@
 # the machine lacks: trl, liger-kernel, ...) are installed to /tmp/site first, with those of the
 # other .whl* folders carried (.whl-bnb: bitsandbytes) but .whl-serve: the serving stack (a newer
 # transformers among it) goes to its own folder, on the path of the serve stage alone.
-# GPU_WORKERS runs the tests on that many xdist workers.
+# GPU_WORKERS runs the tests on that many xdist workers. E2E_IMPLS: the e2e stage's --e2e-impls (e.g.
+# "eager peer tigon tigon+graphs").
 # TIMEOUT_<stage> (seconds) overrides a stage's time limit: keep their sum under the call's limit.
 set -uo pipefail
 wheels=()
@@ -51,7 +52,7 @@ for stage in "${stages[@]}"; do
            tail -25 "$RES/norms.txt" ;;
     sweep) timeout ${!limit_var:-300} python3 -m tigon.cli bench --ops linear_cross_entropy_budget --impls tigon --out "$RES/lce_budget" > "$RES/lce_budget.txt" 2>&1
            tail -9 "$RES/lce_budget.txt" ;;
-    e2e)   timeout ${!limit_var:-420} python3 -m tigon.cli bench --e2e --out "$RES/e2e" > "$RES/e2e.txt" 2>&1
+    e2e)   timeout ${!limit_var:-420} python3 -m tigon.cli bench --e2e ${E2E_IMPLS:+--e2e-impls $E2E_IMPLS} --out "$RES/e2e" > "$RES/e2e.txt" 2>&1
            tail -15 "$RES/e2e.txt" ;;
     small) timeout ${!limit_var:-420} python3 -m tigon.cli bench --e2e 1x1024 --e2e-impls eager peer tigon tigon+graphs \
              --out "$RES/e2e_1x1024" > "$RES/e2e_1x1024.txt" 2>&1
