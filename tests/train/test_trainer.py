@@ -160,3 +160,26 @@ def test_unwrap_model_walks_each_model_once(tokenizer, tmp_path, monkeypatch):
         # Once per model and arguments (the Trainer asked for its model already): accelerate
         # walks every module each time.
         assert len(walks) == 2, step
+
+
+def test_gradients_are_zeroed_without_walking_the_model(tokenizer, tmp_path, monkeypatch):
+    """Between optimizer steps the trainable parameters' gradients go (the only ones there are),
+    without model.zero_grad's walk over every module and parameter; nothing stays on the model."""
+    data = rows(tokenizer, 12, random.Random())
+    t = trainer(tokenizer, tmp_path, data, "no")
+    walks = []
+    real = torch.nn.Module.zero_grad
+    monkeypatch.setattr(torch.nn.Module, "zero_grad", lambda self, *a, **k: walks.append(self) or real(self, *a, **k))
+    seen = []
+    real_step = torch.optim.AdamW.step
+
+    def step(self, *args, **kwargs):
+        seen.append([p.grad is not None for p in t.model.parameters() if p.requires_grad])
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    t.train()
+    assert len(seen) == 3 and all(all(flags) for flags in seen)
+    assert walks == []
+    assert all(p.grad is None for p in t.model.parameters())
+    assert "zero_grad" not in vars(t.model)
