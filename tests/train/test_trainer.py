@@ -109,7 +109,13 @@ def test_clipping_uses_the_trainable_parameters_once_collected(tokenizer, tmp_pa
     t.training_step(t.model, dict(batch))
     grads = [p.grad.clone() for p in t.model.parameters() if p.grad is not None]
     expected = torch.nn.utils.get_total_norm(grads)
+    t.args.max_grad_norm = float(expected) / 3  # the clip scales every gradient
+    monkeypatch.setattr(type(t.accelerator), "_clip_grad_norm_dtensor_aware",
+                        lambda *a, **k: pytest.fail("a pass over every parameter for its DTensor mesh"))
     assert float(t._clip_grad_norm(t.model)) == pytest.approx(float(expected), rel=1e-6)
+    clipped = [p.grad for p in t.model.parameters() if p.grad is not None]
+    for got, grad in zip(clipped, grads, strict=True):
+        torch.testing.assert_close(got, grad / 3, rtol=1e-5, atol=1e-7)
     monkeypatch.setattr(type(t.model), "parameters", lambda *a, **k: pytest.fail("parameters walked again"))
     t._clip_grad_norm(t.model)
 
