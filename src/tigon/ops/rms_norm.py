@@ -199,6 +199,29 @@ class NormedInput(NamedTuple):
             return rms_norm(self.source, self.weight, self.eps, offset=self.offset, casting=self.casting)
 
 
+def keep_normed(ctx, x: torch.Tensor, normed: NormedInput | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What an op consuming `x` saves of it for backward: `x`, or, when `normed` says `x` is an
+    RMSNorm's output, that norm's input and weight (kept by the norm anyway), which
+    :func:`restore_normed` renormalises. Save both tensors it returns. An `x` that needs no gradient
+    came from a norm that saved nothing (its input and weight frozen, as a first layer's are under
+    LoRA): it is kept itself."""
+    if normed is None or not x.requires_grad:
+        ctx.norm_config = None
+        return x, None
+    ctx.norm_config = (normed.eps, normed.offset, normed.casting, x.dtype)
+    return normed.source, normed.weight
+
+
+def restore_normed(ctx, first: torch.Tensor, second: torch.Tensor | None) -> torch.Tensor:
+    """`x` again from the two tensors :func:`keep_normed` returned, saved and unpacked: the same
+    kernel on the same rows, so bit for bit the forward's (in `x`'s dtype, which an autocast cast
+    before the op may have made other than the norm's; in the norm input's shape)."""
+    if ctx.norm_config is None:
+        return first
+    eps, offset, casting, dtype = ctx.norm_config
+    return NormedInput(first, second, eps, offset, casting).recompute().to(dtype)
+
+
 def check_normed_input(x: torch.Tensor, normed_input: NormedInput) -> None:
     """Raise ValueError unless `normed_input` can say how `x` was normed: a NormedInput whose
     source has x's shape and device and whose weight (if any) is a vector of x's width."""

@@ -13,8 +13,9 @@ mean) and the copies asynchronous. The loss read at each log is the one wait lef
 
 What is left of a step's host time outside the model is the Trainer's bookkeeping; four walks
 over every module and parameter per step (counting parameters for the FLOP total, putting the
-model in training mode, collecting parameters to clip, zeroing gradients) are done once instead. For LoRA the host,
-not the GPU, sets the step time, so each millisecond of Python is a millisecond per step.
+model in training mode, collecting parameters to clip, zeroing gradients) are done once instead.
+For LoRA the host, not the GPU, sets the step time, so each millisecond of Python is a
+millisecond per step.
 
 accelerate's ``unwrap_model`` walks every module on each call; its answer is kept per model.
 

@@ -19,7 +19,7 @@ import torch.nn.functional as torch_f
 from tigon.ops._checks import KERNEL_DTYPES, check_choice, check_device, check_float
 from tigon.ops._dispatch import Op, autocast_dtype, backward_fallback, empty_if, library_op
 from tigon.ops.glu import ACTIVATIONS, glu_backward, glu_forward, glu_reference
-from tigon.ops.rms_norm import NormedInput, check_normed_input
+from tigon.ops.rms_norm import NormedInput, check_normed_input, keep_normed, restore_normed
 
 
 def glu_mlp_reference(
@@ -103,15 +103,9 @@ def glu_mlp_backward(
     return grads
 
 
-def _input(ctx, saved) -> torch.Tensor:
-    """The MLP's input: kept, or renormalised from the norm's source."""
-    kept = saved[8:]
-    return NormedInput(*kept, *ctx.norm_config).recompute() if ctx.norm_config is not None else kept[0]
-
-
 def _reference_point(ctx, saved):
     gate_weight, up_weight, down_weight, *biases = saved[2:8]
-    inputs = (_input(ctx, saved), gate_weight, up_weight, down_weight, *biases, ctx.activation, None, None, None, None)
+    inputs = (restore_normed(ctx, *saved[8:]), gate_weight, up_weight, down_weight, *biases, ctx.activation, None, None)
     return GLU_MLP, lambda *args: glu_mlp_reference(*args[:8]), inputs
 
 
@@ -120,14 +114,13 @@ class _GLUMLPFunction(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation,
-                norm_source, norm_weight, norm_config, recompute):
+                normed, recompute):
         out, gate, up = glu_mlp_forward(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation)
-        # With a norm source, x itself is not kept: backward renormalises the source.
-        kept = (norm_source, norm_weight) if norm_source is not None else (x,)
         if recompute:
             gate = up = None
-        ctx.save_for_backward(gate, up, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, *kept)
-        ctx.activation, ctx.norm_config = activation, norm_config
+        ctx.save_for_backward(gate, up, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias,
+                              *keep_normed(ctx, x, normed))
+        ctx.activation = activation
         return out
 
     @staticmethod
@@ -138,7 +131,7 @@ class _GLUMLPFunction(torch.autograd.Function):
 
         @functools.cache  # formed at most once
         def input_rows() -> torch.Tensor:
-            x = _input(ctx, saved)
+            x = restore_normed(ctx, *saved[8:])
             return x.reshape(-1, x.shape[-1])
 
         if gate is None:  # recompute
@@ -149,7 +142,7 @@ class _GLUMLPFunction(torch.autograd.Function):
         )
         if grads[0] is not None:
             grads[0] = grads[0].view(*grad_out.shape[:-1], grads[0].shape[-1])
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None)
 
 
 def _check_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation) -> str | None:
@@ -188,9 +181,8 @@ def _check_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_
 
 def _glu_mlp_kernel(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, normed_input,
                     recompute):
-    norm = (None, None, None) if normed_input is None else (*normed_input[:2], tuple(normed_input[2:]))
     return _GLUMLPFunction.apply(
-        x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, *norm, recompute
+        x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, normed_input, recompute
     )
 
 

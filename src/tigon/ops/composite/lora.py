@@ -57,7 +57,7 @@ from tigon.ops._checks import check_device, check_float, check_input, check_vect
 from tigon.ops._dispatch import Op, autocast_dtype
 from tigon.ops.dequantize import QuantizedWeight, check_quantized, dequantize_reference, dequantized
 from tigon.ops.dora import DORA_NORM, DORA_SCALE, DORA_SCALE_BACKWARD, dora_norm_reference, dora_scale_reference
-from tigon.ops.rms_norm import NormedInput, check_normed_input
+from tigon.ops.rms_norm import NormedInput, check_normed_input, keep_normed, restore_normed
 
 
 class LoraProjection(NamedTuple):
@@ -352,29 +352,6 @@ def lora_backward_from_input(
             flat_grads[i * width] = torch.mm(dy.t(), x2d)
 
 
-def keep_rows(ctx, x2d: torch.Tensor, normed: NormedInput | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """What a LoRA op saves of its input rows `x2d` (for the A and base-weight gradients): the rows,
-    or, when `normed` says they are an RMSNorm's output, that norm's input and weight, which
-    :func:`kept_rows` renormalises. Save both tensors it returns. Rows that need no gradient came
-    from a norm that saved nothing (its input and weight frozen, as a first layer's are under
-    LoRA): they are kept themselves."""
-    if normed is None or not x2d.requires_grad:
-        ctx.norm_config = None
-        return x2d, None
-    ctx.norm_config = (normed.eps, normed.offset, normed.casting, x2d.dtype)
-    return normed.source, normed.weight
-
-
-def kept_rows(ctx, first: torch.Tensor, second: torch.Tensor | None) -> torch.Tensor:
-    """The input rows again from the two tensors :func:`keep_rows` returned (saved and unpacked):
-    the same kernel on the same rows, so bit for bit the forward's (cast to its dtype, as the op's
-    autocast cast made them)."""
-    if ctx.norm_config is None:
-        return first
-    eps, offset, casting, dtype = ctx.norm_config
-    return rows_view(NormedInput(first, second, eps, offset, casting).recompute()).to(dtype)
-
-
 class _LoraGroupFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, normed, *flat):
@@ -382,7 +359,7 @@ class _LoraGroupFunction(torch.autograd.Function):
         projections, ctx.adapter_dtypes = adapters_in(x.dtype, own)
         x2d = rows_view(x)
         outs, xa, doras = lora_group_forward(x2d, projections, own)
-        save_projections(ctx, (*keep_rows(ctx, x2d, normed), xa), projections, dora_saved(doras))
+        save_projections(ctx, (*keep_normed(ctx, x2d, normed), xa), projections, dora_saved(doras))
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not a zero tensor
         ctx.lead_shape = x.shape[:-1]
         return tuple(out.view(*x.shape[:-1], out.shape[-1]) for out in outs)
@@ -390,7 +367,7 @@ class _LoraGroupFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outs):
         (*rows, xa), projections, doras = load_projections(ctx, ctx.saved_tensors)
-        x2d = kept_rows(ctx, *rows)
+        x2d = rows_view(restore_normed(ctx, *rows))
         grads = [None if g is None else rows_view(g) for g in grad_outs]
         needs = (ctx.needs_input_grad[0], *ctx.needs_input_grad[2:])  # x's, then the projections' fields'
         grad_x, flat_grads = lora_group_backward(x2d, xa, grads, projections, needs, dora_restored(doras))

@@ -46,8 +46,6 @@ from tigon.ops.composite.lora import (
     lora_forward,
     lora_group_backward,
     lora_group_forward,
-    keep_rows,
-    kept_rows,
     lora_linear_reference,
     projections_for_autocast,
     save_projections,
@@ -55,7 +53,7 @@ from tigon.ops.composite.lora import (
 )
 from tigon.ops.dora import DORA_SCALE
 from tigon.ops.glu import ACTIVATIONS, glu_backward, glu_forward, glu_op, glu_reference
-from tigon.ops.rms_norm import NormedInput, check_normed_input
+from tigon.ops.rms_norm import NormedInput, check_normed_input, keep_normed, restore_normed
 
 
 def lora_gated_mlp_reference(x: torch.Tensor, activation: str, *flat) -> torch.Tensor:
@@ -73,7 +71,7 @@ def _reference(x: torch.Tensor, activation: str, recompute: bool, normed: Normed
 
 def _reference_point(ctx, saved):
     (*rows, _, _, _, _), projections, _ = load_projections(ctx, saved)
-    x2d = kept_rows(ctx, *rows)
+    x2d = rows_view(restore_normed(ctx, *rows))
     x = x2d.view(*ctx.lead_shape, x2d.shape[1])
     return LORA_GATED_MLP, _reference, (x, ctx.activation, ctx.recompute, None, *flatten_projections(projections))
 
@@ -106,7 +104,7 @@ class _LoraGatedMLPFunction(torch.autograd.Function):
         ctx.recompute = recompute and gate_up_doras == [None, None]
         kept = [None, None] if ctx.recompute else [_kept(t, dora) for t, dora in zip((gate, up), gate_up_doras)]
         doras = dora_saved([*gate_up_doras, down_dora])
-        save_projections(ctx, (*keep_rows(ctx, x2d, normed), *kept, xa, ha), [gate_proj, up_proj, down_proj], doras)
+        save_projections(ctx, (*keep_normed(ctx, x2d, normed), *kept, xa, ha), [gate_proj, up_proj, down_proj], doras)
         ctx.activation = activation
         ctx.lead_shape = x.shape[:-1]
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -115,7 +113,7 @@ class _LoraGatedMLPFunction(torch.autograd.Function):
     @backward_fallback(_reference_point)
     def backward(ctx, saved, grad_out):
         (*rows, gate, up, xa, ha), (gate_proj, up_proj, down_proj), dora_tensors = load_projections(ctx, saved)
-        x2d = kept_rows(ctx, *rows)
+        x2d = rows_view(restore_normed(ctx, *rows))
         gate_dora, up_dora, down_dora = dora_restored(dora_tensors)
         if ctx.recompute:
             (gate, up), _, _ = lora_group_forward(x2d, [gate_proj, up_proj], xa=xa)
