@@ -16,6 +16,8 @@ COPY_BYTES_PER_S = 4.2e12
 
 
 def main() -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("dequant_bench.py: times CUDA kernels: run it on a machine with a GPU")
     torch.manual_seed(0)
     weight = torch.randn(14336, 4096, dtype=torch.bfloat16, device="cuda") * 0.02
     data, state = bnbf.quantize_4bit(weight, blocksize=64, quant_type="nf4", compress_statistics=True)

@@ -87,6 +87,9 @@ class PeakRecord:
 
 
 def main() -> int:
+    if not torch.cuda.is_available():
+        print("memory_peak_gpu.py: the allocator's record is CUDA's: run it on a machine with a GPU", file=sys.stderr)
+        return 2
     from transformers import TrainerCallback
 
     from tigon import cli

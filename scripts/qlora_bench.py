@@ -156,6 +156,8 @@ def main() -> None:
     parser.add_argument("--inspect", nargs="*", choices=["memory", "profile"], default=[],
                         help="after the timed steps: what is live at a step's memory peak, the kernels of two steps")
     args = parser.parse_args()
+    if args.inspect and not torch.cuda.is_available():
+        parser.error("--inspect reads CUDA's allocator record and kernel profile: run it on a machine with a GPU")
 
     import tigon
 
