@@ -1,8 +1,10 @@
 """Where one end-to-end training step (tigon bench --e2e's model and batch) spends GPU time and
 what is alive at its memory peak.
 
-Usage (GPU): PYTHONPATH=src python3 scripts/profile_e2e.py [full|lora] [--eager] [--off SWITCH ...] [--ops]
-Prints the kernels by total GPU time, grouped by family, where the GPU sits idle between kernels
+Usage (GPU): PYTHONPATH=src python3 scripts/profile_e2e.py [full|lora] [--eager] [--graphs] [--off SWITCH ...] [--ops]
+With --graphs the model runs under torch.compile's CUDA-graph mode (`tigon sft --cuda-graphs`) and the
+step reads its loss after backward, as `tigon bench --e2e` and the Trainer do; the host's time in
+each phase of the step is printed first. Prints the kernels by total GPU time, grouped by family, where the GPU sits idle between kernels
 (by tenth of the step, and the longest gaps), and the live allocations at the step's peak grouped
 by the innermost tigon/transformers/peft/torch.optim frame that made them.
 """
@@ -22,6 +24,7 @@ parser.add_argument("mode", choices=("full", "lora"), nargs="?", default="full")
 parser.add_argument("--eager", action="store_true", help="profile the unpatched model")
 parser.add_argument("--off", nargs="+", default=[], choices=SWITCHES,
                     help="tigon.patch switches to turn off")
+parser.add_argument("--graphs", action="store_true", help="under torch.compile(mode='reduce-overhead')")
 parser.add_argument("--batch", type=int, default=4)
 parser.add_argument("--seq", type=int, default=2048)
 parser.add_argument("--trace", metavar="FILE", help="also write a Chrome trace of one step (CPU + GPU, Python stacks)")
@@ -36,23 +39,38 @@ if not args.eager:
 model.train()
 optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
 ids = torch.randint(0, LLAMA_1B["vocab_size"], (args.batch, args.seq), device=device)
+step_model = torch.compile(model, mode="reduce-overhead") if args.graphs else model
+PHASES = ("optimizer", "zero_grad", "forward", "backward", "loss read")
+phase_s = collections.defaultdict(list)
 
 
 def step():
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
+    marks = [time.perf_counter()]
     optimizer.step()
+    marks.append(time.perf_counter())
     optimizer.zero_grad(set_to_none=True)
+    marks.append(time.perf_counter())
+    torch.compiler.cudagraph_mark_step_begin()
+    loss = step_model(input_ids=ids, labels=ids).loss
+    marks.append(time.perf_counter())
+    loss.backward()
+    marks.append(time.perf_counter())
+    loss.item()  # where the Trainer reads it (its NaN check)
+    marks.append(time.perf_counter())
+    for name, begin, end in zip(PHASES, marks, marks[1:]):
+        phase_s[name].append(end - begin)
 
 
-for _ in range(3):
+for _ in range(4):
     step()
 torch.cuda.synchronize()
+phase_s.clear()
 start = time.perf_counter()
-for _ in range(5):
+for _ in range(10):
     step()
 torch.cuda.synchronize()
-print(f"step {1e3 * (time.perf_counter() - start) / 5:.1f} ms wall")
+print(f"step {1e3 * (time.perf_counter() - start) / 10:.1f} ms wall; host ms per phase (median; the loss read "
+      "waits for the GPU): " + ", ".join(f"{name} {1e3 * sorted(t)[len(t) // 2]:.2f}" for name, t in phase_s.items()))
 
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
     step()

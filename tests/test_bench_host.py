@@ -22,17 +22,20 @@ def test_host_bench_runs_and_compares(tmp_path):
     assert json.loads((tmp_path / "host.json").read_text())["results"][0]["op"] == "rms_norm"
 
 
-def test_time_calls_drops_grads_and_counts_calls():
+def test_time_calls_drops_grads_counts_calls_and_takes_turns():
     x = torch.ones(3, requires_grad=True)
     calls = []
 
-    def step():
-        assert x.grad is None
-        calls.append(1)
-        (2 * x).sum().backward()
+    def step(name):
+        def run():
+            assert x.grad is None
+            calls.append(name)
+            (2 * x).sum().backward()
+        return run
 
-    issue, wall = time_calls(step, torch.device("cpu"), calls=3, rounds=2, leaves=[x])
-    assert len(calls) == 9 and 0 < issue <= wall
+    times = time_calls({"a": step("a"), "b": step("b")}, torch.device("cpu"), calls=3, rounds=2, leaves=[x])
+    assert calls == (["a"] * 3 + ["b"] * 3) * 3  # a warm-up round, then two timed, the steps in turn
+    assert set(times) == {"a", "b"} and all(0 < issue <= wall for issue, wall in times.values())
 
 
 def test_host_bench_rejects_unknown_op_and_bad_counts(capsys):

@@ -47,26 +47,29 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_calls(step: Callable[[], None], device: torch.device, calls: int, rounds: int,
-               leaves: Sequence[torch.Tensor] = ()) -> tuple[float, float]:
-    """(issue, wall) microseconds per call of `step`, medians over `rounds` rounds of `calls`
-    calls after one warm-up round; the `.grad` of `leaves` is dropped before each call, as a
-    training step's zero_grad does."""
-    issue, wall = [], []
+def time_calls(steps: dict[str, Callable[[], None]], device: torch.device, calls: int, rounds: int,
+               leaves: Sequence[torch.Tensor] = ()) -> dict[str, tuple[float, float]]:
+    """(issue, wall) microseconds per call of each of `steps`, medians over `rounds` rounds of
+    `calls` calls after one warm-up round; the `.grad` of `leaves` is dropped before each call, as a
+    training step's zero_grad does. The steps take turns within each round, so that a host whose
+    speed drifts during the run (clock boost, a noisy neighbour) moves every figure alike."""
+    issue: dict[str, list[float]] = {name: [] for name in steps}
+    wall: dict[str, list[float]] = {name: [] for name in steps}
     for round_ in range(rounds + 1):
-        _sync(device)
-        start = time.perf_counter()
-        for _ in range(calls):
-            for leaf in leaves:
-                leaf.grad = None
-            step()
-        issued = time.perf_counter()
-        _sync(device)
-        done = time.perf_counter()
-        if round_:  # the first round compiles and warms caches
-            issue.append((issued - start) * 1e6 / calls)
-            wall.append((done - start) * 1e6 / calls)
-    return statistics.median(issue), statistics.median(wall)
+        for name, step in steps.items():
+            _sync(device)
+            start = time.perf_counter()
+            for _ in range(calls):
+                for leaf in leaves:
+                    leaf.grad = None
+                step()
+            issued = time.perf_counter()
+            _sync(device)
+            done = time.perf_counter()
+            if round_:  # the first round compiles and warms caches
+                issue[name].append((issued - start) * 1e6 / calls)
+                wall[name].append((done - start) * 1e6 / calls)
+    return {name: (statistics.median(issue[name]), statistics.median(wall[name])) for name in steps}
 
 
 def host_one(name: str, dtype: torch.dtype, device: torch.device, impls: Sequence[str], calls: int,
@@ -79,9 +82,9 @@ def host_one(name: str, dtype: torch.dtype, device: torch.device, impls: Sequenc
     args = op.make_inputs(size, dtype, device)
     leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
     grads = [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in _outputs(op.eager(*args))]
-    records = []
+    records = {impl: {"op": name, "size": "x".join(map(str, size)), "impl": impl} for impl in impls}
+    steps = {}
     for impl in impls:
-        record: dict[str, Any] = {"op": name, "size": "x".join(map(str, size)), "impl": impl}
         try:
             if impl == "peer":
                 fn = op.peer()
@@ -89,16 +92,21 @@ def host_one(name: str, dtype: torch.dtype, device: torch.device, impls: Sequenc
                 fn = torch.compile(op.eager, dynamic=False)
             else:
                 fn = op.tigon if impl == "tigon" else op.eager
-            record["issue_us"], record["wall_us"] = time_calls(_fwd_bwd(fn, args, grads), device, calls, rounds, leaves)
+            step = _fwd_bwd(fn, args, grads)
+            step()  # one that fails here must not stop the others' rounds
+            steps[impl] = step
         except Exception as err:  # one failing implementation must not hide the others' numbers
-            record["error"] = f"{type(err).__name__}: {err}"
-        records.append(record)
-    by_impl = {r["impl"]: r for r in records if "issue_us" in r}
-    for record in records:
+            records[impl]["error"] = f"{type(err).__name__}: {err}"
+        for leaf in leaves:
+            leaf.grad = None
+    for impl, (issue, wall) in time_calls(steps, device, calls, rounds, leaves).items():
+        records[impl]["issue_us"], records[impl]["wall_us"] = issue, wall
+    by_impl = {impl: r for impl, r in records.items() if "issue_us" in r}
+    for record in records.values():
         for base in ("eager", "compile", "peer"):
             if "issue_us" in record and base in by_impl:
                 record[f"vs_{base}"] = record["issue_us"] / by_impl[base]["issue_us"]
-    return records
+    return list(records.values())
 
 
 def format_table(records: list[dict[str, Any]]) -> str:
@@ -138,7 +146,8 @@ def run_host(
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     env = environment(device)
     log(f"tigon bench --host on {env['device']} (torch {env['torch']}, triton {env['triton']}, {dtype}): "
-        f"microseconds per fwd+bwd call, median of {rounds} rounds of {calls} calls")
+        f"microseconds per fwd+bwd call, median of {rounds} rounds of {calls} calls, the implementations "
+        "taking turns")
     records: list[dict[str, Any]] = []
     for name in names:
         records += host_one(name, dtype, device, impls, calls, rounds)
