@@ -509,6 +509,69 @@ def _row_losses(logits, target, options, class_weight=None, want_z_loss=False, w
     return loss, lse, z_loss, argmax
 
 
+# Rows a program of the reduction reads at a time.
+REDUCE_BLOCK = 1024
+
+
+@launched
+@triton.jit
+def _ce_reduce_kernel(
+    loss_ptr, z_loss_ptr, target_ptr, class_weight_ptr, out_ptr,
+    n_rows, n_classes, ignore_index,
+    MEAN: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program writes (loss, z-loss, divisor) to out_ptr[0:3]: the sums of the rows' losses
+    and z-loss terms over the divisor, which for "mean" is the count of rows whose target is not
+    ignored (the sum of their targets' class weights), 1 where that is 0, else 1. One launch for
+    what is otherwise six small torch ops and two sums."""
+    loss_acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    z_loss_acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    count_acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, n_rows, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        in_rows = rows < n_rows
+        loss_acc += tl.load(loss_ptr + rows, mask=in_rows, other=0.0)
+        if HAS_Z_LOSS:
+            z_loss_acc += tl.load(z_loss_ptr + rows, mask=in_rows, other=0.0)
+        if MEAN:
+            target = tl.load(target_ptr + rows, mask=in_rows, other=ignore_index)
+            counted = in_rows & (target != ignore_index)
+            if HAS_WEIGHT:
+                # A target outside the classes weighs 0 here: its row's loss is NaN, and so the mean.
+                in_vocab = counted & (target >= 0) & (target < n_classes)
+                count_acc += tl.load(class_weight_ptr + target, mask=in_vocab, other=0.0)
+            else:
+                count_acc += counted.to(tl.float32)
+    divisor = 1.0
+    if MEAN:
+        count = tl.sum(count_acc, axis=0)
+        divisor = tl.where(count == 0.0, 1.0, count)
+    tl.store(out_ptr, tl.sum(loss_acc, axis=0) / divisor)
+    tl.store(out_ptr + 1, tl.sum(z_loss_acc, axis=0) / divisor)
+    tl.store(out_ptr + 2, divisor)
+
+
+def reduce_rows(loss, z_loss, target, reduction, ignore_index, class_weight):
+    """(loss, z-loss, divisor), 0-dim fp32 each, of the per-row `loss` and `z_loss` (or None) by
+    :data:`_ce_reduce_kernel`, for reduction "mean" or "sum"."""
+    out = torch.empty(3, dtype=torch.float32, device=loss.device)
+    n_rows = loss.numel()
+    _ce_reduce_kernel[(1,)](
+        loss, z_loss if z_loss is not None else loss, target.reshape(-1),
+        class_weight.weight if class_weight is not None else loss, out,
+        n_rows, class_weight.weight.shape[0] if class_weight is not None else 0, ignore_index,
+        MEAN=reduction == "mean",
+        HAS_Z_LOSS=z_loss is not None,
+        HAS_WEIGHT=class_weight is not None,
+        BLOCK=min(REDUCE_BLOCK, next_power_of_2(n_rows)),
+        num_warps=4,
+    )
+    return out.unbind()
+
+
 def _reference_point(ctx, saved):
     logits, target, _ = saved
     options, reduction, class_weight, wanted = ctx.config
@@ -524,7 +587,7 @@ def _reference_in_function_order(logits, target, class_weight, options, reductio
 
 
 class _CrossEntropyFunction(torch.autograd.Function):
-    """Returns (loss, z_loss, argmax), the last two empty unless `wanted` (a pair of bools) asks
+    """Returns (loss, z_loss, argmax), the last two None unless `wanted` (a pair of bools) asks
     for them; neither has a gradient."""
 
     @staticmethod
@@ -532,16 +595,12 @@ class _CrossEntropyFunction(torch.autograd.Function):
         loss, lse, z_loss, argmax = _row_losses(logits, target, options, class_weight, *wanted)
         ctx.save_for_backward(logits, target, lse)
         ctx.config = (options, reduction, class_weight, wanted)
-        z_loss = loss.new_empty(0) if z_loss is None else z_loss
-        argmax = target.new_empty(0, dtype=torch.int64) if argmax is None else argmax
         if reduction != "none":
-            if reduction == "mean":
-                weight = None if class_weight is None else class_weight.weight
-                ctx.denominator = mean_denominator(target, options.ignore_index, None, torch.float32, weight)
-            divisor = ctx.denominator if reduction == "mean" else 1
-            loss = loss.sum() / divisor
-            z_loss = z_loss.sum() / divisor if wanted[0] else z_loss
-        ctx.mark_non_differentiable(z_loss, argmax)
+            loss, reduced_z_loss, ctx.denominator = reduce_rows(
+                loss, z_loss, target, reduction, options.ignore_index, class_weight
+            )
+            z_loss = reduced_z_loss if z_loss is not None else None
+        ctx.mark_non_differentiable(*(t for t in (z_loss, argmax) if t is not None))
         return loss, z_loss, argmax
 
     @staticmethod
