@@ -173,6 +173,19 @@ def test_compiled_step_runs_the_kernels_without_graph_breaks(dynamic):
         assert_close(ours.grad, theirs.grad, name=f"grad {i}")
 
 
+def test_debug_mode_leaves_the_compiled_step_one_graph(monkeypatch):
+    """TIGON_DEBUG's host-side checks (the targets' range read back) run outside torch.compile
+    only: traced, they would break the step's graph (and under CUDA-graph replay each break is
+    host time between replays), and so would reading the environment on torch 2.11."""
+    monkeypatch.setenv("TIGON_DEBUG", "1")
+    params, x, target = _params(), _t(2, 5, 16, grad=True), _target(2, 5)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(_step, backend="aot_eager", fullgraph=True)
+    compiled(params, x, target, _t(5, 8), _t(5, 8)).backward()
+    assert not torch._dynamo.utils.counters["graph_break"]
+
+
 def _losses_of(out):
     """A fused op's output as (the tensors to differentiate, the detached metrics)."""
     if isinstance(out, tuple) and isinstance(out[1], dict):

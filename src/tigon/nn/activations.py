@@ -9,7 +9,6 @@ for full fine-tuning and LoRA alike.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -32,20 +31,27 @@ def config_activation_name(config: Any) -> str | None:
     return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
 
 
-@functools.lru_cache(maxsize=None)
+# Filled on first use (not an lru_cache: torch.compile traces the patched forwards that read it,
+# and warns of any cache wrapper it traces through).
+_MODULE_CLASSES: dict[type, str] = {}
+
+
 def _module_classes() -> dict[type, str]:
     """The module class transformers builds for each name of the table (``ACT2CLS``), and torch's
     SiLU, mapped to the kernel's activation."""
+    if _MODULE_CLASSES:
+        return _MODULE_CLASSES
     classes: dict[type, str] = {torch.nn.SiLU: "silu"}
     try:
         from transformers.activations import ACT2CLS
     except ImportError:
-        return classes
+        ACT2CLS = {}
     for name, activation in ACTIVATIONS.items():
         cls = ACT2CLS.get(name)
         if isinstance(cls, type):  # a (class, arguments) entry is a variant the kernels do not compute
             classes.setdefault(cls, activation)
-    return classes
+    _MODULE_CLASSES.update(classes)
+    return _MODULE_CLASSES
 
 
 def module_activation(module: Any) -> str | None:

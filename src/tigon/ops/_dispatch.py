@@ -97,7 +97,11 @@ _OPS: dict[str, "Op"] = {}
 
 def debug_enabled() -> bool:
     """Whether TIGON_DEBUG is set now (read on every call, cheaply): ops with host-side checks too
-    costly for the hot path (a device-to-host read) run them only then."""
+    costly for the hot path (a device-to-host read) run them only then. Never inside
+    torch.compile: those checks would break its graph where it traces them, and so would reading
+    the environment itself (torch 2.11's dynamo cannot trace the dict lookup)."""
+    if torch.compiler.is_compiling():
+        return False
     raw = _debug_value()
     return raw is not None and _flag(raw)
 
