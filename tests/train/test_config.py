@@ -146,8 +146,26 @@ def test_cuda_graphs_option_turns_on_torch_compiles_graph_mode(tmp_path):
     assert args.torch_compile and args.torch_compile_mode == "reduce-overhead"
     assert not training_arguments(SFTConfig(output_dir=str(tmp_path)), torch.float32, False).torch_compile
     parser = argparse.ArgumentParser()
-    add_sft_arguments(parser, RLHFConfig)  # tigon rlhf does not take it (yet): no silent no-op option
-    assert "--cuda-graphs" not in parser.format_help()
+    add_sft_arguments(parser, RLHFConfig)
+    rlhf = parser.parse_args(["--cuda-graphs", "--method", "dpo"])
+    assert rlhf.cuda_graphs
+    cfg = RLHFConfig(cuda_graphs=True, method="dpo", output_dir=str(tmp_path))
+    assert training_arguments(cfg, torch.float32, False).torch_compile_mode == "reduce-overhead"
+
+
+@pytest.mark.parametrize("method", ["grpo", "gkd"])
+def test_cuda_graphs_refuses_the_online_rlhf_methods(monkeypatch, method):
+    import torch
+
+    from tigon.train.config import RLHFConfig, resolve_rlhf
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the method is what is refused
+    with pytest.raises(SFTError, match=f"^--cuda-graphs: --method {method} generates completions in every step"):
+        resolve_rlhf(RLHFConfig(cuda_graphs=True, method=method))
+    assert resolve_rlhf(RLHFConfig(cuda_graphs=True, method="kto")).cuda_graphs
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SFTError, match="^--cuda-graphs needs a CUDA GPU"):
+        resolve_rlhf(RLHFConfig(cuda_graphs=True, method="dpo"))
 
 
 def test_quant_without_bitsandbytes_names_the_pip_install(monkeypatch):

@@ -405,6 +405,54 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, argv, messag
     assert not (tmp_path / "out").exists()
 
 
+def _sequence_log_probs(model, batch):
+    """Each sequence's summed log-prob of its answer tokens, from the model's logits."""
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits[:, :-1]
+    target = rlhf._targets(batch["input_ids"], batch["completion_mask"])
+    picked = logits.log_softmax(-1).gather(-1, target.clamp(min=0)[..., None])[..., 0]
+    return (picked * (target != -100)).sum(-1)
+
+
+@pytest.mark.parametrize("method", ["dpo", "kto"])
+def test_cuda_graphs_batches_have_one_shape_and_score_the_same(tiny_run, method):
+    """--cuda-graphs pads every batch to one shape (KTO's KL sequences to the longest a prompt
+    with another row's answer makes, as its trainer pairs them): the answers' log-probs are those
+    of the unpadded batch, and a row wider than the width is one clear error."""
+    root, tokenizer = tiny_run
+    cfg = resolve_rlhf(RLHFConfig(model=str(root / "m"), method=method, max_length=48, batch_size=4))
+    items = preference.load_preferences([str(root / "pairs.jsonl")], cfg.seed, method)
+    rows = preference.encode_all(tokenizer, items, cfg.max_length, None, "training data")
+    kto = method == "kto"
+    if kto:
+        rows = [{**row, "KL_completion_ids": answer}
+                for row, answer in zip(rows, rlhf.kl_answers([r["completion_ids"] for r in rows], cfg.batch_size))]
+    widths = rlhf.graph_widths(cfg, [rows])
+    plain_collate = rlhf.PreferenceCollator(tokenizer.pad_token_id, kto)
+    padded_collate = rlhf.PreferenceCollator(tokenizer.pad_token_id, kto, widths)
+    model = plain_model(root).eval()
+    natural_kl = []
+    for start in range(0, len(rows), cfg.batch_size):
+        features = rows[start:start + cfg.batch_size]
+        plain, padded = plain_collate(features), padded_collate(features)
+        assert padded[rlhf.NUM_TOKENS] == plain[rlhf.NUM_TOKENS]
+        assert padded["input_ids"].shape[1] == cfg.max_length and "attention_mask" in padded
+        assert torch.equal(padded["input_ids"][:, :plain["input_ids"].shape[1]], plain["input_ids"])
+        torch.testing.assert_close(_sequence_log_probs(model, padded), _sequence_log_probs(model, plain),
+                                   rtol=1e-5, atol=1e-5)
+        if kto:
+            assert padded["KL_input_ids"].shape[1] == widths["KL_"]
+            natural_kl.append(plain["KL_input_ids"].shape[1])
+            kl = {k[3:]: v for k, v in padded.items() if k.startswith("KL_")}
+            plain_kl = {k[3:]: v for k, v in plain.items() if k.startswith("KL_")}
+            torch.testing.assert_close(_sequence_log_probs(model, kl), _sequence_log_probs(model, plain_kl),
+                                       rtol=1e-5, atol=1e-5)
+    assert not kto or max(natural_kl) == widths["KL_"]  # the width is the longest KL sequence, no wider
+    narrow = rlhf.PreferenceCollator(tokenizer.pad_token_id, kto, {"": 8})
+    with pytest.raises(ValueError, match="^input_ids: a row of [0-9]+ tokens does not fit the collator's width 8$"):
+        narrow(rows[:cfg.batch_size])
+
+
 def test_packing_is_no_rlhf_option():
     with pytest.raises(SystemExit):
         main(["rlhf", "--packing"])
@@ -506,3 +554,25 @@ def test_gpu_steps_never_wait_for_the_device(tmp_path, monkeypatch, method, tune
                      "--samples", "0", "--output-dir", str(tmp_path / "out")]) == 0
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method, tuner", [("dpo", "lora"), ("dpo", "full"), ("kto", "lora")])
+def test_gpu_cuda_graphs_train_like_without(tmp_path, monkeypatch, method, tuner):
+    """`tigon rlhf --cuda-graphs` (the policy's and the reference's forwards and the backward
+    replayed as CUDA graphs, batches padded to one shape) takes the steps of the same run without
+    it, with gradient accumulation."""
+    monkeypatch.delenv("TIGON_DISABLE")  # the Triton paths, compiled
+    tokenizer = tiny.build_tokenizer(load_samples([str(tiny.BUNDLED_DATASET)], seed=0))
+    tiny.build_model(tokenizer, 0, hidden_size=256, intermediate_size=704, num_hidden_layers=2).save_pretrained(
+        tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    argv = ["--model", str(tmp_path / "m"), "--method", method, "--tuner", tuner, "--dtype", "bf16",
+            "--max-length", "96", "--batch-size", "4", "--grad-accum", "2", "--max-steps", "5", "--save-steps", "0",
+            "--samples", "0", "--lr", "1e-4"]
+    assert main(["rlhf", *argv, "--output-dir", str(tmp_path / "plain")]) == 0
+    assert main(["rlhf", *argv, "--output-dir", str(tmp_path / "graphs"), "--cuda-graphs"]) == 0
+    plain, graphs = records(tmp_path / "plain"), records(tmp_path / "graphs")
+    assert [r["step"] for r in graphs] == [r["step"] for r in plain] == [1, 2, 3, 4, 5]
+    for a, b in zip(graphs, plain):
+        assert a["loss"] == pytest.approx(b["loss"], rel=2e-2, abs=2e-3), a["step"]

@@ -399,7 +399,7 @@ class RLHFConfig(SFTConfig):
     """Every `tigon rlhf` setting: sft's (less --packing), with preference training's defaults, and
     the method with its constants. ``None`` means "the default for this run and method"."""
 
-    LEFT_OUT: ClassVar[tuple[str, ...]] = ("packing", "cuda_graphs")
+    LEFT_OUT: ClassVar[tuple[str, ...]] = ("packing",)
 
     dataset: list[str] | None = _opt(
         None, "preference files (.jsonl .json .csv .parquet): prompt/chosen/rejected, messages + rejected_response "
@@ -490,6 +490,9 @@ def resolve_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> RLHFConfig:
                                else 16 if builtin else 256),
         temperature=cfg.temperature if cfg.temperature is not None else _DEFAULT_TEMPERATURE.get(method, 1.0),
     )
+    if cfg.cuda_graphs and method in _ONLINE:
+        raise SFTError(f"--cuda-graphs: --method {method} generates completions in every step, of lengths no "
+                       f"captured graph can fix; it takes the offline methods ({', '.join(PREFERENCE_METHODS)})")
     cfg = resolve(cfg, given)
     for key, methods in _METHOD_KEYS.items():
         if key in given and method not in methods and getattr(cfg, key) != getattr(RLHFConfig, key, None):

@@ -178,6 +178,16 @@ class TigonDPOTrainer(_FusedPreference, TigonTrainer, DPOTrainer):
         return self._returned(loss, return_outputs)
 
 
+def kl_answers(answers: list[Any], batch_size: int) -> list[Any]:
+    """KTO's KL sequences' answers: each answer goes to the next prompt of its batch (the last to
+    the first), batch by batch as the sequential sampler will read them."""
+    moved: list[Any] = []
+    for start in range(0, len(answers), batch_size):
+        batch = answers[start:start + batch_size]
+        moved += batch[-1:] + batch[:-1]
+    return moved
+
+
 class TigonKTOTrainer(_FusedPreference, TigonTrainer, KTOTrainer):
     """TRL's KTOTrainer scoring its loss with `linear_preference_loss` (method kto). The KL
     baseline is TRL's: the policy's and the reference's log-prob sums of each prompt with the
@@ -187,14 +197,8 @@ class TigonKTOTrainer(_FusedPreference, TigonTrainer, KTOTrainer):
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         if not self.calculate_KL:
             return dataset
-        # Each answer goes to the next prompt of its batch (the last to the first), batch by batch
-        # as the sequential sampler will read them.
-        size, answers = args.per_device_train_batch_size, list(dataset["completion_ids"])
-        mismatched = []
-        for start in range(0, len(answers), size):
-            batch = answers[start:start + size]
-            mismatched += batch[-1:] + batch[:-1]
-        return dataset.add_column("KL_completion_ids", mismatched)
+        return dataset.add_column("KL_completion_ids", kl_answers(list(dataset["completion_ids"]),
+                                                                  args.per_device_train_batch_size))
 
     def _kl_inputs(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         ids = inputs["KL_input_ids"]
@@ -250,18 +254,38 @@ class PreferenceCollator:
     """TRL's collator for the method, less the attention masks of unpadded sequences (as sft's
     collator: without one the model runs plain causal attention and skips checking an all-ones
     mask on the device, which waits for it), and the batch's token count on the host
-    (`NUM_TOKENS`) for the progress bar's tokens/s."""
+    (`NUM_TOKENS`) for the progress bar's tokens/s.
 
-    def __init__(self, pad_token_id: int, kto: bool):
+    `widths` (``--cuda-graphs``) pads every batch to one shape: the sequences to ``widths[""]``
+    tokens, KTO's KL sequences to ``widths["KL_"]``, masks kept, so that each step replays the
+    same graphs."""
+
+    _PADDED = ("input_ids", "attention_mask", "completion_mask")
+
+    def __init__(self, pad_token_id: int, kto: bool, widths: dict[str, int] | None = None):
         self.collate = (DataCollatorForUnpairedPreference if kto else DataCollatorForPreference)(pad_token_id)
+        self.pad_token_id = pad_token_id
+        self.widths = widths
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         batch = self.collate(features)
-        for key in ("attention_mask", "KL_attention_mask"):
-            if key in batch and bool(batch[key].all()):  # a host tensor: no device to wait for
-                del batch[key]
+        if self.widths is None:
+            for key in ("attention_mask", "KL_attention_mask"):
+                if key in batch and bool(batch[key].all()):  # a host tensor: no device to wait for
+                    del batch[key]
+        else:
+            for prefix, width in self.widths.items():
+                for key in (prefix + name for name in self._PADDED):
+                    if key in batch:
+                        batch[key] = self._padded(batch[key], width, key)
         batch[NUM_TOKENS] = sum(preference.sequence_tokens(f)[0] for f in features)
         return batch
+
+    def _padded(self, rows: torch.Tensor, width: int, key: str) -> torch.Tensor:
+        if rows.shape[1] > width:
+            raise ValueError(f"{key}: a row of {rows.shape[1]} tokens does not fit the collator's width {width}")
+        value = self.pad_token_id if key.endswith("input_ids") else 0
+        return torch.nn.functional.pad(rows, (0, width - rows.shape[1]), value=value)
 
 
 # --- the run ------------------------------------------------------------------------------------
@@ -293,6 +317,20 @@ def _arguments(cfg: RLHFConfig, dtype: torch.dtype, has_eval: bool) -> Any:
     else:
         extra.update(loss_type=[_TRL_LOSS_TYPE.get(cfg.method, "sigmoid")], label_smoothing=cfg.label_smoothing)
     return training_arguments(cfg, dtype, has_eval, cls=cls, **extra)
+
+
+def graph_widths(cfg: RLHFConfig, datasets: list[list[dict[str, Any]]]) -> dict[str, int]:
+    """The collator's widths under --cuda-graphs (:class:`PreferenceCollator`): --max-length, which
+    every prompt + answer fits, and for KTO the longest of its KL sequences (a prompt with another
+    row's answer), said in the log."""
+    widths = {"": cfg.max_length}
+    if cfg.method == "kto":
+        widths["KL_"] = max(len(row["prompt_ids"]) + len(answer) for rows in datasets if rows
+                            for row, answer in zip(rows, kl_answers([r["completion_ids"] for r in rows],
+                                                                    cfg.batch_size)))
+    log.info("--cuda-graphs: every sequence padded to %d tokens%s (one shape for every batch)", cfg.max_length,
+             f", every KL sequence to {widths['KL_']}" if "KL_" in widths else "")
+    return widths
 
 
 def _dataset(rows: list[dict[str, Any]]) -> Any:
@@ -345,12 +383,14 @@ def _run(cfg: RLHFConfig) -> Path:
     kto = cfg.method == "kto"
     reference = cfg.method in REFERENCE_METHODS and not cfg.precompute_ref_log_probs
 
+    widths = graph_widths(cfg, [train_rows, eval_rows or []]) if cfg.cuda_graphs else None
+
     def trainer(built: Built, args: Any) -> Any:
         cls = TigonKTOTrainer if kto else TigonDPOTrainer
         return cls(model=built.model, ref_model=built.reference, args=args, train_dataset=train_data,
                    eval_dataset=eval_data, processing_class=tokenizer,
-                   data_collator=PreferenceCollator(tokenizer.pad_token_id, kto), save_limit=cfg.save_limit,
-                   loss=loss_options(cfg))
+                   data_collator=PreferenceCollator(tokenizer.pad_token_id, kto, widths), save_limit=cfg.save_limit,
+                   loss=loss_options(cfg), cuda_graphs=cfg.cuda_graphs)
 
     def flops(model: torch.nn.Module, seq_len: float) -> float:
         # Per trained token: the policy's training step, plus the forwards without gradient that
