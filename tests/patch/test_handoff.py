@@ -42,6 +42,28 @@ def test_slot_holds_by_identity_until_taken_dropped_or_freed():
     assert single.get(b) is None and single.get(c) == 2
 
 
+def test_slots_are_untouched_inside_torch_compile():
+    """Inside torch.compile no slot is written, dropped included: a traced drop keyed by a
+    tensor's identity broke the graph of every patched forward that lends a slot on torch 2.11
+    (its dynamo cannot take id() of a tensor there), and a traced write would replay as a side
+    effect on every call."""
+    slot = handoff.Slot("test")
+    held, lent = torch.zeros(3), torch.ones(2)
+    slot.put(held, "kept")
+
+    def step(x):
+        slot.drop(held)
+        with slot.lent(x, "lent"):
+            return x * 2
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(step, backend="eager", fullgraph=True)(lent)
+    finally:
+        torch._dynamo.reset()
+    assert slot.get(held) == "kept" and len(slot) == 1
+
+
 def _keys(model):
     return {name: set(vars(module)) for name, module in model.named_modules()}
 

@@ -119,6 +119,8 @@ class Slot:
         return entry[1] if entry is not None and entry[0]() is key else None
 
     def drop(self, key: Any) -> None:
+        if not available():  # nothing was put; and torch 2.11's dynamo breaks the graph at id(tensor)
+            return
         entry = self._entries.get(id(key))
         if entry is not None and entry[0]() is key:
             del self._entries[id(key)]
