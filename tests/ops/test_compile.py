@@ -360,7 +360,10 @@ def test_reasons_to_run_the_reference_are_decided_when_tracing(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_compiled_training_step_of_a_patched_llama_runs_tigons_kernels():
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_compiled_training_step_of_a_patched_llama_runs_tigons_kernels(lora):
+    """One graph (the device's torch broke it where this machine's does not: an id() of a tensor
+    in a hand-off), tigon's kernels inside, eager's loss and gradients."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
@@ -368,6 +371,12 @@ def test_compiled_training_step_of_a_patched_llama_runs_tigons_kernels():
     )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).cuda().train()
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                 "gate_proj", "up_proj", "down_proj"]))
     compiled_model = copy.deepcopy(model)
     tigon.patch(model)
     tigon.patch(compiled_model)
@@ -383,6 +392,7 @@ def test_compiled_training_step_of_a_patched_llama_runs_tigons_kernels():
     torch._dynamo.utils.counters.clear()
     compiled = torch.compile(compiled_model)
     step(compiled)  # compiles
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     compiled_model.zero_grad()
     with kernel_launches() as launches:
         got = step(compiled)
@@ -390,4 +400,5 @@ def test_compiled_training_step_of_a_patched_llama_runs_tigons_kernels():
     assert launches["_rms_norm_fwd_kernel"] and launches["_rope_kernel"] and launches["_ce_fwd_kernel"], launches
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     for (name, ours), theirs in zip(compiled_model.named_parameters(), model.parameters()):
-        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-3, atol=1e-4, msg=name)
+        if theirs.requires_grad:
+            torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-3, atol=1e-4, msg=name)
