@@ -3,7 +3,9 @@ implementation, the plain-launch time (`do_bench`, as `tigon bench` takes it), t
 the host's time to issue one fwd+bwd (on an idle GPU, split at the forward's return), and from a
 profiler trace the GPU's kernels of one call with the idle gaps between them.
 
-Usage (GPU): PYTHONPATH=src python3 scripts/launch_timeline.py [rms_norm rope swiglu ...] [--impls tigon peer compile]
+Usage (GPU): PYTHONPATH=src python3 scripts/launch_timeline.py [rms_norm rope:8x32x8x2048x128 ...]
+                 [--impls tigon peer compile eager]
+Each op at its first registered size (its TARGETS.md shape) unless NAME:SIZE gives one.
 """
 
 import argparse
@@ -14,11 +16,11 @@ import torch
 
 import tigon.bench.ops  # noqa: F401  (registers the bench ops)
 from tigon.bench.harness import _fwd_bwd, _outputs
-from tigon.bench.registry import BENCH_OPS
+from tigon.bench.registry import BENCH_OPS, parse_size
 from tigon.timing import time_ms
 
 parser = argparse.ArgumentParser()
-parser.add_argument("ops", nargs="*", default=["rms_norm", "rope", "swiglu"])
+parser.add_argument("ops", nargs="*", default=["rms_norm", "rope", "swiglu"], metavar="NAME[:SIZE]")
 parser.add_argument("--impls", nargs="+", default=["tigon", "peer", "compile"])
 args = parser.parse_args()
 device = torch.device("cuda")
@@ -70,9 +72,10 @@ def kernel_timeline(step, leaves, reps=12):
     return rows, prev_end - fill_end
 
 
-for name in args.ops:
+for case in args.ops:
+    name, _, size_text = case.partition(":")
     op = BENCH_OPS[name]
-    size = op.sizes[0]
+    size = parse_size(size_text) if size_text else op.sizes[0]
     torch.manual_seed(0)
     inputs = op.make_inputs(size, torch.bfloat16, device)
     leaves = [a for a in inputs if isinstance(a, torch.Tensor) and a.requires_grad]

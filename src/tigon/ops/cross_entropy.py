@@ -524,9 +524,9 @@ def _ce_reduce_kernel(
     BLOCK: tl.constexpr,
 ):
     """One program writes (loss, z-loss, divisor) to out_ptr[0:3]: the sums of the rows' losses
-    and z-loss terms over the divisor, which for "mean" is the count of rows whose target is not
-    ignored (the sum of their targets' class weights), 1 where that is 0, else 1. One launch for
-    what is otherwise six small torch ops and two sums."""
+    and z-loss terms over the divisor. For "mean" the divisor is the count of rows whose target is
+    not ignored (with class weights, the sum of their targets' weights), or 1 where that is 0; for
+    "sum" it is 1. One launch for what is otherwise six small torch ops and two sums."""
     loss_acc = tl.zeros((BLOCK,), dtype=tl.float32)
     z_loss_acc = tl.zeros((BLOCK,), dtype=tl.float32)
     count_acc = tl.zeros((BLOCK,), dtype=tl.float32)
