@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import inspect
 
@@ -533,6 +534,50 @@ def test_positions_it_makes_need_no_look_for_packed_sequences(model_type, monkey
     assert masking_utils.find_packed_sequence_indices is not spy
     tigon.unpatch(model)
     assert masking_utils.find_packed_sequence_indices is spy
+
+
+def test_a_captured_causal_mask_without_padding_is_left_to_sdpa(monkeypatch):
+    """Inside a CUDA-graph capture (``--cuda-graphs``), a causal mask with no padding over as many
+    keys as queries is SDPA's ``is_causal``, as outside one: transformers, counting the capture as
+    tracing, would build the full mask. Padding, a local window, a query shorter than the keys,
+    and any call outside a capture get transformers' own answer; unpatching restores it."""
+    from transformers import masking_utils
+
+    from tigon.patch.forwards import captured_causal_mask_skip
+
+    asked = []
+    real = masking_utils._ignore_causal_mask_sdpa
+
+    @functools.wraps(real)
+    def spy(*args, **kwargs):
+        asked.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", spy)
+    names = list(inspect.signature(real).parameters)
+    values = {"padding_mask": None, "q_length": 16, "query_length": 16, "kv_length": 16, "q_offset": 0,
+              "kv_offset": 0, "local_attention_size": None}
+
+    def call(fn, **changes):
+        return fn(**{n: changes.get(n, values[n]) for n in names})
+
+    model = tiny_model("llama")
+    tigon.patch(model)
+    skip = masking_utils._ignore_causal_mask_sdpa
+    assert skip is captured_causal_mask_skip(spy)
+    assert call(skip) == call(real) and len(asked) == 1  # not capturing: transformers answers
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    asked.clear()
+    assert call(skip) is True and not asked
+    padded = torch.ones(2, 16, dtype=torch.bool)
+    window = "local_attention_size" if "local_attention_size" in names else None
+    cases = [dict(padding_mask=padded), dict(q_length=1, query_length=1)] + ([{window: 8}] if window else [])
+    for changes in cases:
+        assert call(skip, **changes) == call(real, **changes)
+    assert len(asked) == len(cases)
+    tigon.unpatch(model)
+    assert masking_utils._ignore_causal_mask_sdpa is spy
 
 
 @pytest.mark.gpu

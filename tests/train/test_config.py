@@ -134,7 +134,9 @@ def test_cuda_graphs_is_refused_where_steps_cannot_be_captured(monkeypatch):
     assert resolve(SFTConfig(cuda_graphs=True, packing=True)).cuda_graphs
 
 
-def test_cuda_graphs_option_turns_on_torch_compiles_graph_mode(tmp_path):
+def test_cuda_graphs_option_is_taken_by_sft_and_rlhf_and_compiles_nothing(tmp_path):
+    """--cuda-graphs captures the eager patched step (tigon.train.step_graphs): the Trainer is not
+    asked to torch.compile the model."""
     import torch
 
     from tigon.train.config import RLHFConfig
@@ -142,15 +144,13 @@ def test_cuda_graphs_option_turns_on_torch_compiles_graph_mode(tmp_path):
 
     cfg, given = parse(["--cuda-graphs", "--packing", "--output-dir", str(tmp_path)])
     assert cfg.cuda_graphs and "cuda_graphs" in given
-    args = training_arguments(cfg, torch.float32, False)
-    assert args.torch_compile and args.torch_compile_mode == "reduce-overhead"
-    assert not training_arguments(SFTConfig(output_dir=str(tmp_path)), torch.float32, False).torch_compile
+    assert not training_arguments(cfg, torch.float32, False).torch_compile
     parser = argparse.ArgumentParser()
     add_sft_arguments(parser, RLHFConfig)
     rlhf = parser.parse_args(["--cuda-graphs", "--method", "dpo"])
     assert rlhf.cuda_graphs
     cfg = RLHFConfig(cuda_graphs=True, method="dpo", output_dir=str(tmp_path))
-    assert training_arguments(cfg, torch.float32, False).torch_compile_mode == "reduce-overhead"
+    assert not training_arguments(cfg, torch.float32, False).torch_compile
 
 
 @pytest.mark.parametrize("method", ["grpo", "gkd"])

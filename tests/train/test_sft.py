@@ -2,7 +2,6 @@
 to a few steps on a slice of the bundled data."""
 
 import errno
-import importlib.util
 import io
 import json
 import logging
@@ -456,9 +455,9 @@ def test_gpu_bf16_kernels_train_like_eager(tmp_path, tuner):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tuner", ["full", "lora"])
-def test_gpu_cuda_graphs_train_like_without(tmp_path, tuner):
-    """--cuda-graphs (torch.compile's CUDA-graph mode over the patched model, batches padded to
-    --max-length) takes the same steps as the same run without it, with gradient accumulation;
+def test_gpu_cuda_graphs_train_like_without(tmp_path, caplog, tuner):
+    """--cuda-graphs (each micro-step replayed from a CUDA graph, batches padded to --max-length,
+    unmasked) takes the same steps as the same run without it, with gradient accumulation;
     the metrics say how busy the GPU was where NVML can be read."""
     model = _saved_llama(tmp_path / "m", hidden_size=256, intermediate_size=688, num_hidden_layers=2,
                          num_attention_heads=4)
@@ -467,6 +466,7 @@ def test_gpu_cuda_graphs_train_like_without(tmp_path, tuner):
             "--samples", "0", "--dataset", str(tiny.BUNDLED_DATASET)]
     assert main(["sft", *args, "--output-dir", str(tmp_path / "plain")]) == 0
     assert main(["sft", *args, "--output-dir", str(tmp_path / "graphs"), "--cuda-graphs"]) == 0
+    assert not [r for r in caplog.records if "cannot be captured" in r.getMessage()]  # it replayed
     plain, graphs = losses(tmp_path / "plain"), losses(tmp_path / "graphs")
     assert sorted(plain) == sorted(graphs) == list(range(1, 7))
     for step in plain:
@@ -475,8 +475,7 @@ def test_gpu_cuda_graphs_train_like_without(tmp_path, tuner):
         assert graphs[step] == pytest.approx(plain[step], rel=2e-2), step
     records = [json.loads(line) for line in (tmp_path / "graphs" / "metrics.jsonl").read_text().splitlines()]
     busy = [r["gpu_busy_pct"] for r in records if "gpu_busy_pct" in r]
-    if importlib.util.find_spec("pynvml") is not None:  # the first log's window holds the compilation at least
-        assert busy and all(0 <= b <= 100 for b in busy)
+    assert all(0 <= b <= 100 for b in busy)  # a log window shorter than the meter's 0.2 s may have none
 
 
 def test_samples_are_skipped_when_the_model_will_be_sharded(monkeypatch):

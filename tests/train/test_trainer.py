@@ -120,34 +120,59 @@ def test_clipping_uses_the_trainable_parameters_once_collected(tokenizer, tmp_pa
     t._clip_grad_norm(t.model)
 
 
-def test_cuda_graphs_accumulate_into_gradients_that_exist_before_backward(tokenizer, tmp_path):
-    """--cuda-graphs with gradient accumulation: each trainable parameter has its gradient before
-    the backward (none for frozen ones), and two micro-batches sum into it in place."""
-    t = trainer(tokenizer, tmp_path, rows(tokenizer, 4, random.Random()), "no")
-    t.cuda_graphs = True
-    t.args.gradient_accumulation_steps = 2
-    frozen = t.model.model.embed_tokens.weight.requires_grad_(False)
+def test_cuda_graphs_steps_hand_their_metrics_and_loss_out_of_the_step(tokenizer, tmp_path, monkeypatch):
+    """--cuda-graphs: what a micro-step gives ``_add`` is taken from the step's outputs (a replay
+    runs no Python) into the metrics, and the loss and gradients are those of the plain step (off a
+    GPU the steps run plainly, through the same path)."""
     batch = Collator(tokenizer.pad_token_id)([{"input_ids": [7, 8, 9, 10], "labels": [7, 8, 9, 10]}] * 3)
-    seen = {}
+    results = []
+    for graphs in (False, True):
+        t = trainer(tokenizer, tmp_path / str(graphs), rows(tokenizer, 4, random.Random()), "no")
+        t.cuda_graphs = graphs
+        real = t.compute_loss
 
-    def before_backward(module, args):
-        seen.update({name: p.grad for name, p in t.model.named_parameters()})
+        def compute_loss(model, inputs, *args, t=t, real=real, **kwargs):
+            loss = real(model, inputs, *args, **kwargs)
+            t._add("train", "probe", 2 * loss, 1)
+            return loss
 
-    handle = t.model.register_forward_pre_hook(before_backward)
-    t.training_step(t.model, dict(batch))
-    handle.remove()
-    assert frozen.grad is None and seen["model.embed_tokens.weight"] is None
-    trainable = {name: p for name, p in t.model.named_parameters() if p.requires_grad}
-    assert all(seen[name] is not None and p.grad is seen[name] for name, p in trainable.items())  # kept, in place
-    once = {name: p.grad.clone() for name, p in trainable.items()}
-    t.training_step(t.model, dict(batch))
-    for name, p in trainable.items():
-        torch.testing.assert_close(p.grad, 2 * once[name])
-    t.model.zero_grad()  # as the Trainer does after each optimizer step: the next step starts from zero
-    t.training_step(t.model, dict(batch))
-    for name, p in trainable.items():
-        assert p.grad is seen[name]
-        torch.testing.assert_close(p.grad, once[name])
+        monkeypatch.setattr(t, "compute_loss", compute_loss)
+        losses = [t.training_step(t.model, dict(batch), torch.tensor(9)) for _ in range(2)]
+        assert t._recording is None
+        probes = t._sums["train"]["probe"]
+        assert len(probes) == 2
+        for loss, probe in zip(losses, probes):
+            torch.testing.assert_close(probe, torch.stack([2 * loss.float(), torch.tensor(1.0)]))
+        results.append((losses, [p.grad.clone() for p in t.model.parameters()]))
+    (plain_losses, plain_grads), (graph_losses, graph_grads) = results
+    torch.testing.assert_close(graph_losses, plain_losses)
+    for got, want in zip(graph_grads, plain_grads, strict=True):
+        torch.testing.assert_close(got, want)  # two micro-batches accumulated
+
+
+def test_right_padding_without_a_mask_trains_like_the_masked_batch(tokenizer):
+    """--cuda-graphs' collator (a width) leaves right-padded rows unmasked: causal attention never
+    lets a real token see the padding after it, and its labels are ignored, so the loss and the
+    gradients are the masked batch's."""
+    from tigon.train.batching import NUM_TOKENS
+
+    model = tiny.build_model(tokenizer, 0)
+    rows = [{"input_ids": ids, "labels": list(ids)} for ids in ([7, 8, 9, 10, 11], [12, 13, 14], list(range(20, 27)))]
+
+    def step(collate):
+        model.zero_grad(set_to_none=True)
+        batch = collate(rows)
+        batch.pop(NUM_TOKENS)
+        loss = model(**batch).loss
+        loss.backward()
+        return batch, loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    masked_batch, masked_loss, masked_grads = step(Collator(tokenizer.pad_token_id))
+    batch, loss, grads = step(Collator(tokenizer.pad_token_id, width=12))
+    assert "attention_mask" in masked_batch and "attention_mask" not in batch and batch["input_ids"].shape == (3, 12)
+    torch.testing.assert_close(loss, masked_loss)
+    for got, want in zip(grads, masked_grads, strict=True):
+        torch.testing.assert_close(got, want)
 
 
 def test_unwrap_model_walks_each_model_once(tokenizer, tmp_path, monkeypatch):

@@ -281,6 +281,9 @@ def _plan(
         if fused and masking is not None and hasattr(masking, "find_packed_sequence_indices"):
             finder = forwards.packed_sequence_finder(_original(masking, "find_packed_sequence_indices"))
             plan.append(_Replacement(loss_switch, masking, "find_packed_sequence_indices", finder))
+        if masking is not None and hasattr(masking, "_ignore_causal_mask_sdpa"):
+            skip = forwards.captured_causal_mask_skip(_original(masking, "_ignore_causal_mask_sdpa"))
+            plan.append(_Replacement(loss_switch, masking, "_ignore_causal_mask_sdpa", skip))
     layer = find(family.layer.cls)
     if switches["add_rms_norm"] and family.layer.fuse is not None and layer is not None:
         # The layer runs its MLP in one op with the add + RMSNorm before it only where that MLP runs

@@ -654,6 +654,33 @@ def packed_sequence_finder(original: Callable[[torch.Tensor], Any]) -> Callable[
     return find_packed_sequence_indices
 
 
+@functools.lru_cache(maxsize=None)
+def captured_causal_mask_skip(original: Callable[..., bool]) -> Callable[..., bool]:
+    """``transformers.masking_utils._ignore_causal_mask_sdpa``, answering True (no mask: SDPA's
+    ``is_causal``) inside a CUDA-graph capture for a causal mask with no padding over as many keys
+    as queries and no local window, as `original` answers outside one. transformers counts a
+    capture as tracing and there builds the full mask (an export may not bake ``is_causal`` in for
+    other shapes), which SDPA runs as a masked attention, several times slower; a captured graph
+    replays its own shapes only. Every other call, and any signature this does not know, gets
+    `original`'s answer."""
+    signature = inspect.signature(original)
+
+    def ignore_causal_mask_sdpa(*args: Any, **kwargs: Any) -> bool:
+        if not torch.compiler.is_compiling() and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            try:
+                given = signature.bind(*args, **kwargs).arguments
+            except TypeError:
+                return original(*args, **kwargs)
+            queries = given.get("q_length", given.get("query_length"))
+            keys, window = given.get("kv_length"), given.get("local_attention_size")
+            if (given.get("padding_mask", 0) is None and queries is not None and queries == keys
+                    and (window is None or keys < window)):
+                return True
+        return original(*args, **kwargs)
+
+    return ignore_causal_mask_sdpa
+
+
 def run_decoder(
     decoder: torch.nn.Module,
     input_ids: torch.Tensor | None = None,

@@ -56,14 +56,18 @@ NUM_TOKENS = "num_tokens"
 
 
 class Collator:
-    """Right-pads a batch to its longest row (or to `width`, for batches of one shape). Unpacked rows get an attention mask when any of them
-    is padded (without one the model runs plain causal attention and skips checking an all-ones
-    mask on the device, which waits for the GPU); packed rows get their padding as one more
-    "sample" (positions from 0, no labels), which their block mask already keeps apart, so they
-    need none. ``batch[NUM_TOKENS]`` is the batch's count of real (unpadded) tokens as a Python
-    int, for counting tokens without reading the device (`tigon.train.trainer` takes it out
-    before the model sees the batch). With `width`, unpadded rows get their (all-ones) mask too,
-    so that every batch has the same tensors as well as the same shape."""
+    """Right-pads a batch to its longest row (or to `width`, for batches of one shape). Unpacked
+    rows get an attention mask when any of them is padded (without one the model runs plain causal
+    attention and skips checking an all-ones mask on the device, which waits for the GPU); packed
+    rows get their padding as one more "sample" (positions from 0, no labels), which their block
+    mask already keeps apart, so they need none. ``batch[NUM_TOKENS]`` is the batch's count of real
+    (unpadded) tokens as a Python int, for counting tokens without reading the device
+    (`tigon.train.trainer` takes it out before the model sees the batch). With `width`
+    (``--cuda-graphs``) unpacked rows get no mask at all: a captured step cannot look at a mask's
+    values, so it would build and apply the full causal mask, a masked attention several times
+    slower than a causal one; padding on the right is after every real token, which causal
+    attention never lets a real token see, and its labels are ignored, so the loss and gradients
+    are those of the masked batch."""
 
     def __init__(self, pad_token_id: int, width: int | None = None):
         self.pad_token_id = pad_token_id
@@ -78,7 +82,7 @@ class Collator:
         batch: dict[str, list[list[int]]] = {"input_ids": [], "labels": []}
         if packed:
             batch["position_ids"] = []
-        elif min(lengths) < width or self.width:
+        elif min(lengths) < width and not self.width:
             batch["attention_mask"] = []
         for f, n in zip(features, lengths):
             pad = width - n

@@ -243,9 +243,6 @@ def training_arguments(cfg: SFTConfig, dtype: torch.dtype, has_eval: bool, cls: 
         remove_unused_columns=False,
         report_to=cfg.report_to,
         disable_tqdm=True,  # tigon's Reporter draws the bar
-        # --cuda-graphs: torch.compile's CUDA-graph mode records the forward and the backward per
-        # input shape (tigon's kernels are custom ops there, so the graphs keep them) and replays them.
-        **({"torch_compile": True, "torch_compile_mode": "reduce-overhead"} if getattr(cfg, "cuda_graphs", False) else {}),
         neftune_noise_alpha=cfg.neftune_alpha,
         **extra,
     )

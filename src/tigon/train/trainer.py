@@ -22,15 +22,10 @@ accelerate's ``unwrap_model`` walks every module on each call; its answer is kep
 Under DDP (``torchrun``) the gradients are views into DDP's all-reduce buckets instead of a second
 copy beside them.
 
-With ``--cuda-graphs`` and gradient accumulation, every trainable parameter has its gradient
-before each micro-batch's backward. torch.compile's CUDA-graph mode hands the backward's
-gradients out in memory its next replay overwrites; a parameter without a gradient adopts that
-tensor as its ``.grad`` (autograd takes an incoming gradient over rather than copy it), so the next
-micro-batch's replay would overwrite the sum being accumulated (pytorch/pytorch#169545: wrong
-gradients or an "overwritten by a subsequent run" error). Into an existing gradient autograd adds
-in place, which is what accumulation needs. The gradients are views into one flat buffer per
-dtype, zeroed by one kernel when the Trainer's zero_grad has dropped them (not one allocation and
-fill per parameter and step).
+With ``--cuda-graphs`` each micro-step (forward, loss, backward) is replayed from a CUDA graph per
+batch shape (`tigon.train.step_graphs`). The graph replays kernels only: the metrics a step adds
+(``_add``: token accuracy, the preference methods' rewards) are recorded at capture as the graph's
+outputs and copied out after each replay, and the loss the step returns is copied before the next.
 """
 
 from __future__ import annotations
@@ -44,9 +39,13 @@ from accelerate.utils import DistributedType
 from tigon.patch import handoff
 from tigon.train.batching import NUM_TOKENS
 from tigon.train.checkpoint import AtomicTrainer
+from tigon.train.step_graphs import CapturedStep
 
 
 TOKEN_ACCURACY = "accuracy"  # the next-token accuracy of the training steps, where the patched loss gives it
+# Under cuda_graphs, the keys of a micro-step's inputs holding the Trainer's item count and its
+# accumulation steps (the model's batch never has them).
+_NUM_ITEMS, _ACCUMULATION = " num_items_in_batch", " gradient_accumulation_steps"
 
 
 def _unwrap_once(unwrap: Callable[..., torch.nn.Module]) -> Callable[..., torch.nn.Module]:
@@ -77,12 +76,13 @@ class TigonTrainer(AtomicTrainer):
     _flops_per_token: float | None = None
     _trainable: list | None = None
     _in_training_mode: Any = None  # the model whose every module the last full train() walk set
-    _grad_buffers: list | None = None  # cuda_graphs with accumulation: (flat buffer, [(parameter, its view)]) per dtype
+    _captured: CapturedStep | None = None  # cuda_graphs: the micro-steps replayed
+    _captured_model: Any = None  # the model whose micro-steps _captured replays
+    _recording: list | None = None  # what _add was given inside a micro-step under cuda_graphs
 
     def __init__(self, *args, cuda_graphs: bool = False, token_accuracy: bool = False, **kwargs):
-        """`cuda_graphs`: the model runs under torch.compile's CUDA-graph mode (``--cuda-graphs``):
-        each micro-batch starts a new replay generation, and with gradient accumulation every
-        trainable parameter has its gradient before the backward (see the module docstring).
+        """`cuda_graphs`: each micro-step is replayed from a CUDA graph (``--cuda-graphs``, see the
+        module docstring).
         `token_accuracy`: log the training steps' next-token accuracy (``accuracy``) where the
         model's loss is tigon's patched one, which hands it over (``handoff.TOKEN_ACCURACY``)."""
         # Metrics summed on the device per mode, key -> [stack([total, count])], read once per log.
@@ -108,7 +108,11 @@ class TigonTrainer(AtomicTrainer):
         total = total.detach().float()
         if not isinstance(count, torch.Tensor):
             count = total.new_full((), float(count))
-        self._sums[mode].setdefault(key, []).append(torch.stack([total, count.float()]))
+        pair = torch.stack([total, count.float()])
+        if self._recording is not None:
+            self._recording.append((mode, key, pair))
+        else:
+            self._sums[mode].setdefault(key, []).append(pair)
 
     def _averages(self, mode: str) -> dict[str, float]:
         """The accumulated metrics' means over their items (and over the processes)."""
@@ -134,11 +138,6 @@ class TigonTrainer(AtomicTrainer):
 
 
     def training_step(self, model, inputs: dict[str, Any], *args, **kwargs):
-        if self.cuda_graphs:
-            # What this micro-batch's replay overwrites is the last one's outputs, all read by now.
-            torch.compiler.cudagraph_mark_step_begin()
-            if self.args.gradient_accumulation_steps > 1:
-                self._give_gradients(model)
         # TRL's GRPO steps take their generation batch, a list of rows, and count their own tokens.
         tokens = inputs.pop(NUM_TOKENS, 0) if isinstance(inputs, dict) else 0
         if self.args.include_num_input_tokens_seen == "no":
@@ -150,15 +149,47 @@ class TigonTrainer(AtomicTrainer):
             # A wrapper (DDP, DataParallel) is walked every step: evaluation switches the model
             # inside it, not the wrapper.
             self._in_training_mode = model
-            return super().training_step(model, inputs, *args, **kwargs)
+            return self._micro_step(model, inputs, *args, **kwargs)
         # The Trainer calls model.train() in every step, a walk over every module (1337 for LoRA
         # on a 16-layer Llama: ~4-8 ms of host time per step). Every module is in training mode
         # since the last walk: evaluation and sample generation, which leave it, switch this root.
         model.train = lambda mode=True: model if mode else type(model).train(model, mode)
         try:
-            return super().training_step(model, inputs, *args, **kwargs)
+            return self._micro_step(model, inputs, *args, **kwargs)
         finally:
             del model.train
+
+    def _micro_step(self, model, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        """The Trainer's training step; under cuda_graphs replayed from a CUDA graph, what it
+        added to the metrics copied out of the graph's outputs."""
+        if not self.cuda_graphs:
+            return super().training_step(model, inputs, num_items_in_batch)
+        if self._captured is None or self._captured_model is not model:
+            self._captured_model = model
+            self._captured = CapturedStep(lambda batch: self._recorded_step(model, batch),
+                                          self._trainable_parameters(model), device=self.args.device)
+        if isinstance(num_items_in_batch, (int, float)):  # a graph input, not a constant of the graph
+            num_items_in_batch = torch.full((), num_items_in_batch, device=self.args.device)
+        # The loss is divided by the accumulation steps the Trainer takes now, a number the
+        # graph holds: a last, shorter accumulation of an epoch is a graph of its own.
+        loss, recorded = self._captured({**inputs, _NUM_ITEMS: num_items_in_batch,
+                                         _ACCUMULATION: self.current_gradient_accumulation_steps})
+        for mode, key, pair in recorded:
+            self._sums[mode].setdefault(key, []).append(pair.clone())
+        return loss.clone()
+
+    def _recorded_step(self, model, batch: dict[str, Any]) -> tuple[torch.Tensor, list]:
+        """The Trainer's training step on `batch` (with the count of its items and the
+        accumulation steps under their keys) and what it gave ``_add``."""
+        batch = dict(batch)
+        num_items_in_batch = batch.pop(_NUM_ITEMS)
+        del batch[_ACCUMULATION]
+        self._recording = []
+        try:
+            loss = super().training_step(model, batch, num_items_in_batch)
+            return loss, self._recording
+        finally:
+            self._recording = None
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         # The Trainer calls model.zero_grad() after every optimizer step, another walk over every
@@ -207,24 +238,6 @@ class TigonTrainer(AtomicTrainer):
             return super()._clip_grad_norm(model)
         self.accelerator.unscale_gradients()  # fp16's loss scaler, as accelerate's clip does first
         return torch.nn.utils.clip_grad_norm_(self._trainable_parameters(model), self.args.max_grad_norm)
-
-    def _give_gradients(self, model) -> None:
-        """Point every trainable parameter's .grad at its view of a flat zeroed buffer, where the
-        Trainer's zero_grad has dropped them (between micro-batches they stay and accumulate)."""
-        if self._grad_buffers is None:
-            groups: dict[tuple, list] = {}
-            for param in self._trainable_parameters(model):
-                groups.setdefault((param.dtype, param.device), []).append(param)
-            self._grad_buffers = []
-            for (dtype, device), params in groups.items():
-                flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
-                views = flat.split([p.numel() for p in params])
-                self._grad_buffers.append((flat, [(p, v.view_as(p)) for p, v in zip(params, views)]))
-        for flat, pairs in self._grad_buffers:
-            if any(param.grad is not view for param, view in pairs):
-                flat.zero_()
-                for param, view in pairs:
-                    param.grad = view
 
     def _trainable_parameters(self, model) -> list:
         """The parameters that train, collected once (they are the same every step)."""
