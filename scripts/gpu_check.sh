@@ -13,7 +13,7 @@
 # the machine lacks: trl, liger-kernel, ...) are installed to /tmp/site first, with those of the
 # other .whl* folders carried (.whl-bnb: bitsandbytes) but .whl-serve: the serving stack (a newer
 # transformers among it) goes to its own folder, on the path of the serve stage alone.
-# GPU_WORKERS runs the tests on that many xdist workers. E2E_IMPLS: the e2e stage's --e2e-impls (e.g.
+# GPU_WORKERS runs the tests on that many xdist workers. E2E_IMPLS: the e2e and small stages' --e2e-impls (e.g.
 # "eager peer tigon tigon+graphs").
 # TIMEOUT_<stage> (seconds) overrides a stage's time limit: keep their sum under the call's limit.
 set -uo pipefail
@@ -54,7 +54,7 @@ for stage in "${stages[@]}"; do
            tail -9 "$RES/lce_budget.txt" ;;
     e2e)   timeout ${!limit_var:-420} python3 -m tigon.cli bench --e2e ${E2E_IMPLS:+--e2e-impls $E2E_IMPLS} --out "$RES/e2e" > "$RES/e2e.txt" 2>&1
            tail -15 "$RES/e2e.txt" ;;
-    small) timeout ${!limit_var:-420} python3 -m tigon.cli bench --e2e 1x1024 --e2e-impls eager peer tigon tigon+graphs \
+    small) timeout ${!limit_var:-420} python3 -m tigon.cli bench --e2e 1x1024 --e2e-impls ${E2E_IMPLS:-eager peer tigon tigon+graphs} \
              --out "$RES/e2e_1x1024" > "$RES/e2e_1x1024.txt" 2>&1
            tail -15 "$RES/e2e_1x1024.txt" ;;
     host)  timeout ${!limit_var:-300} python3 -m tigon.cli bench --host --out "$RES/host" > "$RES/host.txt" 2>&1

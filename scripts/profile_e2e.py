@@ -1,10 +1,10 @@
 """Where one end-to-end training step (tigon bench --e2e's model and batch) spends GPU time and
 what is alive at its memory peak.
 
-Usage (GPU): PYTHONPATH=src python3 scripts/profile_e2e.py [full|lora] [--eager] [--graphs] [--off SWITCH ...] [--ops]
-With --graphs the model runs under torch.compile's CUDA-graph mode (`tigon sft --cuda-graphs`) and the
-step reads its loss after backward, as `tigon bench --e2e` and the Trainer do; the host's time in
-each phase of the step is printed first. Prints the kernels by total GPU time, grouped by family, where the GPU sits idle between kernels
+Usage (GPU): PYTHONPATH=src python3 scripts/profile_e2e.py [full|lora] [--eager] [--graphs|--reduce-overhead] [--off SWITCH ...] [--ops]
+With --graphs each forward + backward replays from a CUDA graph (`tigon sft --cuda-graphs`), with
+--reduce-overhead the model runs under torch.compile's CUDA-graph mode. The step reads its loss after
+backward, as `tigon bench --e2e` does; the host's time in each phase of the step is printed first. Prints the kernels by total GPU time, grouped by family, where the GPU sits idle between kernels
 (by tenth of the step, and the longest gaps), and the live allocations at the step's peak grouped
 by the innermost tigon/transformers/peft/torch.optim frame that made them.
 """
@@ -16,7 +16,7 @@ import time
 import torch
 
 import tigon
-from tigon.bench.e2e import LLAMA_1B, build_model
+from tigon.bench.e2e import LLAMA_1B, build_model, captured_micro_step, micro_step
 from tigon.patch import SWITCHES
 
 parser = argparse.ArgumentParser()
@@ -24,7 +24,8 @@ parser.add_argument("mode", choices=("full", "lora"), nargs="?", default="full")
 parser.add_argument("--eager", action="store_true", help="profile the unpatched model")
 parser.add_argument("--off", nargs="+", default=[], choices=SWITCHES,
                     help="tigon.patch switches to turn off")
-parser.add_argument("--graphs", action="store_true", help="under torch.compile(mode='reduce-overhead')")
+parser.add_argument("--graphs", action="store_true", help="forward + backward replayed from a CUDA graph (tigon.train.step_graphs)")
+parser.add_argument("--reduce-overhead", action="store_true", help="under torch.compile(mode='reduce-overhead')")
 parser.add_argument("--batch", type=int, default=4)
 parser.add_argument("--seq", type=int, default=2048)
 parser.add_argument("--trace", metavar="FILE", help="also write a Chrome trace of one step (CPU + GPU, Python stacks)")
@@ -39,8 +40,11 @@ if not args.eager:
 model.train()
 optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
 ids = torch.randint(0, LLAMA_1B["vocab_size"], (args.batch, args.seq), device=device)
-step_model = torch.compile(model, mode="reduce-overhead") if args.graphs else model
-PHASES = ("optimizer", "zero_grad", "forward", "backward", "loss read")
+if args.graphs:
+    forward_backward = captured_micro_step(model)
+else:
+    forward_backward = micro_step(torch.compile(model, mode="reduce-overhead") if args.reduce_overhead else model)
+PHASES = ("optimizer", "zero_grad", "forward + backward", "loss read")
 phase_s = collections.defaultdict(list)
 
 
@@ -50,10 +54,7 @@ def step():
     marks.append(time.perf_counter())
     optimizer.zero_grad(set_to_none=True)
     marks.append(time.perf_counter())
-    torch.compiler.cudagraph_mark_step_begin()
-    loss = step_model(input_ids=ids, labels=ids).loss
-    marks.append(time.perf_counter())
-    loss.backward()
+    loss = forward_backward(ids)
     marks.append(time.perf_counter())
     loss.item()  # where the Trainer reads it (its NaN check)
     marks.append(time.perf_counter())

@@ -236,8 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "4x2048 (80 steps at 1x1024); more knobs: "
                             "python -m tigon.bench.e2e --help")
     bench.add_argument("--e2e-impls", nargs="+", metavar="IMPL",
-                       choices=["eager", "tigon", "compile", "tigon+compile", "tigon+graphs", "peer"],
-                       help="with --e2e: what to run (default eager tigon; tigon+graphs: CUDA-graph replay)")
+                       choices=["eager", "tigon", "compile", "tigon+compile", "tigon+graphs", "tigon+reduce-overhead",
+                                "peer"],
+                       help="with --e2e: what to run (default eager tigon; tigon+graphs: the steps replayed from "
+                            "CUDA graphs, as --cuda-graphs does; tigon+reduce-overhead: torch.compile's CUDA-graph mode)")
     bench.add_argument("--max-context", nargs="*", type=int, metavar="TOKENS",
                        help="long-context LoRA: peak memory and s/step by length (default 65536 ... 524288), "
                             "with and without offload + tiled MLP; more knobs: python -m tigon.bench.max_context --help")

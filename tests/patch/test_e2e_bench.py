@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
@@ -80,5 +79,5 @@ def test_gpu_e2e_graph_replay_trains_like_plain_and_reports_busy():
     for mode in ("full", "lora"):
         plain, graphs = by[(mode, "tigon")]["losses"], by[(mode, "tigon+graphs")]["losses"]
         assert graphs == pytest.approx(plain, rel=2e-2)
-    if importlib.util.find_spec("pynvml") is not None:
-        assert all(0 <= r["gpu_busy_pct"] <= 100 for r in records)
+    # a case shorter than the meter's 0.2 s sampling has no reading
+    assert all(0 <= r["gpu_busy_pct"] <= 100 for r in records if "gpu_busy_pct" in r)

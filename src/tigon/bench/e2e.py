@@ -20,10 +20,11 @@ utilisation over the timed steps (`tigon.timing.BusyMeter`; absent without pynvm
 ``peer`` is the same model with Liger-Kernel's kernels (``_apply_liger_kernel_to_instance``, on
 the base model under PEFT), when its package is installed.
 
-``tigon+graphs`` is the patched model under ``torch.compile(mode="reduce-overhead")``, which
-records each step's forward and backward as CUDA graphs and replays them (``tigon sft
---cuda-graphs``): at batch 1 × 1024 tokens (``tigon bench --e2e 1x1024``) the host, not the GPU,
-sets the step time of the plain runs.
+``tigon+graphs`` replays each step's forward and backward of the patched model from a CUDA graph
+(`tigon.train.step_graphs`, ``tigon sft --cuda-graphs``): at batch 1 × 1024 tokens (``tigon bench
+--e2e 1x1024``) the host, not the GPU, sets the step time of the plain runs.
+``tigon+reduce-overhead`` reaches replays through ``torch.compile(mode="reduce-overhead")`` of the
+patched model instead.
 
 ``tigon bench --e2e`` runs the defaults; ``python -m tigon.bench.e2e --help`` lists the knobs
 (long-context runs: ``--modes lora --batch 1 --seq 65536 --checkpointing``).
@@ -46,9 +47,10 @@ from tigon.bench.harness import environment
 from tigon.timing import BusyMeter
 
 MODES = ("full", "lora")
-# "tigon+compile" is the patched model under torch.compile, "tigon+graphs" under its CUDA-graph mode.
-IMPLS = ("eager", "tigon", "compile", "tigon+compile", "tigon+graphs", "peer")
-COMPILE_MODES = {"compile": None, "tigon+compile": None, "tigon+graphs": "reduce-overhead"}
+# "tigon+compile" is the patched model under torch.compile, "tigon+reduce-overhead" under its CUDA-graph
+# mode; "tigon+graphs" replays the patched model's micro-steps from CUDA graphs (tigon sft --cuda-graphs).
+IMPLS = ("eager", "tigon", "compile", "tigon+compile", "tigon+graphs", "tigon+reduce-overhead", "peer")
+COMPILE_MODES = {"compile": None, "tigon+compile": None, "tigon+reduce-overhead": "reduce-overhead"}
 LLAMA_1B = dict(
     hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
     num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0,
@@ -124,9 +126,31 @@ def current_cuda_device(bench: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def micro_step(step_model: Callable[..., Any]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One forward + backward of `step_model` on a batch of token ids (labels the same); returns
+    the loss."""
+
+    def forward_backward(ids: torch.Tensor) -> torch.Tensor:
+        torch.compiler.cudagraph_mark_step_begin()  # under CUDA-graph replay: the last step's outputs are read
+        loss = step_model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach()
+
+    return forward_backward
+
+
+def captured_micro_step(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """:func:`micro_step` of `model` replayed from a CUDA graph (`tigon.train.step_graphs`)."""
+    from tigon.train.step_graphs import CapturedStep
+
+    plain = micro_step(model)
+    captured = CapturedStep(lambda inputs: plain(inputs["input_ids"]), model.parameters())
+    return lambda ids: captured({"input_ids": ids})
+
+
 def timed_steps(
     model: torch.nn.Module,
-    step_model: Callable[..., Any],
+    step: Callable[[torch.Tensor], torch.Tensor],
     vocab: int,
     batch: int,
     seq: int,
@@ -136,7 +160,7 @@ def timed_steps(
     sync_steps: bool = False,
     busy: BusyMeter | None = None,
 ) -> tuple[list[float], list[float]]:
-    """`warmup + steps` AdamW steps of `step_model` on random tokens (the same tokens for every
+    """`warmup + steps` AdamW steps (`step`: forward + backward of a batch of ids, its loss returned) on random tokens (the same tokens for every
     case); returns the seconds of the timed steps and the loss of every step. `busy`, if given,
     is read at the first timed step, so its window holds the timed steps only.
 
@@ -162,10 +186,7 @@ def timed_steps(
             last_read = time.perf_counter()
         if busy is not None and i == warmup:
             busy.window()
-        torch.compiler.cudagraph_mark_step_begin()  # under CUDA-graph replay: the last step's outputs are read
-        loss = step_model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        losses.append(loss.item())
+        losses.append(step(ids).item())
         read = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -180,7 +201,7 @@ def timed_steps(
 
 
 def measure_training(
-    model: torch.nn.Module, step_model: Callable[..., Any], vocab: int, batch: int, seq: int, warmup: int,
+    model: torch.nn.Module, step: Callable[[torch.Tensor], torch.Tensor], vocab: int, batch: int, seq: int, warmup: int,
     steps: int, sync_steps: bool = False,
 ) -> dict[str, Any]:
     """:func:`timed_steps` in train mode; tokens/s, median step ms, peak GiB (CUDA) and losses."""
@@ -189,7 +210,7 @@ def measure_training(
     busy = BusyMeter()
     sampling = device.type == "cuda" and busy.start()
     try:
-        times, losses = timed_steps(model, step_model, vocab, batch, seq, warmup, steps, sync_steps=sync_steps,
+        times, losses = timed_steps(model, step, vocab, batch, seq, warmup, steps, sync_steps=sync_steps,
                                     busy=busy if sampling else None)
         window = busy.window() if sampling else None
     finally:
@@ -232,8 +253,11 @@ def run_case(
         if impl.startswith("tigon"):
             record["applied"] = str(tigon.patch(model))
             log(record["applied"])
-        step_model = torch.compile(model, mode=COMPILE_MODES[impl]) if impl in COMPILE_MODES else model
-        record.update(measure_training(model, step_model, shape["vocab_size"], batch, seq, warmup, steps, sync_steps))
+        if impl == "tigon+graphs":
+            step = captured_micro_step(model)
+        else:
+            step = micro_step(torch.compile(model, mode=COMPILE_MODES[impl]) if impl in COMPILE_MODES else model)
+        record.update(measure_training(model, step, shape["vocab_size"], batch, seq, warmup, steps, sync_steps))
     except Exception as err:  # one failing case must not hide the others' numbers
         record["error"] = f"{type(err).__name__}: {err}"
     finally:

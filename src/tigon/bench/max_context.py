@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 import tigon
-from tigon.bench.e2e import LLAMA_1B, _release, build_model, current_cuda_device, timed_steps
+from tigon.bench.e2e import LLAMA_1B, _release, build_model, current_cuda_device, micro_step, timed_steps
 from tigon.bench.harness import environment
 
 SEQS = (65536, 131072, 262144, 524288)
@@ -69,7 +69,7 @@ def run_length(
         log(record["applied"])
         checkpoints = _count_checkpoints(model)
         model.train()
-        times, losses = timed_steps(model, model, shape["vocab_size"], 1, seq, warmup, steps)
+        times, losses = timed_steps(model, micro_step(model), shape["vocab_size"], 1, seq, warmup, steps)
         cuda = device.type == "cuda"
         record["checkpointed_layers"] = checkpoints[0] // (warmup + steps)
         if not record["checkpointed_layers"]:
