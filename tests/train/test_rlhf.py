@@ -417,8 +417,9 @@ def _sequence_log_probs(model, batch):
 @pytest.mark.parametrize("method", ["dpo", "kto"])
 def test_cuda_graphs_batches_have_one_shape_and_score_the_same(tiny_run, method):
     """--cuda-graphs pads every batch to one shape (KTO's KL sequences to the longest a prompt
-    with another row's answer makes, as its trainer pairs them): the answers' log-probs are those
-    of the unpadded batch, and a row wider than the width is one clear error."""
+    with another row's answer makes, as its trainer pairs them), on the right and without a mask:
+    the answers' log-probs are those of the unpadded, masked batch, and a row wider than the width
+    is one clear error."""
     root, tokenizer = tiny_run
     cfg = resolve_rlhf(RLHFConfig(model=str(root / "m"), method=method, max_length=48, batch_size=4))
     items = preference.load_preferences([str(root / "pairs.jsonl")], cfg.seed, method)
@@ -431,22 +432,24 @@ def test_cuda_graphs_batches_have_one_shape_and_score_the_same(tiny_run, method)
     plain_collate = rlhf.PreferenceCollator(tokenizer.pad_token_id, kto)
     padded_collate = rlhf.PreferenceCollator(tokenizer.pad_token_id, kto, widths)
     model = plain_model(root).eval()
-    natural_kl = []
+    natural_kl, masked = [], []
     for start in range(0, len(rows), cfg.batch_size):
         features = rows[start:start + cfg.batch_size]
         plain, padded = plain_collate(features), padded_collate(features)
+        masked.append("attention_mask" in plain)
         assert padded[rlhf.NUM_TOKENS] == plain[rlhf.NUM_TOKENS]
-        assert padded["input_ids"].shape[1] == cfg.max_length and "attention_mask" in padded
+        assert padded["input_ids"].shape[1] == cfg.max_length and "attention_mask" not in padded
         assert torch.equal(padded["input_ids"][:, :plain["input_ids"].shape[1]], plain["input_ids"])
         torch.testing.assert_close(_sequence_log_probs(model, padded), _sequence_log_probs(model, plain),
                                    rtol=1e-5, atol=1e-5)
         if kto:
-            assert padded["KL_input_ids"].shape[1] == widths["KL_"]
+            assert padded["KL_input_ids"].shape[1] == widths["KL_"] and "KL_attention_mask" not in padded
             natural_kl.append(plain["KL_input_ids"].shape[1])
             kl = {k[3:]: v for k, v in padded.items() if k.startswith("KL_")}
             plain_kl = {k[3:]: v for k, v in plain.items() if k.startswith("KL_")}
             torch.testing.assert_close(_sequence_log_probs(model, kl), _sequence_log_probs(model, plain_kl),
                                        rtol=1e-5, atol=1e-5)
+    assert any(masked)  # some plain batches were padded, and masked
     assert not kto or max(natural_kl) == widths["KL_"]  # the width is the longest KL sequence, no wider
     narrow = rlhf.PreferenceCollator(tokenizer.pad_token_id, kto, {"": 8})
     with pytest.raises(ValueError, match="^input_ids: a row of [0-9]+ tokens does not fit the collator's width 8$"):

@@ -257,10 +257,13 @@ class PreferenceCollator:
     (`NUM_TOKENS`) for the progress bar's tokens/s.
 
     `widths` (``--cuda-graphs``) pads every batch to one shape: the sequences to ``widths[""]``
-    tokens, KTO's KL sequences to ``widths["KL_"]``, masks kept, so that each step replays the
-    same graphs."""
+    tokens, KTO's KL sequences to ``widths["KL_"]``, so that each step replays the same graphs,
+    and drops every attention mask. TRL pads on the right, after each sequence's last token, which
+    causal attention never lets a real token see, and the completion masks leave it unscored; a
+    mask would make the captured step build and apply the full causal mask, several times slower
+    (`tigon.train.batching.Collator` does the same for sft)."""
 
-    _PADDED = ("input_ids", "attention_mask", "completion_mask")
+    _PADDED = ("input_ids", "completion_mask")
 
     def __init__(self, pad_token_id: int, kto: bool, widths: dict[str, int] | None = None):
         self.collate = (DataCollatorForUnpairedPreference if kto else DataCollatorForPreference)(pad_token_id)
@@ -275,6 +278,7 @@ class PreferenceCollator:
                     del batch[key]
         else:
             for prefix, width in self.widths.items():
+                batch.pop(prefix + "attention_mask", None)
                 for key in (prefix + name for name in self._PADDED):
                     if key in batch:
                         batch[key] = self._padded(batch[key], width, key)
