@@ -164,7 +164,8 @@ def _line_drawn(page, plot_id: str) -> None:
 
 def test_screenshots_of_each_tab(ui, client, default_run, browser_page, artifacts):
     page, name = browser_page, default_run["name"]
-    page.goto(f"{ui}?run={name}", wait_until="networkidle")
+    # 60 s as the waits below: on a loaded two-core CI machine the first load took over 30 s once
+    page.goto(f"{ui}?run={name}", wait_until="networkidle", timeout=60_000)
 
     # Train: the finished run, its loss curve, the preview of the bundled data
     page.wait_for_function("document.querySelector('#train-run textarea, #train-run input')?.value.length > 0",
