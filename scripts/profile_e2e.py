@@ -1,12 +1,14 @@
 """Where one end-to-end training step (tigon bench --e2e's model and batch) spends GPU time and
 what is alive at its memory peak.
 
-Usage (GPU): PYTHONPATH=src python3 scripts/profile_e2e.py [full|lora] [--eager] [--graphs|--reduce-overhead] [--off SWITCH ...] [--ops]
-With --graphs each forward + backward replays from a CUDA graph (`tigon sft --cuda-graphs`), with
---reduce-overhead the model runs under torch.compile's CUDA-graph mode. The step reads its loss after
-backward, as `tigon bench --e2e` does; the host's time in each phase of the step is printed first. Prints the kernels by total GPU time, grouped by family, where the GPU sits idle between kernels
-(by tenth of the step, and the longest gaps), and the live allocations at the step's peak grouped
-by the innermost tigon/transformers/peft/torch.optim frame that made them.
+Usage (GPU): PYTHONPATH=src python3 scripts/profile_e2e.py [full|lora] [--eager]
+    [--graphs|--reduce-overhead] [--off SWITCH ...] [--ops]
+With --graphs each forward + backward replays from a CUDA graph (`tigon sft --cuda-graphs`); with
+--reduce-overhead the model runs under torch.compile's CUDA-graph mode. The step reads its loss
+after backward, as `tigon bench --e2e` does. Prints the host's time in each phase of the step, the
+kernels by total GPU time, grouped by family, where the GPU sits idle between kernels (by tenth of
+the step, and the longest gaps), and the live allocations at the step's peak grouped by the
+innermost tigon/transformers/peft/torch.optim frame that made them.
 """
 
 import argparse
