@@ -478,6 +478,35 @@ def test_gpu_cuda_graphs_train_like_without(tmp_path, caplog, tuner):
     assert all(0 <= b <= 100 for b in busy)  # a log window shorter than the meter's 0.2 s may have none
 
 
+@pytest.mark.gpu
+def test_gpu_cuda_graphs_ctrl_c_and_resume_end_like_the_uninterrupted_run(tmp_path, caplog):
+    """--cuda-graphs (micro-steps, clipping and AdamW's update replayed): Ctrl-C during step 3
+    saves a checkpoint, and --resume, which loads the optimizer's state into fresh graphs, ends
+    where the run that was never interrupted ended."""
+    model = _saved_llama(tmp_path / "m", hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                         num_attention_heads=4)
+    args = ["sft", "--model", model, "--tuner", "lora", "--dtype", "bf16", "--lr", "1e-3", "--packing",
+            "--max-length", "256", "--batch-size", "2", "--max-steps", "6", "--save-steps", "0", "--samples", "0",
+            "--dataset", str(tiny.BUNDLED_DATASET), "--cuda-graphs"]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert main([*args, "--output-dir", str(full)]) == 0
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(tigon.__file__).parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", CTRL_C_IN_STEP_3, *args, "--output-dir", str(cut)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 130, proc.stderr
+    assert "cannot be captured" not in proc.stderr and (cut / "checkpoint-3").is_dir()
+    assert main([*args, "--output-dir", str(cut), "--resume"]) == 0
+    assert not [r for r in caplog.records if "cannot be captured" in r.getMessage()]  # every run replayed
+    assert sorted(losses(cut)) == sorted(losses(full)) == list(range(1, 7))
+    for step, loss in losses(full).items():
+        assert losses(cut)[step] == pytest.approx(loss, rel=1e-3), step
+    a, b = (load_file(d / "final" / "adapter_model.safetensors") for d in (full, cut))
+    assert a.keys() == b.keys()
+    for key in a:  # a resume with a fresh optimizer state moves the adapter by about the learning rate
+        torch.testing.assert_close(b[key], a[key], rtol=1e-2, atol=1e-4)
+
+
 def test_samples_are_skipped_when_the_model_will_be_sharded(monkeypatch):
     from types import SimpleNamespace
 

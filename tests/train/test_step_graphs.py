@@ -1,11 +1,12 @@
 """tigon.train.step_graphs: micro-steps captured as CUDA graphs take the same steps as plain ones."""
 
+import copy
 import logging
 
 import pytest
 import torch
 
-from tigon.train.step_graphs import CapturedStep, _shape_key
+from tigon.train.step_graphs import CapturedOptimizer, CapturedStep, _shape_key
 
 
 def test_shape_key_tells_shapes_dtypes_and_other_values_apart():
@@ -33,7 +34,7 @@ def test_steps_off_a_cuda_gpu_run_plainly_and_say_so_once(caplog):
             assert float(captured({"x": torch.full((3,), 2.0)})) == 6.0
     said = [r.getMessage() for r in caplog.records if "--cuda-graphs" in r.getMessage()]
     assert said == ["--cuda-graphs: the training step cannot be captured as a CUDA graph (the model is on cpu, not "
-                    "a CUDA GPU); training without graphs"]
+                    "a CUDA GPU); it runs without one"]
     assert len(calls) == 3 and not captured.graphs
     torch.testing.assert_close(weight.grad, torch.full((3,), 6.0))  # accumulated as without graphs
 
@@ -112,3 +113,92 @@ def test_gpu_a_step_that_waits_on_the_gpu_is_said_once_and_runs_plainly(caplog):
     assert captured.refused and not captured.graphs
     assert results == pytest.approx(losses) and len(losses) == 4  # the abandoned capture stopped at its read
     torch.ones(4, device="cuda").sum().item()  # the GPU is usable after the abandoned capture
+
+
+SHAPES = [(37, 19), (64,), (5, 3, 7)]
+
+
+def _adamw_pair(device, **kwargs):
+    """Two AdamW optimizers over two copies of the same parameters, in two groups (weight decay
+    on the first two, none on the third), each under the same warm-up then decay schedule."""
+    gen = torch.Generator(device).manual_seed(0)
+    start = [torch.randn(shape, device=device, generator=gen) for shape in SHAPES]
+    pairs = []
+    for _ in range(2):
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        optimizer = torch.optim.AdamW([{"params": params[:2], "weight_decay": 0.1},
+                                       {"params": params[2:], "weight_decay": 0.0}], lr=1e-2, **kwargs)
+        pairs.append((params, optimizer))
+    return pairs
+
+
+def _schedule(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: (step + 1) / 4 if step < 4 else 0.7 ** (step - 3))
+
+
+def _same_steps(plain, captured, plain_params, captured_params, steps, device, reload_at=None):
+    """`steps` optimizer steps of both on the same random gradients under the same schedule: the
+    parameters stay equal after each. At `reload_at` the captured one loads the plain one's state
+    (a resume)."""
+    schedules = [_schedule(plain), _schedule(captured)]
+    gen = torch.Generator(device).manual_seed(1)
+    for step in range(steps):
+        grads = [torch.randn(shape, device=device, generator=gen) for shape in SHAPES]
+        for params in (plain_params, captured_params):
+            for param, grad in zip(params, grads):
+                param.grad = grad.clone()
+        plain.step()
+        captured.step()
+        for schedule in schedules:
+            schedule.step()
+        for got, want in zip(captured_params, plain_params, strict=True):
+            torch.testing.assert_close(got, want)
+        if step == reload_at:
+            captured.load_state_dict(copy.deepcopy(plain.state_dict()))
+
+
+def test_captured_optimizer_off_a_cuda_gpu_steps_plainly_and_says_so_once(caplog):
+    """Off a GPU the wrapper steps the optimizer plainly (not made capturable), under a scheduler,
+    with the optimizer's own state and checkpoints."""
+    (plain_params, plain), (params, optimizer) = _adamw_pair("cpu")
+    with caplog.at_level(logging.WARNING, logger="tigon.train"):
+        captured = CapturedOptimizer(optimizer, device="cpu")
+        _same_steps(plain, captured, plain_params, params, 6, "cpu", reload_at=2)
+    said = [r.getMessage() for r in caplog.records if "--cuda-graphs" in r.getMessage()]
+    assert said == ["--cuda-graphs: the optimizer step cannot be captured as a CUDA graph (the model is on cpu, not "
+                    "a CUDA GPU); it runs without one"]
+    assert not any(group["capturable"] for group in captured.param_groups)
+    assert captured.param_groups is optimizer.param_groups and captured.state is optimizer.state
+    assert captured.state_dict()["state"].keys() == plain.state_dict()["state"].keys()
+    assert "AdamW" in repr(captured)
+
+
+def test_only_adam_and_adamw_are_captured(caplog):
+    """Another optimizer's learning rate is a number a graph would keep: it steps plainly, said once."""
+    params = [torch.nn.Parameter(torch.ones(3))]
+    with caplog.at_level(logging.WARNING, logger="tigon.train"):
+        captured = CapturedOptimizer(torch.optim.SGD(params, lr=0.5), device="cuda")
+        for _ in range(2):
+            params[0].grad = torch.ones(3)
+            captured.step()
+    said = [r.getMessage() for r in caplog.records if "--cuda-graphs" in r.getMessage()]
+    assert said == ["--cuda-graphs: the optimizer step cannot be captured as a CUDA graph (SGD takes its learning "
+                    "rate as a number; Adam and AdamW are captured); it runs without one"]
+    torch.testing.assert_close(params[0].detach(), torch.zeros(3))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["fused", "foreach"])
+def test_gpu_captured_optimizer_steps_like_the_plain_one(kind):
+    """AdamW's update replayed from a graph takes the plain optimizer's steps: the scheduler's
+    learning rate reaches every replay, two groups keep their weight decay, a reload of the state
+    (a resume) captures again."""
+    (plain_params, plain), (params, optimizer) = _adamw_pair("cuda", **{kind: True})
+    captured = CapturedOptimizer(optimizer)
+    _same_steps(plain, captured, plain_params, params, 5, "cuda")
+    assert captured._captured.refused is None and len(captured._captured.graphs) == 1
+    (plain_params, plain), (params, optimizer) = _adamw_pair("cuda", **{kind: True})
+    captured = CapturedOptimizer(optimizer)
+    _same_steps(plain, captured, plain_params, params, 8, "cuda", reload_at=3)
+    assert captured._captured.refused is None and len(captured._captured.graphs) == 1
+    assert all(state["step"].is_cuda for state in captured.state.values())

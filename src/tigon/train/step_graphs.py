@@ -34,6 +34,11 @@ What a graph fixes and how this module keeps it true:
 A step that cannot be captured (it waits on the GPU inside, as ``.item()`` does; it runs CPU
 work; an op refuses capture) is said once, in one line naming the reason, and every later call
 runs plainly, with the same results.
+
+The optimizer's update is a graph of its own (`CapturedOptimizer`): Adam and AdamW, made
+``capturable`` (their step count lives on the GPU), replay their update with one launch. A replay
+reads the learning rate from a device tensor filled before it, so a scheduler's changes reach it;
+the param groups' other settings pick the graph, as input shapes do for micro-steps.
 """
 
 from __future__ import annotations
@@ -84,8 +89,9 @@ class CapturedStep:
     return `step`'s outputs, valid until the next call."""
 
     def __init__(self, step: Callable[[dict[str, Any]], Any], params: Iterable[torch.nn.Parameter],
-                 *, device: torch.device | None = None):
-        self.step = step
+                 *, device: torch.device | None = None, what: str = "the training step"):
+        """`what` names the step in the line that says it is not captured."""
+        self.step, self.what = step, what
         self.params = [p for p in params if p.requires_grad]
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         self.graphs: dict[Hashable, _Graph] = {}
@@ -147,5 +153,113 @@ class CapturedStep:
     def _refuse(self, reason: str) -> None:
         """Say once why the steps are not captured; they run plainly from now on."""
         self.refused = reason
-        log.warning("--cuda-graphs: the training step cannot be captured as a CUDA graph (%s); training "
-                    "without graphs", reason)
+        log.warning("--cuda-graphs: %s cannot be captured as a CUDA graph (%s); it runs without one",
+                    self.what, reason)
+
+
+def _capture_refusal(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why `optimizer`'s step cannot be replayed from a graph with the same results, or None."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        # Their learning rate would be a constant of the graph, blind to the scheduler.
+        return f"{type(optimizer).__name__} takes its learning rate as a number; Adam and AdamW are captured"
+    if any(group.get("differentiable") for group in optimizer.param_groups):
+        return "the optimizer is differentiable"
+    return None
+
+
+class CapturedOptimizer(torch.optim.Optimizer):
+    """`optimizer` (Adam or AdamW) whose ``step()`` replays its update from a CUDA graph (see the
+    module docstring); any other optimizer, a step given a closure and a model off a CUDA GPU
+    step plainly, the first said once. State, param groups and checkpoints are `optimizer`'s own.
+
+    The wrapper stands where the optimizer stood (the Trainer's ``optimizer``, a scheduler's), as
+    accelerate's optimizer wrapper does: it delegates rather than constructs."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, device: torch.device | None = None):
+        self.optimizer = optimizer
+        self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        self._captured = CapturedStep(self._update, self._params(), device=self.device, what="the optimizer step")
+        refusal = _capture_refusal(optimizer)
+        if refusal is not None and self._captured.refused is None:
+            self._captured._refuse(refusal)
+        self._make_capturable()
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _make_capturable(self) -> None:
+        """Keep the step counts on the GPU, where a replay advances them (a plain run's checkpoint
+        has them on the host)."""
+        if self._captured.refused is not None:
+            return
+        for group in self.optimizer.param_groups:
+            group["capturable"] = True
+        for param, state in self.optimizer.state.items():
+            step = state.get("step")
+            if isinstance(step, torch.Tensor) and step.device != param.device:
+                state["step"] = step.to(device=param.device, dtype=torch.float32)
+
+    def _capture_anew(self) -> None:
+        """Drop the graphs, which hold the tensors of the state and groups before a change; a
+        refused capture stays refused."""
+        if self._captured.refused is None:
+            self._captured = CapturedStep(self._update, self._params(), device=self.device, what="the optimizer step")
+            self._make_capturable()
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "optimizer":  # not set yet: unpickling, a half-made object
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
+    def __repr__(self) -> str:
+        return f"CapturedOptimizer({self.optimizer!r})"
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """`optimizer`'s load; the graphs, which hold the old state's tensors, are dropped."""
+        self.optimizer.load_state_dict(state_dict)
+        self._capture_anew()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+        self._capture_anew()
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        if closure is not None or self._captured.refused is not None:  # a closure runs the model again
+            return self.optimizer.step(closure)
+        inputs: dict[str, Any] = {}
+        for i, group in enumerate(self.optimizer.param_groups):
+            lr = group["lr"]
+            inputs[f"lr{i}"] = lr if isinstance(lr, torch.Tensor) else torch.full((), lr, device=self.device)
+            inputs[f"group{i}"] = tuple((k, v) for k, v in group.items() if k not in ("params", "lr"))
+        self._captured(inputs)
+        return None
+
+    def _update(self, inputs: dict[str, Any]) -> None:
+        """The wrapped optimizer's step, its groups' learning rates read from `inputs`' tensors."""
+        groups = self.optimizer.param_groups
+        rates = [group["lr"] for group in groups]
+        for i, group in enumerate(groups):
+            group["lr"] = inputs[f"lr{i}"]
+        try:
+            self.optimizer.step()
+        finally:
+            for group, lr in zip(groups, rates):
+                group["lr"] = lr

@@ -26,10 +26,15 @@ With ``--cuda-graphs`` each micro-step (forward, loss, backward) is replayed fro
 batch shape (`tigon.train.step_graphs`). The graph replays kernels only: the metrics a step adds
 (``_add``: token accuracy, the preference methods' rewards) are recorded at capture as the graph's
 outputs and copied out after each replay, and the loss the step returns is copied before the next.
+The gradient clipping and the optimizer's update are replayed too, one graph each
+(`step_graphs.CapturedOptimizer`), so between two micro-steps the host launches three graphs and
+the Trainer's bookkeeping: at 1 x 1024 tokens the optimizer's Python would otherwise leave the GPU
+waiting after every loss read.
 """
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any, Callable
 
@@ -39,7 +44,9 @@ from accelerate.utils import DistributedType
 from tigon.patch import handoff
 from tigon.train.batching import NUM_TOKENS
 from tigon.train.checkpoint import AtomicTrainer
-from tigon.train.step_graphs import CapturedStep
+from tigon.train.step_graphs import CapturedOptimizer, CapturedStep
+
+log = logging.getLogger("tigon.train")
 
 
 TOKEN_ACCURACY = "accuracy"  # the next-token accuracy of the training steps, where the patched loss gives it
@@ -79,6 +86,7 @@ class TigonTrainer(AtomicTrainer):
     _captured: CapturedStep | None = None  # cuda_graphs: the micro-steps replayed
     _captured_model: Any = None  # the model whose micro-steps _captured replays
     _recording: list | None = None  # what _add was given inside a micro-step under cuda_graphs
+    _captured_clip: CapturedStep | None = None  # cuda_graphs: the gradient clipping replayed
 
     def __init__(self, *args, cuda_graphs: bool = False, token_accuracy: bool = False, **kwargs):
         """`cuda_graphs`: each micro-step is replayed from a CUDA graph (``--cuda-graphs``, see the
@@ -90,6 +98,9 @@ class TigonTrainer(AtomicTrainer):
         super().__init__(*args, **kwargs)
         self.cuda_graphs = cuda_graphs
         self.token_accuracy = token_accuracy
+        if cuda_graphs and self.args.fp16:
+            log.warning("--cuda-graphs: the gradient clipping and the optimizer step cannot be captured as CUDA "
+                        "graphs (fp16's loss scaler reads the GPU before the step); they run without them")
 
     def compute_loss(self, model, inputs, *args, **kwargs):
         labels = inputs.get("labels") if self.token_accuracy and model.training and isinstance(inputs, dict) else None
@@ -229,6 +240,19 @@ class TigonTrainer(AtomicTrainer):
             self.accelerator.ddp_handler.gradient_as_bucket_view = True
         self.accelerator.unwrap_model = _unwrap_once(self.accelerator.unwrap_model)
 
+    def _captures_updates(self) -> bool:
+        """Whether the clipping and the optimizer step replay from graphs: under cuda_graphs, on one
+        CUDA device, without fp16's loss scaler (it reads the GPU before each step and hands the
+        step arguments of its own)."""
+        return (self.cuda_graphs and self.args.device.type == "cuda" and not self.args.fp16
+                and self.accelerator.distributed_type == DistributedType.NO)
+
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        if self._captures_updates() and not isinstance(optimizer, CapturedOptimizer):
+            self.optimizer = optimizer = CapturedOptimizer(optimizer, device=self.args.device)
+        return optimizer
+
     def _clip_grad_norm(self, model):
         # The Trainer hands the clip model.parameters(), another walk over every module per step;
         # one process clips the same trainable parameters every step (the others have no gradient).
@@ -236,6 +260,13 @@ class TigonTrainer(AtomicTrainer):
         # (~2 ms a step on a 2-core host for LoRA on the 16-layer Llama); one process has none.
         if self.accelerator.distributed_type != DistributedType.NO:
             return super()._clip_grad_norm(model)
+        if self._captures_updates():
+            if self._captured_clip is None:
+                params = self._trainable_parameters(model)
+                self._captured_clip = CapturedStep(
+                    lambda inputs: torch.nn.utils.clip_grad_norm_(params, inputs["max_norm"]), params,
+                    device=self.args.device, what="the gradient clipping")
+            return self._captured_clip({"max_norm": self.args.max_grad_norm}).clone()
         self.accelerator.unscale_gradients()  # fp16's loss scaler, as accelerate's clip does first
         return torch.nn.utils.clip_grad_norm_(self._trainable_parameters(model), self.args.max_grad_norm)
 
