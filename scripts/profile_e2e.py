@@ -3,9 +3,9 @@ what is alive at its memory peak.
 
 Usage (GPU): PYTHONPATH=src python3 scripts/profile_e2e.py [full|lora] [--eager]
     [--graphs|--reduce-overhead] [--off SWITCH ...] [--ops]
-With --graphs each forward + backward replays from a CUDA graph (`tigon sft --cuda-graphs`); with
---reduce-overhead the model runs under torch.compile's CUDA-graph mode. The step reads its loss
-after backward, as `tigon bench --e2e` does. Prints the host's time in each phase of the step, the
+With --graphs each forward + backward replays from a CUDA graph, and AdamW's update from another
+(`tigon sft --cuda-graphs`); with --reduce-overhead the model runs under torch.compile's CUDA-graph
+mode. The step reads its loss after backward, as `tigon bench --e2e` does. Prints the host's time in each phase of the step, the
 kernels by total GPU time, grouped by family, where the GPU sits idle between kernels (by tenth of
 the step, and the longest gaps), and the live allocations at the step's peak grouped by the
 innermost tigon/transformers/peft/torch.optim frame that made them.
@@ -20,13 +20,15 @@ import torch
 import tigon
 from tigon.bench.e2e import LLAMA_1B, build_model, captured_micro_step, micro_step
 from tigon.patch import SWITCHES
+from tigon.train.step_graphs import CapturedOptimizer
 
 parser = argparse.ArgumentParser()
 parser.add_argument("mode", choices=("full", "lora"), nargs="?", default="full")
 parser.add_argument("--eager", action="store_true", help="profile the unpatched model")
 parser.add_argument("--off", nargs="+", default=[], choices=SWITCHES,
                     help="tigon.patch switches to turn off")
-parser.add_argument("--graphs", action="store_true", help="forward + backward replayed from a CUDA graph (tigon.train.step_graphs)")
+parser.add_argument("--graphs", action="store_true",
+                    help="forward + backward and the optimizer's update replayed from CUDA graphs (tigon.train.step_graphs)")
 parser.add_argument("--reduce-overhead", action="store_true", help="under torch.compile(mode='reduce-overhead')")
 parser.add_argument("--batch", type=int, default=4)
 parser.add_argument("--seq", type=int, default=2048)
@@ -41,6 +43,8 @@ if not args.eager:
     print(tigon.patch(model, **dict.fromkeys(args.off, False)))
 model.train()
 optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
+if args.graphs:
+    optimizer = CapturedOptimizer(optimizer, device=device)
 ids = torch.randint(0, LLAMA_1B["vocab_size"], (args.batch, args.seq), device=device)
 if args.graphs:
     forward_backward = captured_micro_step(model)

@@ -15,14 +15,18 @@ backward, so the next step's forward is issued while the GPU runs the optimizer
 (``--sync-steps``: none of that overlap, each step timed alone). Peak is
 ``torch.cuda.max_memory_allocated()`` over the whole run from building the model on, in GiB
 (weights, gradients and optimizer state included, as in TARGETS.md). GPU busy is the mean NVML
-utilisation over the timed steps (`tigon.timing.BusyMeter`; absent without pynvml).
+utilisation over the timed steps after their first second (`tigon.timing.BusyMeter`; absent
+without pynvml): each NVML sample covers up to the last second, which at first holds the warm-up
+(compilation, capture). Where it is measured, the timed steps go on past their number until they
+span three seconds, so that the reading holds two seconds of samples.
 
 ``peer`` is the same model with Liger-Kernel's kernels (``_apply_liger_kernel_to_instance``, on
 the base model under PEFT), when its package is installed.
 
-``tigon+graphs`` replays each step's forward and backward of the patched model from a CUDA graph
-(`tigon.train.step_graphs`, ``tigon sft --cuda-graphs``): at batch 1 × 1024 tokens (``tigon bench
---e2e 1x1024``) the host, not the GPU, sets the step time of the plain runs.
+``tigon+graphs`` replays each step's forward and backward of the patched model from a CUDA graph,
+and AdamW's update from another (`tigon.train.step_graphs`, ``tigon sft --cuda-graphs``): at batch
+1 × 1024 tokens (``tigon bench --e2e 1x1024``) the host, not the GPU, sets the step time of the
+plain runs.
 ``tigon+reduce-overhead`` reaches replays through ``torch.compile(mode="reduce-overhead")`` of the
 patched model instead.
 
@@ -46,6 +50,9 @@ import tigon
 from tigon.bench.harness import environment
 from tigon.timing import BusyMeter
 
+# NVML's utilisation sample covers up to the last second: the busy reading skips that much of the
+# timed steps, which run at least BUSY_MIN_TIMED_S where it is read.
+BUSY_SETTLE_S, BUSY_MIN_TIMED_S = 1.0, 3.0
 MODES = ("full", "lora")
 # "tigon+compile" is the patched model under torch.compile, "tigon+reduce-overhead" under its CUDA-graph
 # mode; "tigon+graphs" replays the patched model's micro-steps from CUDA graphs (tigon sft --cuda-graphs).
@@ -159,10 +166,12 @@ def timed_steps(
     *,
     sync_steps: bool = False,
     busy: BusyMeter | None = None,
+    captured_update: bool = False,
 ) -> tuple[list[float], list[float]]:
     """`warmup + steps` AdamW steps (`step`: forward + backward of a batch of ids, its loss returned) on random tokens (the same tokens for every
     case); returns the seconds of the timed steps and the loss of every step. `busy`, if given,
-    is read at the first timed step, so its window holds the timed steps only.
+    is read at the first timed step and again BUSY_SETTLE_S later, so that its window holds timed
+    steps only; the timed steps then go on until they span BUSY_MIN_TIMED_S.
 
     Each step's loss is read after its backward, where the Hugging Face Trainer reads it (its
     per-step NaN/inf check; between logging steps it reads nothing else): the host waits there for
@@ -170,22 +179,32 @@ def timed_steps(
     step's time runs from one loss read to the next, so it holds one forward + backward and the
     previous step's optimizer update. `sync_steps` instead synchronises before and after every step
     and times each alone: stricter, as no host work of one step overlaps GPU work of another.
+    `captured_update`: AdamW's update is replayed from a CUDA graph (`CapturedOptimizer`).
     """
     device = next(model.parameters()).device
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=device.type == "cuda"
     )
+    if captured_update:
+        from tigon.train.step_graphs import CapturedOptimizer
+
+        optimizer = CapturedOptimizer(optimizer, device=device)
     gen = torch.Generator(device).manual_seed(1234)
     times, losses = [], []
+    settled, min_timed_s = busy is None, 0.0 if busy is None else BUSY_MIN_TIMED_S
     _sync(device)
     last_read = time.perf_counter()
-    for i in range(warmup + steps):
+    i = timed_s = 0
+    while i < warmup + steps or timed_s < min_timed_s:
         ids = torch.randint(0, vocab, (batch, seq), device=device, generator=gen)
         if sync_steps:
             _sync(device)
             last_read = time.perf_counter()
         if busy is not None and i == warmup:
             busy.window()
+        if not settled and timed_s >= BUSY_SETTLE_S:
+            busy.window()  # drop the samples that reach back into the warm-up
+            settled = True
         losses.append(step(ids).item())
         read = time.perf_counter()
         optimizer.step()
@@ -195,14 +214,16 @@ def timed_steps(
             read = time.perf_counter()
         if i >= warmup:
             times.append(read - last_read)
+            timed_s += read - last_read
         last_read = read
+        i += 1
     _sync(device)
     return times, losses
 
 
 def measure_training(
     model: torch.nn.Module, step: Callable[[torch.Tensor], torch.Tensor], vocab: int, batch: int, seq: int, warmup: int,
-    steps: int, sync_steps: bool = False,
+    steps: int, sync_steps: bool = False, captured_update: bool = False,
 ) -> dict[str, Any]:
     """:func:`timed_steps` in train mode; tokens/s, median step ms, peak GiB (CUDA) and losses."""
     device = next(model.parameters()).device
@@ -211,7 +232,7 @@ def measure_training(
     sampling = device.type == "cuda" and busy.start()
     try:
         times, losses = timed_steps(model, step, vocab, batch, seq, warmup, steps, sync_steps=sync_steps,
-                                    busy=busy if sampling else None)
+                                    busy=busy if sampling else None, captured_update=captured_update)
         window = busy.window() if sampling else None
     finally:
         busy.stop()
@@ -257,7 +278,8 @@ def run_case(
             step = captured_micro_step(model)
         else:
             step = micro_step(torch.compile(model, mode=COMPILE_MODES[impl]) if impl in COMPILE_MODES else model)
-        record.update(measure_training(model, step, shape["vocab_size"], batch, seq, warmup, steps, sync_steps))
+        record.update(measure_training(model, step, shape["vocab_size"], batch, seq, warmup, steps, sync_steps,
+                                       captured_update=impl == "tigon+graphs"))
     except Exception as err:  # one failing case must not hide the others' numbers
         record["error"] = f"{type(err).__name__}: {err}"
     finally:
