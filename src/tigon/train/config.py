@@ -122,9 +122,9 @@ class SFTConfig:
     logging_steps: int = _opt(1, "log loss/lr/speed every N steps (each log waits for the GPU to catch up)")
     samples: int = _opt(3, "prompts from the data answered before and after training (0: none)")
     max_new_tokens: int = _opt(48, "length of those sample answers")
-    cuda_graphs: bool = _opt(False, "capture each micro-step's forward and backward as a CUDA graph and replay "
-                             "it, so a small batch does not leave the GPU waiting for Python; every batch is "
-                             "padded to --max-length (one shape); needs a CUDA GPU")
+    cuda_graphs: bool = _opt(False, "capture each micro-step's forward and backward, and the optimizer's update, "
+                             "as CUDA graphs and replay them, so a small batch does not leave the GPU waiting "
+                             "for Python; every batch is padded to --max-length (one shape); needs a CUDA GPU")
     report_to: str = _opt("none", "experiment tracking through the Trainer's integration (tensorboard: event files "
                           "in OUTPUT_DIR/runs)", choices=["none", *TRACKERS])
 
