@@ -4,6 +4,8 @@ best-known peer library on the same inputs in one run.
 Times are medians (`tigon.timing`): on CUDA of ``triton.testing.do_bench_cudagraph`` (CUDA-graph
 replay, the GPU's time alone) and, as the "launch" column, of plain ``do_bench`` (Python and
 launch overhead included, which dominates a lone call of a small op); on CPU a wall-clock median.
+A plain launch times the host as much as the GPU, and a host's speed drifts within a run: the
+implementations take turns over LAUNCH_ROUNDS rounds and each keeps its median round.
 Peak memory is the rise of ``torch.cuda.max_memory_allocated()`` during one fwd+bwd over what the
 inputs hold, less the ``.grad`` buffers it produces, as in shared/TARGETS.md (the gradients
 themselves are not counted; everything else the op allocates is).
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import statistics
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -22,6 +25,7 @@ from tigon.bench.registry import BENCH_OPS, BenchOp, Size
 from tigon.timing import measure_bandwidth, measure_matmul_rate, time_ms
 
 IMPLS = ("tigon", "eager", "compile", "peer")  # peer: only for ops that name one
+LAUNCH_ROUNDS = 3
 
 
 def _outputs(out: Any) -> list[torch.Tensor]:
@@ -77,28 +81,43 @@ def bench_one(
     floor_s = op.bytes_moved(size, dtype) / bandwidth
     if op.flops(size) and matmul_rate:
         floor_s = max(floor_s, op.flops(size) / matmul_rate)
-    records = []
+    records, steps = [], {}
     for impl in impls:
         record: dict[str, Any] = {"op": op.name, "size": "x".join(map(str, size)), "impl": impl}
         try:
             fn = op.peer() if impl == "peer" else fns[impl]
             step = _fwd_bwd(fn, args, grads)
-            record["fwd_host_ms"] = time_ms(lambda: fn(*args), device, [])
-            record["fwd_bwd_host_ms"] = time_ms(step, device, leaves)
             record["peak_mib"] = _peak_mib(step, device, leaves)
             # A peer is launch-timed only, as TARGETS.md measured it: its torch.compile'd chunks
             # need not survive CUDA-graph capture. Compare it by the launch-timed ratio.
             if device.type == "cuda" and impl != "peer":
-                record["fwd_ms"] = time_ms(lambda: fn(*args), device, [], graph=True)
+                record["fwd_ms"] = time_ms(lambda fn=fn: fn(*args), device, [], graph=True)
                 record["fwd_bwd_ms"] = time_ms(step, device, leaves, graph=True)
-            else:
-                record["fwd_ms"], record["fwd_bwd_ms"] = record["fwd_host_ms"], record["fwd_bwd_host_ms"]
-            record["roofline_pct"] = 100 * floor_s * 1e3 / record["fwd_bwd_ms"]
+            steps[impl] = (fn, step, record)
         except Exception as err:  # one failing implementation must not hide the others' numbers
             record["error"] = f"{type(err).__name__}: {err}"
         for leaf in leaves:
             leaf.grad = None
         records.append(record)
+    launches: dict[str, list[tuple[float, float]]] = {impl: [] for impl in steps}
+    for _ in range(LAUNCH_ROUNDS if device.type == "cuda" else 1):
+        for impl, (fn, step, record) in steps.items():
+            if "error" in record:
+                continue
+            try:
+                launches[impl].append((time_ms(lambda fn=fn: fn(*args), device, []), time_ms(step, device, leaves)))
+            except Exception as err:
+                record["error"] = f"{type(err).__name__}: {err}"
+            for leaf in leaves:
+                leaf.grad = None
+    for impl, (_, _, record) in steps.items():
+        if "error" in record:
+            continue
+        record["fwd_host_ms"] = statistics.median(fwd for fwd, _ in launches[impl])
+        record["fwd_bwd_host_ms"] = statistics.median(fwd_bwd for _, fwd_bwd in launches[impl])
+        record.setdefault("fwd_ms", record["fwd_host_ms"])
+        record.setdefault("fwd_bwd_ms", record["fwd_bwd_host_ms"])
+        record["roofline_pct"] = 100 * floor_s * 1e3 / record["fwd_bwd_ms"]
     by_impl = {r["impl"]: r for r in records}
     for record in records:
         for base in ("eager", "compile", "peer"):
