@@ -176,7 +176,9 @@ def _launch_config(half: int, head_dim: int, n_tokens: int, n_q_heads: int, n_k_
     block_k_heads = min(next_power_of_2(max(n_k_heads, 1)), max_heads)
     # Few heads or narrow heads: take several tokens per program so each moves a full tile.
     block_tokens = min(next_power_of_2(n_tokens), max(1, max_heads // max(block_q_heads, block_k_heads)))
-    num_warps = max(1, min(8, block_tokens * max(block_q_heads, block_k_heads) * block_half // 512))
+    # One warp per tile of up to TILE_ELEMENTS, the most loads in flight per thread: the fastest
+    # of scripts/tune_rope.py's sweep on the H200 (BENCHMARKS.md).
+    num_warps = max(1, block_tokens * max(block_q_heads, block_k_heads) * block_half // TILE_ELEMENTS)
     pass_dims = head_dim - 2 * half
     block_pass = next_power_of_2(pass_dims) if pass_dims else 0
     return block_half, block_pass, block_q_heads, block_k_heads, block_tokens, cdiv(n_tokens, block_tokens), num_warps
