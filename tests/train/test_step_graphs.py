@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from tigon.train.step_graphs import CapturedOptimizer, CapturedStep, _shape_key
+from tigon.train.step_graphs import CapturedOptimizer, CapturedStep, _frozen, _shape_key
 
 
 def test_shape_key_tells_shapes_dtypes_and_other_values_apart():
@@ -16,6 +16,14 @@ def test_shape_key_tells_shapes_dtypes_and_other_values_apart():
     assert key != _shape_key({"input_ids": torch.zeros(2, 9, dtype=torch.long), "steps": 2, "mask": None})
     assert key != _shape_key({"input_ids": ids.int(), "steps": 2, "mask": None})
     assert key != _shape_key({"input_ids": ids, "steps": 1, "mask": None})
+
+
+def test_param_group_settings_key_a_graph_whatever_their_container():
+    """A group's betas as a list (loaded from a config) key the optimizer's graph as a tuple does."""
+    group = {"betas": [0.9, 0.95], "extra": {"b": [1], "a": 2}, "eps": 1e-8}
+    key = _shape_key({"group0": tuple((k, _frozen(v)) for k, v in group.items())})
+    assert hash(key) == hash(_shape_key({"group0": (("betas", (0.9, 0.95)), ("extra", (("a", 2), ("b", (1,)))),
+                                                    ("eps", 1e-8))}))
 
 
 def test_steps_off_a_cuda_gpu_run_plainly_and_say_so_once(caplog):

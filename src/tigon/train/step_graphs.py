@@ -157,6 +157,15 @@ class CapturedStep:
                     self.what, reason)
 
 
+def _frozen(value: Any) -> Hashable:
+    """`value` as a graph key: lists and dicts (a param group's betas loaded from a config) as tuples."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    return value
+
+
 def _capture_refusal(optimizer: torch.optim.Optimizer) -> str | None:
     """Why `optimizer`'s step cannot be replayed from a graph with the same results, or None."""
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
@@ -248,7 +257,7 @@ class CapturedOptimizer(torch.optim.Optimizer):
         for i, group in enumerate(self.optimizer.param_groups):
             lr = group["lr"]
             inputs[f"lr{i}"] = lr if isinstance(lr, torch.Tensor) else torch.full((), lr, device=self.device)
-            inputs[f"group{i}"] = tuple((k, v) for k, v in group.items() if k not in ("params", "lr"))
+            inputs[f"group{i}"] = tuple((k, _frozen(v)) for k, v in group.items() if k not in ("params", "lr"))
         self._captured(inputs)
         return None
 
