@@ -54,28 +54,30 @@ def test_e2e_cadences_train_alike():
 def test_busy_reading_skips_the_warm_up_and_spans_the_minimum_time(monkeypatch):
     """Where GPU busy is read, its window opens at the first timed step and again BUSY_SETTLE_S
     later (NVML's samples reach back into the warm-up), and the timed steps go on past their
-    number until they span BUSY_MIN_TIMED_S."""
-    import time
+    number until they span BUSY_MIN_TIMED_S (a clock that each step moves by 20 ms)."""
+    from types import SimpleNamespace
 
     import tigon.bench.e2e as e2e
 
+    now = [0.0]
+    monkeypatch.setattr(e2e, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     monkeypatch.setattr(e2e, "BUSY_SETTLE_S", 0.05)
-    monkeypatch.setattr(e2e, "BUSY_MIN_TIMED_S", 0.2)
+    monkeypatch.setattr(e2e, "BUSY_MIN_TIMED_S", 0.19)
     model = e2e.build_model("full", 8, torch.device("cpu"), shape=TINY, lora_rank=4, checkpointing=False)
+    forward_backward = e2e.micro_step(model)
     opened = []
 
     class Meter:
         def window(self):
-            opened.append(time.perf_counter())
+            opened.append(now[0])
 
     def step(ids):
-        time.sleep(0.02)
-        return e2e.micro_step(model)(ids)
+        now[0] += 0.02
+        return forward_backward(ids)
 
-    start = time.perf_counter()
     times, losses = e2e.timed_steps(model, step, TINY["vocab_size"], 1, 8, 2, 3, busy=Meter())
-    assert sum(times) >= 0.2 and len(times) > 3 and len(losses) == len(times) + 2
-    assert len(opened) == 2 and opened[1] - opened[0] >= 0.05 and opened[0] - start >= 2 * 0.02
+    assert times == pytest.approx([0.02] * 10) and len(losses) == 12  # 2 warm-up steps, then 0.19 s or more
+    assert opened == pytest.approx([0.04, 0.1])  # at the first timed step, and 0.06 s of steps later
     plain_times, plain_losses = e2e.timed_steps(model, step, TINY["vocab_size"], 1, 8, 2, 3)
     assert len(plain_times) == 3 and len(plain_losses) == 5  # no meter: the steps asked for
 
