@@ -195,6 +195,25 @@ def test_only_adam_and_adamw_are_captured(caplog):
     torch.testing.assert_close(params[0].detach(), torch.zeros(3))
 
 
+def test_a_state_load_or_a_new_group_drops_the_optimizer_s_graphs():
+    """Graphs hold the tensors of the state and groups they were captured with: a load (a
+    resume) or a new group starts a fresh capture, on the same device, every group capturable and
+    every step count on the parameters' device. (Nothing here touches a GPU before a step.)"""
+    first, second = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    plain = torch.optim.AdamW([first], lr=0.1)
+    first.grad = torch.ones(3)
+    plain.step()  # a plain run's state: its step count on the host
+    captured = CapturedOptimizer(torch.optim.AdamW([first], lr=0.1), device="cuda")
+    before = captured._captured
+    captured._captured.seen.add("a shape")
+    captured.load_state_dict(copy.deepcopy(plain.state_dict()))
+    assert captured._captured is not before and not captured._captured.seen
+    assert captured._captured.device == before.device == captured.device
+    assert captured.state[first]["step"].dtype == torch.float32 and captured.state[first]["step"].device == first.device
+    captured.add_param_group({"params": [second]})
+    assert captured._captured.params == [first, second] and all(g["capturable"] for g in captured.param_groups)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["fused", "foreach"])
 def test_gpu_captured_optimizer_steps_like_the_plain_one(kind):

@@ -186,15 +186,16 @@ class CapturedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, device: torch.device | None = None):
         self.optimizer = optimizer
-        self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-        self._captured = CapturedStep(self._update, self._params(), device=self.device, what="the optimizer step")
+        self._captured = self._new_capture(device)
+        self.device = self._captured.device
         refusal = _capture_refusal(optimizer)
         if refusal is not None and self._captured.refused is None:
             self._captured._refuse(refusal)
         self._make_capturable()
 
-    def _params(self) -> list[torch.nn.Parameter]:
-        return [p for group in self.optimizer.param_groups for p in group["params"]]
+    def _new_capture(self, device: torch.device | None) -> CapturedStep:
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        return CapturedStep(self._update, params, device=device, what="the optimizer step")
 
     def _make_capturable(self) -> None:
         """Keep the step counts on the GPU, where a replay advances them (a plain run's checkpoint
@@ -212,7 +213,7 @@ class CapturedOptimizer(torch.optim.Optimizer):
         """Drop the graphs, which hold the tensors of the state and groups before a change; a
         refused capture stays refused."""
         if self._captured.refused is None:
-            self._captured = CapturedStep(self._update, self._params(), device=self.device, what="the optimizer step")
+            self._captured = self._new_capture(self.device)
             self._make_capturable()
 
     @property
