@@ -1,6 +1,7 @@
 """Test set-up: without a GPU the real Triton kernels run in Triton's CPU interpreter."""
 
 import os
+import signal
 
 import pytest
 import torch
@@ -11,6 +12,11 @@ if not torch.cuda.is_available():
 os.environ.setdefault("TIGON_STRICT", "1")  # a kernel error fails the test instead of falling back
 
 from tigon import ops  # noqa: E402
+
+# A shell starts a background job (`nohup make test &`) with SIGINT ignored, and Python then keeps
+# it ignored, in this process and in every process it starts. The tests that send Ctrl-C (to
+# tigon sft, tigon serve, a web UI run) assume what a terminal gives: Python's own handler.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):
