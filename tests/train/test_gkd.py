@@ -9,6 +9,7 @@ that reference in tests/ops/test_linear_distill.py."""
 import json
 import logging
 import random
+import re
 
 import pytest
 import torch
@@ -107,6 +108,9 @@ def test_builtin_default_distils_the_sft_model_into_a_fresh_one(tmp_path, monkey
     assert main(["rlhf", "--output-dir", str(out), *argv]) == 0
     assert f"teacher: the built-in model, fine-tuned first on the bundled instructions by tigon sft into " \
            f"{out / 'sft'}" in caplog.text
+    # Every bundled chat counted with its rendered tokens (not the 2 keys of a BatchEncoding each).
+    counted = re.search(r"tokens: (\d+) training chats, (\d+) tokens", caplog.text)
+    assert counted and int(counted[2]) > 20 * int(counted[1]), caplog.text
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in steps] == [1, 2, 3]
     for r in steps:

@@ -36,7 +36,7 @@ from tigon.train.data import load_samples
 from tigon.train.fused import FusedTrainer, checkpointing_off, frozen_patcher
 from tigon.train.modeling import flops_per_token, load_model, load_tokenizer
 from tigon.train.run import Built, Job, pick_prompts, run_dtype, split_off, start, train, training_arguments
-from tigon.train.template import ensure_chat_template
+from tigon.train.template import ensure_chat_template, render
 from tigon.train.trainer import TigonTrainer
 
 log = logging.getLogger("tigon.train")
@@ -132,7 +132,10 @@ def run(cfg: RLHFConfig) -> Path:
     # The built-in student speaks the built-in teacher's tokens, whatever the data.
     tokenizer = builtin_tokenizer() if cfg.model is None else load_tokenizer(cfg.model)
     ensure_chat_template(tokenizer)
-    tokens = sum(len(tokenizer.apply_chat_template(r["messages"], tokenize=True)) for r in rows)
+    # The rendered chat's tokens (transformers 5's apply_chat_template(tokenize=True) returns a
+    # BatchEncoding, whose len() counts its keys).
+    tokens = sum(len(tokenizer(render(tokenizer, r["messages"], False), add_special_tokens=False).input_ids)
+                 for r in rows)
     log.info("tokens: %d training chats, %d tokens, max length %d; on-policy share %g, samples of up to %d tokens",
              len(rows), tokens, cfg.max_length, cfg.lmbda, cfg.max_completion_length)
     if cfg.teacher is not None:
