@@ -103,13 +103,16 @@ def same_run(full, cut):
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-6, atol=1e-7) for k in a)
 
 
-def test_resume_continues_exactly(uninterrupted, tmp_path):
-    """Interrupted after a checkpoint and resumed = never interrupted."""
+def test_resume_continues_exactly(uninterrupted, tmp_path, caplog):
+    """Interrupted after a checkpoint and resumed = never interrupted; the summary counts the steps
+    this run took, not those before its checkpoint."""
+    caplog.set_level(logging.INFO)
     cut = tmp_path / "cut"
     shutil.copytree(uninterrupted, cut)
     for d in ("checkpoint-6", "final"):
         shutil.rmtree(cut / d)
     sft("--output-dir", str(cut), *RESUMABLE, "--save-steps", "3", "--resume")
+    assert "done: 3 steps (steps 4-6, resumed after step 3) in " in caplog.text
     same_run(uninterrupted, cut)
 
 
@@ -589,3 +592,12 @@ def test_lora_on_a_loaded_model_trains_every_module_in_training_mode(tmp_path, m
     sft("--model", str(tmp_path / "m"), "--tuner", "lora", "--max-steps", "3", "--save-steps", "0",
         "--output-dir", str(tmp_path / "out"))
     assert modes == [True, True, True]
+
+
+def test_progress_bar_shows_each_steps_own_figures(tmp_path, capsys):
+    """The bar's frame at step 2 carries step 2's loss (the Trainer logs after the bar advanced)."""
+    out = tmp_path / "out"
+    sft("--max-steps", "3", "--save-steps", "0", "--output-dir", str(out))
+    frames = capsys.readouterr().err.replace("\n", "\r").split("\r")
+    at_step_2 = [f for f in frames if "| 2/3 [" in f]
+    assert at_step_2 and any(f"loss {losses(out)[2]:.4f}" in f for f in at_step_2), at_step_2

@@ -117,6 +117,7 @@ class Reporter(TrainerCallback):
         self.bar: Any = None
         self.window: tuple[float, int] | None = None
         self.start: tuple[float, int] | None = None
+        self.first_step = 0  # the step a resumed run starts after
         self.losses: list[float] = []
         self.series: dict[str, list[float]] = {key: [] for key, label in self.metrics.items() if label}
         self.rates: list[float] = []
@@ -135,6 +136,7 @@ class Reporter(TrainerCallback):
                         dynamic_ncols=True, unit="step")
         now = (time.perf_counter(), state.num_input_tokens_seen)
         self.window = self.start = now
+        self.first_step = state.global_step
         if torch.cuda.is_available():
             self.busy.start()
 
@@ -202,7 +204,9 @@ class Reporter(TrainerCallback):
             parts.append(f"GPU busy {r['gpu_busy_pct']:.0f}%")
         self.postfix = " | ".join(parts)
         if self.bar is not None:
-            self.bar.set_postfix_str(self.postfix, refresh=False)
+            # The Trainer logs after the step's end has advanced the bar: drawn now, or the bar
+            # would show these figures only with the next step's.
+            self.bar.set_postfix_str(self.postfix)
 
     def on_save(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
@@ -223,8 +227,13 @@ class Reporter(TrainerCallback):
         seconds = time.perf_counter() - self.start[0]
         tokens = state.num_input_tokens_seen - self.start[1]
         rate = tokens / seconds if seconds > 0 else 0.0
-        steps = (f"{state.global_step} steps" if state.global_step >= state.max_steps
-                 else f"stopped at step {state.global_step} of {state.max_steps}")
+        run_here = state.global_step - self.first_step
+        resumed = f" (steps {self.first_step + 1}-{state.global_step}, resumed after step {self.first_step})"
+        if state.global_step >= state.max_steps:
+            steps = f"{run_here} steps" + (resumed if self.first_step else "")
+        else:
+            steps = f"stopped at step {state.global_step} of {state.max_steps}" + (
+                f", {run_here} steps run here" if self.first_step else "")
         lines = [f"{'done: ' if state.global_step >= state.max_steps else ''}{steps} in {seconds:.1f} s, "
                  f"{_si(tokens)} tokens, {_si(rate)} tok/s"]
         if len(self.rates) > 2:
