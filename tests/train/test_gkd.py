@@ -98,7 +98,7 @@ def compare_compute_loss(pair, tmp_path, beta, counted, rtol):
     assert trainer._averages("train")["divergence"] == pytest.approx(ours.item(), rel=1e-5)
 
 
-def test_builtin_default_distils_the_sft_model_into_a_fresh_one(tmp_path, monkeypatch, caplog):
+def test_builtin_default_distils_the_sft_model_into_a_fresh_one(tmp_path, monkeypatch, caplog, capfd, recwarn):
     caplog.set_level(logging.INFO)
     monkeypatch.setattr(builtin, "SFT_STAGE_STEPS", 2)
     monkeypatch.setattr(builtin, "DEMO_SFT", tmp_path / "no-demo" / "final")
@@ -116,6 +116,9 @@ def test_builtin_default_distils_the_sft_model_into_a_fresh_one(tmp_path, monkey
     for r in steps:
         assert r["divergence"] > 0 and r["loss"] == pytest.approx(r["divergence"], rel=1e-5) and r["tokens_per_s"] > 0
     assert (out / "final" / "model.safetensors").is_file()
+    # No library's deprecation notice in the middle of the progress bar (TRL's generation each step).
+    assert "deprecated" not in capfd.readouterr().err
+    assert not [w for w in recwarn if "deprecated" in str(w.message)], [str(w.message) for w in recwarn]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -34,12 +34,11 @@ def load_model_for_serving(path: str, dtype: str = "auto", base: str | None = No
     its base here (served models gain nothing from keeping the adapter apart); a QLoRA adapter
     into its dequantised base, as `tigon merge` does, not into weights quantised again."""
     from tigon.train import load_for_inference
-    from tigon.train.modeling import peft_quiet, pick_dtype
+    from tigon.train.modeling import pick_dtype
 
     model, tokenizer = load_for_inference(path, pick_dtype(dtype), base=base, dequantize=True)
     if hasattr(model, "merge_and_unload"):
-        with peft_quiet():
-            model = model.merge_and_unload()
+        model = model.merge_and_unload()
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"{path}: tigon serve needs a fast (Rust) tokenizer; {type(tokenizer).__name__} is not one")
     return model.eval(), tokenizer

@@ -11,7 +11,7 @@ import torch
 
 from tigon.train.checkpoint import publish, removed_on_failure, staging_dir
 from tigon.train.config import SFTError
-from tigon.train.modeling import (DTYPES, check_bitsandbytes, load_model, load_tokenizer, peft_quiet, pick_dtype,
+from tigon.train.modeling import (DTYPES, check_bitsandbytes, load_model, load_tokenizer, pick_dtype,
                                   quantization_name, recorded_quantization, source_kwargs)
 from tigon.train.template import ensure_chat_template, render
 
@@ -53,8 +53,7 @@ def _adapter_model(adapter: str, base: str, dtype: torch.dtype, dequantize: bool
         model = load_model(base, loaded, quantization, device)
         if dequantize:
             model = model.dequantize(dtype=dtype).to(dtype)  # the unquantised layers too
-    with peft_quiet():
-        return PeftModel.from_pretrained(model, adapter)
+    return PeftModel.from_pretrained(model, adapter)
 
 
 def load_for_inference(path: str, dtype: torch.dtype, base: str | None = None,

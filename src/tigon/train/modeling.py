@@ -4,7 +4,6 @@ kernels. Loading failures become one-line SFTErrors."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import logging
@@ -12,7 +11,7 @@ import os
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -120,12 +119,18 @@ def quiet_transformers() -> None:
     DeepSpeed's accelerator warning: where it is installed, accelerate imports it on every run
     (its unwrap_model checks for a DeepSpeed engine), and on a CPU it warns that it fell back to
     the CPU, about a run that does not use it. Nor transformers' warning, when `tigon merge`
-    dequantises a QLoRA base, that the weights were cast to the dtype tigon asked for."""
+    dequantises a QLoRA base, that the weights were cast to the dtype tigon asked for. Nor the
+    deprecation notices that PEFT and TRL trigger in newer transformers (asking a question under
+    its old name; passing a generation config and generation arguments both, as TRL's on-policy
+    trainers do every step): theirs to fix, and nothing a tigon user can act on, in the middle of
+    the progress bar."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
     for name, start in (("DeepSpeed", "Setting accelerator to CPU"),  # DeepSpeed's own logger, kept across its import
-                        ("transformers.integrations.bitsandbytes", "The modules are dequantized")):
+                        ("transformers.integrations.bitsandbytes", "The modules are dequantized"),
+                        ("transformers.generation.utils", "Passing `generation_config` together with")):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropLine) for f in logger.filters):
             logger.addFilter(_DropLine(start))
@@ -194,9 +199,8 @@ def prepare_quantized(model: torch.nn.Module, gradient_checkpointing: bool) -> N
     from peft import prepare_model_for_kbit_training
 
     loaded = {name: p.dtype for name, p in model.named_parameters() if p.is_floating_point()}
-    with peft_quiet():
-        prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing,
-                                        gradient_checkpointing_kwargs={"use_reentrant": False})
+    prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing,
+                                    gradient_checkpointing_kwargs={"use_reentrant": False})
     for name, param in model.named_parameters():
         if name in loaded and param.dtype != loaded[name]:
             param.data = param.data.to(loaded[name])
@@ -222,15 +226,6 @@ def quantization_name(quantization: Any) -> str:
     return "int8" if quantization.load_in_8bit else quantization.bnb_4bit_quant_type
 
 
-@contextlib.contextmanager
-def peft_quiet() -> Iterator[None]:
-    """peft asks newer transformers a question under its old, deprecated name; that warning is
-    theirs to fix and says nothing to a tigon user."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-        yield
-
-
 def lora_config(cfg: SFTConfig) -> Any:
     """PEFT's LoraConfig for `cfg`: rank, alpha, dropout, targets, --lora-variant (DoRA),
     --use-rslora and --init-lora-weights (loftq starts from PEFT's default and is applied after,
@@ -254,8 +249,7 @@ def add_lora(model: torch.nn.Module, cfg: SFTConfig, weights_file: str | None = 
     from peft import get_peft_model
 
     try:
-        with peft_quiet():
-            model = get_peft_model(model, lora_config(cfg))
+        model = get_peft_model(model, lora_config(cfg))
     except ValueError as err:
         raise SFTError(f"--target-modules {cfg.target_modules}: {str(err).splitlines()[0]}") from None
     if cfg.init_lora_weights == "loftq":
@@ -266,8 +260,7 @@ def add_lora(model: torch.nn.Module, cfg: SFTConfig, weights_file: str | None = 
             raise SFTError(f"--init-lora-weights loftq needs a CUDA GPU (PEFT's LoftQ runs there); the model is on "
                            f"{device.type}")
         try:
-            with peft_quiet():
-                replace_lora_weights_loftq(model, model_path=weights_file)
+            replace_lora_weights_loftq(model, model_path=weights_file)
         except (OSError, ValueError) as err:
             raise SFTError(f"--init-lora-weights loftq: {str(err).splitlines()[0]}") from None
     return model
