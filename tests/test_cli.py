@@ -91,11 +91,12 @@ def test_sft_help_shows_every_default_and_choice(capsys):
     assert "--report-to {none,tensorboard,wandb,mlflow,trackio}" in entries["--report-to"]
 
 
-@pytest.mark.parametrize("command", [["merge", "adapter"], ["infer", "model"], ["chat", "model"], ["bench"]])
+@pytest.mark.parametrize("command", sorted(set(next(
+    a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices) - {"sft", "rlhf"}))
 def test_other_commands_show_their_defaults(capsys, command):
     parser = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command[0]]
-    entries = help_entries(capsys, command[:1])
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    entries = help_entries(capsys, [command])
     for action in sub._actions:
         if action.option_strings[-1:] != ["--help"] and action.default not in (None, False, argparse.SUPPRESS):
             assert "default" in entries[action.option_strings[-1]], entries[action.option_strings[-1]]
@@ -113,3 +114,16 @@ def test_a_refused_option_is_the_only_line_a_fresh_process_prints(tmp_path):
     )
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith("tigon sft: error: --recompute-mlp: applied by tigon.patch") and proc.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["sft", "--lr", "abc"], "tigon sft: error: argument --lr: invalid float value: 'abc' (tigon sft --help lists the options)"),
+    (["export", "x"], "tigon export: error: the following arguments are required: --to, --output "
+                      "(tigon export --help lists the options)"),
+    (["nosuch"], "tigon: error: argument command: invalid choice: 'nosuch' (choose from"),
+])
+def test_a_bad_argument_is_one_line_not_the_usage(capsys, argv, line):
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.startswith(line) and err.count("\n") == 1, err

@@ -8,7 +8,7 @@ import logging
 import platform
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NoReturn
 
 import torch
 
@@ -164,6 +164,15 @@ class _HelpFormatter(argparse.HelpFormatter):
         return help_with_default(help, default)
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad argument is one line, naming where the options are listed, instead of the usage (23
+    lines for `tigon sft`) with the line that matters last."""
+
+    def error(self, message: str) -> NoReturn:
+        hint = f" ({self.prog} --help lists the options)" if " " in self.prog else ""
+        self.exit(2, f"{self.prog}: error: {message}{hint}\n")
+
+
 def _add_train_commands(sub: argparse._SubParsersAction) -> None:
     """`sft`, `rlhf`, `merge`, `infer` and `chat` (the options of sft and rlhf come from tigon.train.config)."""
     from tigon.train.config import RLHFConfig, add_sft_arguments
@@ -211,10 +220,10 @@ def _add_train_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tigon", description="Fused Triton kernels for LLM fine-tuning.")
+    parser = _Parser(prog="tigon", description="Fused Triton kernels for LLM fine-tuning.")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks")
     sub = parser.add_subparsers(dest="command", required=True,
-                                parser_class=functools.partial(argparse.ArgumentParser, formatter_class=_HelpFormatter))
+                                parser_class=functools.partial(_Parser, formatter_class=_HelpFormatter))
 
     env = sub.add_parser("env", help="versions, GPU, and which ops run as Triton here (and why not)")
     env.set_defaults(run=_cmd_env)

@@ -126,11 +126,11 @@ def add_serve_commands(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--tasks", type=lambda s: [t.strip() for t in s.split(",") if t.strip()], metavar="T1,T2",
                     help="lm-evaluation-harness tasks, e.g. hellaswag,arc_easy (needs lm-eval installed)")
     ev.add_argument("--max-length", type=int, default=2048, metavar="N", help="truncate samples to N tokens")
-    ev.add_argument("--batch-size", type=int, default=8, metavar="N")
+    ev.add_argument("--batch-size", type=int, default=8, metavar="N", help="samples per forward pass")
     ev.add_argument("--limit", type=int, metavar="N", help="lm-eval: at most N examples per task")
     ev.add_argument("--output", metavar="FILE", help="result JSON (default: ./eval.json)")
     ev.add_argument("--base", metavar="MODEL", help="base model of a LoRA adapter (default: the one it names)")
-    ev.add_argument("--dtype", choices=dtypes, default="auto")
+    ev.add_argument("--dtype", choices=dtypes, default="auto", help="auto: bf16 on a GPU that has it, else fp32")
     ev.add_argument("--seed", type=int, default=42, help="seed for PATH#N row sampling")
     ev.add_argument("--debug", **_DEBUG)
     ev.set_defaults(run=_cmd_eval)
