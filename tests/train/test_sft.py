@@ -392,6 +392,10 @@ def bad_row_file(tmp_path):
     (["--dataset", "{tmp}/bad.jsonl"], "{tmp}/bad.jsonl line 2: no assistant message with content"),
     (["--dataset", "{tmp}/odd.jsonl"], "{tmp}/odd.jsonl line 1: unknown data format"),
     (["--model", "./no/such/model"], "model not found: ./no/such/model"),
+    (["--model", "{tmp}/odd.jsonl"], "{tmp}/odd.jsonl: a file, not a model directory (a model directory holds "
+                                     "config.json, the weights"),
+    (["--model", "{tmp}"], "{tmp}: no tokenizer_config.json or tokenizer.json in this directory: not a model "
+                           "directory (a model directory holds config.json"),
     (["--eval-split", "0.1", "--eval-dataset", "e.jsonl"], "--eval-split and --eval-dataset are incompatible"),
     (["--kernels-off", "warp_drive"], "--kernels-off: unknown kernel"),
     (["--tuner", "full", "--lora-rank", "4"], "--lora-rank: only for --tuner lora"),

@@ -70,15 +70,25 @@ def _offline() -> bool:
     return constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
 
 
-def source_kwargs(model_id: str) -> dict[str, Any]:
+# What a model directory holds, as save_pretrained writes it (said where a path is not one).
+MODEL_DIRECTORY = "config.json, the weights (*.safetensors) and the tokenizer's files"
+
+
+def source_kwargs(model_id: str, marks: tuple[str, ...] = ("config.json",)) -> dict[str, Any]:
     """The `from_pretrained` keywords that load `model_id` from where it is: a local directory as
-    it is; a hub id from the hub, or from the local hub cache when the hub cannot be reached (or
-    HF_HUB_OFFLINE is set). Where it can come from nowhere, one SFTError now, instead of the
-    hub client's retries (about a minute without network)."""
+    it is (one holding any of the files `marks`); a hub id from the hub, or from the local hub
+    cache when the hub cannot be reached (or HF_HUB_OFFLINE is set). Where it can come from
+    nowhere, one SFTError now, instead of the hub client's retries (about a minute without
+    network) or its guess at what a file or an empty directory was meant to be."""
     from huggingface_hub import constants, try_to_load_from_cache
 
     path = Path(model_id).expanduser()
     if path.exists():
+        if not path.is_dir():
+            raise SFTError(f"{model_id}: a file, not a model directory (a model directory holds {MODEL_DIRECTORY})")
+        if not any((path / name).is_file() for name in marks):
+            raise SFTError(f"{model_id}: no {' or '.join(marks)} in this directory: not a model directory (a model "
+                           f"directory holds {MODEL_DIRECTORY})")
         return {}
     if model_id.startswith((".", "/", "~")) or model_id.count("/") > 1:
         raise SFTError(f"model not found: {model_id} (no such directory)")
@@ -98,7 +108,7 @@ def source_kwargs(model_id: str) -> dict[str, Any]:
 def load_tokenizer(model_id: str) -> Any:
     from transformers import AutoTokenizer
 
-    kwargs = source_kwargs(model_id)
+    kwargs = source_kwargs(model_id, marks=("tokenizer_config.json", "tokenizer.json"))
     try:
         return AutoTokenizer.from_pretrained(model_id, **kwargs)
     except (OSError, ValueError) as err:
