@@ -2,7 +2,7 @@
 # One device-machine call: gpu-marked tests, op benchmarks at the TARGETS.md shapes, the linear-CE
 # chunk-budget sweep and the end-to-end benchmark. Everything lands in $OUT/results.tar.gz (the
 # device tool returns at most 8 files) plus the text logs.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|moetests|ops|norms|rope|sweep|e2e|small|host|serve|moe|rl|dpo|sft|profile|dpoprof|dpomem|headstart|maxctx ...]
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|moetests|ab|ops|norms|rope|sweep|e2e|small|host|serve|moe|rl|dpo|sft|profile|dpoprof|dpomem|headstart|maxctx ...]
 # (host: per-call host time of the small ops; small: the host-bound 1x1024 e2e with CUDA-graph replay;
 # rl: the GRPO loss against TRL's own log-prob path; dpo: tigon rlhf against TRL's DPOTrainer; dpoprof: where a `tigon rlhf --method dpo` step goes;
 # dpomem: what is live at its memory peak; DPO_ARGS: more tigon rlhf options for both)
@@ -57,6 +57,17 @@ for stage in "${stages[@]}"; do
     small) timeout ${!limit_var:-420} python3 -m tigon.cli bench --e2e 1x1024 --e2e-impls ${E2E_IMPLS:-eager peer tigon tigon+graphs} \
              --out "$RES/e2e_1x1024" > "$RES/e2e_1x1024.txt" 2>&1
            tail -15 "$RES/e2e_1x1024.txt" ;;
+    # A change's before and after in one run: the e2e shapes on another tree (BASE_SRC: its src/, e.g.
+    # `git archive REV src | tar -x -C .baseline`, carried) and on this one, in turns over two rounds.
+    ab)    for round in 1 2; do
+             for side in base head; do
+               tree=src; [ "$side" = base ] && tree=${BASE_SRC:-.baseline/src}
+               PYTHONPATH=$tree:${PYTHONPATH#src:} timeout ${!limit_var:-300} python3 -m tigon.cli bench \
+                 --e2e ${AB_SHAPES:-4x2048 1x1024} --e2e-impls ${E2E_IMPLS:-tigon tigon+graphs} \
+                 --out "$RES/ab_$side-$round" > "$RES/ab_$side-$round.txt" 2>&1
+             done
+           done
+           python3 scripts/ab_summary.py "$RES" ;;
     host)  timeout ${!limit_var:-300} python3 -m tigon.cli bench --host --out "$RES/host" > "$RES/host.txt" 2>&1
            grep -A40 "^op " "$RES/host.txt" | tail -32 ;;
     serve) if compgen -G ".whl-serve/*.whl" > /dev/null && [ ! -d /tmp/serve-site ]; then
