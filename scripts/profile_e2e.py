@@ -20,7 +20,7 @@ import torch
 import tigon
 from tigon.bench.e2e import LLAMA_1B, build_model, captured_micro_step, micro_step
 from tigon.patch import SWITCHES
-from tigon.train.step_graphs import CapturedOptimizer
+from tigon.cuda_graphs import CapturedOptimizer
 
 parser = argparse.ArgumentParser()
 parser.add_argument("mode", choices=("full", "lora"), nargs="?", default="full")
@@ -28,7 +28,7 @@ parser.add_argument("--eager", action="store_true", help="profile the unpatched 
 parser.add_argument("--off", nargs="+", default=[], choices=SWITCHES,
                     help="tigon.patch switches to turn off")
 parser.add_argument("--graphs", action="store_true",
-                    help="forward + backward and the optimizer's update replayed from CUDA graphs (tigon.train.step_graphs)")
+                    help="forward + backward and the optimizer's update replayed from CUDA graphs (tigon.cuda_graphs)")
 parser.add_argument("--reduce-overhead", action="store_true", help="under torch.compile(mode='reduce-overhead')")
 parser.add_argument("--batch", type=int, default=4)
 parser.add_argument("--seq", type=int, default=2048)

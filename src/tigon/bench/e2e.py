@@ -24,7 +24,7 @@ span three seconds, so that the reading holds two seconds of samples.
 the base model under PEFT), when its package is installed.
 
 ``tigon+graphs`` replays each step's forward and backward of the patched model from a CUDA graph,
-and AdamW's update from another (`tigon.train.step_graphs`, ``tigon sft --cuda-graphs``): at batch
+and AdamW's update from another (`tigon.cuda_graphs`, ``tigon sft --cuda-graphs``): at batch
 1 × 1024 tokens (``tigon bench --e2e 1x1024``) the host, not the GPU, sets the step time of the
 plain runs.
 ``tigon+reduce-overhead`` reaches replays through ``torch.compile(mode="reduce-overhead")`` of the
@@ -147,8 +147,8 @@ def micro_step(step_model: Callable[..., Any]) -> Callable[[torch.Tensor], torch
 
 
 def captured_micro_step(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """:func:`micro_step` of `model` replayed from a CUDA graph (`tigon.train.step_graphs`)."""
-    from tigon.train.step_graphs import CapturedStep
+    """:func:`micro_step` of `model` replayed from a CUDA graph (`tigon.cuda_graphs`)."""
+    from tigon.cuda_graphs import CapturedStep
 
     plain = micro_step(model)
     captured = CapturedStep(lambda inputs: plain(inputs["input_ids"]), model.parameters())
@@ -186,7 +186,7 @@ def timed_steps(
         [p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=device.type == "cuda"
     )
     if captured_update:
-        from tigon.train.step_graphs import CapturedOptimizer
+        from tigon.cuda_graphs import CapturedOptimizer
 
         optimizer = CapturedOptimizer(optimizer, device=device)
     gen = torch.Generator(device).manual_seed(1234)

@@ -44,7 +44,7 @@ from accelerate.utils import DistributedType
 from tigon.patch import handoff
 from tigon.train.batching import NUM_TOKENS
 from tigon.train.checkpoint import AtomicTrainer
-from tigon.train.step_graphs import CapturedOptimizer, CapturedStep
+from tigon.cuda_graphs import CapturedOptimizer, CapturedStep
 
 log = logging.getLogger("tigon.train")
 
