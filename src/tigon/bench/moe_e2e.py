@@ -13,7 +13,7 @@ step cadence, same per-step loss comparison against the first implementation, "e
 Implementations: ``eager`` is transformers' expert loop (``experts_implementation="eager"``),
 ``grouped_mm`` its grouped-GEMM path (its default where torch has grouped_mm), ``tigon`` the
 model after ``tigon.patch`` with the experts on :func:`tigon.functional.moe_experts` (through
-transformers' experts-implementation dispatch, :func:`tigon.nn.moe.register_experts_implementation`).
+transformers' experts-implementation dispatch, :func:`tigon.patch.moe.register_experts_implementation`).
 
     python -m tigon.bench.moe_e2e --out bench-out/moe-e2e
 """
@@ -28,7 +28,7 @@ import torch
 
 import tigon
 from tigon.bench.e2e import _release, measure_training, micro_step, run_all
-from tigon.nn.moe import register_experts_implementation
+from tigon.patch.moe import register_experts_implementation
 
 MODES = ("full", "lora")
 IMPLS = ("eager", "grouped_mm", "tigon")
