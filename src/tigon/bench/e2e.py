@@ -1,6 +1,6 @@
 """End-to-end fine-tuning benchmark: PyTorch eager vs tigon-patched, same model, data and run.
 
-The model is shared/TARGETS.md's Llama shape (hidden 2048, intermediate 8192, 16 layers, 32 heads /
+The model is a 1B Llama shape (hidden 2048, intermediate 8192, 16 layers, 32 heads /
 8 KV heads, vocab 128256, tied embeddings; ~1.24 B parameters) with random weights, in bf16 with
 SDPA attention, trained by AdamW on random tokens:
 
@@ -14,7 +14,7 @@ at the cadence of the HF Trainer between logging steps: each step's loss is read
 backward, so the next step's forward is issued while the GPU runs the optimizer
 (``--sync-steps``: none of that overlap, each step timed alone). Peak is
 ``torch.cuda.max_memory_allocated()`` over the whole run from building the model on, in GiB
-(weights, gradients and optimizer state included, as in TARGETS.md). GPU busy is the mean NVML
+(weights, gradients and optimizer state included). GPU busy is the mean NVML
 utilisation over the timed steps after their first second (`tigon.timing.BusyMeter`; absent
 without pynvml): each NVML sample covers up to the last second, which at first holds the warm-up
 (compilation, capture). Where it is measured, the timed steps go on past their number until they

@@ -7,8 +7,8 @@ launch overhead included, which dominates a lone call of a small op); on CPU a w
 A plain launch times the host as much as the GPU, and a host's speed drifts within a run: the
 implementations take turns over LAUNCH_ROUNDS rounds and each keeps its median round.
 Peak memory is the rise of ``torch.cuda.max_memory_allocated()`` during one fwd+bwd over what the
-inputs hold, less the ``.grad`` buffers it produces, as in shared/TARGETS.md (the gradients
-themselves are not counted; everything else the op allocates is).
+inputs hold, less the ``.grad`` buffers it produces (the gradients themselves are not counted;
+everything else the op allocates is).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _fwd_bwd(fn: Callable, args: Sequence[Any], grads: list[torch.Tensor] | None
 
 def _peak_mib(step: Callable[[], None], device: torch.device, leaves: list[torch.Tensor]) -> float | None:
     """Peak allocation of one fwd+bwd above the inputs, less the gradients it hands back: the
-    `.grad` buffers are what TARGETS.md leaves out, everything else the op allocates counts."""
+    `.grad` buffers are left out, everything else the op allocates counts."""
     if device.type != "cuda":
         return None
     step()  # warm: caches and lazily built state are not part of the op's peak
@@ -88,8 +88,8 @@ def bench_one(
             fn = op.peer() if impl == "peer" else fns[impl]
             step = _fwd_bwd(fn, args, grads)
             record["peak_mib"] = _peak_mib(step, device, leaves)
-            # A peer is launch-timed only, as TARGETS.md measured it: its torch.compile'd chunks
-            # need not survive CUDA-graph capture. Compare it by the launch-timed ratio.
+            # A peer is launch-timed only: its torch.compile'd chunks need not survive CUDA-graph
+            # capture. Compare it by the launch-timed ratio.
             if device.type == "cuda" and impl != "peer":
                 record["fwd_ms"] = time_ms(lambda fn=fn: fn(*args), device, [], graph=True)
                 record["fwd_bwd_ms"] = time_ms(step, device, leaves, graph=True)
@@ -201,7 +201,7 @@ def run_benchmarks(
     headline: bool = False,
 ) -> list[dict[str, Any]]:
     """Benchmark `ops` (all registered when None) over `sizes` (each op's sweep when None, only
-    its first, TARGETS.md size when `headline`), for the implementations in `impls`."""
+    its first, headline size when `headline`), for the implementations in `impls`."""
     import tigon.bench.ops  # noqa: F401  (registers the cases)
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,6 +1,6 @@
 """Long-context benchmark: peak GPU memory and seconds per step by sequence length.
 
-The setting of issue 9's table: shared/TARGETS.md's Llama shape (:data:`tigon.bench.e2e.LLAMA_1B`,
+The setting of issue 9's table: the 1B Llama shape (:data:`tigon.bench.e2e.LLAMA_1B`,
 bf16, SDPA), PEFT LoRA r=16 on every linear layer of the decoder, gradient checkpointing, batch 1,
 random tokens, AdamW. Variants:
 

@@ -94,7 +94,7 @@ class _FusedPreference(FusedTrainer):
 
         Layer by layer, as PEFT's ``disable_adapter()`` does it, but over the adapter layers found
         once: PEFT's context manager first walks every module for the model's adapter status (tens
-        of milliseconds of host time per step, for the 16-layer Llama of TARGETS.md), which a LoRA
+        of milliseconds of host time per step, for a 16-layer 1B Llama), which a LoRA
         step, bound by its host, pays in full."""
         unwrapped = self.accelerator.unwrap_model(model)
         with torch.no_grad():
