@@ -114,7 +114,8 @@ def apply_peer(model: torch.nn.Module) -> Callable[[], None]:
     return undo
 
 
-def _release(device: torch.device) -> None:
+def release_memory(device: torch.device) -> None:
+    """Free what a finished case left (its model, optimizer, cached blocks) and restart the peak count."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -264,7 +265,7 @@ def run_case(
 ) -> dict[str, Any]:
     """Train one model for `warmup` + `steps` AdamW steps; throughput, peak memory (CUDA only)
     and losses."""
-    _release(device)
+    release_memory(device)
     model = build_model(mode, seq, device, shape=shape, lora_rank=lora_rank, checkpointing=checkpointing)
     record: dict[str, Any] = {"mode": mode, "impl": impl, "batch": batch, "seq": seq}
     undo_peer = None
@@ -287,7 +288,7 @@ def run_case(
         if undo_peer is not None:
             undo_peer()
         del model
-        _release(device)
+        release_memory(device)
     return record
 
 

@@ -28,20 +28,23 @@ IMPLS = ("tigon", "eager", "compile", "peer")  # peer: only for ops that name on
 LAUNCH_ROUNDS = 3
 
 
-def _outputs(out: Any) -> list[torch.Tensor]:
+def differentiable_outputs(out: Any) -> list[torch.Tensor]:
+    """The tensors of an op's output (one tensor or a sequence) that require a gradient."""
     outs = [out] if isinstance(out, torch.Tensor) else list(out)
     return [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
 
 
-def _fwd_bwd(fn: Callable, args: Sequence[Any], grads: list[torch.Tensor] | None) -> Callable[[], None]:
+def fwd_bwd_step(fn: Callable, args: Sequence[Any], grads: list[torch.Tensor] | None) -> Callable[[], None]:
+    """A call of `fn` on `args` and the backward of its differentiable outputs with `grads`."""
+
     def step() -> None:
-        outs = _outputs(fn(*args))
+        outs = differentiable_outputs(fn(*args))
         torch.autograd.backward(outs, grads)
 
     return step
 
 
-def _peak_mib(step: Callable[[], None], device: torch.device, leaves: list[torch.Tensor]) -> float | None:
+def peak_mib(step: Callable[[], None], device: torch.device, leaves: list[torch.Tensor]) -> float | None:
     """Peak allocation of one fwd+bwd above the inputs, less the gradients it hands back: the
     `.grad` buffers are left out, everything else the op allocates counts."""
     if device.type != "cuda":
@@ -77,7 +80,7 @@ def bench_one(
     if "compile" in impls:
         fns["compile"] = torch.compile(op.eager, dynamic=False)
     # A scalar output is a loss: backpropagate 1 as `loss.backward()` does.
-    grads = [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in _outputs(op.eager(*args))]
+    grads = [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in differentiable_outputs(op.eager(*args))]
     floor_s = op.bytes_moved(size, dtype) / bandwidth
     if op.flops(size) and matmul_rate:
         floor_s = max(floor_s, op.flops(size) / matmul_rate)
@@ -86,8 +89,8 @@ def bench_one(
         record: dict[str, Any] = {"op": op.name, "size": "x".join(map(str, size)), "impl": impl}
         try:
             fn = op.peer() if impl == "peer" else fns[impl]
-            step = _fwd_bwd(fn, args, grads)
-            record["peak_mib"] = _peak_mib(step, device, leaves)
+            step = fwd_bwd_step(fn, args, grads)
+            record["peak_mib"] = peak_mib(step, device, leaves)
             # A peer is launch-timed only: its torch.compile'd chunks need not survive CUDA-graph
             # capture. Compare it by the launch-timed ratio.
             if device.type == "cuda" and impl != "peer":

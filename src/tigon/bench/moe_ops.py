@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 import tigon.functional as F
-from tigon.bench.harness import _fwd_bwd, _peak_mib, environment
+from tigon.bench.harness import environment, fwd_bwd_step, peak_mib
 from tigon.timing import time_ms as _time_ms
 from tigon.bench.ops.moe import SIZES, hf_expert_loop, hf_grouped_mm, make_inputs, on_gemm
 from tigon.bench.registry import Size, parse_size
@@ -68,10 +68,10 @@ def bench_side_by_side(size: Size, dtype: torch.dtype, device: torch.device, imp
             record["first_call_s"] = time.perf_counter() - start
             record["error_vs_loop"] = _relative_error(out, want)
             del out
-            step = _fwd_bwd(fn, args, grads)
+            step = fwd_bwd_step(fn, args, grads)
             calls = {"fwd_host_ms": (lambda: fn(*args), []), "fwd_bwd_host_ms": (step, leaves)}
             record.update({key: _time_ms(call, device, grad_leaves) for key, (call, grad_leaves) in calls.items()})
-            record["peak_mib"] = _peak_mib(step, device, leaves)
+            record["peak_mib"] = peak_mib(step, device, leaves)
             if graphable and device.type == "cuda":
                 record["graph_ms"] = _time_ms(step, device, leaves, graph=True)
         except Exception as err:  # one failing implementation must not hide the others' numbers
