@@ -5,7 +5,7 @@ profiler trace the GPU's kernels of one call with the idle gaps between them.
 
 Usage (GPU): PYTHONPATH=src python3 scripts/launch_timeline.py [rms_norm rope:8x32x8x2048x128 ...]
                  [--impls tigon peer compile eager]
-Each op at its first registered size (its TARGETS.md shape) unless NAME:SIZE gives one.
+Each op at its first registered size (its headline shape) unless NAME:SIZE gives one.
 """
 
 import argparse
