@@ -27,8 +27,8 @@ def test_side_by_side_records_each_implementation(monkeypatch):
 
 
 def test_the_grouped_gemm_floor_is_timed_beside_the_loop(monkeypatch):
-    """The block's six grouped GEMMs alone (what scripts/moe_gemm_floor.py timed) get a fwd+bwd
-    time and a ratio to the loop, and no error or output comparison."""
+    """The block's six grouped GEMMs alone get a fwd+bwd time and a ratio to the loop, and no
+    error or output comparison."""
     import tigon.bench.moe_ops as moe_ops
 
     calls = []
