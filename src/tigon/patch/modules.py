@@ -47,8 +47,8 @@ _MODULE_CLASSES: dict[type, str] = {}
 
 
 def _module_classes() -> dict[type, str]:
-    """The module class transformers builds (``ACT2CLS``) for each name of :data:`ACTIVATIONS`, and torch's
-    SiLU, mapped to the kernel's activation."""
+    """The module class transformers builds (``ACT2CLS``) for each name of :data:`ACTIVATIONS`, and
+    torch's SiLU, mapped to the kernel's activation."""
     if _MODULE_CLASSES:
         return _MODULE_CLASSES
     classes: dict[type, str] = {torch.nn.SiLU: "silu"}
