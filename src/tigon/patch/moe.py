@@ -26,7 +26,6 @@ GEMMs. Any other parametrization is read as the weight it produces (correct, at 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 from torch.nn.utils import parametrize
