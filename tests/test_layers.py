@@ -54,8 +54,8 @@ TORCH_ONLY = {"tigon.ops", "tigon.timing", "tigon.cuda_graphs", "tigon.functiona
 TORCH_ONLY_ALLOWED = {"torch", "triton"}
 
 
-def _floor(unit: str) -> int:
-    return next(i for i, units in enumerate(FLOORS) if unit in units)
+def _floor(unit: str) -> int | None:
+    return next((i for i, units in enumerate(FLOORS) if unit in units), None)
 
 
 def _module_name(path: Path) -> str:
@@ -111,7 +111,9 @@ def upward_imports(source: str, module: str, is_package: bool = False) -> list[s
         if target_unit is None or target_unit == unit:
             continue
         here, there = _floor(unit), _floor(target_unit)
-        if there > here or (there == here and (unit, target_unit) not in SAME_FLOOR):
+        if here is None or there is None:
+            bad.append(f"line {line}: `{statement}`: {unit} or {target_unit} has no floor in FLOORS")
+        elif there > here or (there == here and (unit, target_unit) not in SAME_FLOOR):
             bad.append(f"line {line}: `{statement}`: {unit} (floor {here}) imports {target_unit} (floor {there})")
     return bad
 
