@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One device-machine call: gpu-marked tests, op benchmarks at the TARGETS.md shapes, the linear-CE
+# One device-machine call: gpu-marked tests, op benchmarks at their headline shapes, the linear-CE
 # chunk-budget sweep and the end-to-end benchmark. Everything lands in $OUT/results.tar.gz (the
 # device tool returns at most 8 files) plus the text logs.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|moetests|ab|ops|norms|rope|sweep|e2e|small|host|serve|moe|rl|dpo|sft|profile|dpoprof|dpomem|headstart|maxctx ...]
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|moetests|ab|ops|norms|rope|sweep|e2e|small|host|serve|moe|rl|dpo|sft|profile|dpoprof|dpomem|maxctx ...]
 # (host: per-call host time of the small ops; small: the host-bound 1x1024 e2e with CUDA-graph replay;
 # rl: the GRPO loss against TRL's own log-prob path; dpo: tigon rlhf against TRL's DPOTrainer; dpoprof: where a `tigon rlhf --method dpo` step goes;
 # dpomem: what is live at its memory peak; DPO_ARGS: more tigon rlhf options for both)
@@ -42,7 +42,7 @@ for stage in "${stages[@]}"; do
            tail -25 "$RES/gpu_tests.txt" ;;
     # Run apart from the rest: a device-side assert leaves its process's CUDA context unusable.
     moetests) timeout ${!limit_var:-420} python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_moe.py \
-             tests/nn/test_moe.py > "$RES/gpu_moe_tests.txt" 2>&1
+             tests/patch/test_moe.py > "$RES/gpu_moe_tests.txt" 2>&1
            timeout 120 python3 -m pytest -q -p no:cacheprovider tests/ops/test_kernel_globals.py >> "$RES/gpu_moe_tests.txt" 2>&1
            tail -15 "$RES/gpu_moe_tests.txt" ;;
     ops)   timeout ${!limit_var:-420} python3 -m tigon.cli bench --headline ${BENCH_OPS:+--ops $BENCH_OPS} --out "$RES/ops" > "$RES/ops.txt" 2>&1
@@ -97,8 +97,6 @@ for stage in "${stages[@]}"; do
              --dtype bf16 --lr 1e-5 --save-steps 0 --samples 0 --overwrite --output-dir $WORK/prof ${DPO_ARGS:-} \
              > "$log" 2>&1
            grep -E -A28 "^profiled|^step wall|^device-to-host|^peak" "$log" | cut -c1-220 ;;
-    headstart) timeout ${!limit_var:-300} python3 scripts/head_start.py full > "$RES/head_start.txt" 2>&1
-           cat "$RES/head_start.txt" ;;
     maxctx) mkdir -p "$RES/mc" && cp -n docs/bench/max_context.json "$RES/mc/" 2>/dev/null
            timeout ${!limit_var:-540} python3 -m tigon.bench.max_context ${MC_ARGS:-} --out "$RES/mc" >> "$RES/mc.txt" 2>&1
            tail -20 "$RES/mc.txt" ;;

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 import tigon.bench.ops  # noqa: E402,F401  (registers the bench ops)
 import tigon.ops  # noqa: E402
-from tigon.bench.harness import _fwd_bwd, _outputs  # noqa: E402
+from tigon.bench.harness import differentiable_outputs, fwd_bwd_step  # noqa: E402
 from tigon.bench.host import HOST_SIZES  # noqa: E402
 from tigon.bench.registry import BENCH_OPS  # noqa: E402
 
@@ -72,10 +72,10 @@ def main() -> None:
         torch.manual_seed(0)
         inputs = op.make_inputs(HOST_SIZES[name], torch.float32, torch.device("cpu"))
         leaves = [a for a in inputs if isinstance(a, torch.Tensor) and a.requires_grad]
-        grads = [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in _outputs(op.eager(*inputs))]
-        steps = {"tigon": _fwd_bwd(op.tigon, inputs, grads), "eager": _fwd_bwd(op.eager, inputs, grads)}
+        grads = [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in differentiable_outputs(op.eager(*inputs))]
+        steps = {"tigon": fwd_bwd_step(op.tigon, inputs, grads), "eager": fwd_bwd_step(op.eager, inputs, grads)}
         if op.peer is not None and "liger_kernel" in sys.modules:
-            steps["peer"] = _fwd_bwd(op.peer(), inputs, grads)
+            steps["peer"] = fwd_bwd_step(op.peer(), inputs, grads)
         samples: dict[str, list[float]] = {impl: [] for impl in steps}
         for round_ in range(args.rounds + 1):
             for impl, step in steps.items():

@@ -5,7 +5,7 @@ profiler trace the GPU's kernels of one call with the idle gaps between them.
 
 Usage (GPU): PYTHONPATH=src python3 scripts/launch_timeline.py [rms_norm rope:8x32x8x2048x128 ...]
                  [--impls tigon peer compile eager]
-Each op at its first registered size (its TARGETS.md shape) unless NAME:SIZE gives one.
+Each op at its first registered size (its headline shape) unless NAME:SIZE gives one.
 """
 
 import argparse
@@ -15,7 +15,7 @@ import time
 import torch
 
 import tigon.bench.ops  # noqa: F401  (registers the bench ops)
-from tigon.bench.harness import _fwd_bwd, _outputs
+from tigon.bench.harness import differentiable_outputs, fwd_bwd_step
 from tigon.bench.registry import BENCH_OPS, parse_size
 from tigon.timing import time_ms
 
@@ -34,7 +34,7 @@ def idle_gpu_host_us(fn, grads, leaves, calls=100):
             leaf.grad = None
         torch.cuda.synchronize()
         start = time.perf_counter()
-        outs = _outputs(fn())
+        outs = differentiable_outputs(fn())
         mid = time.perf_counter()
         torch.autograd.backward(outs, grads)
         end = time.perf_counter()
@@ -79,7 +79,7 @@ for case in args.ops:
     torch.manual_seed(0)
     inputs = op.make_inputs(size, torch.bfloat16, device)
     leaves = [a for a in inputs if isinstance(a, torch.Tensor) and a.requires_grad]
-    grads = [torch.randn_like(o) for o in _outputs(op.eager(*inputs))]
+    grads = [torch.randn_like(o) for o in differentiable_outputs(op.eager(*inputs))]
     print(f"=== {name} {'x'.join(map(str, size))}")
     for impl in args.impls:
         if impl == "peer" and op.peer is None:
@@ -87,7 +87,7 @@ for case in args.ops:
         try:
             fn = {"tigon": op.tigon, "eager": op.eager}.get(impl) or (
                 op.peer() if impl == "peer" else torch.compile(op.eager, dynamic=False))
-            step = _fwd_bwd(fn, inputs, grads)
+            step = fwd_bwd_step(fn, inputs, grads)
             launched = time_ms(step, device, leaves)
             graphed = time_ms(step, device, leaves, graph=True) if impl != "peer" else float("nan")
             fwd_us, total_us = idle_gpu_host_us(lambda: fn(*inputs), grads, leaves)

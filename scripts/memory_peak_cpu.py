@@ -95,7 +95,7 @@ def build(args, path: str):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--intermediate-ratio", type=float, default=3.5, help="3.5: Llama-3-8B; 4: TARGETS.md's Llama")
+    parser.add_argument("--intermediate-ratio", type=float, default=3.5, help="3.5: Llama-3-8B; 4: the 1B Llama")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--tokens", type=int, default=512)

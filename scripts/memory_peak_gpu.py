@@ -3,7 +3,7 @@ allocation and free during the step (``torch.cuda.memory._record_memory_history`
 largest total, and the blocks live there are listed by the Python code that allocated them, in MiB
 and bytes per token. Blocks allocated before the step (weights, optimizer state) are one line.
 
-As a library (scripts/qlora_bench.py --memory-peak)::
+As a library (scripts/qlora_bench.py --inspect memory, scripts/profile_e2e.py)::
 
     with PeakRecord(8192) as record:
         step()
@@ -22,7 +22,7 @@ import sys
 import torch
 
 # Frames from these paths name an allocation; torch's own autograd / module plumbing does not.
-OWN_CODE = ("tigon/", "transformers/", "peft/", "trl/", "bitsandbytes/", "torch/utils/checkpoint", "scripts/")
+OWN_CODE = ("tigon/", "transformers/", "peft/", "trl/", "bitsandbytes/", "torch/utils/checkpoint", "torch/optim", "scripts/")
 FRAMES_PER_SITE = 3
 
 

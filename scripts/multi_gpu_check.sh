@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # tigon on two GPUs of one host (device kind nvidia-h200-x2), repo root: the tests that need two
 # GPUs, then `tigon sft` as README's Multi-GPU section launches it (torchrun = DDP, accelerate launch
-# with examples/accelerate/fsdp2.yaml = FSDP2), LoRA and full fine-tuning of the TARGETS.md Llama,
+# with examples/accelerate/fsdp2.yaml = FSDP2), LoRA and full fine-tuning of the 1B Llama shape,
 # kernels on and --no-kernels with the same data order: their per-step losses must agree.
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1 TIGON_STRICT=1

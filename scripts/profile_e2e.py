@@ -8,7 +8,7 @@ With --graphs each forward + backward replays from a CUDA graph, and AdamW's upd
 mode. The step reads its loss after backward, as `tigon bench --e2e` does. Prints the host's time in each phase of the step, the
 kernels by total GPU time, grouped by family, where the GPU sits idle between kernels (by tenth of
 the step, and the longest gaps), and the live allocations at the step's peak grouped by the
-innermost tigon/transformers/peft/torch.optim frame that made them.
+tigon/transformers/peft/torch.optim frames that made them (scripts/memory_peak_gpu.py).
 """
 
 import argparse
@@ -19,8 +19,11 @@ import torch
 
 import tigon
 from tigon.bench.e2e import LLAMA_1B, build_model, captured_micro_step, micro_step
+from tigon.cuda_graphs import CapturedOptimizer
 from tigon.patch import SWITCHES
-from tigon.train.step_graphs import CapturedOptimizer
+
+from kernel_report import idle_gaps, kernel_spans
+from memory_peak_gpu import PeakRecord
 
 parser = argparse.ArgumentParser()
 parser.add_argument("mode", choices=("full", "lora"), nargs="?", default="full")
@@ -28,7 +31,7 @@ parser.add_argument("--eager", action="store_true", help="profile the unpatched 
 parser.add_argument("--off", nargs="+", default=[], choices=SWITCHES,
                     help="tigon.patch switches to turn off")
 parser.add_argument("--graphs", action="store_true",
-                    help="forward + backward and the optimizer's update replayed from CUDA graphs (tigon.train.step_graphs)")
+                    help="forward + backward and the optimizer's update replayed from CUDA graphs (tigon.cuda_graphs)")
 parser.add_argument("--reduce-overhead", action="store_true", help="under torch.compile(mode='reduce-overhead')")
 parser.add_argument("--batch", type=int, default=4)
 parser.add_argument("--seq", type=int, default=2048)
@@ -100,22 +103,9 @@ def family(name: str) -> str:
     return "other"
 
 
-def idle_gaps(intervals: list[tuple[float, float, str]]) -> list[tuple[float, float, str, str]]:
-    """(start, length, kernel before, kernel after) of every stretch with no kernel running, from
-    (start, end, name) kernel intervals in any order."""
-    gaps, busy_until, last = [], None, ""
-    for start, end, name in sorted(intervals):
-        if busy_until is not None and start > busy_until:
-            gaps.append((busy_until, start - busy_until, last, name))
-        if busy_until is None or end > busy_until:
-            busy_until, last = end, name
-    return gaps
-
-
 # Where the GPU waits (kernel timestamps from the CUDA-only profile, which adds little host time):
 # by tenth of the step, and the longest gaps with the kernels around them.
-spans = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-         if e.device_type == torch.autograd.DeviceType.CUDA]
+spans = kernel_spans(prof)
 if spans:
     gaps = idle_gaps(spans)
     first, last_end = min(s[0] for s in spans), max(s[1] for s in spans)
@@ -155,41 +145,7 @@ if args.trace:
     prof.export_chrome_trace(args.trace)
 
 torch.cuda.reset_peak_memory_stats()
-torch.cuda.memory._record_memory_history(max_entries=200000)
-step()
-torch.cuda.synchronize()
-snapshot = torch.cuda.memory._snapshot()
-torch.cuda.memory._record_memory_history(enabled=None)
+with PeakRecord(args.batch * args.seq) as record:
+    step()
 print(f"peak allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
-
-# Replay the trace: the allocations alive when the allocated total was highest.
-live, total_bytes, best, best_live = {}, 0, -1, {}
-base = sum(b["size"] for seg in snapshot["segments"] for b in seg["blocks"] if b["state"] == "active_allocated")
-events = snapshot["device_traces"][0]
-for ev in events:  # blocks allocated before recording started are in `base` only at the end
-    if ev["action"] == "alloc":
-        live[ev["addr"]] = ev
-        total_bytes += ev["size"]
-        if total_bytes > best:
-            best, best_live = total_bytes, dict(live)
-    elif ev["action"] == "free_completed" and ev["addr"] in live:
-        total_bytes -= live.pop(ev["addr"])["size"]
-
-
-def origin(frames) -> str:
-    for f in frames:
-        name = f["filename"]
-        if any(k in name for k in ("/tigon/", "/transformers/", "/peft/", "torch/optim")):
-            return f"{name.split('/site-packages/')[-1].split('/src/')[-1]}:{f['line']} {f['name']}"
-    return frames[0]["filename"].split("/")[-1] + f":{frames[0]['line']}" if frames else "?"
-
-
-by_origin = collections.Counter()
-count = collections.Counter()
-for ev in best_live.values():
-    key = origin(ev.get("frames", []))
-    by_origin[key] += ev["size"]
-    count[key] += 1
-print(f"allocated during the step at its peak: {best / 2**30:.2f} GiB (plus what was alive before it)")
-for key, size in by_origin.most_common(30):
-    print(f"  {size / 2**20:9.1f} MiB x{count[key]:<4} {key}")
+print(record.report())

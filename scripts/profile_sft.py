@@ -23,7 +23,7 @@ from transformers import TrainerCallback
 
 from kernel_report import report_profile
 from tigon import cli
-from tigon.train import run
+from tigon.train.trainer import TigonTrainer
 
 HOST_PROFILED, PROFILED, SYNC_CHECKED = (3, 7), (8, 9), 11
 
@@ -87,10 +87,9 @@ def record_sync(message, category, filename, lineno, file=None, line=None):
 
 warnings.showwarning = record_sync
 warnings.simplefilter("always")
-# Every trainer tigon builds (sft's, and rlhf's TRL subclasses) runs TigonTrainer.__init__
-# (AtomicTrainer's on trees older than it): the profiler joins its callbacks there.
-base = getattr(run, "TigonTrainer", None) or run.AtomicTrainer
-base_init = base.__init__
+# Every trainer tigon builds (sft's, and rlhf's TRL subclasses) runs TigonTrainer.__init__: the
+# profiler joins its callbacks there.
+base_init = TigonTrainer.__init__
 
 
 def init_with_profiler(self, *args, **kwargs):
@@ -99,6 +98,6 @@ def init_with_profiler(self, *args, **kwargs):
         self.add_callback(profiler)
 
 
-base.__init__ = init_with_profiler
+TigonTrainer.__init__ = init_with_profiler
 command = sys.argv[1:2] if sys.argv[1:2] == ["rlhf"] else []
 sys.exit(cli.main([*(command or ["sft"]), *sys.argv[1 + len(command):]]))

@@ -25,7 +25,7 @@ SHAPES = {
     # Llama-3-8B
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0),
-    # TARGETS.md's Llama (tigon.bench.e2e.LLAMA_1B)
+    # the 1B Llama (tigon.bench.e2e.LLAMA_1B)
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0),
     # a CPU smoke run of this script

@@ -4,7 +4,7 @@
 #   qlora8b  Llama-3-8B shape, nf4 (double quantisation), r=16 all-linear, 4 x 2048 tokens, gradient
 #            checkpointing; peak memory over 1k..16k tokens (batch 1). Targets: >= 1.6x PEFT+bnb tok/s,
 #            peak <= 10 GB, losses equal within bf16 tolerance.
-#   dora1b   TARGETS.md Llama (1B) shape, bf16 base, DoRA r=16 all-linear, 4 x 2048; the same sweep.
+#   dora1b   the 1B Llama shape (hidden 2048, 16 layers), bf16 base, DoRA r=16 all-linear, 4 x 2048; the same sweep.
 #            Targets: >= 1.8x PEFT DoRA tok/s, peak <= 0.5x.
 #   int8     the 1B shape on an LLM.int8 base, r=16, 4 x 2048 (no target; a check that it runs)
 #   tests    the dequantise / DoRA op tests with compiled kernels, the gpu-marked QLoRA / DoRA tests

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `tigon rlhf --method dpo` against TRL's DPOTrainer on the unpatched model, on the TARGETS.md Llama
+# `tigon rlhf --method dpo` against TRL's DPOTrainer on the unpatched model, on the 1B Llama
 # shape (random weights, the built-in tokenizer), LoRA r=16 all-linear, 4 pairs x 2 x 1024 tokens
 # (every sequence exactly 1024 tokens: no padding), bf16, the same pairs, order and seed. Runs:
 #   tigon            tigon rlhf (kernels, fused preference loss)
@@ -8,7 +8,7 @@
 #   trl              TRL's DPOTrainer, gradient checkpointing off as in the tigon runs
 #   trl-ckpt         TRL's DPOTrainer as TRL configures it by default (checkpointing on)
 # and prints tok/s (median after the first logs), peak MiB and the largest per-step loss difference
-# to TRL's (scripts/rlhf_compare_summary.py). RUNS names the DPO runs to make (default: all five). Targets (TARGETS.md): tigon >= 1.6x trl's tok/s, peak <= 0.5x trl's.
+# to TRL's (scripts/rlhf_compare_summary.py). RUNS names the DPO runs to make (default: all five). Targets: tigon >= 1.6x trl's tok/s, peak <= 0.5x trl's.
 # METHOD=grpo or METHOD=gkd instead compares, on the same model, LoRA r=16, bf16 and seed:
 #   grpo  8 prompts x 8 completions (GEN_LEN tokens each, default 256; a random model never stops
 #         early, so every completion is full length) per step, reward builtin:length, beta 0

@@ -70,7 +70,7 @@ def main() -> None:
     dtype = run_dtype(cfg)
     if opts.method != "dpo":
         return other_method(opts, cfg, dtype, out)
-    args = rlhf._arguments(cfg, dtype, False)
+    args = rlhf.trl_arguments(cfg, dtype, False)
     args.max_length = opts.max_length  # TRL truncates here, where tigon's data stage does
     args.precompute_ref_log_probs = False
     args.include_num_input_tokens_seen = "non_padding"  # the Reporter's token count
@@ -132,7 +132,7 @@ def other_method(opts, cfg, dtype, out) -> None:
 
         from tigon.train import grpo, rewards
 
-        args = grpo._arguments(cfg, dtype, False)
+        args = grpo.trl_arguments(cfg, dtype, False)
         fns = [r.fn for r in rewards.load_rewards(cfg.reward_funcs, cfg.format_regex, cfg.max_completion_length)]
         data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}]} for r in rows])
         make = lambda: GRPOTrainer(model=model, reward_funcs=fns, args=args, train_dataset=data,  # noqa: E731
@@ -143,7 +143,7 @@ def other_method(opts, cfg, dtype, out) -> None:
 
         from tigon.train import gkd
 
-        args = gkd._arguments(cfg, dtype, False)
+        args = gkd.trl_arguments(cfg, dtype, False)
         teacher = AutoModelForCausalLM.from_pretrained(opts.teacher, dtype=dtype, attn_implementation="sdpa")
         data = Dataset.from_list([{"messages": r["messages"]} for r in rows])
         make = lambda: GKDTrainer(model=model, teacher_model=teacher, args=args, train_dataset=data,  # noqa: E731

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `tigon sft` with kernels on vs --no-kernels on the TARGETS.md Llama shape (random weights, the
+# `tigon sft` with kernels on vs --no-kernels on the 1B Llama shape (random weights, the
 # built-in tokenizer, rows of exactly 2048 tokens, batch 4), full and LoRA. Device machine, repo root.
 # PREP_ONLY=1 writes the model and data to $WORK and stops.
 set -uo pipefail

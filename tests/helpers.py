@@ -122,7 +122,7 @@ def count_gemms(monkeypatch):
 def peak_bytes_beyond_grads(step, leaves) -> int:
     """CUDA bytes one call of `step` (a fwd+bwd, run once before to warm up) allocates at its peak
     beyond what was allocated before it, less the `.grad` buffers of `leaves` it produces: the
-    measure of shared/TARGETS.md."""
+    peak the op benchmarks report (`tigon.bench.harness`)."""
     step()
     for leaf in leaves:
         leaf.grad = None

@@ -24,3 +24,16 @@ def test_side_by_side_records_each_implementation(monkeypatch):
     assert records[0]["error_vs_loop"] < 1e-5 and records[1]["vs_hf-loop"] == 1.0
     assert all(r["fwd_bwd_host_ms"] > 0 and r.get("graph_ms") is None for r in records)
     assert len(format_side_by_side(records).splitlines()) == 4
+
+
+def test_the_grouped_gemm_floor_is_timed_beside_the_loop(monkeypatch):
+    """The block's six grouped GEMMs alone get a fwd+bwd time and a ratio to the loop, and no
+    error or output comparison."""
+    import tigon.bench.moe_ops as moe_ops
+
+    calls = []
+    monkeypatch.setattr(moe_ops, "_time_ms", lambda step, device, leaves, graph=False: (calls.append(step()), 2.0)[1])
+    floor, loop = bench_side_by_side((24, 32, 16, 6, 2), torch.float32, torch.device("cpu"), ["grouped-gemms", "hf-loop"])
+    assert "error" not in floor and "error_vs_loop" not in floor
+    assert floor["fwd_bwd_host_ms"] == 2.0 and floor["vs_hf-loop"] == 1.0 and loop["impl"] == "hf-loop"
+    assert len(calls) == 1 + 2  # the floor's one timing; the loop's fwd and fwd+bwd

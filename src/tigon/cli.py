@@ -232,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--ops", nargs="+", metavar="OP", help="ops to run (default: all registered)")
     bench.add_argument("--sizes", nargs="+", metavar="RxC", help="sizes such as 16384x4096 (default: each op's sweep)")
     bench.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="dtype of the inputs")
-    bench.add_argument("--headline", action="store_true", help="only each op's first (TARGETS.md) size")
+    bench.add_argument("--headline", action="store_true", help="only each op's first (headline) size")
     bench.add_argument("--impls", nargs="+", choices=["tigon", "eager", "compile", "peer"], default=["tigon", "eager", "compile", "peer"],
                        help="implementations to measure (default: all, in the same run; peer: the best-known peer "
                             "library, for the ops that name one, when it is installed)")

@@ -213,7 +213,7 @@ def test_bf16_on_gpu(shape, bias):
 
 @pytest.mark.gpu
 def test_peak_memory_on_gpu():
-    # TARGETS.md: at N=8192, H=4096, V=128256 (bf16) the op may allocate at most 128 MiB beyond
+    # The bound: at N=8192, H=4096, V=128256 (bf16) the op may allocate at most 128 MiB beyond
     # the gradients it returns, in forward and backward together.
     h, w, _, target = _inputs((8192,), 4096, 128256, torch.bfloat16, torch.device("cuda"), bias=False)
     F.linear_cross_entropy(h, w, target).backward()  # compile kernels, create cuBLAS workspaces

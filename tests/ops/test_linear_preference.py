@@ -590,7 +590,7 @@ def test_bf16_on_gpu(method, two_pass):
 
 @pytest.mark.gpu
 def test_peak_memory_on_gpu():
-    # TARGETS.md: policy + reference 2 x (4 x 2048) tokens, H 4096, V 128256, trainable head:
+    # The bound: policy + reference 2 x (4 x 2048) tokens, H 4096, V 128256, trainable head:
     # at most 2.3 GB beyond the gradients.
     h, w, _, ref_h, target = _gpu_inputs(8, 2048, 4096, 128256)
 

@@ -1,7 +1,7 @@
 """tigon.functional.moe_experts against a float64 per-expert loop (its reference, itself checked
 against the formula written out here), on each GEMM back end, with poisoned outputs.
 
-Transformers' own experts modules are compared in tests/nn/test_moe.py."""
+Transformers' own experts modules are compared in tests/patch/test_moe.py."""
 
 import pytest
 import torch

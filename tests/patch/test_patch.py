@@ -206,7 +206,7 @@ def test_instance_unpatch_restores_hf_forwards():
 def test_every_moe_familys_experts_go_to_the_fused_op(model_type):
     """Each family the table gives experts holds experts modules of that class, which the fused op
     computes (no fallback to transformers' loop), and patching sets the op as their implementation."""
-    from tigon.nn.moe import unsupported_reason
+    from tigon.patch.moe import unsupported_reason
 
     model = tiny_model(model_type)
     experts = [m for m in model.modules() if type(m).__name__ == FAMILIES[model_type].experts]

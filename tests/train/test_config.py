@@ -135,7 +135,7 @@ def test_cuda_graphs_is_refused_where_steps_cannot_be_captured(monkeypatch):
 
 
 def test_cuda_graphs_option_is_taken_by_sft_and_rlhf_and_compiles_nothing(tmp_path):
-    """--cuda-graphs captures the eager patched step (tigon.train.step_graphs): the Trainer is not
+    """--cuda-graphs captures the eager patched step (tigon.cuda_graphs): the Trainer is not
     asked to torch.compile the model."""
     import torch
 

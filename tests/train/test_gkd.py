@@ -65,7 +65,7 @@ def compare_compute_loss(pair, tmp_path, beta, counted, rtol):
     root, tokenizer = pair
     cfg = resolve_rlhf(RLHFConfig(method="gkd", model=str(root / "student"), teacher=str(root / "teacher"),
                                   beta=beta, kernels=False, tuner="full", output_dir=str(tmp_path)))
-    args = gkd._arguments(cfg, torch.float32, False)
+    args = gkd.trl_arguments(cfg, torch.float32, False)
     student = AutoModelForCausalLM.from_pretrained(root / "student", dtype=torch.float32)
     teacher = gkd._teacher(cfg, str(root / "teacher"), torch.float32)
     samples = load_samples([str(tiny.BUNDLED_DATASET)], seed=0)

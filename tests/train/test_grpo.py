@@ -56,7 +56,7 @@ def trainer_for(root, tokenizer, tmp_path, **extra):
     cfg = resolve_rlhf(RLHFConfig(output_dir=str(tmp_path), **grpo_values(root, **extra)))
     rows, _ = grpo.prompt_rows(tokenizer, grpo.load_prompts(cfg.dataset, cfg.seed), cfg.max_length, "data")
     fns = [r.fn for r in rewards.load_rewards(None, cfg.format_regex, cfg.max_completion_length)]
-    return grpo.TigonGRPOTrainer(model=plain_model(root / "m"), reward_funcs=fns, args=grpo._arguments(cfg, torch.float32, False),
+    return grpo.TigonGRPOTrainer(model=plain_model(root / "m"), reward_funcs=fns, args=grpo.trl_arguments(cfg, torch.float32, False),
                                  train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
 
 
@@ -157,7 +157,7 @@ def test_a_few_steps_equal_trls_grpo_trainer(tiny_grpo, tmp_path):
     rows, _ = grpo.prompt_rows(tokenizer, grpo.load_prompts(cfg.dataset, cfg.seed), cfg.max_length, "data")
     fns = [r.fn for r in rewards.load_rewards(cfg.reward_funcs, cfg.format_regex, cfg.max_completion_length)]
     set_seed(cfg.seed)
-    trainer = trl.GRPOTrainer(model=plain_model(root / "m"), reward_funcs=fns, args=grpo._arguments(cfg, torch.float32, False),
+    trainer = trl.GRPOTrainer(model=plain_model(root / "m"), reward_funcs=fns, args=grpo.trl_arguments(cfg, torch.float32, False),
                               train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
     trainer.train()
     theirs = [r for r in trainer.state.log_history if "loss" in r]

@@ -64,7 +64,7 @@ def records(out):
 def trl_arguments(out, values):
     """TRL's config with the very arguments `tigon rlhf` gives its trainer."""
     cfg = resolve_rlhf(RLHFConfig(output_dir=str(out), **values))
-    args = rlhf._arguments(cfg, torch.float32, False)
+    args = rlhf.trl_arguments(cfg, torch.float32, False)
     args.precompute_ref_log_probs = False
     return cfg, args
 
@@ -491,7 +491,7 @@ def test_gpu_bf16_kernels_and_fused_loss_train_like_trl(tmp_path, monkeypatch, t
     argv = [f"--{k.replace('_', '-')}={v}" for k, v in values.items()]
     assert main(["rlhf", *argv, "--output-dir", str(tmp_path / "tigon")]) == 0
     cfg = resolve_rlhf(RLHFConfig(output_dir=str(tmp_path / "trl"), **values))
-    args = rlhf._arguments(cfg, torch.bfloat16, False)
+    args = rlhf.trl_arguments(cfg, torch.bfloat16, False)
     args.precompute_ref_log_probs = False
     rows = [json.loads(line) for line in rlhf.BUNDLED_PREFERENCES.read_text().splitlines()]
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}],

@@ -1,6 +1,6 @@
 """End-to-end fine-tuning benchmark: PyTorch eager vs tigon-patched, same model, data and run.
 
-The model is shared/TARGETS.md's Llama shape (hidden 2048, intermediate 8192, 16 layers, 32 heads /
+The model is a 1B Llama shape (hidden 2048, intermediate 8192, 16 layers, 32 heads /
 8 KV heads, vocab 128256, tied embeddings; ~1.24 B parameters) with random weights, in bf16 with
 SDPA attention, trained by AdamW on random tokens:
 
@@ -14,7 +14,7 @@ at the cadence of the HF Trainer between logging steps: each step's loss is read
 backward, so the next step's forward is issued while the GPU runs the optimizer
 (``--sync-steps``: none of that overlap, each step timed alone). Peak is
 ``torch.cuda.max_memory_allocated()`` over the whole run from building the model on, in GiB
-(weights, gradients and optimizer state included, as in TARGETS.md). GPU busy is the mean NVML
+(weights, gradients and optimizer state included). GPU busy is the mean NVML
 utilisation over the timed steps after their first second (`tigon.timing.BusyMeter`; absent
 without pynvml): each NVML sample covers up to the last second, which at first holds the warm-up
 (compilation, capture). Where it is measured, the timed steps go on past their number until they
@@ -24,7 +24,7 @@ span three seconds, so that the reading holds two seconds of samples.
 the base model under PEFT), when its package is installed.
 
 ``tigon+graphs`` replays each step's forward and backward of the patched model from a CUDA graph,
-and AdamW's update from another (`tigon.train.step_graphs`, ``tigon sft --cuda-graphs``): at batch
+and AdamW's update from another (`tigon.cuda_graphs`, ``tigon sft --cuda-graphs``): at batch
 1 × 1024 tokens (``tigon bench --e2e 1x1024``) the host, not the GPU, sets the step time of the
 plain runs.
 ``tigon+reduce-overhead`` reaches replays through ``torch.compile(mode="reduce-overhead")`` of the
@@ -114,7 +114,8 @@ def apply_peer(model: torch.nn.Module) -> Callable[[], None]:
     return undo
 
 
-def _release(device: torch.device) -> None:
+def release_memory(device: torch.device) -> None:
+    """Free what a finished case left (its model, optimizer, cached blocks) and restart the peak count."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -147,8 +148,8 @@ def micro_step(step_model: Callable[..., Any]) -> Callable[[torch.Tensor], torch
 
 
 def captured_micro_step(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """:func:`micro_step` of `model` replayed from a CUDA graph (`tigon.train.step_graphs`)."""
-    from tigon.train.step_graphs import CapturedStep
+    """:func:`micro_step` of `model` replayed from a CUDA graph (`tigon.cuda_graphs`)."""
+    from tigon.cuda_graphs import CapturedStep
 
     plain = micro_step(model)
     captured = CapturedStep(lambda inputs: plain(inputs["input_ids"]), model.parameters())
@@ -186,7 +187,7 @@ def timed_steps(
         [p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=device.type == "cuda"
     )
     if captured_update:
-        from tigon.train.step_graphs import CapturedOptimizer
+        from tigon.cuda_graphs import CapturedOptimizer
 
         optimizer = CapturedOptimizer(optimizer, device=device)
     gen = torch.Generator(device).manual_seed(1234)
@@ -264,7 +265,7 @@ def run_case(
 ) -> dict[str, Any]:
     """Train one model for `warmup` + `steps` AdamW steps; throughput, peak memory (CUDA only)
     and losses."""
-    _release(device)
+    release_memory(device)
     model = build_model(mode, seq, device, shape=shape, lora_rank=lora_rank, checkpointing=checkpointing)
     record: dict[str, Any] = {"mode": mode, "impl": impl, "batch": batch, "seq": seq}
     undo_peer = None
@@ -287,7 +288,7 @@ def run_case(
         if undo_peer is not None:
             undo_peer()
         del model
-        _release(device)
+        release_memory(device)
     return record
 
 

@@ -7,8 +7,8 @@ launch overhead included, which dominates a lone call of a small op); on CPU a w
 A plain launch times the host as much as the GPU, and a host's speed drifts within a run: the
 implementations take turns over LAUNCH_ROUNDS rounds and each keeps its median round.
 Peak memory is the rise of ``torch.cuda.max_memory_allocated()`` during one fwd+bwd over what the
-inputs hold, less the ``.grad`` buffers it produces, as in shared/TARGETS.md (the gradients
-themselves are not counted; everything else the op allocates is).
+inputs hold, less the ``.grad`` buffers it produces (the gradients themselves are not counted;
+everything else the op allocates is).
 """
 
 from __future__ import annotations
@@ -28,22 +28,25 @@ IMPLS = ("tigon", "eager", "compile", "peer")  # peer: only for ops that name on
 LAUNCH_ROUNDS = 3
 
 
-def _outputs(out: Any) -> list[torch.Tensor]:
+def differentiable_outputs(out: Any) -> list[torch.Tensor]:
+    """The tensors of an op's output (one tensor or a sequence) that require a gradient."""
     outs = [out] if isinstance(out, torch.Tensor) else list(out)
     return [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
 
 
-def _fwd_bwd(fn: Callable, args: Sequence[Any], grads: list[torch.Tensor] | None) -> Callable[[], None]:
+def fwd_bwd_step(fn: Callable, args: Sequence[Any], grads: list[torch.Tensor] | None) -> Callable[[], None]:
+    """A call of `fn` on `args` and the backward of its differentiable outputs with `grads`."""
+
     def step() -> None:
-        outs = _outputs(fn(*args))
+        outs = differentiable_outputs(fn(*args))
         torch.autograd.backward(outs, grads)
 
     return step
 
 
-def _peak_mib(step: Callable[[], None], device: torch.device, leaves: list[torch.Tensor]) -> float | None:
+def peak_mib(step: Callable[[], None], device: torch.device, leaves: list[torch.Tensor]) -> float | None:
     """Peak allocation of one fwd+bwd above the inputs, less the gradients it hands back: the
-    `.grad` buffers are what TARGETS.md leaves out, everything else the op allocates counts."""
+    `.grad` buffers are left out, everything else the op allocates counts."""
     if device.type != "cuda":
         return None
     step()  # warm: caches and lazily built state are not part of the op's peak
@@ -77,7 +80,7 @@ def bench_one(
     if "compile" in impls:
         fns["compile"] = torch.compile(op.eager, dynamic=False)
     # A scalar output is a loss: backpropagate 1 as `loss.backward()` does.
-    grads = [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in _outputs(op.eager(*args))]
+    grads = [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in differentiable_outputs(op.eager(*args))]
     floor_s = op.bytes_moved(size, dtype) / bandwidth
     if op.flops(size) and matmul_rate:
         floor_s = max(floor_s, op.flops(size) / matmul_rate)
@@ -86,10 +89,10 @@ def bench_one(
         record: dict[str, Any] = {"op": op.name, "size": "x".join(map(str, size)), "impl": impl}
         try:
             fn = op.peer() if impl == "peer" else fns[impl]
-            step = _fwd_bwd(fn, args, grads)
-            record["peak_mib"] = _peak_mib(step, device, leaves)
-            # A peer is launch-timed only, as TARGETS.md measured it: its torch.compile'd chunks
-            # need not survive CUDA-graph capture. Compare it by the launch-timed ratio.
+            step = fwd_bwd_step(fn, args, grads)
+            record["peak_mib"] = peak_mib(step, device, leaves)
+            # A peer is launch-timed only: its torch.compile'd chunks need not survive CUDA-graph
+            # capture. Compare it by the launch-timed ratio.
             if device.type == "cuda" and impl != "peer":
                 record["fwd_ms"] = time_ms(lambda fn=fn: fn(*args), device, [], graph=True)
                 record["fwd_bwd_ms"] = time_ms(step, device, leaves, graph=True)
@@ -201,7 +204,7 @@ def run_benchmarks(
     headline: bool = False,
 ) -> list[dict[str, Any]]:
     """Benchmark `ops` (all registered when None) over `sizes` (each op's sweep when None, only
-    its first, TARGETS.md size when `headline`), for the implementations in `impls`."""
+    its first, headline size when `headline`), for the implementations in `impls`."""
     import tigon.bench.ops  # noqa: F401  (registers the cases)
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")

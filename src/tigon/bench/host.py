@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from tigon.bench.harness import _fwd_bwd, _outputs, environment
+from tigon.bench.harness import differentiable_outputs, environment, fwd_bwd_step
 from tigon.bench.registry import BENCH_OPS, Size
 
 IMPLS = ("tigon", "eager", "compile", "peer")
@@ -81,7 +81,7 @@ def host_one(name: str, dtype: torch.dtype, device: torch.device, impls: Sequenc
     torch.manual_seed(0)
     args = op.make_inputs(size, dtype, device)
     leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-    grads = [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in _outputs(op.eager(*args))]
+    grads = [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in differentiable_outputs(op.eager(*args))]
     records = {impl: {"op": name, "size": "x".join(map(str, size)), "impl": impl} for impl in impls}
     steps = {}
     for impl in impls:
@@ -92,7 +92,7 @@ def host_one(name: str, dtype: torch.dtype, device: torch.device, impls: Sequenc
                 fn = torch.compile(op.eager, dynamic=False)
             else:
                 fn = op.tigon if impl == "tigon" else op.eager
-            step = _fwd_bwd(fn, args, grads)
+            step = fwd_bwd_step(fn, args, grads)
             step()  # one that fails here must not stop the others' rounds
             steps[impl] = step
         except Exception as err:  # one failing implementation must not hide the others' numbers

@@ -1,6 +1,6 @@
 """Long-context benchmark: peak GPU memory and seconds per step by sequence length.
 
-The setting of issue 9's table: shared/TARGETS.md's Llama shape (:data:`tigon.bench.e2e.LLAMA_1B`,
+The setting of issue 9's table: the 1B Llama shape (:data:`tigon.bench.e2e.LLAMA_1B`,
 bf16, SDPA), PEFT LoRA r=16 on every linear layer of the decoder, gradient checkpointing, batch 1,
 random tokens, AdamW. Variants:
 
@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 import tigon
-from tigon.bench.e2e import LLAMA_1B, _release, build_model, current_cuda_device, micro_step, timed_steps
+from tigon.bench.e2e import LLAMA_1B, build_model, current_cuda_device, micro_step, release_memory, timed_steps
 from tigon.bench.harness import environment
 
 SEQS = (65536, 131072, 262144, 524288)
@@ -60,7 +60,7 @@ def run_length(
 ) -> dict[str, Any]:
     """`warmup` + `steps` LoRA steps of batch 1 x `seq` tokens under gradient checkpointing with
     `variant`'s switches; the record holds peak memory, seconds per timed step and the losses."""
-    _release(device)
+    release_memory(device)
     record: dict[str, Any] = {"variant": variant, "seq": seq}
     model = None
     try:
@@ -86,7 +86,7 @@ def run_length(
         if model is not None:
             tigon.unpatch(model)
         del model
-        _release(device)
+        release_memory(device)
     record["host_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
     return record
 

@@ -13,7 +13,7 @@ step cadence, same per-step loss comparison against the first implementation, "e
 Implementations: ``eager`` is transformers' expert loop (``experts_implementation="eager"``),
 ``grouped_mm`` its grouped-GEMM path (its default where torch has grouped_mm), ``tigon`` the
 model after ``tigon.patch`` with the experts on :func:`tigon.functional.moe_experts` (through
-transformers' experts-implementation dispatch, :func:`tigon.nn.moe.register_experts_implementation`).
+transformers' experts-implementation dispatch, :func:`tigon.patch.moe.register_experts_implementation`).
 
     python -m tigon.bench.moe_e2e --out bench-out/moe-e2e
 """
@@ -27,8 +27,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 import tigon
-from tigon.bench.e2e import _release, measure_training, micro_step, run_all
-from tigon.nn.moe import register_experts_implementation
+from tigon.bench.e2e import measure_training, micro_step, release_memory, run_all
+from tigon.patch.moe import register_experts_implementation
 
 MODES = ("full", "lora")
 IMPLS = ("eager", "grouped_mm", "tigon")
@@ -68,7 +68,7 @@ def build_moe_model(mode: str, impl: str, seq: int, device: torch.device, *, sha
 def run_moe_case(mode: str, impl: str, device: torch.device, *, batch: int, seq: int, steps: int, warmup: int,
                  shape: dict, layers: int, lora_rank: int, dtype: torch.dtype, log: Callable[[str], None]) -> dict[str, Any]:
     """Train one model for `warmup` + `steps` AdamW steps; throughput, peak memory and losses."""
-    _release(device)
+    release_memory(device)
     record: dict[str, Any] = {"mode": mode, "impl": impl, "batch": batch, "seq": seq, "layers": layers}
     model = None
     try:
@@ -83,7 +83,7 @@ def run_moe_case(mode: str, impl: str, device: torch.device, *, batch: int, seq:
         if model is not None:
             tigon.unpatch(model)
         del model
-        _release(device)
+        release_memory(device)
     return record
 
 

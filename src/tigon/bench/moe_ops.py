@@ -3,7 +3,8 @@
 Transformers' expert loop (``experts_implementation="eager"``) syncs with the host once per call
 (``nonzero``), so no CUDA graph can capture it and ``tigon bench`` (whose main columns are graph
 replayed) cannot time it. This runs tigon (as it runs by default, and on each GEMM back end), the
-loop, transformers' grouped_mm path and torch.compile of each on the same tensors, and reports
+loop, transformers' grouped_mm path and torch.compile of each on the same tensors, and the floor
+under them all, the block's six grouped GEMMs alone (``grouped-gemms``: fwd+bwd only), and reports
 fwd and fwd+bwd as launched (host time included: what the loop is made of), fwd+bwd graph
 replayed where capturable, peak memory, the first call's seconds (torch.compile's compilation)
 and each output's error against the loop:
@@ -23,9 +24,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 import tigon.functional as F
-from tigon.bench.harness import _fwd_bwd, _peak_mib, environment
+from tigon.bench.harness import environment, fwd_bwd_step, peak_mib
 from tigon.timing import time_ms as _time_ms
-from tigon.bench.ops.moe import SIZES, hf_expert_loop, hf_grouped_mm, make_inputs, on_gemm
+from tigon.bench.ops.moe import SIZES, grouped_gemms, hf_expert_loop, hf_grouped_mm, make_inputs, on_gemm
 from tigon.bench.registry import Size, parse_size
 
 
@@ -41,12 +42,41 @@ def implementations() -> dict[str, tuple[Callable, bool]]:
     }
 
 
+# The floor: the block's six grouped GEMMs alone (fwd+bwd only; no output to compare).
+GEMM_FLOOR = "grouped-gemms"
 IMPLS = ("tigon", "tigon-triton", "tigon-grouped_mm", "tigon-hybrid", "hf-loop", "hf-grouped_mm",
-         "compile-loop", "compile-grouped_mm")
+         "compile-loop", "compile-grouped_mm", GEMM_FLOOR)
 
 
 def _relative_error(out: torch.Tensor, want: torch.Tensor) -> float:
     return ((out.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def _measure(fn: Callable, graphable: bool, args: Sequence[Any], leaves: list[torch.Tensor],
+             grads: list[torch.Tensor], want: torch.Tensor, device: torch.device) -> dict[str, Any]:
+    """One implementation's figures: the first call's seconds, its error against `want`, fwd and
+    fwd+bwd (backward from `grads`) as launched, peak MiB, and fwd+bwd graph-replayed where capturable."""
+    start = time.perf_counter()
+    out = fn(*args)  # the first call: compilation for the compiled ones
+    record: dict[str, Any] = {"first_call_s": time.perf_counter() - start}
+    record["error_vs_loop"] = _relative_error(out, want)
+    del out
+    step = fwd_bwd_step(fn, args, grads)
+    calls = {"fwd_host_ms": (lambda: fn(*args), []), "fwd_bwd_host_ms": (step, leaves)}
+    record.update({key: _time_ms(call, device, grad_leaves) for key, (call, grad_leaves) in calls.items()})
+    record["peak_mib"] = peak_mib(step, device, leaves)
+    if graphable and device.type == "cuda":
+        record["graph_ms"] = _time_ms(step, device, leaves, graph=True)
+    return record
+
+
+def _measure_gemm_floor(args: Sequence[Any], device: torch.device) -> dict[str, Any]:
+    """The block's six grouped GEMMs alone: fwd+bwd as launched and graph-replayed."""
+    step = grouped_gemms(*args)
+    record = {"fwd_bwd_host_ms": _time_ms(step, device, [])}
+    if device.type == "cuda":
+        record["graph_ms"] = _time_ms(step, device, [], graph=True)
+    return record
 
 
 def bench_side_by_side(size: Size, dtype: torch.dtype, device: torch.device, impls: Sequence[str]) -> list[dict[str, Any]]:
@@ -60,20 +90,12 @@ def bench_side_by_side(size: Size, dtype: torch.dtype, device: torch.device, imp
     grads = [torch.randn_like(want)]
     records = []
     for impl in impls:
-        fn, graphable = fns[impl]
         record: dict[str, Any] = {"op": "moe_experts", "size": "x".join(map(str, size)), "impl": impl}
         try:
-            start = time.perf_counter()
-            out = fn(*args)  # the first call: compilation for the compiled ones
-            record["first_call_s"] = time.perf_counter() - start
-            record["error_vs_loop"] = _relative_error(out, want)
-            del out
-            step = _fwd_bwd(fn, args, grads)
-            calls = {"fwd_host_ms": (lambda: fn(*args), []), "fwd_bwd_host_ms": (step, leaves)}
-            record.update({key: _time_ms(call, device, grad_leaves) for key, (call, grad_leaves) in calls.items()})
-            record["peak_mib"] = _peak_mib(step, device, leaves)
-            if graphable and device.type == "cuda":
-                record["graph_ms"] = _time_ms(step, device, leaves, graph=True)
+            if impl == GEMM_FLOOR:
+                record.update(_measure_gemm_floor(args, device))
+            else:
+                record.update(_measure(*fns[impl], args, leaves, grads, want, device))
         except Exception as err:  # one failing implementation must not hide the others' numbers
             record["error"] = f"{type(err).__name__}: {err}"
         for leaf in leaves:

@@ -3,8 +3,8 @@
 ``ACTIVATIONS`` maps each Hugging Face ``hidden_act`` name that a kernel computes exactly to the
 kernel's name for it (the `activation` of :func:`tigon.functional.glu_mlp`). Everything that asks
 "which activation is this?" reads it: :mod:`tigon.nn.mlp` from a config's name,
-:mod:`tigon.patch` from a live module's activation (the class transformers builds for that name),
-for full fine-tuning and LoRA alike.
+:func:`tigon.patch.modules.module_activation` from a live module's activation (the class
+transformers builds for that name), for full fine-tuning and LoRA alike.
 """
 
 from __future__ import annotations
@@ -29,36 +29,6 @@ def glu_kind(activation: str) -> str:
 def config_activation_name(config: Any) -> str | None:
     """The activation name of an HF config (Gemma 2/3 call it `hidden_activation`)."""
     return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
-
-
-# Filled on first use (not an lru_cache: torch.compile traces the patched forwards that read it,
-# and warns of any cache wrapper it traces through).
-_MODULE_CLASSES: dict[type, str] = {}
-
-
-def _module_classes() -> dict[type, str]:
-    """The module class transformers builds for each name of the table (``ACT2CLS``), and torch's
-    SiLU, mapped to the kernel's activation."""
-    if _MODULE_CLASSES:
-        return _MODULE_CLASSES
-    classes: dict[type, str] = {torch.nn.SiLU: "silu"}
-    try:
-        from transformers.activations import ACT2CLS
-    except ImportError:
-        ACT2CLS = {}
-    for name, activation in ACTIVATIONS.items():
-        cls = ACT2CLS.get(name)
-        if isinstance(cls, type):  # a (class, arguments) entry is a variant the kernels do not compute
-            classes.setdefault(cls, activation)
-    _MODULE_CLASSES.update(classes)
-    return _MODULE_CLASSES
-
-
-def module_activation(module: Any) -> str | None:
-    """The kernel's name for an activation module (by exact class), or None for one no kernel computes."""
-    if type(module) is torch.nn.GELU:
-        return "gelu_tanh" if module.approximate == "tanh" else "gelu"
-    return _module_classes().get(type(module))
 
 
 def glu(

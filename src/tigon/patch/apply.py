@@ -422,7 +422,7 @@ def _use_tigon_experts(model: torch.nn.Module, hf_model: Any, experts_cls: type)
     ``(hf_model, the implementation before)`` for the undo, or None when nothing was set. (An
     experts module the op cannot compute runs transformers' loop under that implementation,
     saying why once.)"""
-    from tigon.nn import moe
+    from tigon.patch import moe
 
     if not any(isinstance(sub, experts_cls) and moe.unsupported_reason(sub) is None for sub in model.modules()):
         return None

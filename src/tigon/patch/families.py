@@ -9,7 +9,7 @@ module a given transformers lacks costs nothing until then (:func:`available` sa
 Mixture-of-experts families name their dense MLP (used by shared experts and dense layers) as
 `mlp`, and, as `experts`, the experts class transformers dispatches through its experts interface
 (``@use_experts_implementation``): the ``moe_experts`` switch sends those to tigon's fused experts
-op (:mod:`tigon.nn.moe`).
+op (:mod:`tigon.patch.moe`).
 """
 
 from __future__ import annotations

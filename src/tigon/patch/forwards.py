@@ -17,13 +17,13 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from tigon import functional as F
-from tigon.nn.activations import glu, glu_kind, module_activation
+from tigon.nn.activations import glu, glu_kind
 from tigon.ops import autocast_dtype
 from tigon.ops.cross_entropy import token_hits
 from tigon.ops.rms_norm import NormedInput
 from tigon.patch import handoff, lora
 from tigon.patch.families import MLP, Attention, Head, Layer, Norm, Rope
-from tigon.patch.modules import forward_attr, has_hooks, plain_linear, zero3_partitioned
+from tigon.patch.modules import forward_attr, has_hooks, module_activation, plain_linear, zero3_partitioned
 
 
 def norm_eps(norm: Norm, module: torch.nn.Module) -> float:

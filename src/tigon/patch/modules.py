@@ -1,10 +1,13 @@
-"""What a patched forward may assume about a module before reading its weights without calling it."""
+"""What a patched forward may assume about a module before reading its weights without calling it,
+and which kernel computes an activation module it would skip."""
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
 import torch
+
+from tigon.nn.activations import ACTIVATIONS
 
 
 def forward_attr(module: torch.nn.Module) -> str:
@@ -36,3 +39,33 @@ def plain_linear(linear: Any) -> bool:
     """An nn.Linear whose weights a fused op may read directly: not a LoRA or quantised wrapper,
     and nothing (hooks, accelerate's offload wrapper) that calling it would run."""
     return type(linear) is torch.nn.Linear and not has_hooks(linear)
+
+
+# Filled on first use (not an lru_cache: torch.compile traces the patched forwards that read it,
+# and warns of any cache wrapper it traces through).
+_MODULE_CLASSES: dict[type, str] = {}
+
+
+def _module_classes() -> dict[type, str]:
+    """The module class transformers builds (``ACT2CLS``) for each name of :data:`ACTIVATIONS`, and
+    torch's SiLU, mapped to the kernel's activation."""
+    if _MODULE_CLASSES:
+        return _MODULE_CLASSES
+    classes: dict[type, str] = {torch.nn.SiLU: "silu"}
+    try:
+        from transformers.activations import ACT2CLS
+    except ImportError:
+        ACT2CLS = {}
+    for name, activation in ACTIVATIONS.items():
+        cls = ACT2CLS.get(name)
+        if isinstance(cls, type):  # a (class, arguments) entry is a variant the kernels do not compute
+            classes.setdefault(cls, activation)
+    _MODULE_CLASSES.update(classes)
+    return _MODULE_CLASSES
+
+
+def module_activation(module: Any) -> str | None:
+    """The kernel's name for an activation module (by exact class), or None for one no kernel computes."""
+    if type(module) is torch.nn.GELU:
+        return "gelu_tanh" if module.approximate == "tanh" else "gelu"
+    return _module_classes().get(type(module))

@@ -1,4 +1,4 @@
-"""Serving throughput: `tigon serve` on a Llama-shaped model (TARGETS.md: hidden 2048, intermediate
+"""Serving throughput: `tigon serve` on a Llama-shaped model (the 1B Llama: hidden 2048, intermediate
 8192, 16 layers, 32/8 heads, vocab 128256, tied embeddings; random bf16 weights), the same requests
 answered one at a time and then by N concurrent clients through the openai client; prints a table
 and writes serve_bench.json. The target: concurrent tokens/s >= 8x one-at-a-time.

@@ -84,7 +84,8 @@ class _Counted:
         return batch
 
 
-def _arguments(cfg: RLHFConfig, dtype: torch.dtype, has_eval: bool) -> Any:
+def trl_arguments(cfg: RLHFConfig, dtype: torch.dtype, has_eval: bool) -> Any:
+    """TRL's GKDConfig for `cfg`: tigon's Trainer arguments and GKD's own."""
     extra: dict[str, Any] = dict(
         temperature=cfg.temperature, lmbda=cfg.lmbda, beta=cfg.beta, max_new_tokens=cfg.max_completion_length,
         seq_kd=cfg.seq_kd, disable_dropout=True, max_length=cfg.max_length, **checkpointing_off(GKDConfig),
@@ -168,7 +169,8 @@ def run(cfg: RLHFConfig) -> Path:
         # Per trained token: the student's step and the teacher's forward (taken as the student's size).
         return flops_per_token(model, seq_len) + flops_per_token(model, seq_len, backward=False)
 
-    job = Job("rlhf", train_data, tokens, len(rows), arguments=lambda dtype: _arguments(cfg, dtype, eval_data is not None),
-              trainer=trainer, prompts=lambda: pick_prompts(tokenizer, samples, cfg.samples, cfg.max_length),
+    job = Job("rlhf", train_data, tokens, len(rows),
+              arguments=lambda dtype: trl_arguments(cfg, dtype, eval_data is not None), trainer=trainer,
+              prompts=lambda: pick_prompts(tokenizer, samples, cfg.samples, cfg.max_length),
               metrics=METRICS, flops=flops)
     return train(cfg, resume_from, tokenizer, job)

@@ -201,7 +201,8 @@ class TigonGRPOTrainer(FusedTrainer, TigonTrainer, GRPOTrainer):
 
 # --- the run ------------------------------------------------------------------------------------
 
-def _arguments(cfg: RLHFConfig, dtype: torch.dtype, has_eval: bool) -> Any:
+def trl_arguments(cfg: RLHFConfig, dtype: torch.dtype, has_eval: bool) -> Any:
+    """TRL's GRPOConfig for `cfg`: tigon's Trainer arguments and GRPO's own."""
     gspo = cfg.loss_type == "gspo"
     extra: dict[str, Any] = dict(
         num_generations=cfg.num_generations, max_completion_length=cfg.max_completion_length,
@@ -265,7 +266,7 @@ def run(cfg: RLHFConfig) -> Path:
     mean_prompt = sum(lengths) / len(lengths)
     metrics = {**METRICS, **{f"rewards/{r.name}/mean": "" for r in rewards}}
     job = Job("rlhf", train_data, round((mean_prompt + cfg.max_completion_length) * completions), completions,
-              arguments=lambda dtype: _arguments(cfg, dtype, eval_data is not None), trainer=trainer,
+              arguments=lambda dtype: trl_arguments(cfg, dtype, eval_data is not None), trainer=trainer,
               prompts=lambda: [row["prompt"] for row in rows[:cfg.samples]], metrics=metrics, flops=flops,
               samples=completions)
     return train(cfg, resume_from, tokenizer, job)

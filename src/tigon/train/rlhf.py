@@ -94,7 +94,7 @@ class _FusedPreference(FusedTrainer):
 
         Layer by layer, as PEFT's ``disable_adapter()`` does it, but over the adapter layers found
         once: PEFT's context manager first walks every module for the model's adapter status (tens
-        of milliseconds of host time per step, for the 16-layer Llama of TARGETS.md), which a LoRA
+        of milliseconds of host time per step, for a 16-layer 1B Llama), which a LoRA
         step, bound by its host, pays in full."""
         unwrapped = self.accelerator.unwrap_model(model)
         with torch.no_grad():
@@ -306,7 +306,8 @@ def loss_options(cfg: RLHFConfig) -> dict[str, Any]:
     return options
 
 
-def _arguments(cfg: RLHFConfig, dtype: torch.dtype, has_eval: bool) -> Any:
+def trl_arguments(cfg: RLHFConfig, dtype: torch.dtype, has_eval: bool) -> Any:
+    """TRL's DPOConfig (KTOConfig for kto) for `cfg`: tigon's Trainer arguments and the method's own."""
     kto = cfg.method == "kto"
     cls = KTOConfig if kto else DPOConfig
     extra: dict[str, Any] = {
@@ -403,7 +404,7 @@ def _run(cfg: RLHFConfig) -> Path:
         return flops_per_token(model, seq_len) + forwards * flops_per_token(model, seq_len, backward=False)
 
     job = Job("rlhf", train_data, tokens, sequences,
-              arguments=lambda dtype: _arguments(cfg, dtype, eval_data is not None), trainer=trainer,
+              arguments=lambda dtype: trl_arguments(cfg, dtype, eval_data is not None), trainer=trainer,
               prompts=lambda: preference.pick_prompts(tokenizer, items, cfg.samples, cfg.max_length,
                                                       cfg.max_prompt_length),
               reference=reference and cfg.tuner == "full", metrics=KTO_METRICS if kto else PAIRED_METRICS,

@@ -41,10 +41,10 @@ from typing import Any, Callable
 import torch
 from accelerate.utils import DistributedType
 
+from tigon.cuda_graphs import CapturedOptimizer, CapturedStep
 from tigon.patch import handoff
 from tigon.train.batching import NUM_TOKENS
 from tigon.train.checkpoint import AtomicTrainer
-from tigon.train.step_graphs import CapturedOptimizer, CapturedStep
 
 log = logging.getLogger("tigon.train")
 

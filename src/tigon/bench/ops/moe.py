@@ -72,6 +72,30 @@ def hf_grouped_mm(x, index, weights, gate_up, down):
     return grouped_mm_experts_forward(_experts_module(gate_up, down), x, index, weights)
 
 
+def grouped_gemms(x, index, weights, gate_up, down) -> Callable[[], None]:
+    """A call of the six grouped GEMMs of the experts block's forward and backward alone, on rows
+    routed to the experts as `index` routes them: no routing, gathers, activation or combine. No
+    implementation built on these GEMMs runs the block faster than they do."""
+    grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+    experts, hidden, inter = down.shape
+    rows = index.numel()
+    # The routed rows as the GEMMs see them: sorted by expert, each expert's last row + 1 as int32.
+    ends = torch.bincount(index.flatten(), minlength=experts).cumsum(0).to(torch.int32)
+    xs, h, dy, dgu = (torch.randn(rows, width, dtype=x.dtype, device=x.device)
+                      for width in (hidden, inter, hidden, 2 * inter))
+    w1, w2 = gate_up.detach(), down.detach()  # (E, 2I, H), (E, H, I)
+
+    def step() -> None:
+        grouped_mm(xs, w1.transpose(-2, -1), offs=ends)  # gate/up: (S, H) x (E, H, 2I)
+        grouped_mm(h, w2.transpose(-2, -1), offs=ends)  # down: (S, I) x (E, I, H)
+        grouped_mm(dy, w2, offs=ends)  # dh: (S, H) x (E, H, I)
+        grouped_mm(dy.t(), h, offs=ends)  # dW2: (H, S) x (S, I) per expert
+        grouped_mm(dgu, w1, offs=ends)  # dx: (S, 2I) x (E, 2I, H)
+        grouped_mm(dgu.t(), xs, offs=ends)  # dW1: (2I, S) x (S, H) per expert
+
+    return step
+
+
 def _bytes(size, dtype):
     tokens, hidden, inter, experts, _ = size
     # x, dy, out and dx; both weights read and their gradients written.

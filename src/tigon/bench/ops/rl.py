@@ -30,7 +30,7 @@ import torch.nn.functional as TF
 import tigon.functional as F
 from tigon.bench.registry import BenchOp, register
 
-VOCAB, HIDDEN, TEACHER_HIDDEN = 128256, 2048, 4096  # TARGETS.md's Llama width; an 8B-class teacher
+VOCAB, HIDDEN, TEACHER_HIDDEN = 128256, 2048, 4096  # the 1B Llama's vocabulary and width; an 8B-class teacher
 BETA, EPSILON, JSD_BETA = 0.04, 0.2, 0.5  # the GRPO paper's KL weight and clip; GKD's default JSD
 IGNORE = -100
 POLICY_BUDGETS_MIB = [64, 128, 224, 512, 1024]

@@ -1,5 +1,6 @@
-"""Benchmark cases for rope (the TARGETS.md shape first). q and k are laid out as Hugging Face
-attention passes them: (B, T, H, D) projections viewed as (B, H, T, D)."""
+"""Benchmark cases for rope (the headline shape first: batch 8, 32 query and 8 KV heads, 2048
+tokens, head dim 128). q and k are laid out as Hugging Face attention passes them: (B, T, H, D)
+projections viewed as (B, H, T, D)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""tigon.train.step_graphs: micro-steps captured as CUDA graphs take the same steps as plain ones."""
+"""tigon.cuda_graphs: micro-steps captured as CUDA graphs take the same steps as plain ones."""
 
 import copy
 import logging
@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from tigon.train.step_graphs import CapturedOptimizer, CapturedStep, _frozen, _shape_key
+from tigon.cuda_graphs import CapturedOptimizer, CapturedStep, _frozen, _shape_key
 
 
 def test_shape_key_tells_shapes_dtypes_and_other_values_apart():
@@ -36,7 +36,7 @@ def test_steps_off_a_cuda_gpu_run_plainly_and_say_so_once(caplog):
         loss.backward()
         return loss.detach()
 
-    with caplog.at_level(logging.WARNING, logger="tigon.train"):
+    with caplog.at_level(logging.WARNING, logger="tigon"):
         captured = CapturedStep(step, [weight], device="cpu")
         for _ in range(3):
             assert float(captured({"x": torch.full((3,), 2.0)})) == 6.0
@@ -114,7 +114,7 @@ def test_gpu_a_step_that_waits_on_the_gpu_is_said_once_and_runs_plainly(caplog):
 
     captured = CapturedStep(step, model.parameters())
     ids = torch.randint(0, 512, (2, 32), device="cuda")
-    with caplog.at_level(logging.WARNING, logger="tigon.train"):
+    with caplog.at_level(logging.WARNING, logger="tigon"):
         results = [float(captured({"input_ids": ids})) for _ in range(4)]
     said = [r.getMessage() for r in caplog.records if "--cuda-graphs" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("--cuda-graphs: the training step cannot be captured")
@@ -169,7 +169,7 @@ def test_captured_optimizer_off_a_cuda_gpu_steps_plainly_and_says_so_once(caplog
     """Off a GPU the wrapper steps the optimizer plainly (not made capturable), under a scheduler,
     with the optimizer's own state and checkpoints."""
     (plain_params, plain), (params, optimizer) = _adamw_pair("cpu")
-    with caplog.at_level(logging.WARNING, logger="tigon.train"):
+    with caplog.at_level(logging.WARNING, logger="tigon"):
         captured = CapturedOptimizer(optimizer, device="cpu")
         _same_steps(plain, captured, plain_params, params, 6, "cpu", reload_at=2)
     said = [r.getMessage() for r in caplog.records if "--cuda-graphs" in r.getMessage()]
@@ -184,7 +184,7 @@ def test_captured_optimizer_off_a_cuda_gpu_steps_plainly_and_says_so_once(caplog
 def test_only_adam_and_adamw_are_captured(caplog):
     """Another optimizer's learning rate is a number a graph would keep: it steps plainly, said once."""
     params = [torch.nn.Parameter(torch.ones(3))]
-    with caplog.at_level(logging.WARNING, logger="tigon.train"):
+    with caplog.at_level(logging.WARNING, logger="tigon"):
         captured = CapturedOptimizer(torch.optim.SGD(params, lr=0.5), device="cuda")
         for _ in range(2):
             params[0].grad = torch.ones(3)

@@ -48,7 +48,7 @@ from typing import Any, Callable, Hashable, Iterable, Mapping
 
 import torch
 
-log = logging.getLogger("tigon.train")
+log = logging.getLogger("tigon")
 
 
 def _end_abandoned_capture(device: torch.device) -> None:

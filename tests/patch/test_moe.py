@@ -1,4 +1,4 @@
-"""tigon.nn.moe.experts_forward against transformers' own experts modules (their expert loop and
+"""tigon.patch.moe.experts_forward against transformers' own experts modules (their expert loop and
 their grouped_mm path), and the "tigon" experts implementation in whole tiny models, with and
 without PEFT LoRA on the expert weights."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tigon.ops.moe as moe
-from tigon.nn.moe import experts_forward, register_experts_implementation, unsupported_reason
+from tigon.patch.moe import experts_forward, register_experts_implementation, unsupported_reason
 from tests.helpers import assert_close
 from tests.ops.composite.test_lora import one_cpu_thread  # noqa: F401 (autouse fixture)
 from tests.patch.tiny import batch, tiny_model

@@ -26,12 +26,12 @@ GEMMs. Any other parametrization is read as the weight it produces (correct, at 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 from torch.nn.utils import parametrize
 
 import tigon.functional as F
+from tigon.patch.modules import module_activation
 
 log = logging.getLogger("tigon")
 
@@ -45,21 +45,6 @@ CUSTOM_GATES = {
 }
 
 
-def _activation_name(act_fn: Any) -> str | None:
-    """The op's name for a module's activation, or None for one it does not have."""
-    from transformers import activations
-
-    if isinstance(act_fn, (activations.SiLUActivation, torch.nn.SiLU)):
-        return "silu"
-    if isinstance(act_fn, (activations.GELUTanh, activations.NewGELUActivation)):
-        return "gelu_tanh"
-    if isinstance(act_fn, activations.GELUActivation):
-        return "gelu"
-    if isinstance(act_fn, torch.nn.GELU):
-        return "gelu_tanh" if act_fn.approximate == "tanh" else "gelu"
-    return None
-
-
 def _gate_options(module: torch.nn.Module) -> dict | str:
     """The op's activation keywords for `module`, or why it has none."""
     from transformers.integrations.moe import _default_apply_gate
@@ -71,7 +56,7 @@ def _gate_options(module: torch.nn.Module) -> dict | str:
         if custom is None:
             return f"{name} has a gate of its own (_apply_gate) that tigon does not know"
         return dict(custom(module))
-    act = _activation_name(getattr(module, "act_fn", None))
+    act = module_activation(getattr(module, "act_fn", None))
     if act is None:
         return f"{name}'s activation {type(getattr(module, 'act_fn', None)).__name__} is not one tigon has"
     return dict(activation=act)
