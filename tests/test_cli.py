@@ -4,6 +4,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from tigon import ops
 from tigon.cli import build_parser, main
@@ -48,15 +49,23 @@ def test_bench_writes_json_and_plot(tmp_path, capsys):
     payload = json.loads((tmp_path / "bench.json").read_text())
     impls = {r["impl"]: r for r in payload["results"]}
     assert set(impls) == {"tigon", "eager", "compile", "peer"}
-    peer = impls.pop("peer")  # Liger-Kernel's rms_norm, or why it could not run here
-    assert "error" not in peer or "liger_kernel" in peer["error"], peer
+    peer = impls.pop("peer")  # Liger-Kernel's rms_norm, or that it is not installed here
+    assert "error" not in peer and ("fwd_bwd_ms" in peer or peer["skipped"] == "liger_kernel is not installed"), peer
     for record in impls.values():
         assert "error" not in record, record
-        assert record["fwd_bwd_ms"] > 0 and record["roofline_pct"] > 0
+        assert record["fwd_bwd_ms"] > 0
+        # The roofline is a GPU's floor; a CPU run has none.
+        assert (record["roofline_pct"] > 0) if torch.cuda.is_available() else "roofline_pct" not in record
     assert impls["eager"]["vs_eager"] == 1.0
     assert (tmp_path / "rms_norm.png").stat().st_size > 0
-    header = capsys.readouterr().out
-    assert "vs comp" in header and "launch ms" in header
+    out = capsys.readouterr().out
+    assert "vs comp" in out and "launch ms" in out
+    # One table for one (op, size); no ratio to a missing measurement, no failure for a missing peer.
+    assert out.count("launch ms") == 1 and "nan" not in out and "failed" not in out, out
+    if "skipped" in peer:
+        assert "peer: not measured, liger_kernel is not installed" in out
+    if not torch.cuda.is_available():
+        assert "the benchmarks are for CUDA GPUs" in out
 
 
 def test_bench_rejects_unknown_op(capsys):

@@ -89,6 +89,10 @@ def bench_one(
         record: dict[str, Any] = {"op": op.name, "size": "x".join(map(str, size)), "impl": impl}
         try:
             fn = op.peer() if impl == "peer" else fns[impl]
+        except ImportError as err:  # the peer is measured where it is installed
+            records.append({**record, "skipped": f"{err.name or err} is not installed"})
+            continue
+        try:
             step = fwd_bwd_step(fn, args, grads)
             record["peak_mib"] = peak_mib(step, device, leaves)
             # A peer is launch-timed only: its torch.compile'd chunks need not survive CUDA-graph
@@ -120,7 +124,8 @@ def bench_one(
         record["fwd_bwd_host_ms"] = statistics.median(fwd_bwd for _, fwd_bwd in launches[impl])
         record.setdefault("fwd_ms", record["fwd_host_ms"])
         record.setdefault("fwd_bwd_ms", record["fwd_bwd_host_ms"])
-        record["roofline_pct"] = 100 * floor_s * 1e3 / record["fwd_bwd_ms"]
+        if device.type == "cuda":  # the floor is the GPU's: a CPU run has none worth a ratio
+            record["roofline_pct"] = 100 * floor_s * 1e3 / record["fwd_bwd_ms"]
     by_impl = {r["impl"]: r for r in records}
     for record in records:
         for base in ("eager", "compile", "peer"):
@@ -147,21 +152,25 @@ def format_table(records: list[dict[str, Any]]) -> str:
     """One line per record: graph-replayed (GPU) times and ratios first (the peer's launch-timed,
     and its column the launch-timed ratio), then the plain-launch fwd+bwd time (host overhead
     included) and its ratio to torch.compile."""
-    nan = float("nan")
+    def ratio(key: str) -> str:
+        return f"{r[key]:.2f}x" if key in r else "-"
+
     header = (f"{'op':<24}{'size':<20}{'impl':<8}{'fwd ms':>8}{'fwd+bwd':>9}{'peak MiB':>9}"
               f"{'vs eager':>9}{'vs comp':>8}{'vs peer':>8}{'roofline':>9}{'launch ms':>10}{'vs comp':>8}")
     lines = [header]
     for r in records:
         head = f"{r['op']:<24}{r['size']:<20}{r['impl']:<8}"
+        if "skipped" in r:
+            continue
         if "error" in r:
             lines.append(f"{head}  failed: {r['error'][:80]}")
             continue
         peak = "-" if r.get("peak_mib") is None else f"{r['peak_mib']:.0f}"
+        roofline = f"{r['roofline_pct']:.0f}%" if "roofline_pct" in r else "-"
         lines.append(
             f"{head}{r['fwd_ms']:>8.3f}{r['fwd_bwd_ms']:>9.3f}{peak:>9}"
-            f"{r.get('vs_eager', nan):>8.2f}x{r.get('vs_compile', nan):>7.2f}x{r.get('vs_peer_host', nan):>7.2f}x"
-            f"{r['roofline_pct']:>8.0f}%"
-            f"{r['fwd_bwd_host_ms']:>10.3f}{r.get('vs_compile_host', nan):>7.2f}x"
+            f"{ratio('vs_eager'):>9}{ratio('vs_compile'):>8}{ratio('vs_peer_host'):>8}{roofline:>9}"
+            f"{r['fwd_bwd_host_ms']:>10.3f}{ratio('vs_compile_host'):>8}"
         )
     return "\n".join(lines)
 
@@ -216,17 +225,26 @@ def run_benchmarks(
     bandwidth = measure_bandwidth(device)
     needs_matmul = any(BENCH_OPS[n].flops(BENCH_OPS[n].sizes[0]) for n in names)
     matmul_rate = measure_matmul_rate(device, dtype) if needs_matmul else None
-    log(f"tigon bench on {env['device']} (torch {env['torch']}, triton {env['triton']}, {dtype}), "
-        f"copy bandwidth {bandwidth / 1e12:.2f} TB/s"
-        + (f", matmul {matmul_rate / 1e12:.0f} TFLOP/s" if matmul_rate else ""))
+    if device.type == "cuda":
+        log(f"tigon bench on {env['device']} (torch {env['torch']}, triton {env['triton']}, {dtype}), "
+            f"copy bandwidth {bandwidth / 1e12:.2f} TB/s"
+            + (f", matmul {matmul_rate / 1e12:.0f} TFLOP/s" if matmul_rate else ""))
+    else:
+        log(f"tigon bench on the CPU (torch {env['torch']}, {dtype}): the benchmarks are for CUDA GPUs; here they "
+            "time each implementation plainly, with no peak memory and no roofline")
     records: list[dict[str, Any]] = []
+    groups = 0
     for name in names:
         op = BENCH_OPS[name]
         op_sizes = sizes or (op.sizes if device.type == "cuda" else op.cpu_sizes)
         for size in op_sizes[:1] if headline else op_sizes:
             records += bench_one(op, size, dtype, device, bandwidth, matmul_rate, impls)
             log(format_table([r for r in records if r["op"] == name and r["size"] == "x".join(map(str, size))]))
-    log("\n" + format_table(records))
+            groups += 1
+    for reason in dict.fromkeys(r["skipped"] for r in records if "skipped" in r):
+        log(f"peer: not measured, {reason}")
+    if groups > 1:  # the whole sweep again in one table, after the progress above
+        log("\n" + format_table(records))
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         payload = {"environment": env, "bandwidth_bytes_per_s": bandwidth, "matmul_flops": matmul_rate,
