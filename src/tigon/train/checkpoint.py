@@ -20,7 +20,8 @@ from tigon.train.config import SFTError
 
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 STAGING_PREFIX = ".tmp-"
-# torch.save reports a failed write as "unexpected pos ..." or "file write failed", naming no
+# torch.save reports a failed write as "unexpected pos ..." or "file write failed", and numpy's
+# tofile (the gguf writer's) as an OSError "N requested and M written" without an errno: naming no
 # cause; below this much free space, the cause is taken to be a full disk.
 _NEARLY_FULL = 64 * 2**20
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -75,7 +76,7 @@ def _disk_full(err: BaseException, where: Path) -> bool:
         if any(int(code) in _DISK_FULL for code in _RUST_OS_ERROR.findall(str(cause))):
             return True
         cause = cause.__cause__ or cause.__context__
-    if isinstance(err, RuntimeError):
+    if isinstance(err, RuntimeError) or (isinstance(err, OSError) and err.errno is None):
         try:
             return shutil.disk_usage(where).free < _NEARLY_FULL
         except OSError:
