@@ -300,3 +300,24 @@ def test_an_adapter_that_does_not_fit_base_is_one_line_naming_the_tensor_and_bot
         f"{adapter}: does not fit the base model {other}: base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight "
         "is [16, 128] in the adapter and [16, 96] on this base (pass the --base it was trained on)")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other"]
+
+
+@pytest.mark.parametrize("name", ["gguf", "x.gguf"])
+def test_an_export_stopped_while_writing_leaves_nothing_and_keeps_what_it_was_to_replace(name, tiny_dir, tmp_path,
+                                                                                        monkeypatch, capsys):
+    def stopped_halfway(writer, **kwargs):
+        writer.write_ti_data_to_file()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", stopped_halfway)
+    out = tmp_path / name
+    assert main(["export", str(tiny_dir), "--to", "gguf", "--output", str(out)]) == 130
+    assert list(tmp_path.iterdir()) == []
+    if name == "gguf":
+        _user_folder(out)
+    else:
+        out.write_bytes(b"an older export")
+    contents = lambda: _tree(out) if out.is_dir() else out.read_bytes()  # noqa: E731
+    before = contents()
+    assert main(["export", str(tiny_dir), "--to", "gguf", "--output", str(out), "--overwrite"]) == 130
+    assert contents() == before and [p.name for p in tmp_path.iterdir()] == [name]
