@@ -122,7 +122,7 @@ def _cmd_rlhf(args: argparse.Namespace) -> int:
 
 
 def _cmd_merge(args: argparse.Namespace) -> int:
-    _train().merge(args.adapter, args.output, base=args.base, dtype=args.dtype)
+    _train().merge(args.adapter, args.output, base=args.base, dtype=args.dtype, overwrite=args.overwrite)
     return 0
 
 
@@ -195,7 +195,10 @@ def _add_train_commands(sub: argparse._SubParsersAction) -> None:
     merge = sub.add_parser("merge", help="fold a LoRA adapter into its base model (the same as tigon export ADAPTER --to merged); "
                            "a QLoRA adapter into its dequantised base")
     merge.add_argument("adapter", help="adapter directory (e.g. tigon-out/final)")
-    merge.add_argument("--output", required=True, metavar="DIR", help="where to write the merged model")
+    merge.add_argument("--output", required=True, metavar="DIR",
+                       help="where to write the merged model (a new or empty directory, unless --overwrite)")
+    merge.add_argument("--overwrite", action="store_true",
+                       help="replace an existing --output (never the adapter or its base, nor a folder holding them)")
     merge.add_argument("--base", metavar="MODEL", help="base model (default: the one the adapter names)")
     merge.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
                        help="stored dtype (auto: the base model's; bf16 for a QLoRA adapter)")

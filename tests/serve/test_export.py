@@ -9,6 +9,7 @@ import torch
 
 from tigon.cli import main
 from tigon.serve.export import FAMILIES, export_gguf, interleave_rope_rows
+from tigon.train import tiny
 
 
 def _logits(model, ids):
@@ -174,3 +175,149 @@ def test_llama3_rope_factors_match_transformers_scaled_frequencies():
     assert factors.shape == (32,) and factors.min() == 1.0 and factors.max() == 32.0
     torch.testing.assert_close(torch.from_numpy(factors).double(), plain / scaled.double(), rtol=1e-5, atol=0)
     assert llama3_rope_factors(LlamaConfig()) is None
+
+
+# --- where export and merge write: --output, --overwrite, the sources they read ----------------
+
+SHORT_LORA_RUN = ["--tuner", "lora", "--dataset", f"{tiny.BUNDLED_DATASET}#40", "--batch-size", "4",
+                  "--max-length", "48", "--samples", "0", "--no-kernels", "--max-steps", "1", "--save-steps", "1"]
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """A run of `tigon sft --tuner lora` on the built-in model: base/, checkpoint-1/, final/ (the
+    adapter), metrics."""
+    run = tmp_path_factory.mktemp("lora") / "run"
+    assert main(["sft", *SHORT_LORA_RUN, "--output-dir", str(run)]) == 0
+    return run
+
+
+def _tree(path):
+    """Every file under `path` (relative name -> bytes) and every directory (name -> None)."""
+    return {str(p.relative_to(path)): p.read_bytes() if p.is_file() else None for p in sorted(path.rglob("*"))}
+
+
+def _user_folder(path):
+    (path / "sub").mkdir(parents=True)
+    (path / "notes.txt").write_text("mine\n")
+    (path / "sub" / "data.bin").write_bytes(bytes(range(256)))
+    return _tree(path)
+
+
+def _one_line_error(capsys, command):
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith(f"tigon {command}: error: "), err
+    return lines[-1].removeprefix(f"tigon {command}: error: ")
+
+
+def _commands(model_dir):
+    """The three ways to write a model: export --to merged, export --to gguf, merge."""
+    return {"merged": ["export", str(model_dir), "--to", "merged"], "gguf": ["export", str(model_dir), "--to", "gguf"],
+            "merge": ["merge", str(model_dir)]}
+
+
+@pytest.mark.parametrize("how", ["merged", "gguf", "merge"])
+def test_a_folder_with_the_users_files_is_refused_untouched_and_replaced_with_overwrite(how, lora_run, tmp_path,
+                                                                                      capsys):
+    out = tmp_path / "mine"
+    before = _user_folder(out)
+    command = _commands(lora_run / "final")[how]
+    assert main([*command, "--output", str(out)]) == 2
+    assert _one_line_error(capsys, command[0]) == (
+        f"--output {out} is a directory that is not empty: pass --overwrite to replace it (everything in it is "
+        "deleted), or choose another --output")
+    assert _tree(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+
+    assert main([*command, "--output", str(out), "--overwrite"]) == 0
+    written = sorted(p.name for p in out.iterdir())
+    if how == "gguf":
+        assert written == ["Modelfile", "model.gguf"]
+    else:
+        assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(written) and "notes.txt" not in written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # no staging or old copy left beside it
+
+
+def test_an_empty_folder_is_written_into_without_overwrite(tiny_dir, tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert main(["export", str(tiny_dir), "--to", "merged", "--output", str(tmp_path / "empty")]) == 0
+    assert (tmp_path / "empty" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("how", ["merged", "gguf", "merge"])
+@pytest.mark.parametrize("where", ["run", "final", "inside final", "base"])
+def test_the_run_the_model_comes_from_is_never_written_over(how, where, lora_run, capsys):
+    """Not even with --overwrite: the run folder holding the adapter, the adapter itself, a folder
+    inside it, and the base model the adapter is read against (the run's base/)."""
+    out = {"run": lora_run, "final": lora_run / "final", "inside final": lora_run / "final" / "merged",
+           "base": lora_run / "base"}[where]
+    source = {"run": lora_run / "final", "final": lora_run / "final", "inside final": lora_run / "final",
+              "base": lora_run / "base"}[where]
+    relation = {"run": "contains", "final": "is", "inside final": "lies inside", "base": "is"}[where]
+    before = _tree(lora_run)
+    command = _commands(lora_run / "final")[how]
+    assert main([*command, "--output", str(out), "--overwrite"]) == 2
+    itself = " itself" if relation == "is" else ""
+    assert _one_line_error(capsys, command[0]) == (
+        f"--output {out} {relation} {source}{itself}, which this command reads: choose another --output")
+    assert _tree(lora_run) == before
+
+
+def test_gguf_output_named_x_gguf_is_that_file_and_an_existing_one_needs_overwrite(tiny_dir, tiny_model, tmp_path,
+                                                                                 capsys):
+    out = tmp_path / "x.gguf"
+    assert main(["export", str(tiny_dir), "--to", "gguf", "--dtype", "f32", "--output", str(out)]) == 0
+    assert out.is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["x.gguf"]
+    tensors = {t.name: t for t in gguf.GGUFReader(out).tensors}
+    want = tiny_model[0].state_dict()["model.layers.0.mlp.down_proj.weight"].numpy()
+    assert np.array_equal(tensors["blk.0.ffn_down.weight"].data, want)
+
+    out.write_bytes(b"the user's own file")
+    assert main(["export", str(tiny_dir), "--to", "gguf", "--output", str(out)]) == 2
+    assert _one_line_error(capsys, "export") == (
+        f"--output {out} already exists: pass --overwrite to replace it, or choose another --output")
+    assert out.read_bytes() == b"the user's own file"
+    assert main(["export", str(tiny_dir), "--to", "gguf", "--output", str(out), "--overwrite"]) == 0
+    assert gguf.GGUFReader(out).fields["general.architecture"].contents() == "llama"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.gguf"]
+
+    assert main(["export", str(tiny_dir), "--to", "merged", "--output", str(tmp_path / "m.gguf")]) == 2
+    assert _one_line_error(capsys, "export") == (
+        f"--output {tmp_path / 'm.gguf'}: --to merged writes a directory; a .gguf file is what --to gguf writes")
+
+
+@pytest.mark.parametrize("command", ["merge", "export"])
+def test_an_adapter_that_does_not_fit_base_is_one_line_naming_the_tensor_and_both_shapes(command, lora_run,
+                                                                                       tiny_model, tmp_path, capsys):
+    other = tmp_path / "other"
+    _tiny_family("mistral", tiny_model[1], other)  # hidden size 96 where the adapter's base has 128
+    adapter = lora_run / "final"
+    argv = ["merge", str(adapter)] if command == "merge" else ["export", str(adapter), "--to", "merged"]
+    capsys.readouterr()
+    assert main([*argv, "--base", str(other), "--output", str(tmp_path / "m")]) == 2
+    assert _one_line_error(capsys, command) == (
+        f"{adapter}: does not fit the base model {other}: base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight "
+        "is [16, 128] in the adapter and [16, 96] on this base (pass the --base it was trained on)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other"]
+
+
+@pytest.mark.parametrize("name", ["gguf", "x.gguf"])
+def test_an_export_stopped_while_writing_leaves_nothing_and_keeps_what_it_was_to_replace(name, tiny_dir, tmp_path,
+                                                                                        monkeypatch, capsys):
+    def stopped_halfway(writer, **kwargs):
+        writer.write_ti_data_to_file()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", stopped_halfway)
+    out = tmp_path / name
+    assert main(["export", str(tiny_dir), "--to", "gguf", "--output", str(out)]) == 130
+    assert list(tmp_path.iterdir()) == []
+    if name == "gguf":
+        _user_folder(out)
+    else:
+        out.write_bytes(b"an older export")
+    contents = lambda: _tree(out) if out.is_dir() else out.read_bytes()  # noqa: E731
+    before = contents()
+    assert main(["export", str(tiny_dir), "--to", "gguf", "--output", str(out), "--overwrite"]) == 130
+    assert contents() == before and [p.name for p in tmp_path.iterdir()] == [name]

@@ -212,3 +212,30 @@ def test_file_that_is_not_utf8_names_the_byte(tmp_path, suffix):
     line = data.count(b"\n", 0, where) + 1
     with pytest.raises(SFTError, match=f"^{path}: not UTF-8 text at byte {where} \\(line {line}\\): save it as UTF-8$"):
         read_file(str(path), seed=0)
+
+
+def test_parquet_file_damaged_in_the_middle_is_one_line_naming_the_file_and_rows(tmp_path, capsys):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from tigon.cli import main
+
+    rng = random.Random(0)
+    words = [word(rng) for _ in range(8)]  # few words, so that snappy compresses the pages
+    rows = [{"text": " ".join(rng.choice(words) for _ in range(40))} for _ in range(300)]
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=100, compression="snappy")
+    chunk = pq.ParquetFile(path).metadata.row_group(1).column(0)
+    data = bytearray(path.read_bytes())
+    start = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
+    middle = start + chunk.total_compressed_size // 2
+    data[middle:middle + 64] = bytes(b ^ 0xFF for b in data[middle:middle + 64])
+    path.write_bytes(data)
+    assert main(["sft", "--dataset", str(path), "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tigon sft: error: {path} rows 101-200 (row group 2 of 3): cannot be read, the file is "
+                          "damaged: ") and err.count("\n") == 1, err
+
+    path.write_bytes(b"PAR1 not a parquet file")
+    with pytest.raises(SFTError, match=f"^{path}: not a readable parquet file: "):
+        read_file(str(path), seed=0)

@@ -73,7 +73,7 @@ def _missing(module: str) -> bool:
 def _cmd_export(args: argparse.Namespace) -> int:
     from tigon.serve.export import export
 
-    export(args.path, args.to, args.output, dtype=args.dtype, base=args.base)
+    export(args.path, args.to, args.output, dtype=args.dtype, base=args.base, overwrite=args.overwrite)
     return 0
 
 
@@ -112,7 +112,10 @@ def add_serve_commands(sub: argparse._SubParsersAction) -> None:
     export.add_argument("path", metavar="PATH", help="tigon output, LoRA adapter or HF model directory")
     export.add_argument("--to", choices=["merged", "gguf"], required=True, help="output format")
     export.add_argument("--output", required=True, metavar="OUT",
-                        help="directory to write (merged: the HF model; gguf: model.gguf and Modelfile)")
+                        help="directory to write, new or empty unless --overwrite (merged: the HF model; gguf: "
+                             "model.gguf and Modelfile), or with --to gguf a file ending in .gguf (no Modelfile)")
+    export.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --output (never PATH or its base, nor a folder holding them)")
     export.add_argument("--dtype", choices=["auto", "bf16", "f16", "f32", "q8_0"], default="auto",
                         help="stored weights (auto: the model's own dtype; q8_0: GGUF only)")
     export.add_argument("--base", metavar="MODEL", help="base model of a LoRA adapter (default: the one it names)")

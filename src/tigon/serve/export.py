@@ -50,34 +50,39 @@ _PRE_TOKENIZERS = {
 }
 
 
-def export(path: str, to: str, output: str, dtype: str = "auto", base: str | None = None) -> Path:
-    """`tigon export PATH --to merged|gguf --output OUT`."""
+def export(path: str, to: str, output: str, dtype: str = "auto", base: str | None = None,
+           overwrite: bool = False) -> Path:
+    """`tigon export PATH --to merged|gguf --output OUT [--overwrite]`."""
     if to == "merged":
-        return export_merged(path, output, dtype, base)
+        return export_merged(path, output, dtype, base, overwrite)
     if to == "gguf":
-        return export_gguf(path, output, dtype, base)
+        return export_gguf(path, output, dtype, base, overwrite)
     raise ValueError(f"--to {to}: expected merged or gguf")
 
 
-def export_merged(path: str, output: str, dtype: str = "auto", base: str | None = None) -> Path:
+def export_merged(path: str, output: str, dtype: str = "auto", base: str | None = None,
+                  overwrite: bool = False) -> Path:
     """A standalone HF model (safetensors, config, tokenizer) in `output`: a LoRA adapter folded
-    into its base (in fp32, as `tigon merge` does), any other model re-saved in `dtype`."""
+    into its base (in fp32, as `tigon merge` does), any other model re-saved in `dtype`. An
+    existing `output` is replaced only with `overwrite` (see `check_output`)."""
     if dtype not in _MERGED_DTYPES:
         raise ValueError(f"--dtype {dtype} is for --to gguf; merged models take {', '.join(_MERGED_DTYPES)}")
-    from tigon.train.checkpoint import publish, staging_dir
+    if _is_gguf_file(output):
+        raise ValueError(f"--output {output}: --to merged writes a directory; a .gguf file is what --to gguf writes")
+    from tigon.train.checkpoint import check_output, written_atomically
     from tigon.train.infer import is_adapter, merge
     from tigon.train.modeling import DTYPES, load_model, load_tokenizer
 
     if is_adapter(path):
-        return merge(path, output, base=base, dtype=_MERGED_DTYPES[dtype])
+        return merge(path, output, base=base, dtype=_MERGED_DTYPES[dtype], overwrite=overwrite)
     if base is not None:
         raise ValueError(f"--base only applies to a LoRA adapter, and {path} is not one (no adapter_config.json)")
-    model = load_model(path, DTYPES[_MERGED_DTYPES[dtype]] if dtype != "auto" else "auto")
     out = Path(output)
-    staging = staging_dir(out)
-    model.save_pretrained(staging)
-    load_tokenizer(path).save_pretrained(staging)
-    publish(staging, out)
+    check_output(out, overwrite, [path])
+    model = load_model(path, DTYPES[_MERGED_DTYPES[dtype]] if dtype != "auto" else "auto")
+    with written_atomically(out) as staging:
+        model.save_pretrained(staging)
+        load_tokenizer(path).save_pretrained(staging)
     log.info("tigon export: %s -> %s (%s)", path, out, str(model.dtype).replace("torch.", ""))
     return out
 
@@ -93,6 +98,11 @@ def _load_merged(path: str, base: str | None) -> tuple[Any, Any]:
     name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(saved, "fp32")
     model, tokenizer = load_model_for_serving(path, name, base)
     return model.cpu(), tokenizer
+
+
+def _is_gguf_file(output: str) -> bool:
+    """Whether `--output` names a GGUF file rather than a directory."""
+    return Path(output).suffix.lower() == ".gguf"
 
 
 def _config_source(path: str, base: str | None) -> str:
@@ -260,30 +270,55 @@ def _pre_tokenizer_name(pre: dict | None) -> str:
     return "default"
 
 
-def export_gguf(path: str, output: str, dtype: str = "auto", base: str | None = None) -> Path:
-    """`output`/model.gguf and `output`/Modelfile for `path` (an adapter merged on its base)."""
+def export_gguf(path: str, output: str, dtype: str = "auto", base: str | None = None,
+                overwrite: bool = False) -> Path:
+    """`output`/model.gguf and `output`/Modelfile for `path` (an adapter merged on its base), or,
+    for an `output` that ends in .gguf, that one file. An existing `output` is replaced only with
+    `overwrite` (see `check_output`). Returns the GGUF file's path."""
     import gguf
 
     if dtype not in ("auto", "bf16", "f16", "f32", "q8_0"):
         raise ValueError(f"--dtype {dtype}: GGUF takes auto, bf16, f16, f32 or q8_0")
     from transformers import AutoConfig
 
-    family_name = AutoConfig.from_pretrained(_config_source(path, base)).model_type
+    from tigon.train.checkpoint import check_output, written_atomically
+
+    out = Path(output)
+    config_source = _config_source(path, base)
+    check_output(out, overwrite, [path, config_source])
+    family_name = AutoConfig.from_pretrained(config_source).model_type
     family = FAMILIES.get(family_name)
     if family is None:
         raise ValueError(f"{path}: model family {family_name!r} cannot be exported to GGUF; "
                          f"supported: {', '.join(FAMILIES)}")
     model, tokenizer = _load_merged(path, base)
-    config = model.config
     if dtype == "auto":
         dtype = {torch.bfloat16: "bf16", torch.float16: "f16"}.get(model.dtype, "f32")
     file_type, qtype = _tensor_types(dtype)
     arch = getattr(gguf.MODEL_ARCH, family.arch)
-    out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
-    target = out / GGUF_FILE
-    staging = target.with_name("." + GGUF_FILE + ".partial")
-    writer = gguf.GGUFWriter(staging, gguf.MODEL_ARCH_NAMES[arch])
+    single_file = _is_gguf_file(output)
+    with written_atomically(out, directory=not single_file) as staging:
+        writer = gguf.GGUFWriter(staging if single_file else staging / GGUF_FILE, gguf.MODEL_ARCH_NAMES[arch])
+        try:
+            _write_gguf(writer, model, tokenizer, family, path, file_type, qtype)
+        finally:
+            writer.close()
+        if not single_file:
+            (staging / MODELFILE).write_text(modelfile(tokenizer, GGUF_FILE))
+    if single_file:
+        log.info("tigon export: %s -> %s (%s, %s)", path, out, family_name, dtype)
+        return out
+    log.info("tigon export: %s -> %s (%s, %s) and %s", path, out / GGUF_FILE, family_name, dtype, out / MODELFILE)
+    return out / GGUF_FILE
+
+
+def _write_gguf(writer: Any, model: Any, tokenizer: Any, family: Family, path: str, file_type: Any,
+                qtype: Any) -> None:
+    """The model's settings, tokenizer and tensors (named and laid out as llama.cpp reads them)."""
+    import gguf
+
+    config = model.config
+    arch = getattr(gguf.MODEL_ARCH, family.arch)
     _write_config(writer, config, family, Path(path).resolve().name, file_type)
     _write_tokenizer(writer, tokenizer, config.vocab_size)
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
@@ -296,7 +331,7 @@ def export_gguf(path: str, output: str, dtype: str = "auto", base: str | None = 
             continue  # llama.cpp reads a tied head from token_embd
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
-            raise ValueError(f"{path}: tensor {hf_name} has no GGUF name for {family_name}")
+            raise ValueError(f"{path}: tensor {hf_name} has no GGUF name for {config.model_type}")
         tensor = tensor.detach().float()
         if family.interleave_rope and ".self_attn.q_proj." in hf_name:
             tensor = interleave_rope_rows(tensor, heads)
@@ -307,11 +342,6 @@ def export_gguf(path: str, output: str, dtype: str = "auto", base: str | None = 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
-    writer.close()
-    staging.replace(target)
-    (out / MODELFILE).write_text(modelfile(tokenizer, GGUF_FILE))
-    log.info("tigon export: %s -> %s (%s, %s) and %s", path, target, family_name, dtype, out / MODELFILE)
-    return target
 
 
 def modelfile(tokenizer: Any, gguf_name: str) -> str:

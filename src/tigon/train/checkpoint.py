@@ -1,8 +1,8 @@
-"""Atomic checkpoints: everything is written into a hidden staging directory next to the target
-and renamed into place only when complete, so a crash mid-save never leaves a ``checkpoint-N``
-(or ``final``) that looks finished. Resuming only ever sees complete checkpoints. A save that
-fails with an error removes its staging directory (a full disk gets its space back) and a full
-disk is said as such, in one line."""
+"""Atomic checkpoints and outputs: everything is written into a hidden staging directory (or
+file) next to the target and renamed into place only when complete, so a crash mid-save never
+leaves a ``checkpoint-N`` (or ``final``, or an export) that looks finished. Resuming only ever
+sees complete checkpoints. A save that fails with an error removes what it staged (a full disk
+gets its space back) and a full disk is said as such, in one line."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from transformers import Trainer
 
@@ -20,9 +20,14 @@ from tigon.train.config import SFTError
 
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 STAGING_PREFIX = ".tmp-"
-# torch.save reports a failed write as "unexpected pos ..." or "file write failed", naming no
+# torch.save reports a failed write as "unexpected pos ..." or "file write failed", and numpy's
+# tofile (the gguf writer's) as an OSError "N requested and M written" without an errno: naming no
 # cause; below this much free space, the cause is taken to be a full disk.
 _NEARLY_FULL = 64 * 2**20
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+# Libraries written in Rust (safetensors, tokenizers) raise plain exceptions whose text ends in
+# Rust's rendering of the errno, e.g. "No space left on device (os error 28)".
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 
 
 def list_checkpoints(output_dir: Path) -> list[Path]:
@@ -49,8 +54,16 @@ def resume_checkpoint(output_dir: Path, resume: str) -> Path | None:
 def staging_dir(target: Path) -> Path:
     """An empty hidden directory next to `target` to write it into (leftovers of a crash removed)."""
     staging = target.with_name(STAGING_PREFIX + target.name)
-    shutil.rmtree(staging, ignore_errors=True)
+    _remove(staging)
     staging.mkdir(parents=True)
+    return staging
+
+
+def _staging_file(target: Path) -> Path:
+    """A hidden file path next to `target` to write it into (leftovers of a crash removed)."""
+    staging = target.with_name(STAGING_PREFIX + target.name)
+    _remove(staging)
+    staging.parent.mkdir(parents=True, exist_ok=True)
     return staging
 
 
@@ -58,10 +71,12 @@ def _disk_full(err: BaseException, where: Path) -> bool:
     """Whether `err` comes from the disk running out of space (or quota)."""
     cause: BaseException | None = err
     while cause is not None:
-        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+        if isinstance(cause, OSError) and cause.errno in _DISK_FULL:
+            return True
+        if any(int(code) in _DISK_FULL for code in _RUST_OS_ERROR.findall(str(cause))):
             return True
         cause = cause.__cause__ or cause.__context__
-    if isinstance(err, RuntimeError):
+    if isinstance(err, RuntimeError) or (isinstance(err, OSError) and err.errno is None):
         try:
             return shutil.disk_usage(where).free < _NEARLY_FULL
         except OSError:
@@ -69,15 +84,25 @@ def _disk_full(err: BaseException, where: Path) -> bool:
     return False
 
 
+def _remove(path: Path) -> None:
+    """Delete `path`, a directory tree or a file; a symbolic link itself, never what it points to."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
 @contextlib.contextmanager
 def removed_on_failure(staging: Path, target: Path) -> Iterator[None]:
-    """Remove `staging` if the block raises (Ctrl-C included), so that a failed save of `target`
-    leaves nothing that holds disk space or looks complete; a full disk becomes one SFTError."""
+    """Remove `staging` (a directory or a file) if the block raises (Ctrl-C included), so that a
+    failed save of `target` leaves nothing that holds disk space or looks complete; a full disk
+    becomes one SFTError."""
     try:
         yield
     except BaseException as err:
         full = _disk_full(err, staging.parent)  # asked before the removal gives the space back
-        shutil.rmtree(staging, ignore_errors=True)
+        _remove(staging)
         if full:
             raise SFTError(f"{target}: no space left on device; the partial save was removed (free some "
                            "space, or write elsewhere)") from err
@@ -85,14 +110,52 @@ def removed_on_failure(staging: Path, target: Path) -> Iterator[None]:
 
 
 def publish(staging: Path, target: Path) -> None:
-    """Move the complete `staging` directory to `target` by rename; an older `target` is moved
-    aside first and deleted after, so `target` is always either the old or the new whole."""
+    """Move the complete `staging` directory (or file) to `target` by rename; an older `target` is
+    moved aside first and deleted after, so `target` is always either the old or the new whole."""
     old = target.with_name(STAGING_PREFIX + "old-" + target.name)
-    if target.exists():
-        shutil.rmtree(old, ignore_errors=True)
+    if target.exists() or target.is_symlink():
+        _remove(old)
         os.replace(target, old)
     os.replace(staging, target)
-    shutil.rmtree(old, ignore_errors=True)
+    _remove(old)
+
+
+def check_output(output: Path, overwrite: bool, sources: Iterable[str | Path | None]) -> None:
+    """Refuse, as one SFTError, to write `output` (``--output``) where that would destroy what the
+    user has: an existing file or non-empty directory unless `overwrite`, and, even with it, any of
+    the local `sources` the command reads (missing ones and hub ids are skipped), a directory that
+    contains one of them, or a place inside one."""
+    where = output.resolve()
+    for source in sources:
+        if source is None or not Path(source).exists():
+            continue
+        read = Path(source).resolve()
+        relation = ("is" if where == read else "contains" if where in read.parents
+                    else "lies inside" if read in where.parents else None)
+        if relation is not None:
+            itself = " itself" if relation == "is" else ""
+            raise SFTError(f"--output {output} {relation} {source}{itself}, which this command reads: choose "
+                           "another --output")
+    if overwrite or not (output.exists() or output.is_symlink()):
+        return
+    if output.is_dir() and not output.is_symlink():
+        if next(output.iterdir(), None) is None:
+            return  # an empty directory holds nothing to lose
+        raise SFTError(f"--output {output} is a directory that is not empty: pass --overwrite to replace it "
+                       "(everything in it is deleted), or choose another --output")
+    raise SFTError(f"--output {output} already exists: pass --overwrite to replace it, or choose another --output")
+
+
+@contextlib.contextmanager
+def written_atomically(target: Path, directory: bool = True) -> Iterator[Path]:
+    """A staging directory (or, with ``directory=False``, a staging file path) to write `target`
+    into; published as `target` when the block completes, removed if the block or the publishing
+    fails (a mount point cannot be renamed, for one)."""
+    target = Path(os.path.abspath(target))  # "." and "dir/.." have no name to stage beside
+    staging = staging_dir(target) if directory else _staging_file(target)
+    with removed_on_failure(staging, target):
+        yield staging
+        publish(staging, target)
 
 
 class AtomicTrainer(Trainer):

@@ -85,12 +85,30 @@ def _read_csv(path: Path) -> Iterator[tuple[str, Any]]:
 
 
 def _read_parquet(path: Path) -> Iterator[tuple[str, Any]]:
+    """Rows read one row group at a time, so that damage is placed: pyarrow's own errors
+    ("Corrupt snappy compressed data.") name neither the file nor where in it."""
     try:
+        import pyarrow
         import pyarrow.parquet as pq
     except ImportError:
         raise SFTError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
-    for number, row in enumerate(pq.read_table(path).to_pylist(), 1):
-        yield f"row {number}", row
+    try:
+        table = pq.ParquetFile(path)
+    except (pyarrow.ArrowException, OSError) as err:
+        raise SFTError(f"{path}: not a readable parquet file: {err}") from None
+    with table:
+        groups = table.metadata.num_row_groups
+        number = 0
+        for group in range(groups):
+            try:
+                rows = table.read_row_group(group).to_pylist()
+            except (pyarrow.ArrowException, OSError) as err:
+                size = table.metadata.row_group(group).num_rows
+                raise SFTError(f"{path} rows {number + 1}-{number + size} (row group {group + 1} of {groups}): "
+                               f"cannot be read, the file is damaged: {err}") from None
+            for row in rows:
+                number += 1
+                yield f"row {number}", row
 
 
 _READERS: dict[str, Callable[[Path], Iterator[tuple[str, Any]]]] = {

@@ -4,18 +4,23 @@
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
 import torch
 
-from tigon.train.checkpoint import publish, removed_on_failure, staging_dir
+from tigon.train.checkpoint import check_output, written_atomically
 from tigon.train.config import SFTError
 from tigon.train.modeling import (DTYPES, check_bitsandbytes, load_model, load_tokenizer, pick_dtype,
                                   quantization_name, recorded_quantization, source_kwargs)
 from tigon.train.template import ensure_chat_template, render
 
 log = logging.getLogger("tigon.train")
+# torch's load_state_dict names each tensor whose shape differs, the first one first; PEFT loads an
+# adapter through it, as adapter "default", whose name is not part of the tensor's in the file.
+_SIZE_MISMATCH = re.compile(r"size mismatch for (\S+): copying a param with shape torch\.Size\(\[([^\]]*)\]\) "
+                            r"from checkpoint, the shape in current model is torch\.Size\(\[([^\]]*)\]\)")
 
 
 def is_adapter(path: str | Path) -> bool:
@@ -53,7 +58,16 @@ def _adapter_model(adapter: str, base: str, dtype: torch.dtype, dequantize: bool
         model = load_model(base, loaded, quantization, device)
         if dequantize:
             model = model.dequantize(dtype=dtype).to(dtype)  # the unquantised layers too
-    return PeftModel.from_pretrained(model, adapter)
+    try:
+        return PeftModel.from_pretrained(model, adapter)
+    except RuntimeError as err:
+        mismatch = _SIZE_MISMATCH.search(str(err))
+        if mismatch is None:
+            raise
+        name, in_adapter, in_base = mismatch.groups()
+        raise SFTError(f"{adapter}: does not fit the base model {base}: {name.replace('.default.', '.')} is "
+                       f"[{in_adapter}] in the adapter and [{in_base}] on this base (pass the --base it was "
+                       "trained on)") from None
 
 
 def load_for_inference(path: str, dtype: torch.dtype, base: str | None = None,
@@ -120,16 +134,19 @@ def chat(model: Any, tokenizer: Any, max_new_tokens: int, temperature: float, sy
         stdout.write(f"model> {reply}\n")
 
 
-def merge(adapter: str, output: str, base: str | None = None, dtype: str = "auto") -> Path:
+def merge(adapter: str, output: str, base: str | None = None, dtype: str = "auto", overwrite: bool = False) -> Path:
     """Fold a LoRA adapter into its base model and write a standalone Hugging Face model
     (safetensors, config, tokenizer) to `output`, atomically. The sum is formed in fp32 and stored
     in `dtype` (auto: the base model's own dtype). An adapter trained on a quantised base (QLoRA)
-    is added to that base's dequantised weights, and auto stores bf16."""
+    is added to that base's dequantised weights, and auto stores bf16. An existing `output` is
+    replaced only with `overwrite` (see `check_output`)."""
     if not is_adapter(adapter):
         raise SFTError(f"{adapter} is not a LoRA adapter directory (no adapter_config.json)")
     from transformers import AutoConfig
 
     base = base or _adapter_base(adapter)
+    out = Path(output)
+    check_output(out, overwrite, [adapter, base])
     quantization = recorded_quantization(adapter)
     model, tokenizer = load_for_inference(adapter, torch.float32, base, dequantize=True)
     if quantization is not None:
@@ -142,11 +159,8 @@ def merge(adapter: str, output: str, base: str | None = None, dtype: str = "auto
     else:
         target = DTYPES[dtype]
     merged = model.merge_and_unload().to(device="cpu", dtype=target)
-    out = Path(output)
-    staging = staging_dir(out)
-    with removed_on_failure(staging, out):
+    with written_atomically(out) as staging:
         merged.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-    publish(staging, out)
     log.info("merged %s into %s -> %s (%s)", adapter, base, out, str(target).replace("torch.", ""))
     return out
