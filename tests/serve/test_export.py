@@ -2,6 +2,8 @@
 loaded back by transformers' own GGUF loader. (llama-cpp-python has no wheel for this platform,
 so transformers' loader is the independent reader that generates from the file.)"""
 
+import logging
+
 import gguf
 import numpy as np
 import pytest
@@ -23,9 +25,12 @@ def ids(tiny_model):
     return torch.tensor([tokenizer("Who are you? <|im_start|>user\nhi<|im_end|>")["input_ids"]])
 
 
-def test_gguf_holds_the_models_tensors_and_tokenizer(tiny_dir, tiny_model, tmp_path):
+def test_gguf_holds_the_models_tensors_and_tokenizer(tiny_dir, tiny_model, tmp_path, caplog):
     model, tokenizer = tiny_model
+    caplog.set_level(logging.INFO)
     assert main(["export", str(tiny_dir), "--to", "gguf", "--dtype", "f32", "--output", str(tmp_path)]) == 0
+    # tigon's one line says what was written; none of the gguf writer's own account of it.
+    assert "tigon export: " in caplog.text and "n_tensors" not in caplog.text and "Endian" not in caplog.text
     reader = gguf.GGUFReader(tmp_path / "model.gguf")
     tensors = {t.name: t for t in reader.tensors}
     layers = model.config.num_hidden_layers
@@ -158,6 +163,9 @@ def test_unsupported_family_and_bad_dtype_are_one_line_errors(tiny_model, tiny_d
         "supported: llama, mistral, qwen2, qwen3")
     assert main(["export", str(tiny_dir), "--to", "merged", "--dtype", "q8_0", "--output", str(tmp_path / "o")]) == 2
     assert "--dtype q8_0 is for --to gguf" in capsys.readouterr().err
+    for to in ("gguf", "merged"):  # a missing model is said as one, whatever the format
+        assert main(["export", str(tmp_path / "missing"), "--to", to, "--output", str(tmp_path / "o")]) == 2
+        assert capsys.readouterr().err == f"tigon export: error: model not found: {tmp_path / 'missing'} (no such directory)\n"
 
 
 def test_llama3_rope_factors_match_transformers_scaled_frequencies():

@@ -286,7 +286,10 @@ def export_gguf(path: str, output: str, dtype: str = "auto", base: str | None = 
     out = Path(output)
     config_source = _config_source(path, base)
     check_output(out, overwrite, [path, config_source])
-    family_name = AutoConfig.from_pretrained(config_source).model_type
+    from tigon.train.modeling import source_kwargs
+
+    # Where the config can come from (a missing directory is said as one, not as a bad hub id).
+    family_name = AutoConfig.from_pretrained(config_source, **source_kwargs(config_source)).model_type
     family = FAMILIES.get(family_name)
     if family is None:
         raise ValueError(f"{path}: model family {family_name!r} cannot be exported to GGUF; "

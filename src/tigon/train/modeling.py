@@ -133,10 +133,12 @@ def quiet_transformers() -> None:
     deprecation notices that PEFT and TRL trigger in newer transformers (asking a question under
     its old name; passing a generation config and generation arguments both, as TRL's on-policy
     trainers do every step): theirs to fix, and nothing a tigon user can act on, in the middle of
-    the progress bar."""
+    the progress bar. Nor the gguf writer's account of the files it writes, at INFO where tigon
+    logs its own lines (`tigon export` says what it wrote, once)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    logging.getLogger("gguf").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
     for name, start in (("DeepSpeed", "Setting accelerator to CPU"),  # DeepSpeed's own logger, kept across its import
                         ("transformers.integrations.bitsandbytes", "The modules are dequantized"),
