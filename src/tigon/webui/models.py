@@ -4,7 +4,6 @@ detection, chat template and label spans) and the chat (the loading and generati
 
 from __future__ import annotations
 
-import shlex
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,18 +32,16 @@ def _tokenizer(model: str, samples: list[Any]) -> Any:
     return tokenizer
 
 
-def preview_dataset(dataset: str, model: str = "", seed: int = 42) -> Preview:
-    """Read the first file of `dataset` (empty: the bundled instructions) as `tigon sft` would and
-    render its first sample with the chat template of `model` (empty: the built-in model's),
-    marking the tokens the loss is computed on. An error is the one line `tigon sft` would print."""
+def preview_dataset(datasets: list[str], model: str = "", seed: int = 42) -> Preview:
+    """Read the first of the files `datasets` (none: the bundled instructions) as `tigon sft`
+    would and render its first sample with the chat template of `model` (empty: the built-in
+    model's), marking the tokens the loss is computed on. An error is the one line `tigon sft`
+    would print. The caller has checked that the UI may read these files and this model."""
     from tigon.train import tiny
     from tigon.train.data import read_file
     from tigon.train.template import assistant_spans
 
-    try:
-        specs = shlex.split(dataset) or [str(tiny.BUNDLED_DATASET)]
-    except ValueError as err:
-        return Preview(f"dataset: {err}", [], error=True)
+    specs = datasets or [str(tiny.BUNDLED_DATASET)]
     try:
         samples, fmt = read_file(specs[0], seed)
         sample = samples[0]
