@@ -49,16 +49,18 @@ GOOD_ROW = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant
 
 
 @pytest.fixture(scope="module")
-def started(client, tmp_path_factory):
+def started(client, runs_dir):
     """Every run the tests look at, started at once from the Train tab's API, so that their
     start-ups (imports, mostly) overlap: the built-in default (no model, bundled data), one on a
-    file with a bad line 12, one on a model that does not exist, and a long one to stop."""
-    bad = tmp_path_factory.mktemp("data") / "data.jsonl"
+    file with a bad line 12 (in the runs folder, where the UI reads data), one on a hub model that
+    does not exist (the hub is offline here), and a long one to stop."""
+    bad = runs_dir / "uploads" / "data.jsonl"
+    bad.parent.mkdir(exist_ok=True)
     bad.write_text(GOOD_ROW * 11 + BAD_ROW)
     runs = {
         "default": client.predict(max_steps=STEPS, api_name="/start"),
         "bad data": client.predict(dataset=str(bad), max_steps=3, api_name="/start"),
-        "no model": client.predict(model="./no-such-model", tuner="lora", max_steps=3, api_name="/start"),
+        "no model": client.predict(model="no-such-org/no-such-model", tuner="lora", max_steps=3, api_name="/start"),
         "to stop": client.predict(max_steps=5000, save_steps=5, extra="--samples 0 --save-limit 2", api_name="/start"),
     }
     for what, (name, status, summary, *_) in runs.items():
@@ -113,7 +115,7 @@ def test_bad_data_and_missing_model_show_the_cli_line(client, started):
         if line is not None:
             assert last == line
         else:
-            assert last.startswith("tigon sft: error: ") and "./no-such-model" in last
+            assert last.startswith("tigon sft: error: ") and "no-such-org/no-such-model" in last
 
 
 def test_stop_ends_the_run_and_keeps_its_last_checkpoint(client, runs_dir, started):

@@ -90,6 +90,16 @@ def test_more_options_cannot_name_code_or_files_outside(store, extra, refused):
     assert refused in str(err.value) and "\n" not in str(err.value)
 
 
+def test_numbers_and_export_settings_are_checked_before_any_command(store):
+    with pytest.raises(WebUIError, match="--lr: nan is not a number"):
+        store.command_arguments(TrainSettings(lr=float("nan")), store.root / "r")
+    (store.root / "run" / "final").mkdir(parents=True)
+    with pytest.raises(WebUIError, match="export dtype '--output=/tmp/x': expected one of auto, bf16"):
+        store.export("run/final", "merged", "--output=/tmp/x")
+    with pytest.raises(WebUIError, match="export to 'safetensors': expected merged or gguf"):
+        store.export("run/final", "safetensors")
+
+
 def test_more_options_are_passed_as_parsed(store):
     (store.root / "uploads").mkdir(parents=True)
     (store.root / "uploads" / "ev.jsonl").write_text("x\n")
