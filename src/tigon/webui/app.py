@@ -119,7 +119,7 @@ def build_app(runs_dir: str | Path) -> gr.Blocks:
         try:
             settings = settings_of(*values)
             return "tigon " + shlex.join(store.command_arguments(settings, store.root / (settings.name or "NAME")))
-        except (WebUIError, ValueError) as err:
+        except (ValueError, OSError) as err:
             return f"# {err}"
 
     # The signature of settings_of (inspect follows __wrapped__), so that /start's parameters
@@ -142,7 +142,7 @@ def build_app(runs_dir: str | Path) -> gr.Blocks:
     def preview(dataset: str, model: str, method: str = "sft") -> tuple:
         try:
             result = preview_dataset(store.data_files(dataset or ""), store.model_source(model or ""))
-        except WebUIError as err:
+        except (WebUIError, OSError) as err:
             return f"`{err}`", []
         if not result.error:
             return result.summary, result.parts
@@ -229,7 +229,7 @@ def build_app(runs_dir: str | Path) -> gr.Blocks:
             with gr.Row():
                 method = gr.Dropdown(methods, value="sft", label="method",
                                      info="sft" + (", rlhf methods" if len(methods) > 1 else
-                                                   " (rlhf methods appear when this tigon has `tigon rlhf`)"))
+                                                   " (rlhf methods appear when TRL is installed)"))
                 model = gr.Textbox("", label="model", placeholder="empty: the built-in tiny Llama (trained from scratch)",
                                    info="hub id, or a model in the runs folder (RUN/final)")
                 name = gr.Textbox("", label="run name", placeholder="empty: date-time-method")

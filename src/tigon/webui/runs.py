@@ -101,7 +101,6 @@ _FROM_THE_FORM = {"model": "model", "dataset": "dataset", "tuner": "tuner", "lor
                   "kernels": "tigon kernels", "method": "method"}
 _NOT_FROM_THE_UI = {"config": "a settings file", "output_dir": "the run's folder, RUNS/NAME, is the UI's",
                     "resume": "the UI starts new runs", "overwrite": "the UI starts new runs in new folders"}
-_PATHS = ("eval_dataset", "teacher")
 _FREE_TEXT = ("target_modules", "kernels_off", "format_regex")
 
 
@@ -232,7 +231,7 @@ def _child_env() -> dict[str, str]:
 class RunStore:
     """The runs under one directory: starts, watches and stops their processes. Every path it is
     given (a run's name, a dataset, a model) is resolved, symbolic links followed, and taken only
-    when it lies in that directory: the UI reads and writes nothing else."""
+    when it lies in that directory; besides it, a run reads only the bundled data and hub models."""
 
     def __init__(self, root: str | Path):
         self.root = Path(root).resolve()
