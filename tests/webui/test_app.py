@@ -206,6 +206,29 @@ def test_screenshots_of_each_tab(ui, client, default_run, browser_page, artifact
         _not_blank(artifacts / png)
 
 
+def test_the_page_keeps_an_uploaded_data_file_in_the_runs_folder(ui, runs_dir, browser_page, tmp_path):
+    """The page's upload (Gradio's upload route, then the UI's handler): a data file lands in
+    RUNS/uploads under a name of its own and is previewed; a Python file is refused."""
+    page = browser_page
+    page.goto(ui, wait_until="load", timeout=60_000)
+    dataset = page.locator("#train-dataset textarea, #train-dataset input").first
+    upload_input = page.locator("input[type=file]").first
+    evil = tmp_path / "evil.py"
+    evil.write_text("raise SystemExit('ran')\n")
+    upload_input.set_input_files(str(evil))  # past the file picker's filter, as a script would
+    page.get_by_text("Invalid file type").first.wait_for(timeout=30_000)
+    assert dataset.input_value() == "" and not list(runs_dir.rglob("evil*"))
+    mine = tmp_path / "my rows.jsonl"
+    mine.write_text(GOOD_ROW * 3)
+    page.reload(wait_until="load")
+    page.locator("input[type=file]").first.set_input_files(str(mine))
+    page.wait_for_function("() => document.querySelector('#train-dataset textarea, #train-dataset input')?.value "
+                           "=== 'uploads/my_rows.jsonl'", timeout=30_000)
+    assert (runs_dir / "uploads" / "my_rows.jsonl").read_text() == GOOD_ROW * 3
+    page.wait_for_function("() => document.querySelector('#preview-summary')?.innerText.includes('3 rows')",
+                           timeout=60_000)
+
+
 def test_without_gradio_it_says_how_to_install(monkeypatch, capsys):
     import importlib.util
 

@@ -22,6 +22,7 @@ from gradio_client import Client
 from gradio_client.exceptions import AppError
 
 from tigon.cli import main
+from tigon.webui.cli import is_loopback
 
 from .conftest import _free_port
 
@@ -271,6 +272,7 @@ def test_gradio_serves_no_file_of_the_runs_folder_or_beyond(browser, place):
 
 def test_a_non_loopback_host_needs_a_login(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("TIGON_WEBUI_AUTH", raising=False)
+    assert all(map(is_loopback, ("127.0.0.1", "127.0.0.2", "localhost", "::1", "[::1]")))
     for host in ("0.0.0.0", "192.0.2.7", "::", "example.org"):
         assert main(["webui", "--host", host, "--runs", str(tmp_path)]) == 2
         err = capsys.readouterr().err

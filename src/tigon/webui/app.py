@@ -235,6 +235,7 @@ def build_app(runs_dir: str | Path) -> gr.Blocks:
                 name = gr.Textbox("", label="run name", placeholder="empty: date-time-method")
             with gr.Row():
                 dataset = gr.Textbox("", label="dataset", scale=3, placeholder="empty: the bundled instructions",
+                                     elem_id="train-dataset",
                                      info=f"files in the runs folder ({' '.join(DATASET_SUFFIXES)}), such as "
                                      f"{UPLOADS_DIR}/data.jsonl; PATH#N for N random rows; Enter to preview")
                 upload_file = gr.File(label="or upload", file_types=list(DATASET_SUFFIXES), scale=1, height=110)
