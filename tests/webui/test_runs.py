@@ -2,6 +2,8 @@
 what "more options" and the path fields take, and what is read back from a run's directory."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -30,7 +32,8 @@ def test_command_carries_every_field(store):
                              lora_alpha=24.0, lr=1e-4, max_steps=30, max_length=512, save_steps=10, packing=True,
                              kernels=False, extra="--batch-size 2 --kernels-off rope")
     assert store.command_arguments(settings, store.root / "r") == [
-        "sft", "--model", "org/model", "--dataset", str(store.root / "a.jsonl"), str(store.root / "uploads/b c.csv") + "#5",
+        "sft", "--model", "org/model", "--dataset", str(store.root / "a.jsonl"),
+        str(store.root / "uploads/b c.csv") + "#5",
         "--tuner", "lora", "--lora-rank", "8", "--lora-alpha", "24", "--lr", "0.0001", "--max-steps", "30",
         "--max-length", "512", "--save-steps", "10", "--packing", "--no-kernels", "--batch-size", "2",
         "--kernels-off", "rope", "--output-dir", str(store.root / "r")]
@@ -135,7 +138,8 @@ def test_paths_are_resolved_inside_the_runs_folder(store, tmp_path):
             store.model_source(text)
     assert store.model_dir("run/final") == store.model_dir(str(store.root / "run/final")) == store.root / "run/final"
     assert store.model_source("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
-    with pytest.raises(WebUIError, match="run 'link': outside the runs folder"):  # a run folder that links out is no run
+    # a run folder that links out is no run
+    with pytest.raises(WebUIError, match="run 'link': outside the runs folder"):
         store.run_dir("link")
     assert "link" not in store.names()
     with pytest.raises(WebUIError, match="outside the runs folder"):
@@ -153,6 +157,18 @@ def test_uploads_keep_their_data_type_and_never_overwrite(store, tmp_path):
     (tmp_path / "evil.py").write_text("import os\n")
     with pytest.raises(WebUIError, match="upload 'evil.py': not a data file"):
         store.keep_upload(tmp_path / "evil.py")
+
+
+def test_a_start_beyond_max_running_is_refused(tmp_path):
+    store = RunStore(tmp_path, max_running=1)
+    name = store.start(TrainSettings(max_steps=100_000))  # a real `tigon sft` process
+    try:
+        with pytest.raises(WebUIError, match=r"already 1 run\(s\) going, .* \(tigon webui --max-running 1\)"):
+            store.start(TrainSettings(name="second"))
+        assert store.names() == [name]
+    finally:
+        os.kill(store._record(name)["pid"], signal.SIGKILL)
+        store.wait(name, 30)
 
 
 def test_metrics_being_appended_are_read_up_to_the_last_complete_line(tmp_path):

@@ -30,7 +30,8 @@ pytestmark = [pytest.mark.xdist_group("webui")]
 
 USER, PASSWORD = "alice", "correct horse battery staple"
 ROW = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "SECRET-ROW"}]}\n'
-EVIL = "import pathlib\npathlib.Path({marker!r}).write_text('ran')\ndef f(prompts, completions, **kw):\n    return [1.0]\n"
+EVIL = ("import pathlib\npathlib.Path({marker!r}).write_text('ran')\n"
+        "def f(prompts, completions, **kw):\n    return [1.0]\n")
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 
@@ -160,7 +161,8 @@ def test_an_uploaded_python_file_goes_nowhere(browser, handlers, place):
     evil = upload(browser, "evil.py", EVIL.format(marker=str(place["marker"])).encode())
     before = _tree(place["runs"])
     # the upload handler takes data files only (Gradio's check of the File's types, then the UI's)
-    done = call(browser, handlers["upload"], [{"path": evil, "orig_name": "evil.py", "meta": {"_type": "gradio.FileData"}}])
+    done = call(browser, handlers["upload"], [{"path": evil, "orig_name": "evil.py",
+                                               "meta": {"_type": "gradio.FileData"}}])
     assert not done["success"] and "Invalid file type" in json.dumps(done), done
     # ... and only files Gradio took as uploads: not one of the machine's
     done = call(browser, handlers["upload"], [{"path": str(place["outside"] / "secret.jsonl"),
@@ -197,6 +199,12 @@ def test_the_preview_reads_nothing_outside_the_runs_folder(client, place):
     for path in _paths(OUT_OF_THE_FOLDER, place):
         summary, parts = client.predict(path, "", "sft", api_name="/preview")
         assert "outside the runs folder" in summary and "SECRET" not in summary and parts == [], (path, summary)
+    huge = place["runs"] / "uploads" / "huge.jsonl"
+    with huge.open("wb") as f:  # sparse: no disk taken
+        f.truncate(3 * 2**30)
+    summary, parts = client.predict("uploads/huge.jsonl", "", "sft", api_name="/preview")
+    assert summary == f"{huge}: 3,072 MiB, more than the preview reads (256 MiB): the run reads it when it starts"
+    huge.unlink()
     for model in _paths(["/etc", "{outside}/final", "../outside/final", "link/final"], place):
         summary, parts = client.predict("uploads/mine.jsonl", model, "sft", api_name="/preview")
         assert "nor a hub id" in summary and parts == [], (model, summary)

@@ -79,9 +79,10 @@ def _messages(history: list[dict[str, Any]]) -> list[dict[str, str]]:
     return out
 
 
-def build_app(runs_dir: str | Path) -> gr.Blocks:
-    """The UI over the runs in `runs_dir` (created when the first run starts)."""
-    store = RunStore(runs_dir)
+def build_app(runs_dir: str | Path, max_running: int = 4) -> gr.Blocks:
+    """The UI over the runs in `runs_dir` (created when the first run starts), starting at most
+    `max_running` at once."""
+    store = RunStore(runs_dir, max_running)
     methods = store.methods
     chat_model = ChatModel()
 

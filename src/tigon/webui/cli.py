@@ -55,6 +55,8 @@ def is_loopback(host: str) -> bool:
 
 
 def _cmd_webui(args: argparse.Namespace) -> int:
+    if args.max_running < 1:
+        raise ValueError(f"--max-running must be >= 1, got {args.max_running}")
     auth = read_auth(args.auth_file)
     if not auth and not is_loopback(args.host):
         if not args.insecure:
@@ -70,7 +72,7 @@ def _cmd_webui(args: argparse.Namespace) -> int:
     from tigon.webui.app import build_app, launch
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # gradio's own requests to itself, one line each
-    app = build_app(args.runs)
+    app = build_app(args.runs, args.max_running)
     try:
         launch(app, args.host, args.port, auth)
     except OSError as err:  # gradio's "Cannot find empty port in range: ..."
@@ -94,6 +96,8 @@ def add_webui_commands(sub: argparse._SubParsersAction) -> None:
     webui.add_argument("--runs", default=DEFAULT_RUNS, metavar="DIR",
                        help=f"where runs are written and listed, one directory each, and uploads kept; the UI reads "
                        f"and writes nothing outside it (default {DEFAULT_RUNS}/)")
+    webui.add_argument("--max-running", type=int, default=4, metavar="N",
+                       help="runs the UI keeps going at once; a start beyond them is refused (default 4)")
     webui.add_argument("--auth-file", metavar="FILE",
                        help=f"ask for a login: FILE holds USER:PASSWORD lines (also: ${AUTH_ENV}=USER:PASSWORD)")
     webui.add_argument("--insecure", action="store_true",

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 PREVIEW_TOKENIZER_ROWS = 200  # the built-in tokenizer is trained on the data; its template is fixed
+# The preview reads a file whole, into the UI's own memory: a larger one is left to the run.
+PREVIEW_MAX_BYTES = 256 * 2**20
 
 
 @dataclass
@@ -38,11 +40,15 @@ def preview_dataset(datasets: list[str], model: str = "", seed: int = 42) -> Pre
     model's), marking the tokens the loss is computed on. An error is the one line `tigon sft`
     would print. The caller has checked that the UI may read these files and this model."""
     from tigon.train import tiny
-    from tigon.train.data import read_file
+    from tigon.train.data import read_file, split_spec
     from tigon.train.template import assistant_spans
 
     specs = datasets or [str(tiny.BUNDLED_DATASET)]
     try:
+        size = split_spec(specs[0])[0].stat().st_size
+        if size > PREVIEW_MAX_BYTES:
+            return Preview(f"{specs[0]}: {size / 2**20:,.0f} MiB, more than the preview reads "
+                           f"({PREVIEW_MAX_BYTES // 2**20} MiB): the run reads it when it starts", [])
         samples, fmt = read_file(specs[0], seed)
         sample = samples[0]
         summary = f"{specs[0]}: {fmt}, {len(samples)} rows"

@@ -233,9 +233,10 @@ class RunStore:
     given (a run's name, a dataset, a model) is resolved, symbolic links followed, and taken only
     when it lies in that directory; besides it, a run reads only the bundled data and hub models."""
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, max_running: int = 4):
         self.root = Path(root).resolve()
         self.methods = available_methods()
+        self.max_running = max_running  # runs this UI has going at once: each takes a machine's memory
         self._procs: dict[str, subprocess.Popen] = {}
         self._lock = threading.Lock()
 
@@ -452,6 +453,9 @@ class RunStore:
         if run_dir.exists():
             raise WebUIError(f"run {name!r} already exists in {self.root}: choose another name")
         argv = self.command_arguments(settings, run_dir)
+        if len(self._procs) >= self.max_running:
+            raise WebUIError(f"already {len(self._procs)} run(s) going, the most this UI starts at once (tigon webui "
+                             f"--max-running {self.max_running}): wait for one to end, or stop one")
         command = [sys.executable, "-m", "tigon.cli", *argv]
         run_dir.mkdir(parents=True)
         self._update(name, method=settings.method, settings=asdict(settings), command=command,
