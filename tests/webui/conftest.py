@@ -41,7 +41,7 @@ def ui(runs_dir):
         mp.setenv("HF_HUB_OFFLINE", "1")  # no network here: a hub id fails at once
         app = build_app(runs_dir)
         port = _free_port()
-        launch(app, "127.0.0.1", port)
+        launch(app, runs_dir, "127.0.0.1", port)
         try:
             yield f"http://127.0.0.1:{port}/"
         finally:

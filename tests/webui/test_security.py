@@ -37,10 +37,11 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 
 @pytest.fixture(scope="module")
 def place(tmp_path_factory):
-    """A runs folder with one upload, a link out of it and a run folder that is a link out; and,
-    outside it, a secret data file and a model folder."""
-    top = tmp_path_factory.mktemp("attack")
-    runs, outside = top / "runs", top / "outside"
+    """A runs folder with one upload, a link out of it and a run folder that is a link out, in
+    the folder Gradio is told to keep its cache in; and elsewhere a secret data file, a model
+    folder and the login file."""
+    top, outside, private = (tmp_path_factory.mktemp(name) for name in ("attack", "outside", "private"))
+    runs = top / "runs"
     (runs / "uploads").mkdir(parents=True)
     (outside / "final").mkdir(parents=True)
     (outside / "secret.jsonl").write_text(ROW)
@@ -48,9 +49,10 @@ def place(tmp_path_factory):
     (runs / "uploads" / "mine.jsonl").write_text(ROW.replace("SECRET-ROW", "my own row"))
     (runs / "link").symlink_to(outside)
     (runs / "uploads" / "linked.jsonl").symlink_to(outside / "secret.jsonl")
-    auth = top / "auth"
+    auth = private / "auth"
     auth.write_text(f"# who may log in\n{USER}:{PASSWORD}\n")
-    return {"top": top, "runs": runs, "outside": outside, "auth": auth, "marker": top / "evil-ran"}
+    return {"top": top, "runs": runs, "outside": outside, "rel": os.path.relpath(outside, runs), "auth": auth,
+            "marker": outside.parent / "evil-ran"}
 
 
 def _tree(folder: Path) -> dict[str, str]:
@@ -60,9 +62,11 @@ def _tree(folder: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def server(place):
-    """`tigon webui --auth-file` as a process of its own; its URL once it listens."""
+    """`tigon webui --auth-file` as a process of its own; its URL once it listens. Gradio's cache is
+    the folder above the runs folder, whose files Gradio would serve but for the UI's blocked_paths."""
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1", "GRADIO_ANALYTICS_ENABLED": "False"}
+    env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1", "GRADIO_ANALYTICS_ENABLED": "False",
+           "GRADIO_TEMP_DIR": str(place["top"])}
     env.pop("TRITON_INTERPRET", None)
     env.pop("TIGON_WEBUI_AUTH", None)
     proc = subprocess.Popen([sys.executable, "-m", "tigon.cli", "webui", "--port", str(port), "--runs",
@@ -187,12 +191,12 @@ def test_a_data_file_upload_lands_in_the_uploads_folder(browser, handlers, place
     assert done["output"]["data"][0] == "uploads/my_data-2.jsonl"  # the first one is kept
 
 
-OUT_OF_THE_FOLDER = ["../outside/secret.jsonl", "{outside}/secret.jsonl", "{runs}/../outside/secret.jsonl",
-                     "link/secret.jsonl", "uploads/linked.jsonl", "uploads/../../outside/secret.jsonl"]
+OUT_OF_THE_FOLDER = ["{rel}/secret.jsonl", "{outside}/secret.jsonl", "{runs}/{rel}/secret.jsonl",
+                     "link/secret.jsonl", "uploads/linked.jsonl", "uploads/../{rel}/secret.jsonl"]
 
 
 def _paths(templates: list[str], place: dict) -> list[str]:
-    return [t.format(outside=place["outside"], runs=place["runs"]) for t in templates]
+    return [t.format(**place) for t in templates]
 
 
 def test_the_preview_reads_nothing_outside_the_runs_folder(client, place):
@@ -205,7 +209,7 @@ def test_the_preview_reads_nothing_outside_the_runs_folder(client, place):
     summary, parts = client.predict("uploads/huge.jsonl", "", "sft", api_name="/preview")
     assert summary == f"{huge}: 3,072 MiB, more than the preview reads (256 MiB): the run reads it when it starts"
     huge.unlink()
-    for model in _paths(["/etc", "{outside}/final", "../outside/final", "link/final"], place):
+    for model in _paths(["/etc", "{outside}/final", "{rel}/final", "link/final"], place):
         summary, parts = client.predict("uploads/mine.jsonl", model, "sft", api_name="/preview")
         assert "nor a hub id" in summary and parts == [], (model, summary)
 
@@ -223,7 +227,7 @@ SMUGGLED = {
     "--output-dir={outside}": "--output-dir: the run's folder",
     "--model /etc": "set it in the form's field \"model\"",
     "--dataset ../../secret.jsonl": "set it in the form's field \"dataset\"",
-    "--eval-dataset ../outside/secret.jsonl": "outside the runs folder",
+    "--eval-dataset {rel}/secret.jsonl": "outside the runs folder",
     "--teacher {outside}/final": "nor a hub id",
     "--config {outside}/secret.jsonl": "--config: a settings file",
     "--resume {outside}/final": "--resume: the UI starts new runs",
@@ -235,11 +239,11 @@ SMUGGLED = {
 def test_start_refuses_smuggled_options_and_paths(client, browser, handlers, place):
     before = _tree(place["runs"])
     attempts = [{"method": "grpo", "extra": extra.format(**place)} for extra in SMUGGLED]
-    attempts += [{"model": m} for m in _paths(["/etc", "{outside}/final", "../outside/final", "link/final"], place)]
+    attempts += [{"model": m} for m in _paths(["/etc", "{outside}/final", "{rel}/final", "link/final"], place)]
     attempts += [{"dataset": d} for d in _paths(OUT_OF_THE_FOLDER, place)]
-    attempts += [{"name": "../outside"}, {"name": "link"}]
+    attempts += [{"name": "{rel}".format(**place)}, {"name": "link"}]
     expected = list(SMUGGLED.values()) + ["nor a hub id"] * 4 + ["outside the runs folder"] * len(OUT_OF_THE_FOLDER)
-    expected += ["run name '../outside'", "run 'link': outside the runs folder"]
+    expected += ["run name '{rel}'".format(**place), "run 'link': outside the runs folder"]
     for settings, refusal in zip(attempts, expected):
         name, status, summary, *_ = client.predict(**settings, api_name="/start")
         assert name == "" and summary["status"] == "error" and refusal in summary["message"], (settings, summary)
@@ -253,7 +257,7 @@ def test_start_refuses_smuggled_options_and_paths(client, browser, handlers, pla
 
 
 def test_export_and_chat_stay_in_the_runs_folder(client, place):
-    for path in _paths(["../outside/final", "{outside}/final", "{runs}/../outside/final", "link/final", "/etc",
+    for path in _paths(["{rel}/final", "{outside}/final", "{runs}/{rel}/final", "link/final", "/etc",
                         "uploads", "."], place):
         result = client.predict(path, "auto", api_name="/export_merged")
         assert result.startswith("`model ") and ("outside the runs folder" in result or "no model directory" in result)

@@ -355,9 +355,11 @@ def build_app(runs_dir: str | Path, max_running: int = 4) -> gr.Blocks:
     return app
 
 
-def launch(app: gr.Blocks, host: str, port: int, auth: list[tuple[str, str]] | None = None) -> None:
-    """Serve `app` from a thread; returns once it listens (OSError when it cannot). With `auth`
-    (user, password pairs), every page and route asks for a login first."""
-    # No allowed_paths: Gradio's file route serves only its own cache, never the runs folder.
+def launch(app: gr.Blocks, runs_dir: str | Path, host: str, port: int,
+           auth: list[tuple[str, str]] | None = None) -> None:
+    """Serve `app` (built over `runs_dir`) from a thread; returns once it listens (OSError when it
+    cannot). With `auth` (user, password pairs), every page and route asks for a login first."""
+    # Gradio's file route serves its own cache and allowed_paths (none here); the runs folder is
+    # blocked besides, for when Gradio's cache (GRADIO_TEMP_DIR) is a folder above it.
     app.launch(server_name=host, server_port=port, prevent_thread_lock=True, theme=_theme(), css=CSS, quiet=True,
-               auth=auth or None, max_file_size=MAX_UPLOAD)
+               auth=auth or None, max_file_size=MAX_UPLOAD, blocked_paths=[str(Path(runs_dir).resolve())])

@@ -74,7 +74,7 @@ def _cmd_webui(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # gradio's own requests to itself, one line each
     app = build_app(args.runs, args.max_running)
     try:
-        launch(app, args.host, args.port, auth)
+        launch(app, args.runs, args.host, args.port, auth)
     except OSError as err:  # gradio's "Cannot find empty port in range: ..."
         raise ValueError(f"--host {args.host} --port {args.port}: cannot listen there "
                          f"({str(err).split('. ')[0]})") from None
