@@ -38,9 +38,10 @@ def ui(runs_dir):
     user's CPU run does: under Triton's interpreter 40 steps of the tiny model take minutes."""
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("TRITON_INTERPRET", raising=False)
+        mp.setenv("HF_HUB_OFFLINE", "1")  # no network here: a hub id fails at once
         app = build_app(runs_dir)
         port = _free_port()
-        launch(app, "127.0.0.1", port)
+        launch(app, runs_dir, "127.0.0.1", port)
         try:
             yield f"http://127.0.0.1:{port}/"
         finally:

@@ -49,16 +49,18 @@ GOOD_ROW = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant
 
 
 @pytest.fixture(scope="module")
-def started(client, tmp_path_factory):
+def started(client, runs_dir):
     """Every run the tests look at, started at once from the Train tab's API, so that their
     start-ups (imports, mostly) overlap: the built-in default (no model, bundled data), one on a
-    file with a bad line 12, one on a model that does not exist, and a long one to stop."""
-    bad = tmp_path_factory.mktemp("data") / "data.jsonl"
+    file with a bad line 12 (in the runs folder, where the UI reads data), one on a hub model that
+    does not exist (the hub is offline here), and a long one to stop."""
+    bad = runs_dir / "uploads" / "data.jsonl"
+    bad.parent.mkdir(exist_ok=True)
     bad.write_text(GOOD_ROW * 11 + BAD_ROW)
     runs = {
         "default": client.predict(max_steps=STEPS, api_name="/start"),
         "bad data": client.predict(dataset=str(bad), max_steps=3, api_name="/start"),
-        "no model": client.predict(model="./no-such-model", tuner="lora", max_steps=3, api_name="/start"),
+        "no model": client.predict(model="no-such-org/no-such-model", tuner="lora", max_steps=3, api_name="/start"),
         "to stop": client.predict(max_steps=5000, save_steps=5, extra="--samples 0 --save-limit 2", api_name="/start"),
     }
     for what, (name, status, summary, *_) in runs.items():
@@ -113,7 +115,7 @@ def test_bad_data_and_missing_model_show_the_cli_line(client, started):
         if line is not None:
             assert last == line
         else:
-            assert last.startswith("tigon sft: error: ") and "./no-such-model" in last
+            assert last.startswith("tigon sft: error: ") and "no-such-org/no-such-model" in last
 
 
 def test_stop_ends_the_run_and_keeps_its_last_checkpoint(client, runs_dir, started):
@@ -202,6 +204,29 @@ def test_screenshots_of_each_tab(ui, client, default_run, browser_page, artifact
 
     for png in ("train.png", "train-loss-plot.png", "runs.png", "chat.png"):
         _not_blank(artifacts / png)
+
+
+def test_the_page_keeps_an_uploaded_data_file_in_the_runs_folder(ui, runs_dir, browser_page, tmp_path):
+    """The page's upload (Gradio's upload route, then the UI's handler): a data file lands in
+    RUNS/uploads under a name of its own and is previewed; a Python file is refused."""
+    page = browser_page
+    page.goto(ui, wait_until="load", timeout=60_000)
+    dataset = page.locator("#train-dataset textarea, #train-dataset input").first
+    upload_input = page.locator("input[type=file]").first
+    evil = tmp_path / "evil.py"
+    evil.write_text("raise SystemExit('ran')\n")
+    upload_input.set_input_files(str(evil))  # past the file picker's filter, as a script would
+    page.get_by_text("Invalid file type").first.wait_for(timeout=30_000)
+    assert dataset.input_value() == "" and not list(runs_dir.rglob("evil*"))
+    mine = tmp_path / "my rows.jsonl"
+    mine.write_text(GOOD_ROW * 3)
+    page.reload(wait_until="load")
+    page.locator("input[type=file]").first.set_input_files(str(mine))
+    page.wait_for_function("() => document.querySelector('#train-dataset textarea, #train-dataset input')?.value "
+                           "=== 'uploads/my_rows.jsonl'", timeout=30_000)
+    assert (runs_dir / "uploads" / "my_rows.jsonl").read_text() == GOOD_ROW * 3
+    page.wait_for_function("() => document.querySelector('#preview-summary')?.innerText.includes('3 rows')",
+                           timeout=60_000)
 
 
 def test_without_gradio_it_says_how_to_install(monkeypatch, capsys):

@@ -108,6 +108,11 @@ def _builtins(format_regex: str, max_completion_length: int) -> dict[str, Reward
     }
 
 
+def builtin_names() -> list[str]:
+    """The NAMEs of ``builtin:NAME``, the reward functions that need no file of the user's."""
+    return list(_builtins("", 1))
+
+
 # --- the user's files ---------------------------------------------------------------------------
 
 def _line_in(err: BaseException, path: Path) -> str:

@@ -9,8 +9,8 @@ drive it: /start, /run_status, /stop, /preview, /runs, /export_merged, /export_g
 from __future__ import annotations
 
 import functools
+import math
 import shlex
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +18,17 @@ import gradio as gr
 import pandas as pd
 
 from tigon.webui.models import ChatModel, preview_dataset
-from tigon.webui.runs import (FINISHED, RUNNING, UPLOADS_DIR, RunInfo, RunStore, TrainSettings,
-                              WebUIError, available_methods, command_arguments)
+from tigon.webui.runs import (DATASET_SUFFIXES, EXPORT_DTYPES, FINISHED, RUNNING, UPLOADS_DIR, RunInfo, RunStore,
+                              TrainSettings, WebUIError)
 
 TABLE_HEADERS = ["run", "method", "status", "step", "final loss", "tok/s", "peak memory", "started", "last line"]
 COMPARED_RUNS = 5  # runs whose curves the Runs tab overlays when it opens
 LOG_LINES = 20  # of a run's log, on the Train tab
 CSS = ".tigon-log textarea { font-family: ui-monospace, monospace; font-size: 12px; }"
+MAX_UPLOAD = "2gb"  # Gradio takes any upload this size or smaller into its cache before a handler sees it
+# Gradio's copies of uploads (the data files the UI keeps are copied to RUNS/uploads at once):
+# checked every hour, deleted once a day old.
+GRADIO_CACHE_EXPIRY = (3600, 86400)
 
 
 def _theme() -> gr.themes.Base:
@@ -75,10 +79,11 @@ def _messages(history: list[dict[str, Any]]) -> list[dict[str, str]]:
     return out
 
 
-def build_app(runs_dir: str | Path) -> gr.Blocks:
-    """The UI over the runs in `runs_dir` (created when the first run starts)."""
-    store = RunStore(runs_dir)
-    methods = available_methods()
+def build_app(runs_dir: str | Path, max_running: int = 4) -> gr.Blocks:
+    """The UI over the runs in `runs_dir` (created when the first run starts), starting at most
+    `max_running` at once."""
+    store = RunStore(runs_dir, max_running)
+    methods = store.methods
     chat_model = ChatModel()
 
     def watch(name: str) -> tuple:
@@ -100,6 +105,8 @@ def build_app(runs_dir: str | Path) -> gr.Blocks:
         """The Train tab's fields as settings; also the parameters of the /start endpoint."""
         # A browser's number field cannot be empty: 0 there means "the command's default".
         def number(value: float | None, kind: type) -> Any:
+            if value and not math.isfinite(value):
+                raise WebUIError(f"{value} is not a number")
             return kind(value) if value else None
 
         return TrainSettings(
@@ -112,8 +119,8 @@ def build_app(runs_dir: str | Path) -> gr.Blocks:
     def show_command(*values: Any) -> str:
         try:
             settings = settings_of(*values)
-            return "tigon " + shlex.join(command_arguments(settings, store.root / (settings.name or "NAME"), methods))
-        except (WebUIError, ValueError) as err:
+            return "tigon " + shlex.join(store.command_arguments(settings, store.root / (settings.name or "NAME")))
+        except (ValueError, OSError) as err:
             return f"# {err}"
 
     # The signature of settings_of (inspect follows __wrapped__), so that /start's parameters
@@ -121,7 +128,7 @@ def build_app(runs_dir: str | Path) -> gr.Blocks:
     @functools.wraps(settings_of)
     def start(*values: Any) -> tuple:
         try:
-            name = store.start(settings_of(*values), methods)
+            name = store.start(settings_of(*values))
         except (WebUIError, OSError) as err:
             return ("", f"`{err}`", {"status": "error", "message": str(err)}, _loss_frame([]), "",
                     gr.Timer(active=False))
@@ -134,7 +141,10 @@ def build_app(runs_dir: str | Path) -> gr.Blocks:
             return str(err)
 
     def preview(dataset: str, model: str, method: str = "sft") -> tuple:
-        result = preview_dataset(dataset, model)
+        try:
+            result = preview_dataset(store.data_files(dataset or ""), store.model_source(model or ""))
+        except (WebUIError, OSError) as err:
+            return f"`{err}`", []
         if not result.error:
             return result.summary, result.parts
         if method != "sft":  # preference rows are tigon rlhf's to read
@@ -144,10 +154,10 @@ def build_app(runs_dir: str | Path) -> gr.Blocks:
     def upload(file: str | None) -> str:
         if not file:
             return gr.skip()
-        target = store.root / UPLOADS_DIR / Path(file).name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(file, target)  # Gradio's copy is temporary; the run may read it for hours
-        return str(target)
+        try:
+            return store.keep_upload(file)
+        except (WebUIError, OSError) as err:
+            raise gr.Error(str(err)) from None
 
     def runs_table() -> list[list[Any]]:
         rows = []
@@ -186,7 +196,7 @@ def build_app(runs_dir: str | Path) -> gr.Blocks:
     def export(path: str | None, to: str, dtype: str) -> str:
         try:
             ok, line = store.export(path or "", to, dtype)
-        except WebUIError as err:
+        except (WebUIError, OSError) as err:
             return f"`{err}`"
         return ("done: " if ok else "failed: ") + f"`{line}`"
 
@@ -201,9 +211,9 @@ def build_app(runs_dir: str | Path) -> gr.Blocks:
         if not (message or "").strip():
             return history, message, ""
         turns = _messages(history) + [{"role": "user", "content": message}]
-        prompt = ([{"role": "system", "content": system}] if system.strip() else []) + turns
-        try:
-            reply = chat_model.reply(path or "", prompt, int(max_new_tokens), float(temperature))
+        prompt = ([{"role": "system", "content": system}] if (system or "").strip() else []) + turns
+        try:  # Gradio holds max_new_tokens and temperature to their sliders' ranges
+            reply = chat_model.reply(str(store.model_dir(path or "")), prompt, int(max_new_tokens), float(temperature))
         except (ValueError, OSError) as err:
             return history, message, f"`{str(err).splitlines()[0] if str(err) else type(err).__name__}`"
         return turns + [{"role": "assistant", "content": reply}], "", f"answered by `{path}`"
@@ -214,21 +224,22 @@ def build_app(runs_dir: str | Path) -> gr.Blocks:
         name = request.query_params.get("run") or (names[0] if names else "")
         return (name, *watch(name))
 
-    with gr.Blocks(title="tigon webui", analytics_enabled=False) as app:
+    with gr.Blocks(title="tigon webui", analytics_enabled=False, delete_cache=GRADIO_CACHE_EXPIRY) as app:
         gr.Markdown(f"## tigon webui\nRuns in `{store.root}`; every run is a `tigon` command-line process.")
         with gr.Tab("Train", id="train"):
             with gr.Row():
                 method = gr.Dropdown(methods, value="sft", label="method",
                                      info="sft" + (", rlhf methods" if len(methods) > 1 else
-                                                   " (rlhf methods appear when this tigon has `tigon rlhf`)"))
+                                                   " (rlhf methods appear when TRL is installed)"))
                 model = gr.Textbox("", label="model", placeholder="empty: the built-in tiny Llama (trained from scratch)",
-                                   info="local directory or hub id")
+                                   info="hub id, or a model in the runs folder (RUN/final)")
                 name = gr.Textbox("", label="run name", placeholder="empty: date-time-method")
             with gr.Row():
                 dataset = gr.Textbox("", label="dataset", scale=3, placeholder="empty: the bundled instructions",
-                                     info="paths (.jsonl .json .csv .parquet), PATH#N for N random rows; Enter to preview")
-                upload_file = gr.File(label="or upload", file_types=[".jsonl", ".json", ".csv", ".parquet"],
-                                      scale=1, height=110)
+                                     elem_id="train-dataset",
+                                     info=f"files in the runs folder ({' '.join(DATASET_SUFFIXES)}), such as "
+                                     f"{UPLOADS_DIR}/data.jsonl; PATH#N for N random rows; Enter to preview")
+                upload_file = gr.File(label="or upload", file_types=list(DATASET_SUFFIXES), scale=1, height=110)
             preview_summary = gr.Markdown(elem_id="preview-summary")
             preview_text = gr.HighlightedText(label="first sample, as the model sees it", color_map={"trained": "green"},
                                               show_legend=True, elem_id="preview-sample")
@@ -245,7 +256,9 @@ def build_app(runs_dir: str | Path) -> gr.Blocks:
                 with gr.Column():
                     packing = gr.Checkbox(False, label="packing")
                     kernels = gr.Checkbox(True, label="tigon kernels")
-            extra = gr.Textbox("", label="more options", placeholder="--batch-size 8 --epochs 2 --dtype bf16")
+            extra = gr.Textbox("", label="more options", placeholder="--batch-size 8 --epochs 2 --dtype bf16",
+                               info="further options of tigon sft / rlhf; files only from the runs folder, rewards "
+                               "only built-in")
             settings_inputs = [method, model, dataset, tuner, lora_rank, lora_alpha, lr, max_steps, max_length,
                                save_steps, packing, kernels, extra, name]
             command = gr.Textbox(label="command", interactive=False, elem_id="train-command")
@@ -281,7 +294,7 @@ def build_app(runs_dir: str | Path) -> gr.Blocks:
                     export_model = gr.Dropdown(label="model to export", allow_custom_value=True,
                                                info="final model, merged export or checkpoint")
                     with gr.Row():
-                        export_dtype = gr.Dropdown(["auto", "bf16", "f16", "f32", "q8_0"], value="auto",
+                        export_dtype = gr.Dropdown(list(EXPORT_DTYPES), value="auto",
                                                    label="dtype", info="q8_0: GGUF only")
                     with gr.Row():
                         merged_button = gr.Button("Export merged (HF safetensors)")
@@ -292,7 +305,8 @@ def build_app(runs_dir: str | Path) -> gr.Blocks:
         with gr.Tab("Chat", id="chat") as chat_tab:
             with gr.Row():
                 chat_path = gr.Dropdown(label="model", allow_custom_value=True, scale=3, elem_id="chat-model",
-                                        info="a finished run, a checkpoint or a merged export (or type a path)")
+                                        info="a finished run, a checkpoint or a merged export (or its path in the "
+                                        "runs folder)")
                 system = gr.Textbox("", label="system message", scale=2)
             with gr.Row():
                 max_new = gr.Slider(1, 512, value=64, step=1, label="max new tokens")
@@ -341,6 +355,11 @@ def build_app(runs_dir: str | Path) -> gr.Blocks:
     return app
 
 
-def launch(app: gr.Blocks, host: str, port: int) -> None:
-    """Serve `app` from a thread; returns once it listens (OSError when it cannot)."""
-    app.launch(server_name=host, server_port=port, prevent_thread_lock=True, theme=_theme(), css=CSS, quiet=True)
+def launch(app: gr.Blocks, runs_dir: str | Path, host: str, port: int,
+           auth: list[tuple[str, str]] | None = None) -> None:
+    """Serve `app` (built over `runs_dir`) from a thread; returns once it listens (OSError when it
+    cannot). With `auth` (user, password pairs), every page and route asks for a login first."""
+    # Gradio's file route serves its own cache and allowed_paths (none here); the runs folder is
+    # blocked besides, for when Gradio's cache (GRADIO_TEMP_DIR) is a folder above it.
+    app.launch(server_name=host, server_port=port, prevent_thread_lock=True, theme=_theme(), css=CSS, quiet=True,
+               auth=auth or None, max_file_size=MAX_UPLOAD, blocked_paths=[str(Path(runs_dir).resolve())])

@@ -4,13 +4,14 @@ detection, chat template and label spans) and the chat (the loading and generati
 
 from __future__ import annotations
 
-import shlex
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 PREVIEW_TOKENIZER_ROWS = 200  # the built-in tokenizer is trained on the data; its template is fixed
+# The preview reads a file whole, into the UI's own memory: a larger one is left to the run.
+PREVIEW_MAX_BYTES = 256 * 2**20
 
 
 @dataclass
@@ -33,19 +34,21 @@ def _tokenizer(model: str, samples: list[Any]) -> Any:
     return tokenizer
 
 
-def preview_dataset(dataset: str, model: str = "", seed: int = 42) -> Preview:
-    """Read the first file of `dataset` (empty: the bundled instructions) as `tigon sft` would and
-    render its first sample with the chat template of `model` (empty: the built-in model's),
-    marking the tokens the loss is computed on. An error is the one line `tigon sft` would print."""
+def preview_dataset(datasets: list[str], model: str = "", seed: int = 42) -> Preview:
+    """Read the first of the files `datasets` (none: the bundled instructions) as `tigon sft`
+    would and render its first sample with the chat template of `model` (empty: the built-in
+    model's), marking the tokens the loss is computed on. An error is the one line `tigon sft`
+    would print. The caller has checked that the UI may read these files and this model."""
     from tigon.train import tiny
-    from tigon.train.data import read_file
+    from tigon.train.data import read_file, split_spec
     from tigon.train.template import assistant_spans
 
+    specs = datasets or [str(tiny.BUNDLED_DATASET)]
     try:
-        specs = shlex.split(dataset) or [str(tiny.BUNDLED_DATASET)]
-    except ValueError as err:
-        return Preview(f"dataset: {err}", [], error=True)
-    try:
+        size = split_spec(specs[0])[0].stat().st_size
+        if size > PREVIEW_MAX_BYTES:
+            return Preview(f"{specs[0]}: {size / 2**20:,.0f} MiB, more than the preview reads "
+                           f"({PREVIEW_MAX_BYTES // 2**20} MiB): the run reads it when it starts", [])
         samples, fmt = read_file(specs[0], seed)
         sample = samples[0]
         summary = f"{specs[0]}: {fmt}, {len(samples)} rows"

@@ -8,10 +8,14 @@ Nothing here imports gradio: the UI (tigon.webui.app) only lays these functions 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.util
 import json
+import math
 import os
 import re
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -23,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import tigon
+from tigon.train.config import METHODS, RLHFConfig, SFTConfig, add_sft_arguments
+from tigon.train.rewards import BUILTIN, builtin_names
 
 RUN_FILE = "tigon-webui.json"  # the command, pid and exit of a run the UI started
 LOG_FILE = "tigon-webui.log"  # the process's stdout and stderr, interleaved as written
@@ -32,6 +38,10 @@ UPLOADS_DIR = "uploads"
 EXPORT_PREFIX = "export-"
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+# A Hugging Face hub id: NAME or OWNER/NAME (the hub itself refuses "..", as this does).
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+DATASET_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")  # what tigon.train.data reads
+EXPORT_DTYPES = ("auto", "bf16", "f16", "f32", "q8_0")  # what `tigon export --dtype` takes
 # tqdm's "12/20 [" (steps done / planned), the last one on a line being what a terminal shows.
 _PROGRESS = re.compile(r"(\d+)/(\d+) \[")
 
@@ -67,55 +77,38 @@ class TrainSettings:
 
 
 def _num(value: float | None) -> str:
-    return f"{value:g}" if isinstance(value, float) else str(value)
+    return format(value, ".15g") if isinstance(value, float) else str(value)
 
 
-def command_arguments(settings: TrainSettings, output_dir: Path, methods: list[str]) -> list[str]:
-    """The `tigon` arguments that start this run: ``sft ...`` or ``rlhf --method M ...``."""
-    if settings.method not in methods:
-        raise WebUIError(f"method {settings.method!r}: this tigon offers {', '.join(methods)}")
-    if settings.tuner not in ("lora", "full"):
-        raise WebUIError(f"tuner {settings.tuner!r}: expected lora or full")
-    args = ["sft"] if settings.method == "sft" else ["rlhf", "--method", settings.method]
-    if settings.model.strip():
-        args += ["--model", settings.model.strip()]
-    try:
-        datasets = shlex.split(settings.dataset)
-        extra = shlex.split(settings.extra)
-    except ValueError as err:
-        raise WebUIError(f"dataset / more options: {err}") from None
-    if datasets:
-        args += ["--dataset", *datasets]
-    args += ["--tuner", settings.tuner]
-    lora = {"--lora-rank": settings.lora_rank, "--lora-alpha": settings.lora_alpha}
-    numbers = {"--lr": settings.lr, "--max-steps": settings.max_steps, "--max-length": settings.max_length,
-               "--save-steps": settings.save_steps}
-    if settings.tuner == "lora":
-        numbers = {**lora, **numbers}
-    for flag, value in numbers.items():
-        if value is not None:
-            args += [flag, _num(value)]
-    if settings.packing:
-        args.append("--packing")
-    if not settings.kernels:
-        args.append("--no-kernels")
-    return args + extra + ["--output-dir", str(output_dir)]
+def _option(flag: str, value: str) -> list[str]:
+    """`flag` and its value as two arguments, or as one (``--flag=-x``) where the value starts with
+    a dash and would read as an option."""
+    return [f"{flag}={value}"] if value.startswith("-") else [flag, value]
 
 
-def available_methods(parser: argparse.ArgumentParser | None = None) -> list[str]:
-    """``sft`` and, when this tigon has `tigon rlhf`, the methods its ``--method`` takes. Read
-    from the command line's own parser (what ``tigon rlhf --help`` prints), so the UI never
-    offers a method the command would refuse."""
-    if parser is None:
-        from tigon.cli import build_parser
+def available_methods() -> list[str]:
+    """``sft`` and, when TRL (which `tigon rlhf` runs on) is installed, the methods `tigon rlhf
+    --method` takes."""
+    return ["sft", *METHODS] if importlib.util.find_spec("trl") is not None else ["sft"]
 
-        parser = build_parser()
-    commands = next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    rlhf = commands.get("rlhf")
-    if rlhf is None:
-        return ["sft"]
-    method = next((a for a in rlhf._actions if a.dest == "method"), None)
-    return ["sft", *(method.choices if method is not None and method.choices else [])]
+
+# The options of "more options", by what they may be given. The form's own fields, and what the
+# UI decides itself, come from the form only; files are checked to lie in the runs folder; free
+# text is taken only where it names no file and no code. Options not listed here are refused.
+_FROM_THE_FORM = {"model": "model", "dataset": "dataset", "tuner": "tuner", "lora_rank": "LoRA rank",
+                  "lora_alpha": "LoRA alpha", "lr": "learning rate", "max_steps": "steps",
+                  "max_length": "max length", "save_steps": "checkpoint every", "packing": "packing",
+                  "kernels": "tigon kernels", "method": "method"}
+_NOT_FROM_THE_UI = {"config": "a settings file", "output_dir": "the run's folder, RUNS/NAME, is the UI's",
+                    "resume": "the UI starts new runs", "overwrite": "the UI starts new runs in new folders"}
+_FREE_TEXT = ("target_modules", "kernels_off", "format_regex")
+
+
+class _OptionParser(argparse.ArgumentParser):
+    """The options of `tigon sft` / `tigon rlhf`, whose errors are a WebUIError instead of an exit."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise WebUIError(f"more options: {message}")
 
 
 def _ended_line(lines: list[str], code: int) -> str:
@@ -236,19 +229,186 @@ def _child_env() -> dict[str, str]:
 
 
 class RunStore:
-    """The runs under one directory: starts, watches and stops their processes."""
+    """The runs under one directory: starts, watches and stops their processes. Every path it is
+    given (a run's name, a dataset, a model) is resolved, symbolic links followed, and taken only
+    when it lies in that directory; besides it, a run reads only the bundled data and hub models."""
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, max_running: int = 4):
         self.root = Path(root).resolve()
+        self.methods = available_methods()
+        self.max_running = max_running  # runs this UI has going at once: each takes a machine's memory
         self._procs: dict[str, subprocess.Popen] = {}
         self._lock = threading.Lock()
 
     # --- files ------------------------------------------------------------------------------
 
+    def inside(self, path: str | Path, what: str) -> Path:
+        """`path` (relative to the runs folder, or absolute) resolved; a WebUIError naming `what`
+        when it lies outside the runs folder."""
+        if "\0" in str(path):
+            raise WebUIError(f"{what} {str(path)!r}: a path cannot hold a NUL character")
+        full = (self.root / path).resolve()
+        if not full.is_relative_to(self.root):
+            raise WebUIError(f"{what} {str(path)!r}: outside the runs folder {self.root}")
+        return full
+
     def run_dir(self, name: str) -> Path:
         if not name or not _NAME.fullmatch(name) or name == UPLOADS_DIR:
             raise WebUIError(f"run name {name!r}: use letters, digits, '.', '_' and '-' (not starting with . or -)")
-        return self.root / name
+        run_dir = self.root / name
+        self.inside(name, "run")  # not a link out of the folder
+        return run_dir
+
+    def data_files(self, specs: str | list[str], option: str = "dataset") -> list[str]:
+        """The data files `specs` names (a dataset field's text: paths separated by spaces, shell
+        quoting for paths with spaces; ``PATH#N`` for N random rows), each resolved in the runs
+        folder (``uploads/x.jsonl``) and returned absolute; empty: none given."""
+        if isinstance(specs, str):
+            try:
+                specs = shlex.split(specs)
+            except ValueError as err:
+                raise WebUIError(f"{option}: {err}") from None
+        files = []
+        for spec in specs:
+            path, sep, count = spec.rpartition("#")
+            if not (sep and count.isdigit()):
+                path, sep, count = spec, "", ""
+            full = self.inside(path, option)
+            if full.suffix.lower() not in DATASET_SUFFIXES:
+                raise WebUIError(f"{option} {spec!r}: not a data file ({' '.join(DATASET_SUFFIXES)})")
+            if not full.is_file():
+                raise WebUIError(f"{option} {spec!r}: no such file in the runs folder {self.root}")
+            files.append(str(full) + sep + count)
+        return files
+
+    def model_dir(self, text: str) -> Path:
+        """The model directory `text` names in the runs folder (a run's final/, a checkpoint, a
+        merged export, as labelled ``RUN/final`` or as a path), resolved."""
+        full = self.inside(text, "model")
+        if full == self.root or full.is_relative_to(self.root / UPLOADS_DIR) or not full.is_dir():
+            raise WebUIError(f"model {text!r}: no model directory in the runs folder {self.root}: pick a finished "
+                             "run or a checkpoint")
+        return full
+
+    def model_source(self, text: str, option: str = "model") -> str:
+        """What `tigon sft --model` (or --teacher) is given for `text`: a model directory in the
+        runs folder, resolved, or a hub id that names no local path; empty: none given."""
+        text = text.strip()
+        if not text:
+            return ""
+        try:
+            return str(self.model_dir(text))
+        except WebUIError:
+            # A hub id that is also a path where it is loaded (the UI's own working directory, for
+            # the preview's tokenizer) would be read from that path.
+            if _HUB_ID.fullmatch(text) and ".." not in text and not (self.root / text).exists() \
+                    and not Path(text).exists():
+                return text
+        raise WebUIError(f"{option} {text!r}: not a model directory in the runs folder {self.root} (a finished run "
+                         "or a checkpoint) nor a hub id")
+
+    def keep_upload(self, file: str | Path) -> str:
+        """Copy an uploaded data file (Gradio keeps its own copy only for a while, and a run may
+        read it for hours) into RUNS/uploads/, under a new name where the name is taken; returns
+        its path in the runs folder."""
+        source = Path(file)
+        stem = re.sub(r"[^A-Za-z0-9._-]", "_", source.stem).lstrip("._-") or "data"
+        suffix = source.suffix.lower()
+        if suffix not in DATASET_SUFFIXES:
+            raise WebUIError(f"upload {source.name!r}: not a data file ({' '.join(DATASET_SUFFIXES)})")
+        folder = self.inside(UPLOADS_DIR, "uploads folder")
+        folder.mkdir(parents=True, exist_ok=True)
+        for i in range(1, 1000):
+            target = folder / (stem + (f"-{i}" if i > 1 else "") + suffix)
+            try:
+                with source.open("rb") as src, target.open("xb") as dst:  # never over an earlier upload
+                    shutil.copyfileobj(src, dst)
+            except FileExistsError:
+                continue
+            return str(target.relative_to(self.root))
+        raise WebUIError(f"upload {source.name!r}: a thousand uploads of that name already: rename the file")
+
+    def command_arguments(self, settings: TrainSettings, output_dir: Path) -> list[str]:
+        """The `tigon` arguments that start this run: ``sft ...`` or ``rlhf --method M ...``, every
+        path in them resolved in the runs folder."""
+        if settings.method not in self.methods:
+            raise WebUIError(f"method {settings.method!r}: this tigon offers {', '.join(self.methods)}")
+        if settings.tuner not in ("lora", "full"):
+            raise WebUIError(f"tuner {settings.tuner!r}: expected lora or full")
+        args = ["sft"] if settings.method == "sft" else ["rlhf", "--method", settings.method]
+        model = self.model_source(settings.model)
+        if model:
+            args += ["--model", model]
+        datasets = self.data_files(settings.dataset)
+        if datasets:
+            args += ["--dataset", *datasets]
+        args += ["--tuner", settings.tuner]
+        lora = {"--lora-rank": settings.lora_rank, "--lora-alpha": settings.lora_alpha}
+        numbers = {"--lr": settings.lr, "--max-steps": settings.max_steps, "--max-length": settings.max_length,
+                   "--save-steps": settings.save_steps}
+        if settings.tuner == "lora":
+            numbers = {**lora, **numbers}
+        for flag, value in numbers.items():
+            if value is not None:
+                if not math.isfinite(value):
+                    raise WebUIError(f"{flag}: {value} is not a number")
+                args += _option(flag, _num(value))
+        if settings.packing:
+            args.append("--packing")
+        if not settings.kernels:
+            args.append("--no-kernels")
+        return args + self.extra_arguments(settings.extra, settings.method) + ["--output-dir", str(output_dir)]
+
+    def extra_arguments(self, extra: str, method: str) -> list[str]:
+        """The form's "more options", parsed as `tigon sft` / `tigon rlhf` parse them and written
+        anew from what was parsed, so that the process gets exactly what was checked: the form's
+        own settings, files outside the runs folder and Python files (``--reward-funcs x.py:f``)
+        are refused, each in one line."""
+        cls = SFTConfig if method == "sft" else RLHFConfig
+        # No -h (it exits), no @FILE arguments (argparse reads no files unless told to), no
+        # abbreviations (--out for --output-dir): what is checked is what the option says.
+        parser = _OptionParser(prog=f"tigon {method}", add_help=False, allow_abbrev=False)
+        add_sft_arguments(parser, cls)
+        try:
+            given = vars(parser.parse_args(shlex.split(extra or "")))
+        except ValueError as err:
+            raise WebUIError(f"more options: {err}") from None
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        args = []
+        for name, value in given.items():  # in the order given
+            flag = "--" + name.replace("_", "-")
+            if name in _FROM_THE_FORM:
+                raise WebUIError(f"more options: {flag}: set it in the form's field \"{_FROM_THE_FORM[name]}\"")
+            if name in _NOT_FROM_THE_UI:
+                raise WebUIError(f"more options: {flag}: {_NOT_FROM_THE_UI[name]}; not taken from the web UI")
+            f = fields[name]
+            if name == "reward_funcs":
+                args += [flag, *self._builtin_rewards(value)]
+            elif name == "eval_dataset":
+                args += [flag, *self.data_files(value, flag)]
+            elif name == "teacher":
+                args += _option(flag, self.model_source(value, flag))
+            elif isinstance(value, bool):
+                args.append(flag if value else "--no-" + flag[2:])
+            elif isinstance(value, (int, float)) or f.metadata.get("choices") or name in _FREE_TEXT:
+                if isinstance(value, float) and not math.isfinite(value):
+                    raise WebUIError(f"more options: {flag}: {value} is not a number")
+                args += _option(flag, ",".join(value) if isinstance(value, list) else _num(value))
+            else:
+                raise WebUIError(f"more options: {flag}: not taken from the web UI (use the command line)")
+        return args
+
+    @staticmethod
+    def _builtin_rewards(specs: list[str]) -> list[str]:
+        names = builtin_names()
+        items = [item.strip() for spec in specs for item in spec.split(",") if item.strip()]
+        for item in items:
+            source, _, name = item.rpartition(":")
+            if source != BUILTIN or name not in names:
+                raise WebUIError(f"more options: --reward-funcs {item}: the web UI takes only the built-in rewards "
+                                 f"({', '.join(f'{BUILTIN}:{n}' for n in names)}); Python files are for the command "
+                                 "line")
+        return [",".join(items)]
 
     def _record(self, name: str) -> dict[str, Any]:
         path = self.run_dir(name) / RUN_FILE
@@ -272,7 +432,8 @@ class RunStore:
             return []
         found = []
         for d in self.root.iterdir():
-            if not d.is_dir() or not _NAME.fullmatch(d.name) or d.name == UPLOADS_DIR:
+            if not d.is_dir() or not _NAME.fullmatch(d.name) or d.name == UPLOADS_DIR \
+                    or not d.resolve().is_relative_to(self.root):  # a link out of the folder
                 continue
             marks = [d / RUN_FILE, d / METRICS_FILE, d / FINAL_DIR]
             if any(p.exists() for p in marks) or checkpoints(d):
@@ -282,7 +443,7 @@ class RunStore:
 
     # --- processes ----------------------------------------------------------------------------
 
-    def start(self, settings: TrainSettings, methods: list[str]) -> str:
+    def start(self, settings: TrainSettings) -> str:
         """Start `settings` as a `python -m tigon.cli` process in RUNS/NAME; returns NAME."""
         name = settings.name.strip()
         if not name:
@@ -291,7 +452,10 @@ class RunStore:
         run_dir = self.run_dir(name)
         if run_dir.exists():
             raise WebUIError(f"run {name!r} already exists in {self.root}: choose another name")
-        argv = command_arguments(settings, run_dir, methods)
+        argv = self.command_arguments(settings, run_dir)
+        if len(self._procs) >= self.max_running:
+            raise WebUIError(f"already {len(self._procs)} run(s) going, the most this UI starts at once (tigon webui "
+                             f"--max-running {self.max_running}): wait for one to end, or stop one")
         command = [sys.executable, "-m", "tigon.cli", *argv]
         run_dir.mkdir(parents=True)
         self._update(name, method=settings.method, settings=asdict(settings), command=command,
@@ -300,9 +464,10 @@ class RunStore:
             log.write(("$ tigon " + shlex.join(argv) + "\n").encode())
             log.flush()
             # A session of its own: the run outlives the UI and a Ctrl-C meant for the UI's
-            # terminal; it is stopped from the UI (or by its pid).
+            # terminal; it is stopped from the UI (or by its pid). It works in its own folder, so
+            # that what a library writes to the working directory (mlflow's mlruns/) stays there.
             proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    env=_child_env(), start_new_session=True)
+                                    env=_child_env(), start_new_session=True, cwd=run_dir)
         self._procs[name] = proc
         self._update(name, pid=proc.pid)
         threading.Thread(target=self._wait, args=(name, proc), daemon=True, name=f"tigon-webui-{name}").start()
@@ -412,17 +577,17 @@ class RunStore:
         return models + steps
 
     def export(self, path: str, to: str, dtype: str = "auto", timeout: float | None = None) -> tuple[bool, str]:
-        """`tigon export PATH --to merged|gguf` as a process, into the run's ``export-...``
-        directory; (whether it worked, its last line: where it wrote, or its error)."""
-        model = Path(path)
+        """`tigon export PATH --to merged|gguf` as a process, into the ``export-...`` directory
+        next to the model (both in the runs folder); (whether it worked, its last line: where it
+        wrote, or its error)."""
         if to not in ("merged", "gguf"):
             raise WebUIError(f"export to {to!r}: expected merged or gguf")
-        if not model.is_dir():
-            raise WebUIError(f"no model directory {path!r}: pick a finished run or a checkpoint")
+        if dtype not in EXPORT_DTYPES:
+            raise WebUIError(f"export dtype {dtype!r}: expected one of {', '.join(EXPORT_DTYPES)}")
+        model = self.model_dir(path)
         suffix = "" if model.name == FINAL_DIR else "-" + model.name
-        out = model.parent / f"{EXPORT_PREFIX}{to}{suffix}"
-        if dtype != "auto":
-            out = out.with_name(f"{out.name}-{dtype}")
+        name = f"{EXPORT_PREFIX}{to}{suffix}" + ("" if dtype == "auto" else f"-{dtype}")
+        out = self.inside(model.parent / name, "export")  # not a link out of the folder
         argv = ["export", str(model), "--to", to, "--output", str(out), "--dtype", dtype]
         done = subprocess.run([sys.executable, "-m", "tigon.cli", *argv], stdin=subprocess.DEVNULL,
                               capture_output=True, text=True, env=_child_env(), timeout=timeout)
