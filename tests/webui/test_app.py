@@ -149,6 +149,8 @@ def test_export_merged_calls_tigon_export(client, default_run):
     out = default_run["dir"] / "export-merged"
     assert result == f"done: `tigon export: {final} -> {out} (float32)`"
     assert (out / "model.safetensors").is_file() and (out / "tokenizer_config.json").is_file()
+    # Again: the UI's own export folder is replaced, not refused as a folder that holds files.
+    assert client.predict(str(final), "auto", api_name="/export_merged") == result
 
 
 def _not_blank(path: Path, min_colours: int = 8) -> None:

@@ -588,7 +588,8 @@ class RunStore:
         suffix = "" if model.name == FINAL_DIR else "-" + model.name
         name = f"{EXPORT_PREFIX}{to}{suffix}" + ("" if dtype == "auto" else f"-{dtype}")
         out = self.inside(model.parent / name, "export")  # not a link out of the folder
-        argv = ["export", str(model), "--to", to, "--output", str(out), "--dtype", dtype]
+        # The export folder is the UI's own, named by it: exporting again replaces it.
+        argv = ["export", str(model), "--to", to, "--output", str(out), "--dtype", dtype, "--overwrite"]
         done = subprocess.run([sys.executable, "-m", "tigon.cli", *argv], stdin=subprocess.DEVNULL,
                               capture_output=True, text=True, env=_child_env(), timeout=timeout)
         line = _ended_line(_terminal_lines(done.stdout + "\n" + done.stderr), done.returncode)
