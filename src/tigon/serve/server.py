@@ -7,12 +7,19 @@ batching request the sampling settings of the first one, ignore `stop` under con
 batching, answer an unknown model with 400 and errors as ``{"detail": ...}``, and do not check
 prompt lengths. So the routes are written here, on the pieces those handlers are built on
 (FastAPI, uvicorn, the CB manager, tokenizers' incremental `DecodeStream`).
+
+Everything a client sends is bounded before it costs much: a key (when set) is checked before the
+body is read, the body's size while it is read, the number of completions before any prompt is
+tokenised, and a prompt's length in characters before it is tokenised (in a worker thread, so a
+long one does not hold up other requests).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import json
 import logging
 import time
@@ -20,7 +27,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from fastapi import Request  # at module level: FastAPI resolves the routes' annotations from here
+# At module level: FastAPI resolves the routes' annotations (strings, by the __future__ import) here.
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from tigon.serve.engine import Engine, Sampling
 from tigon.serve.protocol import APIError, ChatRequest, CompletionRequest
@@ -102,20 +112,115 @@ async def run_choice(engine: Engine, tokenizer: Any, choice: Choice, stops: list
 
 @dataclass
 class ServedModel:
-    """What the app serves: the engine, its tokenizer, the model's name and context length."""
+    """What the app serves: the engine, its tokenizer, the model's name and context length.
+    `max_prompt_chars` follows from them: no token stands for more characters than the longest
+    entry of the vocabulary, so a text longer than the context times that length cannot fit, and
+    is refused without being tokenised."""
 
     engine: Engine
     tokenizer: Any
     name: str
     max_model_len: int
+    max_prompt_chars: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        longest = max(len(token) for token in self.tokenizer.backend_tokenizer.get_vocab())
+        self.max_prompt_chars = self.max_model_len * longest
 
 
-def build_app(served: ServedModel) -> Any:
-    """The FastAPI app: /v1/models, /v1/chat/completions, /v1/completions, /health. The engine's
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask of the server: its body's size in bytes, and how many completions
+    (prompts times `n`) it generates."""
+
+    max_body_bytes: int = 4 << 20
+    max_choices: int = 128
+
+
+# Paths answered without the key: they tell nothing about the model (the schema is every tigon
+# server's), and a browser opening the docs page cannot send a key.
+OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect"})
+
+
+async def send_error(send: Any, error: APIError, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    """Answer `error` at the ASGI level, from a middleware that has not passed the request on."""
+    body = json.dumps(error.body()).encode()
+    await send({"type": "http.response.start", "status": error.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class RequireAPIKey:
+    """ASGI middleware: a request outside `OPEN_PATHS` must carry ``Authorization: Bearer KEY``,
+    else it is answered 401 before its body is read. The comparison is of SHA-256 digests, in
+    constant time: neither the key's characters nor its length can be probed by timing it."""
+
+    def __init__(self, app: Any, api_key: str):
+        self.app = app
+        self._digest = hashlib.sha256(api_key.encode()).digest()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            given = hashlib.sha256(token.strip()).digest()
+            if not (hmac.compare_digest(given, self._digest) and scheme.lower() == b"bearer"):
+                error = APIError(401, "missing or incorrect API key: send it as 'Authorization: Bearer KEY'",
+                                 code="invalid_api_key")
+                await send_error(send, error, [(b"www-authenticate", b"Bearer")])
+                return
+        await self.app(scope, receive, send)
+
+
+class LimitBody:
+    """ASGI middleware: a request body over `max_bytes` is answered 413, by its Content-Length
+    before any of it is read, or (a chunked body) as soon as what has been read passes the limit.
+    The app gets the body whole; uvicorn drops the rest of a refused one as it arrives."""
+
+    def __init__(self, app: Any, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_large = APIError(413, f"the request body is larger than this server's limit of {self.max_bytes} bytes",
+                             code="request_too_large")
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and int(declared) > self.max_bytes:  # uvicorn has checked it is a number
+            await send_error(send, too_large)
+            return
+        body = bytearray()
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending it all
+                return
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
+                await send_error(send, too_large)
+                return
+            more = message.get("more_body", False)
+        whole = {"type": "http.request", "body": bytes(body), "more_body": False}
+        del body
+
+        async def replay() -> dict:
+            # The body once, then the client's own messages: the app waits on them for a disconnect.
+            nonlocal whole
+            if whole is not None:
+                message, whole = whole, None
+                return message
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def build_app(served: ServedModel, api_key: str | None = None, limits: Limits = Limits()) -> Any:
+    """The FastAPI app: /v1/models, /v1/chat/completions, /v1/completions, /health (and the API's
+    /docs). With an `api_key`, everything but /health and the docs needs it. The engine's
     generation thread runs between the app's startup and shutdown."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, StreamingResponse
     from starlette.exceptions import HTTPException
 
     @contextlib.asynccontextmanager
@@ -127,6 +232,9 @@ def build_app(served: ServedModel) -> Any:
             served.engine.stop()
 
     app = FastAPI(title="tigon serve", lifespan=lifespan)
+    app.add_middleware(LimitBody, max_bytes=limits.max_body_bytes)
+    if api_key is not None:  # added last, so it runs first: a request without the key is not read
+        app.add_middleware(RequireAPIKey, api_key=api_key)
     created = int(time.time())
 
     @app.exception_handler(APIError)
@@ -165,18 +273,17 @@ def build_app(served: ServedModel) -> Any:
     async def chat(body: ChatRequest, request: Request) -> Any:
         body.check_supported()
         check_model(served, body.model)
-        try:
-            text = render(served.tokenizer, [m.as_chat() for m in body.messages], True)
-        except Exception as err:  # a template raises whatever its author chose
-            raise APIError(400, f"the chat template failed on these messages: {err}", param="messages") from None
-        prompt = served.tokenizer(text, add_special_tokens=False)["input_ids"]
+        check_choices(limits, 1, body.n)
+        prompt = await run_in_threadpool(chat_prompt, served, body)
         return await respond(request, body, [prompt], chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         body.check_supported()
         check_model(served, body.model)
-        prompts = [encode_prompt(served, p) for p in body.prompts()]
+        texts = body.prompts()
+        check_choices(limits, len(texts), body.n)
+        prompts = await run_in_threadpool(lambda: [encode_prompt(served, p) for p in texts])
         return await respond(request, body, prompts, chat=False)
 
     async def respond(request: Request, body: ChatRequest | CompletionRequest, prompts: list[list[int]],
@@ -208,6 +315,8 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return APIError(400, "the request body is not valid JSON")
+    if first.get("type") == "invalid_unicode":  # its message names the field: the location is the body's
+        return APIError(400, first["msg"], param=first["ctx"]["param"])
     if first.get("type") == "extra_forbidden":
         return APIError(400, f"unrecognized request argument supplied: {param}", param=param)
     if first.get("type") == "missing" and not loc:
@@ -226,9 +335,34 @@ def check_model(served: ServedModel, name: str | None) -> None:
                        param="model", code="model_not_found")
 
 
+def check_choices(limits: Limits, prompts: int, n: int) -> None:
+    """Refuse a request for more completions than `limits` allow."""
+    if prompts * n > limits.max_choices:
+        raise APIError(400, f"this request asks for {prompts * n} completions ({prompts} prompts times n={n}); this "
+                            f"server generates at most {limits.max_choices} per request", param="n")
+
+
+def encode_text(served: ServedModel, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    """The token ids of `text`, refused unread when it is too long for any tokenisation of it to fit."""
+    if len(text) > served.max_prompt_chars:
+        raise APIError(400, f"{param} is {len(text)} characters long, more than this model's context of "
+                            f"{served.max_model_len} tokens can hold (at most {served.max_prompt_chars} characters)",
+                       param=param, code="context_length_exceeded")
+    return served.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+
+def chat_prompt(served: ServedModel, body: ChatRequest) -> list[int]:
+    """The token ids of a chat's messages through the model's chat template."""
+    try:
+        text = render(served.tokenizer, [m.as_chat() for m in body.messages], True)
+    except Exception as err:  # a template raises whatever its author chose
+        raise APIError(400, f"the chat template failed on these messages: {err}", param="messages") from None
+    return encode_text(served, text, add_special_tokens=False, param="messages")
+
+
 def encode_prompt(served: ServedModel, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, str):
-        ids = served.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        ids = encode_text(served, prompt, add_special_tokens=True, param="prompt")
     else:
         vocab = len(served.tokenizer)
         if any(not 0 <= t < vocab for t in prompt):
@@ -346,11 +480,12 @@ async def stream_events(served: ServedModel, body: Any, choices: list[Choice], i
             task.cancel()
 
 
-def serve_forever(served: ServedModel, host: str, port: int) -> None:
+def serve_forever(served: ServedModel, host: str, port: int, api_key: str | None = None,
+                  limits: Limits = Limits()) -> None:
     """Run the app with uvicorn until Ctrl-C / SIGTERM (then it finishes open requests for up to
     5 s, stops the engine and returns; uvicorn re-raises Ctrl-C as KeyboardInterrupt)."""
     import uvicorn
 
-    app = build_app(served)
+    app = build_app(served, api_key, limits)
     config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
     uvicorn.Server(config).run()
