@@ -29,7 +29,7 @@ def _limits(args: argparse.Namespace) -> Any:
     given: dict[str, int] = {}
     if args.max_body_mb is not None:
         if not 0 < args.max_body_mb < 2**20:  # also refuses nan and inf
-            raise ValueError(f"--max-body-mb must be > 0, got {args.max_body_mb}")
+            raise ValueError(f"--max-body-mb must be a number of MiB above 0 and below {2**20}, got {args.max_body_mb}")
         given["max_body_bytes"] = max(1, int(args.max_body_mb * 2**20))
     if args.max_choices is not None:
         if args.max_choices < 1:

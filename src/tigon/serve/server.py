@@ -24,13 +24,14 @@ import json
 import logging
 import time
 import uuid
+from functools import partial
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 # At module level: FastAPI resolves the routes' annotations (strings, by the __future__ import) here.
+import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.concurrency import run_in_threadpool
 
 from tigon.serve.engine import Engine, Sampling
 from tigon.serve.protocol import APIError, ChatRequest, CompletionRequest
@@ -137,6 +138,11 @@ class Limits:
     max_choices: int = 128
 
 
+# Prompts tokenised at once, each in a worker thread (the tokenizer lets go of the GIL, so the
+# event loop answers meanwhile). Tokenising holds some hundred times the text's size; more at once
+# would multiply that and gain nothing on a busy CPU.
+TOKENISING_THREADS = 2
+
 # Paths answered without the key: they tell nothing about the model (the schema is every tigon
 # server's), and a browser opening the docs page cannot send a key.
 OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect"})
@@ -236,6 +242,7 @@ def build_app(served: ServedModel, api_key: str | None = None, limits: Limits = 
     if api_key is not None:  # added last, so it runs first: a request without the key is not read
         app.add_middleware(RequireAPIKey, api_key=api_key)
     created = int(time.time())
+    tokenising = anyio.CapacityLimiter(TOKENISING_THREADS)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError) -> JSONResponse:
@@ -274,7 +281,7 @@ def build_app(served: ServedModel, api_key: str | None = None, limits: Limits = 
         body.check_supported()
         check_model(served, body.model)
         check_choices(limits, 1, body.n)
-        prompt = await run_in_threadpool(chat_prompt, served, body)
+        prompt = await anyio.to_thread.run_sync(partial(chat_prompt, served, body), limiter=tokenising)
         return await respond(request, body, [prompt], chat=True)
 
     @app.post("/v1/completions")
@@ -283,7 +290,7 @@ def build_app(served: ServedModel, api_key: str | None = None, limits: Limits = 
         check_model(served, body.model)
         texts = body.prompts()
         check_choices(limits, len(texts), body.n)
-        prompts = await run_in_threadpool(lambda: [encode_prompt(served, p) for p in texts])
+        prompts = await anyio.to_thread.run_sync(lambda: [encode_prompt(served, p) for p in texts], limiter=tokenising)
         return await respond(request, body, prompts, chat=False)
 
     async def respond(request: Request, body: ChatRequest | CompletionRequest, prompts: list[list[int]],
