@@ -104,9 +104,10 @@ def test_the_openai_client_with_a_wrong_key_and_the_right_one(server, client):
 
 
 def test_lone_surrogates_are_400s_and_the_connection_goes_on(server):
-    bodies = {  # JSON's \\u escapes can spell a lone surrogate; no UTF-8 encoder can
+    bodies = {  # a lone surrogate, which JSON can escape (\\ud800) but no UTF-8 text can hold
         "messages.0.content": rb'{"messages": [{"role": "user", "content": "hi \ud800"}], "max_tokens": 2}',
-        "messages.0.content.0.text": rb'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}',
+        "messages.0.content.0.text":
+            rb'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}',
         "prompt.1": rb'{"prompt": ["ok", "\udc00 bad"], "max_tokens": 2}',
         "model": rb'{"model": "\ud83d", "prompt": "hi"}',
         "body": rb'{"prompt": "hi", "\ud800": 1}',  # in a field's name: refused, and not echoed
@@ -175,7 +176,8 @@ def test_a_million_bad_list_items_are_one_error():
 
 def test_a_burst_of_oversized_requests_leaves_memory_flat_and_health_quick(server):
     base = server["base"]
-    fits = json.dumps({"model": NAME, "prompt": "word " * 170_000, "max_tokens": 1})  # 170k tokens: tokenised, then refused
+    # 170k tokens: under the character limit, so tokenised (for a while), then refused as too long
+    fits = json.dumps({"model": NAME, "prompt": "word " * 170_000, "max_tokens": 1})
     too_long = json.dumps({"prompt": "w" * (MAX_BODY - 100)})  # under the body limit, over the character limit
     assert len(fits) < MAX_BODY and len(too_long) < MAX_BODY
 

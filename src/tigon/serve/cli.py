@@ -45,7 +45,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         api_key = _api_key(args)
         # before the demo model is trained or any model loaded: a refusal comes at once
-        check_listen_address("serve", args.host, api_key is not None, args.insecure, f"--api-key KEY (or {API_KEY_ENV})")
+        check_listen_address("serve", args.host, api_key is not None, args.insecure,
+                             f"--api-key KEY (or {API_KEY_ENV})")
         if args.backend == "vllm" and (args.max_body_mb, args.max_choices) != (None, None):
             raise ValueError("--max-body-mb and --max-choices are limits of tigon's own server; vLLM's server "
                              "(--backend vllm) has its own and does not take these")

@@ -24,12 +24,12 @@ import json
 import logging
 import time
 import uuid
-from functools import partial
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-# At module level: FastAPI resolves the routes' annotations (strings, by the __future__ import) here.
 import anyio
+# At module level: FastAPI resolves the routes' annotations (strings, by the __future__ import) here.
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -134,7 +134,8 @@ class Limits:
     """What one request may ask of the server: its body's size in bytes, and how many completions
     (prompts times `n`) it generates."""
 
-    max_body_bytes: int = 4 << 20
+    max_body_bytes: int = 4 << 20  # a 128k-token prompt, as text or as token ids, is under 1 MiB
+
     max_choices: int = 128
 
 
@@ -145,7 +146,7 @@ TOKENISING_THREADS = 2
 
 # Paths answered without the key: they tell nothing about the model (the schema is every tigon
 # server's), and a browser opening the docs page cannot send a key.
-OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect"})
+OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs"})
 
 
 async def send_error(send: Any, error: APIError, headers: list[tuple[bytes, bytes]] | None = None) -> None:
