@@ -5,7 +5,6 @@ is raised to 65536 tokens, so that a prompt within every limit still takes a whi
 
 import http.client
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -15,7 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.serve.test_server import NAME, SRC, httpx, openai, start_server
+from tests.serve.test_server import NAME, httpx, openai, start_server
+from tigon.cli import main
 from tigon.serve.protocol import CompletionRequest
 from tigon.serve.security import is_loopback
 
@@ -219,13 +219,31 @@ def test_a_burst_of_oversized_requests_leaves_memory_flat_and_health_quick(serve
     assert len(latencies) >= 3 and max(latencies) < 2.5, latencies
 
 
-def test_listening_beyond_this_machine_needs_a_key_or_insecure(tmp_path):
+def test_listening_beyond_this_machine_needs_a_key_or_insecure(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("TIGON_API_KEY", raising=False)
+    path = str(tmp_path / "none")  # each run stops before the model is looked for, or anything listens
+
+    def serve(*options: str) -> list[str]:
+        assert main(["serve", path, *options]) == 2
+        out, err = capsys.readouterr()
+        assert out == ""
+        return err.strip().splitlines()
+
     for host in ("0.0.0.0", "::", "10.1.2.3"):
-        run = subprocess.run([sys.executable, "-m", "tigon.cli", "serve", str(tmp_path / "none"), "--host", host],
-                             env={**os.environ, "PYTHONPATH": SRC}, capture_output=True, text=True, timeout=120)
-        assert run.returncode == 2 and run.stdout == "", run.stderr
-        assert run.stderr.splitlines()[-1] == (
+        assert serve("--host", host) == [
             f"tigon serve: error: --host {host} can be reached from other machines and no credential is set: "
-            "set --api-key KEY (or TIGON_API_KEY), or pass --insecure to serve without one")
+            "set --api-key KEY (or TIGON_API_KEY), or pass --insecure to serve without one"]
+    # with a key, or --insecure, the address passes, and the next check (vLLM has none of these limits) speaks
+    vllm_refusal = ("tigon serve: error: --max-body-mb and --max-choices are limits of tigon's own server; vLLM's "
+                    "server (--backend vllm) has its own and does not take these")
+    limited_vllm = ("--host", "0.0.0.0", "--backend", "vllm", "--max-choices", "3")
+    assert serve(*limited_vllm, "--api-key", KEY) == [vllm_refusal]
+    assert serve(*limited_vllm, "--insecure") == [
+        "tigon serve: warning: --insecure: anyone who can reach 0.0.0.0 can use this server without a credential",
+        vllm_refusal]
+    monkeypatch.setenv("TIGON_API_KEY", KEY)
+    assert serve(*limited_vllm) == [vllm_refusal]
+    assert serve("--api-key", "") == ["tigon serve: error: --api-key / TIGON_API_KEY must be printable ASCII "
+                                      "without surrounding spaces (clients send it in an HTTP header)"]
     assert all(is_loopback(h) for h in ("127.0.0.1", "127.8.9.1", "::1", "[::1]", "localhost"))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "10.1.2.3", "192.168.0.1", "no-such-host.invalid"))

@@ -48,5 +48,9 @@ def serve_with_vllm(path: str, name: str, host: str, port: int, dtype: str, base
             template = str(Path(tmp) / "chat_template.jinja")
             Path(template).write_text(DEFAULT_CHAT_TEMPLATE)
         cmd = vllm_command(model_dir, name, host, port, dtype, max_model_len, template)
-        env = dict(os.environ, VLLM_API_KEY=api_key) if api_key is not None else None
+        env = None
+        if api_key is not None:
+            env = dict(os.environ, VLLM_API_KEY=api_key)
+            print("tigon serve: --backend vllm: vLLM's server checks the API key on its /v1 routes only, and has "
+                  "none of tigon's request limits (--max-body-mb, --max-choices)", file=sys.stderr, flush=True)
         return subprocess.call(cmd, env=env)  # Ctrl-C reaches vLLM too (same process group): it shuts itself down
