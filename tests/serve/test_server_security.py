@@ -166,6 +166,15 @@ def test_completions_per_request_are_capped(client):
     assert sorted(c.index for c in answer.choices) == list(range(MAX_CHOICES))
 
 
+def test_lists_past_their_length_are_refused_by_it(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": ""}] * 5000, max_tokens=1)
+    assert err.value.body["param"] == "messages" and "at most 4096 items" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=NAME, prompt=["a"] * 5000, max_tokens=1)
+    assert "at most 4096 items" in err.value.body["message"]
+
+
 def test_a_million_bad_list_items_are_one_error():
     for prompt in ([1] * 1_000_000 + ["x"], [[1, 2]] * 500_000 + [["x"]]):
         t0 = time.monotonic()

@@ -4,15 +4,20 @@ setting that silently does nothing gives a client numbers it did not ask for."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, Optional, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+# Lists are validated up to their first bad item: pydantic otherwise reports every bad item, and a
+# request of a million of them took seconds and gigabytes to refuse. And but for the token ids of a
+# prompt, they are short: each item is validated on the event loop, and the ~120,000 empty messages
+# a request body can hold took seconds.
+MAX_ITEMS = 4096
 T = TypeVar("T")
-# A list whose validation stops at its first bad item: pydantic otherwise reports every bad item,
-# and a request of a million of them took seconds and gigabytes to refuse.
-Items = Annotated[list[T], Field(fail_fast=True)]
+Items = Annotated[list[T], Field(fail_fast=True, max_length=MAX_ITEMS)]
+TokenIds = Annotated[list[int], Field(fail_fast=True)]
 
 
 class APIError(Exception):
@@ -31,6 +36,11 @@ def lone_surrogate(data: Any) -> str | None:
     """Where in parsed JSON `data` a string (a value or a key) holds a lone UTF-16 surrogate, which
     JSON's ``\\ud800`` escapes can express but which is not text: its field's path, such as
     ``messages.0.content``, or None when there is none."""
+    try:  # at C speed, the common answer: JSON without one encodes as UTF-8
+        json.dumps(data, ensure_ascii=False, default=repr).encode()
+        return None
+    except UnicodeEncodeError:
+        pass
     stack: list[tuple[tuple, Any]] = [((), data)]
     while stack:
         path, value = stack.pop()
@@ -129,7 +139,7 @@ class ChatRequest(_Request):
 
 
 class CompletionRequest(_Request):
-    prompt: Union[str, Items[str], Items[int], Items[Items[int]]]
+    prompt: Union[str, Items[str], TokenIds, Items[TokenIds]]
     max_tokens: Optional[int] = Field(16, ge=1)  # OpenAI's default for completions
     echo: bool = False
     suffix: Optional[str] = None

@@ -318,7 +318,9 @@ def build_app(served: ServedModel, api_key: str | None = None, limits: Limits = 
 
 def validation_error(errors: list[dict[str, Any]]) -> APIError:
     """FastAPI's validation errors as one OpenAI-style 400 naming the first bad field."""
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    # A list too long is the problem to name, rather than the other shapes of a union it does not fit.
+    first = next((e for e in errors if e.get("type") == "too_long"), errors[0] if errors else
+                 {"loc": (), "msg": "invalid request", "type": ""})
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
