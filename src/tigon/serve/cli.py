@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tigon.serve.server import Limits
 
 _DEBUG = {"action": "store_true", "default": argparse.SUPPRESS, "help": "show full tracebacks"}
 API_KEY_ENV = "TIGON_API_KEY"
@@ -20,7 +23,7 @@ def _api_key(args: argparse.Namespace) -> str | None:
     return key
 
 
-def _limits(args: argparse.Namespace) -> Any:
+def _limits(args: argparse.Namespace) -> Limits:
     """The server's `Limits`: its defaults, with the ones given on the command line."""
     from dataclasses import replace
 
@@ -29,7 +32,8 @@ def _limits(args: argparse.Namespace) -> Any:
     given: dict[str, int] = {}
     if args.max_body_mb is not None:
         if not 0 < args.max_body_mb < 2**20:  # also refuses nan and inf
-            raise ValueError(f"--max-body-mb must be a number of MiB above 0 and below {2**20}, got {args.max_body_mb}")
+            raise ValueError(f"--max-body-mb must be a number of MiB above 0 and below {2**20}, "
+                             f"got {args.max_body_mb}")
         given["max_body_bytes"] = max(1, int(args.max_body_mb * 2**20))
     if args.max_choices is not None:
         if args.max_choices < 1:

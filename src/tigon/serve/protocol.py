@@ -11,9 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 # Lists are validated up to their first bad item: pydantic otherwise reports every bad item, and a
-# request of a million of them took seconds and gigabytes to refuse. And but for the token ids of a
-# prompt, they are short: each item is validated on the event loop, and the ~120,000 empty messages
-# a request body can hold took seconds.
+# request of a million of them took seconds and gigabytes to refuse. Those other than a prompt's
+# token ids are also short: each item is validated on the event loop, and the ~120,000 empty
+# messages a request body can hold took seconds.
 MAX_ITEMS = 4096
 T = TypeVar("T")
 Items = Annotated[list[T], Field(fail_fast=True, max_length=MAX_ITEMS)]
