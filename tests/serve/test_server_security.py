@@ -21,9 +21,11 @@ from tigon.serve.security import is_loopback
 
 KEY = "sk-test-0123456789"
 MAX_BODY = 1 << 20  # --max-body-mb 1
+MAX_INFLIGHT = 12 << 20  # --max-inflight-mb 12
 MAX_CHOICES = 8
 CONTEXT = 65536
 AUTH = {"Authorization": f"Bearer {KEY}"}
+JSON = {**AUTH, "Content-Type": "application/json"}
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,8 @@ def server(tiny_dir, tmp_path_factory):
     config = json.loads((model_dir / "config.json").read_text())
     config["max_position_embeddings"] = CONTEXT
     (model_dir / "config.json").write_text(json.dumps(config))
-    started = start_server(model_dir, "--api-key", KEY, "--max-body-mb", "1", "--max-choices", str(MAX_CHOICES))
+    started = start_server(model_dir, "--api-key", KEY, "--max-body-mb", "1", "--max-inflight-mb", "12",
+                           "--max-choices", str(MAX_CHOICES))
     started["port"] = int(started["base"].rsplit(":", 1)[1])
     yield started
     started["proc"].kill()
@@ -144,6 +147,43 @@ def test_bodies_over_the_limit_get_413_by_length_or_while_streamed(server, clien
     assert err.value.status_code == 413
 
 
+def test_bodies_never_finished_fill_the_budget_and_then_get_503(server):
+    # Each of 13 clients sends 950 kB of a 1 MB body and stops: 12.35 MB held, so a 14th body of
+    # 1 MB would pass the 12 MiB all requests may hold together.
+    body = json.dumps({"prompt": "w" * (1_000_000 - 14)}).encode()  # 1 MB, too long a prompt: a quick 400
+    assert len(body) == 1_000_000
+    stalled = [socket.create_connection(("127.0.0.1", server["port"]), timeout=30) for _ in range(13)]
+
+    def declared_only() -> tuple[int, bytes] | None:
+        """The answer to a request that declares the body and sends none of it: None once the
+        server waits for the body (it has room for it)."""
+        with socket.create_connection(("127.0.0.1", server["port"]), timeout=2) as probe:
+            try:
+                return exchange(probe, "POST", "/v1/completions", body, JSON, send_body=False)
+            except TimeoutError:
+                return None
+
+    try:
+        for sock in stalled:
+            head = f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n" \
+                   f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+            sock.sendall(head.encode() + body[:950_000])
+        deadline = time.monotonic() + 30  # until the server has read what they sent
+        while (answer := declared_only()) is None:
+            assert time.monotonic() < deadline
+        status, text = answer
+        assert status == 503 and json.loads(text)["error"]["code"] == "server_busy", text
+        assert httpx.get(server["base"] + "/health").status_code == 200  # requests without a body still pass
+    finally:
+        for sock in stalled:
+            sock.close()
+    deadline = time.monotonic() + 30  # their bytes are let go as the server sees them leave
+    while (r := httpx.post(server["base"] + "/v1/completions", content=body, headers=JSON)).status_code == 503:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
 def test_prompts_too_long_to_fit_are_refused_before_tokenising(client):
     # 13 characters per token at most in this vocabulary: 65536 tokens hold at most 851,968 of them
     t0 = time.monotonic()
@@ -243,8 +283,8 @@ def test_listening_beyond_this_machine_needs_a_key_or_insecure(tmp_path, monkeyp
             f"tigon serve: error: --host {host} can be reached from other machines and no credential is set: "
             "set --api-key KEY (or TIGON_API_KEY), or pass --insecure to serve without one"]
     # with a key, or --insecure, the address passes, and the next check (vLLM has none of these limits) speaks
-    vllm_refusal = ("tigon serve: error: --max-body-mb and --max-choices are limits of tigon's own server; vLLM's "
-                    "server (--backend vllm) has its own and does not take these")
+    vllm_refusal = ("tigon serve: error: --max-body-mb, --max-inflight-mb and --max-choices are limits of tigon's "
+                    "own server; vLLM's server (--backend vllm) has its own and does not take these")
     limited_vllm = ("--host", "0.0.0.0", "--backend", "vllm", "--max-choices", "3")
     assert serve(*limited_vllm, "--api-key", KEY) == [vllm_refusal]
     assert serve(*limited_vllm, "--insecure") == [

@@ -30,16 +30,21 @@ def _limits(args: argparse.Namespace) -> Limits:
     from tigon.serve.server import Limits
 
     given: dict[str, int] = {}
-    if args.max_body_mb is not None:
-        if not 0 < args.max_body_mb < 2**20:  # also refuses nan and inf
-            raise ValueError(f"--max-body-mb must be a number of MiB above 0 and below {2**20}, "
-                             f"got {args.max_body_mb}")
-        given["max_body_bytes"] = max(1, int(args.max_body_mb * 2**20))
+    for flag, field, mib in (("--max-body-mb", "max_body_bytes", args.max_body_mb),
+                             ("--max-inflight-mb", "max_inflight_bytes", args.max_inflight_mb)):
+        if mib is not None:
+            if not 0 < mib < 2**20:  # also refuses nan and inf
+                raise ValueError(f"{flag} must be a number of MiB above 0 and below {2**20}, got {mib}")
+            given[field] = max(1, int(mib * 2**20))
     if args.max_choices is not None:
         if args.max_choices < 1:
             raise ValueError(f"--max-choices must be >= 1, got {args.max_choices}")
         given["max_choices"] = args.max_choices
-    return replace(Limits(), **given)
+    limits = replace(Limits(), **given)
+    if limits.max_inflight_bytes < limits.max_body_bytes:
+        raise ValueError(f"--max-inflight-mb ({limits.max_inflight_bytes / 2**20:g}) must be at least --max-body-mb "
+                         f"({limits.max_body_bytes / 2**20:g}): else no request of the largest size could be taken")
+    return limits
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -51,9 +56,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         # before the demo model is trained or any model loaded: a refusal comes at once
         check_listen_address("serve", args.host, api_key is not None, args.insecure,
                              f"--api-key KEY (or {API_KEY_ENV})")
-        if args.backend == "vllm" and (args.max_body_mb, args.max_choices) != (None, None):
-            raise ValueError("--max-body-mb and --max-choices are limits of tigon's own server; vLLM's server "
-                             "(--backend vllm) has its own and does not take these")
+        if args.backend == "vllm" and (args.max_body_mb, args.max_inflight_mb, args.max_choices) != (None,) * 3:
+            raise ValueError("--max-body-mb, --max-inflight-mb and --max-choices are limits of tigon's own server; "
+                             "vLLM's server (--backend vllm) has its own and does not take these")
         path = resolve_model_path(args.path)
         name = args.served_model_name or path
         if args.backend == "vllm":
@@ -151,6 +156,9 @@ def add_serve_commands(sub: argparse._SubParsersAction) -> None:
                        help="allow a --host other machines can reach without an API key")
     serve.add_argument("--max-body-mb", type=float, metavar="MB",
                        help="largest request body in MiB; larger ones get 413 (default 4)")
+    serve.add_argument("--max-inflight-mb", type=float, metavar="MB",
+                       help="request bodies held at once, all requests together, in MiB; past it new ones get 503 "
+                            "(default 64)")
     serve.add_argument("--max-choices", type=int, metavar="N",
                        help="most completions one request may ask for, prompts times n (default 128)")
     serve.add_argument("--backend", choices=["transformers", "vllm"], default="transformers",

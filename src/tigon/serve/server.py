@@ -131,11 +131,12 @@ class ServedModel:
 
 @dataclass(frozen=True)
 class Limits:
-    """What one request may ask of the server: its body's size in bytes, and how many completions
-    (prompts times `n`) it generates."""
+    """What requests may ask of the server: the size in bytes of one's body and of all the bodies
+    held at once (being read, or their requests being answered), and how many completions (prompts
+    times `n`) one generates."""
 
     max_body_bytes: int = 4 << 20  # a 128k-token prompt, as text or as token ids, is under 1 MiB
-
+    max_inflight_bytes: int = 64 << 20
     max_choices: int = 128
 
 
@@ -180,12 +181,16 @@ class RequireAPIKey:
 
 
 class LimitBody:
-    """ASGI middleware: a request body over `max_bytes` is answered 413, by its Content-Length
-    before any of it is read, or (a chunked body) as soon as what has been read passes the limit.
-    The app gets the body whole; uvicorn drops the rest of a refused one as it arrives."""
+    """ASGI middleware bounding the request bodies held in memory. One over `max_bytes` is answered
+    413, by its Content-Length before any of it is read, or (sent chunked) as soon as what has been
+    read passes the limit. All held at once, from the first byte read until the request has been
+    answered, add up to at most `max_inflight_bytes`: past that, requests are answered 503, so that
+    many clients sending bodies slowly, and never finishing them, cannot fill the memory. The app
+    gets the body whole; uvicorn drops the rest of a refused one as it arrives."""
 
-    def __init__(self, app: Any, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: Any, max_bytes: int, max_inflight_bytes: int):
+        self.app, self.max_bytes, self.max_inflight_bytes = app, max_bytes, max_inflight_bytes
+        self.inflight = 0  # changed only between awaits, on the event loop: no lock needed
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -193,33 +198,46 @@ class LimitBody:
             return
         too_large = APIError(413, f"the request body is larger than this server's limit of {self.max_bytes} bytes",
                              code="request_too_large")
+        busy = APIError(503, "the server holds as many request bodies as it may; retry shortly", kind="server_error",
+                        code="server_busy")
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and int(declared) > self.max_bytes:  # uvicorn has checked it is a number
+        size = 0 if declared is None else int(declared)  # uvicorn has checked it is a number
+        if size > self.max_bytes:
             await send_error(send, too_large)
             return
+        if self.inflight + size > self.max_inflight_bytes:
+            await send_error(send, busy, [(b"retry-after", b"1")])
+            return
         body = bytearray()
-        more = True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left before sending it all
-                return
-            body += message.get("body", b"")
-            if len(body) > self.max_bytes:
-                await send_error(send, too_large)
-                return
-            more = message.get("more_body", False)
-        whole = {"type": "http.request", "body": bytes(body), "more_body": False}
-        del body
+        try:
+            more = True
+            while more:
+                message = await receive()
+                if message["type"] != "http.request":  # the client left before sending it all
+                    return
+                chunk = message.get("body", b"")
+                if len(body) + len(chunk) > self.max_bytes:
+                    await send_error(send, too_large)
+                    return
+                if self.inflight + len(chunk) > self.max_inflight_bytes:
+                    await send_error(send, busy, [(b"retry-after", b"1")])
+                    return
+                body += chunk
+                self.inflight += len(chunk)
+                more = message.get("more_body", False)
+            whole: dict | None = {"type": "http.request", "body": bytes(body), "more_body": False}
 
-        async def replay() -> dict:
-            # The body once, then the client's own messages: the app waits on them for a disconnect.
-            nonlocal whole
-            if whole is not None:
-                message, whole = whole, None
-                return message
-            return await receive()
+            async def replay() -> dict:
+                # The body once, then the client's own messages: the app waits on them for a disconnect.
+                nonlocal whole
+                if whole is not None:
+                    message, whole = whole, None
+                    return message
+                return await receive()
 
-        await self.app(scope, replay, send)
+            await self.app(scope, replay, send)
+        finally:
+            self.inflight -= len(body)
 
 
 def build_app(served: ServedModel, api_key: str | None = None, limits: Limits = Limits()) -> Any:
@@ -239,7 +257,7 @@ def build_app(served: ServedModel, api_key: str | None = None, limits: Limits = 
             served.engine.stop()
 
     app = FastAPI(title="tigon serve", lifespan=lifespan)
-    app.add_middleware(LimitBody, max_bytes=limits.max_body_bytes)
+    app.add_middleware(LimitBody, max_bytes=limits.max_body_bytes, max_inflight_bytes=limits.max_inflight_bytes)
     if api_key is not None:  # added last, so it runs first: a request without the key is not read
         app.add_middleware(RequireAPIKey, api_key=api_key)
     created = int(time.time())

@@ -52,5 +52,6 @@ def serve_with_vllm(path: str, name: str, host: str, port: int, dtype: str, base
         if api_key is not None:
             env = dict(os.environ, VLLM_API_KEY=api_key)
             print("tigon serve: --backend vllm: vLLM's server checks the API key on its /v1 routes only, and has "
-                  "none of tigon's request limits (--max-body-mb, --max-choices)", file=sys.stderr, flush=True)
+                  "none of tigon's request limits (--max-body-mb, --max-inflight-mb, --max-choices)",
+                  file=sys.stderr, flush=True)
         return subprocess.call(cmd, env=env)  # Ctrl-C reaches vLLM too (same process group): it shuts itself down
