@@ -208,7 +208,7 @@ class LimitBody:
         if self.inflight + size > self.max_inflight_bytes:
             await send_error(send, busy, [(b"retry-after", b"1")])
             return
-        body = bytearray()
+        body, held = bytearray(), 0
         try:
             more = True
             while more:
@@ -216,16 +216,18 @@ class LimitBody:
                 if message["type"] != "http.request":  # the client left before sending it all
                     return
                 chunk = message.get("body", b"")
-                if len(body) + len(chunk) > self.max_bytes:
+                if held + len(chunk) > self.max_bytes:
                     await send_error(send, too_large)
                     return
                 if self.inflight + len(chunk) > self.max_inflight_bytes:
                     await send_error(send, busy, [(b"retry-after", b"1")])
                     return
                 body += chunk
+                held += len(chunk)
                 self.inflight += len(chunk)
                 more = message.get("more_body", False)
             whole: dict | None = {"type": "http.request", "body": bytes(body), "more_body": False}
+            del body  # the app's copy is the one kept
 
             async def replay() -> dict:
                 # The body once, then the client's own messages: the app waits on them for a disconnect.
@@ -237,7 +239,7 @@ class LimitBody:
 
             await self.app(scope, replay, send)
         finally:
-            self.inflight -= len(body)
+            self.inflight -= held
 
 
 def build_app(served: ServedModel, api_key: str | None = None, limits: Limits = Limits()) -> Any:
