@@ -114,9 +114,10 @@ async def run_choice(engine: Engine, tokenizer: Any, choice: Choice, stops: list
 @dataclass
 class ServedModel:
     """What the app serves: the engine, its tokenizer, the model's name and context length.
-    `max_prompt_chars` follows from them: no token stands for more characters than the longest
-    entry of the vocabulary, so a text longer than the context times that length cannot fit, and
-    is refused without being tokenised."""
+    `max_prompt_chars` follows from them: a token of a causal LM's tokenizer (byte-level BPE or
+    SentencePiece, which keep every character) stands for no more characters than the longest entry
+    of its vocabulary, so a text longer than the context times that length cannot fit, and is
+    refused without being tokenised."""
 
     engine: Engine
     tokenizer: Any
