@@ -3,22 +3,71 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tigon.serve.server import Limits
 
 _DEBUG = {"action": "store_true", "default": argparse.SUPPRESS, "help": "show full tracebacks"}
+API_KEY_ENV = "TIGON_API_KEY"
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else $TIGON_API_KEY (set but empty counts as unset), else None."""
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    if key is not None and not (key and key.isascii() and key.isprintable() and key.strip() == key):
+        raise ValueError(f"--api-key / {API_KEY_ENV} must be printable ASCII without surrounding spaces "
+                         "(clients send it in an HTTP header)")
+    return key
+
+
+def _limits(args: argparse.Namespace) -> Limits:
+    """The server's `Limits`: its defaults, with the ones given on the command line."""
+    from dataclasses import replace
+
+    from tigon.serve.server import Limits
+
+    given: dict[str, int] = {}
+    for flag, field, mib in (("--max-body-mb", "max_body_bytes", args.max_body_mb),
+                             ("--max-inflight-mb", "max_inflight_bytes", args.max_inflight_mb)):
+        if mib is not None:
+            if not 0 < mib < 2**20:  # also refuses nan and inf
+                raise ValueError(f"{flag} must be a number of MiB above 0 and below {2**20}, got {mib}")
+            given[field] = max(1, int(mib * 2**20))
+    if args.max_choices is not None:
+        if args.max_choices < 1:
+            raise ValueError(f"--max-choices must be >= 1, got {args.max_choices}")
+        given["max_choices"] = args.max_choices
+    limits = replace(Limits(), **given)
+    if limits.max_inflight_bytes < limits.max_body_bytes:
+        raise ValueError(f"--max-inflight-mb ({limits.max_inflight_bytes / 2**20:g}) must be at least --max-body-mb "
+                         f"({limits.max_body_bytes / 2**20:g}): else no request of the largest size could be taken")
+    return limits
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from tigon.serve.loading import resolve_model_path
+    from tigon.serve.security import check_listen_address
 
     try:
+        api_key = _api_key(args)
+        # before the demo model is trained or any model loaded: a refusal comes at once
+        check_listen_address("serve", args.host, api_key is not None, args.insecure,
+                             f"--api-key KEY (or {API_KEY_ENV})")
+        if args.backend == "vllm" and (args.max_body_mb, args.max_inflight_mb, args.max_choices) != (None,) * 3:
+            raise ValueError("--max-body-mb, --max-inflight-mb and --max-choices are limits of tigon's own server; "
+                             "vLLM's server (--backend vllm) has its own and does not take these")
         path = resolve_model_path(args.path)
         name = args.served_model_name or path
         if args.backend == "vllm":
             from tigon.serve.vllm import serve_with_vllm
 
-            return serve_with_vllm(path, name, args.host, args.port, args.dtype, args.base, args.max_model_len)
+            return serve_with_vllm(path, name, args.host, args.port, args.dtype, args.base, args.max_model_len,
+                                   api_key)
         _check_serving_installed()
+        limits = _limits(args)
         _check_port(args.host, args.port)  # before minutes of loading, not after
         from tigon.serve.engine import Engine
         from tigon.serve.loading import context_length, load_model_for_serving
@@ -27,9 +76,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         model, tokenizer = load_model_for_serving(path, args.dtype, args.base)
         served = ServedModel(Engine(model, tokenizer), tokenizer, name, context_length(model, args.max_model_len))
         print(f"tigon serve: {name} ({type(model).__name__}, {model.dtype}, {model.device}, context "
-              f"{served.max_model_len}) on http://{args.host}:{args.port}/v1 (transformers continuous batching)",
+              f"{served.max_model_len}) on http://{args.host}:{args.port}/v1 (transformers continuous batching; "
+              f"{'API key required' if api_key else 'no API key'})",
               file=sys.stderr, flush=True)
-        serve_forever(served, args.host, args.port)
+        serve_forever(served, args.host, args.port, api_key, limits)
     except KeyboardInterrupt:
         print("tigon serve: stopped (Ctrl-C)", file=sys.stderr)
         return 130
@@ -95,8 +145,22 @@ def add_serve_commands(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("path", nargs="?", metavar="PATH",
                        help="tigon output (final/, checkpoint-N/, LoRA adapter) or HF model directory "
                             "(default: demo-out/final, trained first if missing)")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default 127.0.0.1: this machine only; any other needs --api-key "
+                            "or --insecure)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--api-key", metavar="KEY",
+                       help=f"clients must send 'Authorization: Bearer KEY' (all but /health and /docs); "
+                            f"${API_KEY_ENV} sets it without showing it in the process list")
+    serve.add_argument("--insecure", action="store_true",
+                       help="allow a --host other machines can reach without an API key")
+    serve.add_argument("--max-body-mb", type=float, metavar="MB",
+                       help="largest request body in MiB; larger ones get 413 (default 4)")
+    serve.add_argument("--max-inflight-mb", type=float, metavar="MB",
+                       help="request bodies held at once, all requests together, in MiB; past it new ones get 503 "
+                            "(default 64)")
+    serve.add_argument("--max-choices", type=int, metavar="N",
+                       help="most completions one request may ask for, prompts times n (default 128)")
     serve.add_argument("--backend", choices=["transformers", "vllm"], default="transformers",
                        help="transformers: its continuous batching (default); vllm: vLLM's OpenAI server, if installed")
     serve.add_argument("--served-model-name", metavar="NAME", help="the model's name in the API (default: PATH)")

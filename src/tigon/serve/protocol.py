@@ -4,9 +4,20 @@ setting that silently does nothing gives a client numbers it did not ask for."""
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+import json
+from typing import Annotated, Any, Literal, Optional, TypeVar, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+# Lists are validated up to their first bad item: pydantic otherwise reports every bad item, and a
+# request of a million of them took seconds and gigabytes to refuse. Those other than a prompt's
+# token ids are also short: each item is validated on the event loop, and the ~120,000 empty
+# messages a request body can hold took seconds.
+MAX_ITEMS = 4096
+T = TypeVar("T")
+Items = Annotated[list[T], Field(fail_fast=True, max_length=MAX_ITEMS)]
+TokenIds = Annotated[list[int], Field(fail_fast=True)]
 
 
 class APIError(Exception):
@@ -21,18 +32,55 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+def lone_surrogate(data: Any) -> str | None:
+    """Where in parsed JSON `data` a string (a value or a key) holds a lone UTF-16 surrogate, which
+    JSON's ``\\ud800`` escapes can express but which is not text: its field's path, such as
+    ``messages.0.content``, or None when there is none."""
+    try:  # at C speed, the common answer: JSON without one encodes as UTF-8
+        json.dumps(data, ensure_ascii=False, default=repr).encode()
+        return None
+    except UnicodeEncodeError:
+        pass
+    stack: list[tuple[tuple, Any]] = [((), data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    return ".".join(str(part) for part in path) or "body"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                # The key goes on top, so it is looked at before anything under it: a bad key is
+                # reported by where it sits, and never printed as part of a path.
+                stack += [(path + (key,), item), (path, key)]
+        elif isinstance(value, list):
+            stack += [(path + (i,), item) for i, item in enumerate(value) if isinstance(item, (str, dict, list))]
+    return None
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data: Any) -> Any:
+        where = lone_surrogate(data)
+        if where is not None:
+            raise PydanticCustomError("invalid_unicode", "{param} holds a lone UTF-16 surrogate (an unpaired "
+                                      "\\ud800-\\udfff escape), which is not valid Unicode text", {"param": where})
+        return data
 
     model: Optional[str] = None
     max_tokens: Optional[int] = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=128)
-    stop: Union[str, list[str], None] = Field(None, validate_default=True)
+    stop: Union[str, Items[str], None] = Field(None, validate_default=True)
     seed: Optional[int] = None
     stream: bool = False
-    stream_options: Optional[dict[str, bool]] = None
+    stream_options: Optional[Annotated[dict[str, bool], Field(fail_fast=True)]] = None
     user: Optional[str] = None  # an end-user id: accepted, as OpenAI does, and not used
     # Accepted at their neutral values only, which clients often send explicitly.
     presence_penalty: Optional[float] = None
@@ -73,7 +121,7 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="allow")  # e.g. "name": harmless, and passed to the template
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[TextPart]]
+    content: Union[str, Items[TextPart]]
 
     def as_chat(self) -> dict[str, str]:
         """The message as chat templates take it: OpenAI's "developer" role is the system prompt."""
@@ -82,7 +130,7 @@ class Message(BaseModel):
 
 
 class ChatRequest(_Request):
-    messages: list[Message] = Field(min_length=1)
+    messages: Items[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
 
     @property
@@ -91,7 +139,7 @@ class ChatRequest(_Request):
 
 
 class CompletionRequest(_Request):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[str, Items[str], TokenIds, Items[TokenIds]]
     max_tokens: Optional[int] = Field(16, ge=1)  # OpenAI's default for completions
     echo: bool = False
     suffix: Optional[str] = None

@@ -7,20 +7,31 @@ batching request the sampling settings of the first one, ignore `stop` under con
 batching, answer an unknown model with 400 and errors as ``{"detail": ...}``, and do not check
 prompt lengths. So the routes are written here, on the pieces those handlers are built on
 (FastAPI, uvicorn, the CB manager, tokenizers' incremental `DecodeStream`).
+
+Everything a client sends is bounded before it costs much: a key (when set) is checked before the
+body is read, the body's size while it is read, the number of completions before any prompt is
+tokenised, and a prompt's length in characters before it is tokenised (in a worker thread, so a
+long one does not hold up other requests).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from fastapi import Request  # at module level: FastAPI resolves the routes' annotations from here
+import anyio
+# At module level: FastAPI resolves the routes' annotations (strings, by the __future__ import) here.
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from tigon.serve.engine import Engine, Sampling
 from tigon.serve.protocol import APIError, ChatRequest, CompletionRequest
@@ -102,20 +113,142 @@ async def run_choice(engine: Engine, tokenizer: Any, choice: Choice, stops: list
 
 @dataclass
 class ServedModel:
-    """What the app serves: the engine, its tokenizer, the model's name and context length."""
+    """What the app serves: the engine, its tokenizer, the model's name and context length.
+    `max_prompt_chars` follows from them: a token of a causal LM's tokenizer (byte-level BPE or
+    SentencePiece, which keep every character) stands for no more characters than the longest entry
+    of its vocabulary, so a text longer than the context times that length cannot fit, and is
+    refused without being tokenised."""
 
     engine: Engine
     tokenizer: Any
     name: str
     max_model_len: int
+    max_prompt_chars: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        longest = max(len(token) for token in self.tokenizer.backend_tokenizer.get_vocab())
+        self.max_prompt_chars = self.max_model_len * longest
 
 
-def build_app(served: ServedModel) -> Any:
-    """The FastAPI app: /v1/models, /v1/chat/completions, /v1/completions, /health. The engine's
+@dataclass(frozen=True)
+class Limits:
+    """What requests may ask of the server: the size in bytes of one's body and of all the bodies
+    held at once (being read, or their requests being answered), and how many completions (prompts
+    times `n`) one generates."""
+
+    max_body_bytes: int = 4 << 20  # a 128k-token prompt, as text or as token ids, is under 1 MiB
+    max_inflight_bytes: int = 64 << 20
+    max_choices: int = 128
+
+
+# Prompts tokenised at once, each in a worker thread (the tokenizer lets go of the GIL, so the
+# event loop answers meanwhile). Tokenising holds some hundred times the text's size; more at once
+# would multiply that and gain nothing on a busy CPU.
+TOKENISING_THREADS = 2
+
+# Paths answered without the key: they tell nothing about the model (the schema is every tigon
+# server's), and a browser opening the docs page cannot send a key.
+OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs"})
+
+
+async def send_error(send: Any, error: APIError, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    """Answer `error` at the ASGI level, from a middleware that has not passed the request on."""
+    body = json.dumps(error.body()).encode()
+    await send({"type": "http.response.start", "status": error.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class RequireAPIKey:
+    """ASGI middleware: a request outside `OPEN_PATHS` must carry ``Authorization: Bearer KEY``,
+    else it is answered 401 before its body is read. The comparison is of SHA-256 digests, in
+    constant time: neither the key's characters nor its length can be probed by timing it."""
+
+    def __init__(self, app: Any, api_key: str):
+        self.app = app
+        self._digest = hashlib.sha256(api_key.encode()).digest()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            given = hashlib.sha256(token.strip()).digest()
+            if not (hmac.compare_digest(given, self._digest) and scheme.lower() == b"bearer"):
+                error = APIError(401, "missing or incorrect API key: send it as 'Authorization: Bearer KEY'",
+                                 code="invalid_api_key")
+                await send_error(send, error, [(b"www-authenticate", b"Bearer")])
+                return
+        await self.app(scope, receive, send)
+
+
+class LimitBody:
+    """ASGI middleware bounding the request bodies held in memory. One over `max_bytes` is answered
+    413, by its Content-Length before any of it is read, or (sent chunked) as soon as what has been
+    read passes the limit. All held at once, from the first byte read until the request has been
+    answered, add up to at most `max_inflight_bytes`: past that, requests are answered 503, so that
+    many clients sending bodies slowly, and never finishing them, cannot fill the memory. The app
+    gets the body whole; uvicorn drops the rest of a refused one as it arrives."""
+
+    def __init__(self, app: Any, max_bytes: int, max_inflight_bytes: int):
+        self.app, self.max_bytes, self.max_inflight_bytes = app, max_bytes, max_inflight_bytes
+        self.inflight = 0  # changed only between awaits, on the event loop: no lock needed
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_large = APIError(413, f"the request body is larger than this server's limit of {self.max_bytes} bytes",
+                             code="request_too_large")
+        busy = APIError(503, "the server holds as many request bodies as it may; retry shortly", kind="server_error",
+                        code="server_busy")
+        declared = dict(scope["headers"]).get(b"content-length")
+        size = 0 if declared is None else int(declared)  # uvicorn has checked it is a number
+        if size > self.max_bytes:
+            await send_error(send, too_large)
+            return
+        if self.inflight + size > self.max_inflight_bytes:
+            await send_error(send, busy, [(b"retry-after", b"1")])
+            return
+        body, held = bytearray(), 0
+        try:
+            more = True
+            while more:
+                message = await receive()
+                if message["type"] != "http.request":  # the client left before sending it all
+                    return
+                chunk = message.get("body", b"")
+                if held + len(chunk) > self.max_bytes:
+                    await send_error(send, too_large)
+                    return
+                if self.inflight + len(chunk) > self.max_inflight_bytes:
+                    await send_error(send, busy, [(b"retry-after", b"1")])
+                    return
+                body += chunk
+                held += len(chunk)
+                self.inflight += len(chunk)
+                more = message.get("more_body", False)
+            whole: dict | None = {"type": "http.request", "body": bytes(body), "more_body": False}
+            del body  # the app's copy is the one kept
+
+            async def replay() -> dict:
+                # The body once, then the client's own messages: the app waits on them for a disconnect.
+                nonlocal whole
+                if whole is not None:
+                    message, whole = whole, None
+                    return message
+                return await receive()
+
+            await self.app(scope, replay, send)
+        finally:
+            self.inflight -= held
+
+
+def build_app(served: ServedModel, api_key: str | None = None, limits: Limits = Limits()) -> Any:
+    """The FastAPI app: /v1/models, /v1/chat/completions, /v1/completions, /health (and the API's
+    /docs). With an `api_key`, everything but /health and the docs needs it. The engine's
     generation thread runs between the app's startup and shutdown."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, StreamingResponse
     from starlette.exceptions import HTTPException
 
     @contextlib.asynccontextmanager
@@ -127,7 +260,11 @@ def build_app(served: ServedModel) -> Any:
             served.engine.stop()
 
     app = FastAPI(title="tigon serve", lifespan=lifespan)
+    app.add_middleware(LimitBody, max_bytes=limits.max_body_bytes, max_inflight_bytes=limits.max_inflight_bytes)
+    if api_key is not None:  # added last, so it runs first: a request without the key is not read
+        app.add_middleware(RequireAPIKey, api_key=api_key)
     created = int(time.time())
+    tokenising = anyio.CapacityLimiter(TOKENISING_THREADS)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError) -> JSONResponse:
@@ -165,18 +302,17 @@ def build_app(served: ServedModel) -> Any:
     async def chat(body: ChatRequest, request: Request) -> Any:
         body.check_supported()
         check_model(served, body.model)
-        try:
-            text = render(served.tokenizer, [m.as_chat() for m in body.messages], True)
-        except Exception as err:  # a template raises whatever its author chose
-            raise APIError(400, f"the chat template failed on these messages: {err}", param="messages") from None
-        prompt = served.tokenizer(text, add_special_tokens=False)["input_ids"]
+        check_choices(limits, 1, body.n)
+        prompt = await anyio.to_thread.run_sync(partial(chat_prompt, served, body), limiter=tokenising)
         return await respond(request, body, [prompt], chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         body.check_supported()
         check_model(served, body.model)
-        prompts = [encode_prompt(served, p) for p in body.prompts()]
+        texts = body.prompts()
+        check_choices(limits, len(texts), body.n)
+        prompts = await anyio.to_thread.run_sync(lambda: [encode_prompt(served, p) for p in texts], limiter=tokenising)
         return await respond(request, body, prompts, chat=False)
 
     async def respond(request: Request, body: ChatRequest | CompletionRequest, prompts: list[list[int]],
@@ -203,11 +339,15 @@ def build_app(served: ServedModel) -> Any:
 
 def validation_error(errors: list[dict[str, Any]]) -> APIError:
     """FastAPI's validation errors as one OpenAI-style 400 naming the first bad field."""
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    # A list too long is the problem to name, rather than the other shapes of a union it does not fit.
+    first = next((e for e in errors if e.get("type") == "too_long"), errors[0] if errors else
+                 {"loc": (), "msg": "invalid request", "type": ""})
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return APIError(400, "the request body is not valid JSON")
+    if first.get("type") == "invalid_unicode":  # its message names the field: the location is the body's
+        return APIError(400, first["msg"], param=first["ctx"]["param"])
     if first.get("type") == "extra_forbidden":
         return APIError(400, f"unrecognized request argument supplied: {param}", param=param)
     if first.get("type") == "missing" and not loc:
@@ -226,9 +366,34 @@ def check_model(served: ServedModel, name: str | None) -> None:
                        param="model", code="model_not_found")
 
 
+def check_choices(limits: Limits, prompts: int, n: int) -> None:
+    """Refuse a request for more completions than `limits` allow."""
+    if prompts * n > limits.max_choices:
+        raise APIError(400, f"this request asks for {prompts * n} completions ({prompts} prompts times n={n}); this "
+                            f"server generates at most {limits.max_choices} per request", param="n")
+
+
+def encode_text(served: ServedModel, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    """The token ids of `text`, refused unread when it is too long for any tokenisation of it to fit."""
+    if len(text) > served.max_prompt_chars:
+        raise APIError(400, f"{param} is {len(text)} characters long, more than this model's context of "
+                            f"{served.max_model_len} tokens can hold (at most {served.max_prompt_chars} characters)",
+                       param=param, code="context_length_exceeded")
+    return served.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+
+def chat_prompt(served: ServedModel, body: ChatRequest) -> list[int]:
+    """The token ids of a chat's messages through the model's chat template."""
+    try:
+        text = render(served.tokenizer, [m.as_chat() for m in body.messages], True)
+    except Exception as err:  # a template raises whatever its author chose
+        raise APIError(400, f"the chat template failed on these messages: {err}", param="messages") from None
+    return encode_text(served, text, add_special_tokens=False, param="messages")
+
+
 def encode_prompt(served: ServedModel, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, str):
-        ids = served.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        ids = encode_text(served, prompt, add_special_tokens=True, param="prompt")
     else:
         vocab = len(served.tokenizer)
         if any(not 0 <= t < vocab for t in prompt):
@@ -346,11 +511,12 @@ async def stream_events(served: ServedModel, body: Any, choices: list[Choice], i
             task.cancel()
 
 
-def serve_forever(served: ServedModel, host: str, port: int) -> None:
+def serve_forever(served: ServedModel, host: str, port: int, api_key: str | None = None,
+                  limits: Limits = Limits()) -> None:
     """Run the app with uvicorn until Ctrl-C / SIGTERM (then it finishes open requests for up to
     5 s, stops the engine and returns; uvicorn re-raises Ctrl-C as KeyboardInterrupt)."""
     import uvicorn
 
-    app = build_app(served)
+    app = build_app(served, api_key, limits)
     config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
     uvicorn.Server(config).run()

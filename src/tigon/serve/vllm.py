@@ -1,9 +1,12 @@
 """`tigon serve --backend vllm`: the same model handed to vLLM's OpenAI server (a LoRA adapter is
-merged first, into a temporary directory, so vLLM loads one plain model)."""
+merged first, into a temporary directory, so vLLM loads one plain model). vLLM's server is then
+the front: it checks the API key itself (on its /v1 routes), and its own request limits apply,
+not those of tigon's server."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 import tempfile
@@ -24,8 +27,10 @@ def vllm_command(model_dir: str, name: str, host: str, port: int, dtype: str, ma
 
 
 def serve_with_vllm(path: str, name: str, host: str, port: int, dtype: str, base: str | None,
-                    max_model_len: int | None) -> int:
-    """Run vLLM's server on `path` until it exits; its exit status."""
+                    max_model_len: int | None, api_key: str | None = None) -> int:
+    """Run vLLM's server on `path` until it exits; its exit status. An `api_key` reaches vLLM
+    through its environment (VLLM_API_KEY), where other users cannot read it, unlike a
+    command line."""
     if importlib.util.find_spec("vllm") is None:
         raise ValueError("--backend vllm: vLLM is not installed (pip install vllm); "
                          "the default --backend transformers needs nothing more")
@@ -43,4 +48,10 @@ def serve_with_vllm(path: str, name: str, host: str, port: int, dtype: str, base
             template = str(Path(tmp) / "chat_template.jinja")
             Path(template).write_text(DEFAULT_CHAT_TEMPLATE)
         cmd = vllm_command(model_dir, name, host, port, dtype, max_model_len, template)
-        return subprocess.call(cmd)  # Ctrl-C reaches vLLM too (same process group): it shuts itself down
+        env = None
+        if api_key is not None:
+            env = dict(os.environ, VLLM_API_KEY=api_key)
+            print("tigon serve: --backend vllm: vLLM's server checks the API key on its /v1 routes only, and has "
+                  "none of tigon's request limits (--max-body-mb, --max-inflight-mb, --max-choices)",
+                  file=sys.stderr, flush=True)
+        return subprocess.call(cmd, env=env)  # Ctrl-C reaches vLLM too (same process group): it shuts itself down
