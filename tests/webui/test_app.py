@@ -208,6 +208,39 @@ def test_screenshots_of_each_tab(ui, client, default_run, browser_page, artifact
         _not_blank(artifacts / png)
 
 
+def test_the_live_chart_draws_a_run_started_from_the_page(ui, client, default_run, browser_page):
+    """From a page showing a finished run, a run started with its Start button: while it trains,
+    the chart draws the new run's points on number axes (it drew nothing until a reload, its
+    axes read as categories), and Stop is enabled while the run runs, and only then."""
+    page = browser_page
+    page.goto(f"{ui}?run={default_run['name']}", wait_until="load", timeout=60_000)
+    page.wait_for_function("() => document.querySelector('#train-status')?.innerText.includes('finished')",
+                           timeout=60_000)
+    assert page.locator("#stop").is_disabled()
+    page.get_by_label("steps").first.fill("2000")
+    page.get_by_label("more options").first.fill("--samples 0")
+    page.locator("#start").click()
+    page.wait_for_function("""() => { const m = document.querySelector('#train-status')?.innerText
+                                          .match(/running · step (\\d+)/); return m && +m[1] >= 4; }""",
+                           timeout=180_000)
+    name = page.locator("#train-run textarea, #train-run input").first.input_value()
+    assert name != default_run["name"] and page.locator("#stop").is_enabled()
+    _line_drawn(page, "train-loss-plot")
+    ticks = page.locator("#train-loss-plot .role-axis-label text").evaluate_all("ts => ts.map(t => t.textContent)")
+    assert ticks and all(len(t) <= 5 and float(t) >= 0 for t in ticks), ticks  # numbers, not 6.3040752411
+    page.locator("#stop").click()
+    page.wait_for_function("() => !document.querySelector('#train-status')?.innerText.includes('running')",
+                           timeout=120_000)
+    page.wait_for_function("() => document.querySelector('#stop')?.disabled", timeout=30_000)
+    # The Runs tab's stop button follows the run it shows the same way.
+    page.get_by_role("tab", name="Runs").click()
+    page.locator("#runs-selected input").fill(name)
+    page.locator("#runs-selected input").press("Enter")
+    page.wait_for_function("n => document.querySelector('#runs-selected')?.closest('.column')?.innerText.includes(n)",
+                           arg=name, timeout=30_000)
+    assert page.locator("#runs-stop").is_disabled()
+
+
 def test_the_page_keeps_an_uploaded_data_file_in_the_runs_folder(ui, runs_dir, browser_page, tmp_path):
     """The page's upload (Gradio's upload route, then the UI's handler): a data file lands in
     RUNS/uploads under a name of its own and is previewed; a Python file is refused."""

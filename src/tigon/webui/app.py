@@ -38,7 +38,9 @@ def _theme() -> gr.themes.Base:
 
 
 def _loss_frame(points: list[tuple[str, int, float]]) -> pd.DataFrame:
-    return pd.DataFrame(points, columns=["run", "step", "loss"])
+    # Typed even when empty: Gradio reads an empty (object) column as categories, and the page's
+    # chart then kept a category axis, with no curve, through the first points of a live run.
+    return pd.DataFrame(points, columns=["run", "step", "loss"]).astype({"run": str, "step": "int64", "loss": "float64"})
 
 
 def _status_line(info: RunInfo) -> str:
@@ -87,16 +89,18 @@ def build_app(runs_dir: str | Path, max_running: int = 4) -> gr.Blocks:
     chat_model = ChatModel()
 
     def watch(name: str) -> tuple:
-        """The Train tab's view of run `name`: status, summary, curve, log, and the timer that
-        keeps it fresh while the run is running."""
+        """The Train tab's view of run `name`: status, summary, curve, log, the timer that keeps it
+        fresh while the run is running, and its stop button, which only a running run enables."""
         if not name:
-            return "", {}, _loss_frame([]), "", gr.Timer(active=False)
+            return "", {}, _loss_frame([]), "", gr.Timer(active=False), gr.Button(interactive=False)
         try:
             info = store.info(name, log_lines=LOG_LINES)
         except WebUIError as err:
-            return f"`{err}`", {"status": "error", "message": str(err)}, _loss_frame([]), "", gr.Timer(active=False)
+            return (f"`{err}`", {"status": "error", "message": str(err)}, _loss_frame([]), "", gr.Timer(active=False),
+                    gr.Button(interactive=False))
+        running = info.status == RUNNING
         return (_status_line(info), _summary(info), _loss_frame(store.loss_points([name])), "\n".join(info.log),
-                gr.Timer(active=info.status == RUNNING))
+                gr.Timer(active=running), gr.Button(interactive=running))
 
     def settings_of(method: str, model: str | None, dataset: str | None, tuner: str, lora_rank: float | None,
                     lora_alpha: float | None, lr: float | None, max_steps: float | None, max_length: float | None,
@@ -131,7 +135,7 @@ def build_app(runs_dir: str | Path, max_running: int = 4) -> gr.Blocks:
             name = store.start(settings_of(*values))
         except (WebUIError, OSError) as err:
             return ("", f"`{err}`", {"status": "error", "message": str(err)}, _loss_frame([]), "",
-                    gr.Timer(active=False))
+                    gr.Timer(active=False), gr.Button(interactive=False))
         return (name, *watch(name))
 
     def stop(name: str) -> str:
@@ -185,13 +189,15 @@ def build_app(runs_dir: str | Path, max_running: int = 4) -> gr.Blocks:
         return gr.Dropdown(choices=models, value=current if current in paths else (paths[0] if paths else None))
 
     def run_details(name: str | None) -> tuple:
+        """The Runs tab's status and log of run `name`, and its stop button (enabled while it runs)."""
         if not name:
-            return "", ""
+            return "", "", gr.Button(interactive=False)
         try:
             info = store.info(name, log_lines=25)
         except WebUIError as err:
-            return f"`{err}`", ""
-        return _status_line(info) + (f"\n\n`{info.command}`" if info.command else ""), "\n".join(info.log)
+            return f"`{err}`", "", gr.Button(interactive=False)
+        return (_status_line(info) + (f"\n\n`{info.command}`" if info.command else ""), "\n".join(info.log),
+                gr.Button(interactive=info.status == RUNNING))
 
     def export(path: str | None, to: str, dtype: str) -> str:
         try:
@@ -264,13 +270,13 @@ def build_app(runs_dir: str | Path, max_running: int = 4) -> gr.Blocks:
             command = gr.Textbox(label="command", interactive=False, elem_id="train-command")
             with gr.Row():
                 start_button = gr.Button("Start", variant="primary", elem_id="start")
-                stop_button = gr.Button("Stop (saves a checkpoint)", variant="stop", elem_id="stop")
+                stop_button = gr.Button("Stop (saves a checkpoint)", variant="stop", elem_id="stop", interactive=False)
             notice = gr.Markdown(elem_id="train-notice")
             run = gr.Textbox(label="run", info="the run shown below (type a run's name and press Enter to watch it)",
                              elem_id="train-run")
             status = gr.Markdown(elem_id="train-status")
             with gr.Row():
-                plot = gr.LinePlot(x="step", y="loss", color="run", title="training loss", height=300,
+                plot = gr.LinePlot(x="step", y="loss", title="training loss", height=300,
                                    elem_id="train-loss-plot", scale=3)
                 summary = gr.JSON(label="summary", elem_id="train-summary", scale=2)
             log = gr.Textbox(label="log (last lines)", lines=LOG_LINES, max_lines=LOG_LINES, autoscroll=True,
@@ -288,7 +294,7 @@ def build_app(runs_dir: str | Path, max_running: int = 4) -> gr.Blocks:
                 with gr.Column():
                     selected = gr.Dropdown(label="run", allow_custom_value=True, elem_id="runs-selected")
                     details = gr.Markdown()
-                    run_stop = gr.Button("Stop this run", variant="stop", size="sm")
+                    run_stop = gr.Button("Stop this run", variant="stop", size="sm", elem_id="runs-stop", interactive=False)
                     run_log = gr.Textbox(label="log", lines=8, max_lines=8, elem_classes="tigon-log")
                 with gr.Column():
                     export_model = gr.Dropdown(label="model to export", allow_custom_value=True,
@@ -318,7 +324,7 @@ def build_app(runs_dir: str | Path, max_running: int = 4) -> gr.Blocks:
                 clear = gr.Button("Clear", scale=1)
             chat_status = gr.Markdown(elem_id="chat-status")
 
-        view = [status, summary, plot, log, timer]
+        view = [status, summary, plot, log, timer, stop_button]
         preview_outputs = [preview_summary, preview_text]
         runs_inputs, runs_outputs = [compared, selected, export_model], [table, compared, overlay, selected, export_model]
         # Separate loads, so the fast parts show without waiting for the preview's first imports.
@@ -343,7 +349,7 @@ def build_app(runs_dir: str | Path, max_running: int = 4) -> gr.Blocks:
         runs_timer.tick(runs_table, None, table, api_name="runs", show_progress="hidden")
         # Not an API endpoint: a client's new session knows only the choices the page was built with.
         compared.change(compare, compared, overlay, api_name=False, show_progress="hidden")
-        selected.change(run_details, selected, [details, run_log], api_name=False)
+        selected.change(run_details, selected, [details, run_log, run_stop], api_name=False)
         run_stop.click(stop, selected, details, api_name=False, concurrency_limit=None)
         merged_button.click(export_merged, [export_model, export_dtype], export_result, api_name="export_merged")
         gguf_button.click(export_gguf, [export_model, export_dtype], export_result, api_name="export_gguf")
