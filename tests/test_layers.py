@@ -3,7 +3,8 @@
 Each module belongs to a unit: ``tigon.<first name under tigon>`` (``tigon.patch.lora`` is in
 ``tigon.patch``), or ``tigon`` itself for the package's ``__init__``. The units stand on floors:
 
-0. ``tigon.ops`` (the Triton kernels), ``tigon.timing`` and ``tigon.cuda_graphs`` (torch utilities);
+0. ``tigon.ops`` (the Triton kernels), ``tigon.timing`` and ``tigon.cuda_graphs`` (torch utilities),
+   ``tigon.security`` (who may reach a server: the standard library alone);
 1. ``tigon.functional``, ``tigon.nn``: the ops as functions and modules;
 2. ``tigon.patch``: Hugging Face models onto the ops;
 3. ``tigon``: the package's public names (``tigon.patch``, ``tigon.AutoModelForCausalLM``, ...);
@@ -33,7 +34,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 FLOORS: list[set[str]] = [
-    {"tigon.ops", "tigon.timing", "tigon.cuda_graphs"},
+    {"tigon.ops", "tigon.timing", "tigon.cuda_graphs", "tigon.security"},
     {"tigon.functional", "tigon.nn"},
     {"tigon.patch"},
     {"tigon"},
@@ -50,7 +51,7 @@ SAME_FLOOR = {
 }
 
 # Units that import no third-party package but these (the standard library aside).
-TORCH_ONLY = {"tigon.ops", "tigon.timing", "tigon.cuda_graphs", "tigon.functional", "tigon.nn"}
+TORCH_ONLY = {"tigon.ops", "tigon.timing", "tigon.cuda_graphs", "tigon.security", "tigon.functional", "tigon.nn"}
 TORCH_ONLY_ALLOWED = {"torch", "triton"}
 
 

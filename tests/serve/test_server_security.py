@@ -17,7 +17,7 @@ import pytest
 from tests.serve.test_server import NAME, httpx, openai, start_server
 from tigon.cli import main
 from tigon.serve.protocol import CompletionRequest
-from tigon.serve.security import is_loopback
+from tigon.security import is_loopback
 
 KEY = "sk-test-0123456789"
 MAX_BODY = 1 << 20  # --max-body-mb 1

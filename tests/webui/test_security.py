@@ -22,7 +22,7 @@ from gradio_client import Client
 from gradio_client.exceptions import AppError
 
 from tigon.cli import main
-from tigon.webui.cli import is_loopback
+from tigon.security import is_loopback
 
 from .conftest import _free_port
 
@@ -288,7 +288,7 @@ def test_a_non_loopback_host_needs_a_login(tmp_path, capsys, monkeypatch):
     for host in ("0.0.0.0", "192.0.2.7", "::", "example.org"):
         assert main(["webui", "--host", host, "--runs", str(tmp_path)]) == 2
         err = capsys.readouterr().err
-        assert err.startswith(f"tigon webui: error: --host {host} lets other machines start runs") and \
+        assert err.startswith(f"tigon webui: error: --host {host} can be reached from other machines") and \
             "TIGON_WEBUI_AUTH=USER:PASSWORD" in err and "--insecure" in err and err.count("\n") == 1
     monkeypatch.setenv("TIGON_WEBUI_AUTH", "nocolon")
     assert main(["webui", "--runs", str(tmp_path)]) == 2

@@ -49,7 +49,7 @@ def _limits(args: argparse.Namespace) -> Limits:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from tigon.serve.loading import resolve_model_path
-    from tigon.serve.security import check_listen_address
+    from tigon.security import check_listen_address
 
     try:
         api_key = _api_key(args)

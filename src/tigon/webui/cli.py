@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import ipaddress
 import logging
 import os
-import sys
 from pathlib import Path
+
+from tigon.security import check_listen_address
 
 DEFAULT_RUNS = "tigon-runs"
 AUTH_ENV = "TIGON_WEBUI_AUTH"
@@ -43,28 +43,11 @@ def read_auth(auth_file: str | None, environ: dict[str, str] | None = None) -> l
     return pairs
 
 
-def is_loopback(host: str) -> bool:
-    """Whether `host` is reachable only from this machine (a name other than localhost may
-    resolve to anything, so it is not)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def _cmd_webui(args: argparse.Namespace) -> int:
     if args.max_running < 1:
         raise ValueError(f"--max-running must be >= 1, got {args.max_running}")
     auth = read_auth(args.auth_file)
-    if not auth and not is_loopback(args.host):
-        if not args.insecure:
-            raise ValueError(f"--host {args.host} lets other machines start runs and read their data: set "
-                             f"{AUTH_ENV}=USER:PASSWORD or give --auth-file FILE (or --insecure to serve it to "
-                             "anyone who can reach it)")
-        print(f"tigon webui: warning: --insecure: anyone who can reach {args.host}:{args.port} can start runs and "
-              "read the runs folder", file=sys.stderr, flush=True)
+    check_listen_address("webui", args.host, bool(auth), args.insecure, f"{AUTH_ENV}=USER:PASSWORD or --auth-file FILE")
     if importlib.util.find_spec("gradio") is None:
         raise ValueError("tigon webui needs gradio: pip install 'tigon[webui]'")
     # Before gradio is imported: no usage reports or update checks from a local tool.
