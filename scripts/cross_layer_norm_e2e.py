@@ -1,10 +1,10 @@
 """What the cross-layer residual add + RMSNorm fusion is worth, end to end.
 
 A patched model instance runs each decoder layer's closing residual add with the next layer's
-input norm in one kernel (tigon.patch.handoff.NEXT_NORM / NORMED). This times `tigon bench --e2e`'s
-training step (the 1.2 B Llama, full fine-tune and LoRA) with tigon's patch as shipped ("linked")
-and with that one fusion off ("unlinked", through the private knob
-``tigon.patch.apply._CROSS_LAYER_ADD_NORM``), alternating the two over several rounds so that
+input norm in one kernel (each layer's plan names that norm: ``tigon.patch.apply.layer_plans``). This
+times `tigon bench --e2e`'s training step (the 1.2 B Llama, full fine-tune and LoRA) with tigon's
+patch as shipped ("linked") and with that one fusion off ("unlinked": every layer's planned next
+norm cleared after the patch), alternating the two over several rounds so that
 drift in the GPU's clocks falls on both alike; it prints each round and the medians.
 
     python scripts/cross_layer_norm_e2e.py [--modes full lora] [--rounds 3] [--steps 20]
@@ -15,8 +15,17 @@ from __future__ import annotations
 import argparse
 import statistics
 
+import tigon
 from tigon.bench import e2e
 from tigon.patch import apply
+
+
+def _unlinked_patch(target, **switches):
+    """tigon.patch, then each decoder layer's closing add planned to run alone."""
+    result = apply.patch(target, **switches)
+    for plan in apply.layer_plans(target):
+        plan.next_norm = None
+    return result
 
 
 def main() -> int:
@@ -34,14 +43,14 @@ def main() -> int:
         step_ms: dict[str, list[float]] = {"linked": [], "unlinked": []}
         for round_ in range(args.rounds):
             for variant in ("linked", "unlinked") if round_ % 2 == 0 else ("unlinked", "linked"):
-                apply._CROSS_LAYER_ADD_NORM = variant == "linked"
+                tigon.patch = apply.patch if variant == "linked" else _unlinked_patch
                 try:
                     record = e2e.run_case(
                         mode, "tigon", device, batch=args.batch, seq=args.seq, steps=args.steps,
                         warmup=args.warmup, log=lambda line: None,
                     )
                 finally:
-                    apply._CROSS_LAYER_ADD_NORM = True
+                    tigon.patch = apply.patch
                 if "error" in record:
                     print(f"{mode} {variant}: {record['error']}")
                     failed = True
