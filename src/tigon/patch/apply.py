@@ -97,8 +97,21 @@ class _Replacement:
 # [owner, original, replacement, holders].
 _MISSING = object()
 _shared: dict[tuple[int, str], list[Any]] = {}
-# model_type -> (the shared swaps a class patch holds, the relay its forwards share).
-_class_patches: dict[str, tuple[list[tuple[int, str]], Relay]] = {}
+
+
+@dataclass
+class _ClassPatch:
+    """What a class patch holds: the shared swaps, and the relay its forwards share, the
+    forwards made for it and the switches they were made for (patching again with the same
+    switches installs the identical functions: stable for torch.compile)."""
+
+    switches: dict[str, bool]
+    relay: Relay
+    made: list[Callable[..., Any]]
+    held: list[tuple[int, str]] = field(default_factory=list)
+
+
+_class_patches: dict[str, _ClassPatch] = {}  # by model_type
 
 
 @dataclass
@@ -362,17 +375,19 @@ def _find_hf_model(model: torch.nn.Module) -> torch.nn.Module:
 def _patch_classes(model_type: str, switches: dict[str, bool]) -> Patched:
     family, module = _family(model_type)
     plan = [r for r in _plan(family, module, switches) if not r.foreign]
+    record = _class_patches.get(model_type)
+    if record is None or record.switches != switches:
+        relay = Relay()
+        shared = LayerPlan(relay)  # no decoder layer is linked to the norm after it: a class has no "after"
+        record = _ClassPatch(switches, relay, [replacement.made(shared) for replacement in plan])
     unpatch(model_type)
-    relay, held = Relay(), []
-    shared = LayerPlan(relay)  # no decoder layer is linked to the norm after it: a class has no "after"
     try:
-        for replacement in plan:
-            held.append(_acquire(replacement.owner, replacement.name, replacement.made(shared)))
+        for replacement, new in zip(plan, record.made):
+            record.held.append(_acquire(replacement.owner, replacement.name, new))
     except BaseException:
-        for key in held:
-            _release(key)
+        _release_all(record.held)
         raise
-    _class_patches[model_type] = (held, relay)
+    _class_patches[model_type] = record
     applied = (name for r in plan for name in (r.switch, *r.also))
     return Patched(f"{model_type} classes", model_type, tuple(dict.fromkeys(applied)))
 
@@ -506,7 +521,8 @@ def _relay_of(model: torch.nn.Module) -> Relay | None:
         if undo is not None and undo.relay is not None:
             return undo.relay
         if isinstance(sub, PreTrainedModel):
-            return _class_patches.get(sub.config.model_type, (None, None))[1]
+            record = _class_patches.get(sub.config.model_type)
+            return record.relay if record is not None else None
     return None
 
 
@@ -669,8 +685,9 @@ def unpatch(target: str | torch.nn.Module | None = None) -> None:
         for model_type in list(_class_patches):
             unpatch(model_type)
     elif isinstance(target, str):
-        for key in _class_patches.pop(target, ([], None))[0]:
-            _release(key)
+        record = _class_patches.pop(target, None)
+        if record is not None:
+            _release_all(record.held)
     elif isinstance(target, torch.nn.Module):
         undo = _instance_patches.pop(target, None)
         if undo is not None:
