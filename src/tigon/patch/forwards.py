@@ -691,7 +691,7 @@ class _PackedSequenceFinder:
         self.made: weakref.ref | None = None
 
     def __call__(self, position_ids: torch.Tensor) -> Any:
-        made = self.made
+        made = self.made if live() else None
         return None if made is not None and made() is position_ids else self.original(position_ids)
 
 
@@ -713,7 +713,7 @@ def captured_causal_mask_skip(original: Callable[..., bool]) -> Callable[..., bo
     signature = inspect.signature(original)
 
     def ignore_causal_mask_sdpa(*args: Any, **kwargs: Any) -> bool:
-        if not torch.compiler.is_compiling() and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if live() and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             try:
                 given = signature.bind(*args, **kwargs).arguments
             except TypeError:
@@ -745,9 +745,8 @@ def run_decoder(
     if position_ids is None and attention_mask is None and no_cache and tokens is not None:
         batch, length = tokens.shape[:2]
         position_ids = torch.arange(length, device=tokens.device).expand(batch, length)
-        masking = sys.modules.get("transformers.masking_utils")
-        finder = getattr(masking, "find_packed_sequence_indices", None)
-        if isinstance(finder, _PackedSequenceFinder) and live():
+        finder = getattr(sys.modules.get("transformers.masking_utils"), "find_packed_sequence_indices", None) if live() else None
+        if isinstance(finder, _PackedSequenceFinder):
             finder.made = weakref.ref(position_ids)
     return decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
 

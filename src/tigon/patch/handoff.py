@@ -61,16 +61,20 @@ class Relay:
 
     def take_normed(self, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor | None:
         """`norm`'s output for `x` if the layer before formed it, no longer held; else None."""
+        if not live():
+            return None
         held = self.normed
-        if held is None or held[1] is not norm or not live():
+        if held is None or held[1] is not norm:
             return None
         self.normed = None
         return held[2] if held[0] is x else None
 
     def normed_input_of(self, x: torch.Tensor) -> Any:
         """The NormedInput `x` was made from, if the layer passing it said so; else None."""
+        if not live():
+            return None
         held = self.normed_input
-        return held[1] if held is not None and held[0] is x and live() else None
+        return held[1] if held is not None and held[0] is x else None
 
 
 @dataclass(eq=False)
