@@ -116,10 +116,12 @@ _class_patches: dict[str, _ClassPatch] = {}  # by model_type
 
 @dataclass
 class _Undo:
-    """What one instance patch changed, for :func:`unpatch` to restore. The modules are held by
-    weak reference: the record is the value of a weak-keyed map from the model, and a strong
-    reference to the model (or to any module that is it) would keep a patched model alive
-    after its user let go of it."""
+    """What one instance patch changed (and what :func:`add_hidden_output` and :func:`lent_methods`
+    rebound on the model), for :func:`unpatch` to restore, with the plan the model's forwards are
+    bound to. The modules changed are held by weak reference: the record is the value of a
+    weak-keyed map from the model, and a strong reference to the model (or to any module that is
+    it) would keep a patched model alive after its user let go of it. (The layer plans hold the
+    norms after each layer, which hold nothing above them.)"""
 
     relay: Relay | None = None  # the one channel of the model's patched forwards (None: not patched, only lent methods)
     layers: list[LayerPlan] = field(default_factory=list)  # the decoder layers' plans, in order

@@ -30,6 +30,7 @@ from tigon.patch.families import MLP, Attention, Head, Layer, Norm, Rope
 from tigon.patch.handoff import LayerPlan, live
 from tigon.patch.modules import forward_attr, has_hooks, plain_linear, zero3_partitioned
 
+
 def norm_eps(norm: Norm, module: torch.nn.Module) -> float:
     """`module`'s epsilon: the value the module hard-codes, or the attribute the table names (the
     first of its names the module has)."""
