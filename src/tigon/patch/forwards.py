@@ -786,10 +786,11 @@ def causal_lm_forward(
     generate do); a positional one sends the call to `original`. Where `plan`'s relay holds an
     ``accuracy`` list, the loss appends its argmax hits and their count to it.
     """
-    relay = plan.relay if plan is not None else None
     from transformers.loss.loss_utils import ForCausalLMLoss
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
     from transformers.utils import can_return_tuple
+
+    relay = plan.relay if plan is not None else None
 
     dtensor = _dtensor_type()  # resolved here, once: torch.compile warns on a cached lookup per call
 
