@@ -74,7 +74,8 @@ def test_patched_model_leaves_nothing_on_tensors_or_modules(lora):
     assert all(patched[name] - keys <= {"forward"} for name, keys in before.items())
     decoder = model.get_base_model().model if lora else model.model
     plans = layer_plans(model)
-    assert [plan.next_norm for plan in plans] == [layer.input_layernorm for layer in decoder.layers[1:]] + [decoder.norm]
+    norms_after = [layer.input_layernorm for layer in decoder.layers[1:]] + [decoder.norm]
+    assert [plan.next_norm for plan in plans] == norms_after
     relay = plans[0].relay
 
     seen = []

@@ -270,7 +270,8 @@ def _plan(
             plan.append(_Replacement(norm.switch, cls, "forward", functools.partial(forwards.rms_norm_forward, norm),
                                      planned=True))
         else:
-            plan.append(_Replacement(norm.switch, cls, "forward", forwards.layer_norm_forward(norm, _original(cls, "forward"))))
+            layer_norm = forwards.layer_norm_forward(norm, _original(cls, "forward"))
+            plan.append(_Replacement(norm.switch, cls, "forward", layer_norm))
     for rope in family.ropes if switches["rope"] else ():
         if find(rope.function) is not None:
             original = _original(module, rope.function)
@@ -290,7 +291,8 @@ def _plan(
             switches["recompute_mlp"],
         )
         patched_mlp = make_mlp()  # how the decoder layer knows the MLP's forward as tigon's own
-        plan.append(_Replacement(mlp.switch if glu_ops else "lora", mlp_cls, "forward", make_mlp, recompute, planned=True))
+        plan.append(_Replacement(mlp.switch if glu_ops else "lora", mlp_cls, "forward", make_mlp, recompute,
+                                 planned=True))
     loss_switch = next((name for name in ("linear_cross_entropy", "cross_entropy") if switches[name]), None)
     causal_lm = find(family.causal_lm)
     aux_loss = find(family.head.aux_loss) if family.head.aux_loss else None
@@ -320,7 +322,8 @@ def _plan(
         cls = find(family.attention.cls)
         if cls is not None:
             grouped = functools.partial(
-                forwards.attention_forward, family.attention, _original(cls, "forward"), switches["qkv_group"], lora_forward
+                forwards.attention_forward, family.attention, _original(cls, "forward"), switches["qkv_group"],
+                lora_forward,
             )
             plan.append(_Replacement("qkv_group" if switches["qkv_group"] else "lora", cls, "forward", grouped,
                                      planned=True))

@@ -43,7 +43,9 @@ def norm_eps(norm: Norm, module: torch.nn.Module) -> float:
     return getattr(module, names[-1])
 
 
-def rms_norm_forward(norm: Norm, plan: LayerPlan | None = None) -> Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]:
+def rms_norm_forward(
+    norm: Norm, plan: LayerPlan | None = None
+) -> Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]:
     """Forward for an HF RMSNorm module: its `weight` (if it has one) and epsilon through
     :func:`tigon.functional.rms_norm`, or the output the layer before formed with its add
     (`plan`'s relay)."""
@@ -474,7 +476,9 @@ def _plain_group(projections: tuple, x: torch.Tensor) -> _Group | None:
     return _Group(x, projections, lambda: F.linear_group(x, [p.weight for p in projections], [p.bias for p in projections]))
 
 
-def _lora_group(projections: tuple, x: torch.Tensor, lora_forward: Callable[..., Any], normed_input: Any) -> _Group | None:
+def _lora_group(
+    projections: tuple, x: torch.Tensor, lora_forward: Callable[..., Any], normed_input: NormedInput | None
+) -> _Group | None:
     """PEFT LoRA linears running tigon's LoRA forward as one :func:`tigon.functional.lora_linear_group`
     (x read and saved once, one input gradient), when each qualifies at the time of the call."""
     if not all(lora.runs(p, lora_forward) for p in projections):
@@ -746,7 +750,8 @@ def run_decoder(
     if position_ids is None and attention_mask is None and no_cache and tokens is not None:
         batch, length = tokens.shape[:2]
         position_ids = torch.arange(length, device=tokens.device).expand(batch, length)
-        finder = getattr(sys.modules.get("transformers.masking_utils"), "find_packed_sequence_indices", None) if live() else None
+        masking = sys.modules.get("transformers.masking_utils") if live() else None
+        finder = getattr(masking, "find_packed_sequence_indices", None)
         if isinstance(finder, _PackedSequenceFinder):
             finder.made = weakref.ref(position_ids)
     return decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
