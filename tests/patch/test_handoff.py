@@ -160,3 +160,23 @@ def test_token_accuracy_is_handed_to_the_lender(fused):
     (hit, count), = hits
     assert count == valid.sum() and hit == ((logits.argmax(-1) == targets) & valid).sum() and hit >= 5
     assert torch.equal(loss, plain)
+
+
+def test_a_layer_planned_without_a_next_norm_adds_alone(monkeypatch):
+    """The layer forwards read their plan on each call: with the planned next norms cleared (how
+    scripts/cross_layer_norm_e2e.py times the model without the cross-layer fusion) every norm
+    after a layer runs as its own kernel, with the same loss and gradients."""
+    from tigon import functional
+
+    model = tiny_model("llama")
+    want = run(model)
+    tigon.patch(model)
+    calls = {"add_rms_norm": 0, "rms_norm": 0}
+    for name in calls:
+        original = getattr(functional, name)
+        monkeypatch.setattr(functional, name,
+                            lambda *a, _f=original, _n=name, **k: calls.__setitem__(_n, calls[_n] + 1) or _f(*a, **k))
+    for plan in layer_plans(model):
+        plan.next_norm = None
+    assert_same_run(run(model), want)
+    assert calls == {"add_rms_norm": 0, "rms_norm": 1 + model.config.num_hidden_layers}
