@@ -1,10 +1,9 @@
-"""Hand-offs between patched forwards: declared slots, nothing left on tensors or modules, off
-under torch.compile."""
+"""Hand-offs between patched forwards: one relay per patched model, nothing left on tensors or
+modules, nothing shared between models, off under torch.compile."""
 
 from __future__ import annotations
 
 import copy
-import gc
 
 import pytest
 import torch
@@ -13,7 +12,8 @@ import tigon
 from tests.patch.test_patch import assert_same_run, run
 from tests.patch.test_training import lora_model
 from tests.patch.tiny import batch, tiny_model
-from tigon.patch import handoff
+from tigon.patch import handoff, token_accuracy
+from tigon.patch.apply import layer_plans
 
 
 @pytest.fixture(autouse=True)
@@ -22,46 +22,39 @@ def clean_patches():
     tigon.unpatch()
 
 
-def test_slot_holds_by_identity_until_taken_dropped_or_freed():
-    slot = handoff.Slot("test")
-    a, b = torch.zeros(3), torch.zeros(3)
-    slot.put(a, "for a")
-    assert slot.get(b) is None and slot.get(a) == "for a"
-    assert slot.take(a) == "for a" and slot.get(a) is None and len(slot) == 0
-    with slot.lent(b, "for b"):
-        assert slot.get(b) == "for b"
-    assert len(slot) == 0
-    slot.put(a, 1)
-    del a
-    gc.collect()
-    assert len(slot) == 0, "a freed key's value must go with it"
-    single = handoff.Slot("single", single=True)
-    single.put(b, 1)
-    c = torch.zeros(1)
-    single.put(c, 2)
-    assert single.get(b) is None and single.get(c) == 2
+def test_relay_hands_a_value_to_its_reader_only():
+    """A normed sum goes to the norm it was formed for and for the tensor it was formed from, once;
+    a normed input answers only for the tensor it was lent with."""
+    relay = handoff.Relay()
+    norm, other = torch.nn.Identity(), torch.nn.Identity()
+    total, normed, replaced = torch.zeros(3), torch.ones(3), torch.zeros(3)
+    relay.normed = (total, norm, normed)
+    assert relay.take_normed(total, other) is None and relay.normed is not None
+    assert relay.take_normed(total, norm) is normed and relay.normed is None
+    relay.normed = (total, norm, normed)
+    assert relay.take_normed(replaced, norm) is None and relay.normed is None, "a hook replaced the sum"
+    relay.normed_input = (normed, "made from")
+    assert relay.normed_input_of(normed) == "made from" and relay.normed_input_of(total) is None
 
 
-def test_slots_are_untouched_inside_torch_compile():
-    """Inside torch.compile no slot is written, dropped included: a traced drop keyed by a
-    tensor's identity broke the graph of every patched forward that lends a slot on torch 2.11
-    (its dynamo cannot take id() of a tensor there), and a traced write would replay as a side
-    effect on every call."""
-    slot = handoff.Slot("test")
-    held, lent = torch.zeros(3), torch.ones(2)
-    slot.put(held, "kept")
+def test_relay_is_untouched_inside_torch_compile():
+    """Inside torch.compile nothing is handed over: a traced take would bake a tensor's identity
+    into the graph's guards, and a traced write would replay as a side effect on every call."""
+    relay = handoff.Relay()
+    norm = torch.nn.Identity()
+    held = torch.zeros(3)
+    relay.normed = (held, norm, held)
 
     def step(x):
-        slot.drop(held)
-        with slot.lent(x, "lent"):
-            return x * 2
+        assert relay.take_normed(held, norm) is None
+        return x * 2
 
     torch._dynamo.reset()
     try:
-        torch.compile(step, backend="eager", fullgraph=True)(lent)
+        torch.compile(step, backend="eager", fullgraph=True)(torch.ones(2))
     finally:
         torch._dynamo.reset()
-    assert slot.get(held) == "kept" and len(slot) == 1
+    assert relay.normed == (held, norm, held)
 
 
 def _keys(model):
@@ -80,7 +73,10 @@ def test_patched_model_leaves_nothing_on_tensors_or_modules(lora):
     patched = _keys(model)
     assert all(patched[name] - keys <= {"forward"} for name, keys in before.items())
     decoder = model.get_base_model().model if lora else model.model
-    assert all(handoff.NEXT_NORM.get(layer) is not None for layer in decoder.layers)
+    plans = layer_plans(model)
+    norms_after = [layer.input_layernorm for layer in decoder.layers[1:]] + [decoder.norm]
+    assert [plan.next_norm for plan in plans] == norms_after
+    relay = plans[0].relay
 
     seen = []
     handles = [decoder.register_forward_pre_hook(lambda m, a, k: seen.append(k["position_ids"]), with_kwargs=True)]
@@ -93,16 +89,42 @@ def test_patched_model_leaves_nothing_on_tensors_or_modules(lora):
         handle.remove()
     assert seen[0] is not None, "the causal-LM forward made the position ids"
     assert not [vars(t) for t in seen if isinstance(t, torch.Tensor) and any("tigon" in k for k in vars(t))]
-    assert [len(slot) for slot in handoff.SLOTS if slot is not handoff.NEXT_NORM] == [0] * (len(handoff.SLOTS) - 1)
+    assert (relay.normed, relay.normed_input, relay.accuracy) == (None, None, None), "nothing in flight after a step"
     assert _keys(model) == patched
 
     tigon.unpatch(model)
     assert _keys(model) == before
-    assert not any(handoff.NEXT_NORM.get(layer) for layer in decoder.layers)
+    assert not layer_plans(model)
+
+
+def test_two_patched_models_do_not_interact():
+    """Each patched model has a relay and layer plans of its own: a layer is planned into its own
+    model's next norm, and accuracy lent for one model is not given by the other's forward, though
+    both are called on the same labels."""
+    first, second = tiny_model("llama"), tiny_model("llama")
+    want = run(tiny_model("llama"))
+    tigon.patch(first)
+    tigon.patch(second)
+    first_plans, second_plans = layer_plans(first), layer_plans(second)
+    assert first_plans[0].relay is not second_plans[0].relay
+    assert first_plans[0].next_norm is first.model.layers[1].input_layernorm
+    assert second_plans[-1].next_norm is second.model.norm
+    ids, mask, labels = batch()
+    first.train()
+    second.train()
+    hits = []
+    with token_accuracy(first, hits):
+        second(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        assert hits == []
+        first(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    assert len(hits) == 1
+    tigon.unpatch(first)
+    assert not layer_plans(first) and len(layer_plans(second)) == 2
+    assert_same_run(run(second), want)
 
 
 def test_torch_compile_of_a_patched_model_gives_eager_results():
-    """Under torch.compile the hand-offs are off (handoff.available): the compiled patched model
+    """Under torch.compile the hand-offs are off (handoff.live): the compiled patched model
     computes the eager patched model's loss and gradients."""
     model = tiny_model("llama", num_hidden_layers=1)
     compiled_model = copy.deepcopy(model)
@@ -132,9 +154,29 @@ def test_token_accuracy_is_handed_to_the_lender(fused):
     model.train()
     plain = model(input_ids=ids, attention_mask=mask, labels=labels).loss
     hits = []
-    with handoff.TOKEN_ACCURACY.lent(labels, hits):
+    with token_accuracy(model, hits):
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-    assert len(handoff.TOKEN_ACCURACY) == 0 and len(hits) == 1
+    assert layer_plans(model)[0].relay.accuracy is None and len(hits) == 1
     (hit, count), = hits
     assert count == valid.sum() and hit == ((logits.argmax(-1) == targets) & valid).sum() and hit >= 5
     assert torch.equal(loss, plain)
+
+
+def test_a_layer_planned_without_a_next_norm_adds_alone(monkeypatch):
+    """The layer forwards read their plan on each call: with the planned next norms cleared (how
+    scripts/cross_layer_norm_e2e.py times the model without the cross-layer fusion) every norm
+    after a layer runs as its own kernel, with the same loss and gradients."""
+    from tigon import functional
+
+    model = tiny_model("llama")
+    want = run(model)
+    tigon.patch(model)
+    calls = {"add_rms_norm": 0, "rms_norm": 0}
+    for name in calls:
+        original = getattr(functional, name)
+        monkeypatch.setattr(functional, name,
+                            lambda *a, _f=original, _n=name, **k: calls.__setitem__(_n, calls[_n] + 1) or _f(*a, **k))
+    for plan in layer_plans(model):
+        plan.next_norm = None
+    assert_same_run(run(model), want)
+    assert calls == {"add_rms_norm": 0, "rms_norm": 1 + model.config.num_hidden_layers}

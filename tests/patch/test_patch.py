@@ -12,7 +12,8 @@ import torch
 
 import tigon
 from tests.helpers import assert_close, saved_activation_bytes
-from tigon.patch import handoff
+from tigon.patch.apply import layer_plans
+from tigon.patch.handoff import Relay
 from tests.patch.tiny import batch, family_params, tiny_model
 from tigon.patch import FAMILIES
 from tigon.patch.families import Family, Norm, modeling_module
@@ -107,7 +108,8 @@ def test_instance_patch_matches_hf(model_type, monkeypatch, device):
     assert got[1] is None, "training with labels must not materialise the logits"
     if family.layer.fuse:  # each layer's closing add runs with the norm after it
         layers = [m for m in patched.modules() if type(m).__name__ == family.layer.cls]
-        assert all(handoff.NEXT_NORM.get(layer) is not None for layer in layers)
+        plans = layer_plans(patched)
+        assert len(plans) == len(layers) and all(plan.next_norm is not None for plan in plans)
     # (Hybrid models hold their attention in some layers only.)
     attentions = sum(type(m).__name__ == family.attention.cls for m in patched.modules()) if family.attention else 0
     assert len(groups) == attentions
@@ -356,7 +358,7 @@ def test_fused_layer_mlp_keeps_the_residual_sum_not_the_normed_input(model_type,
         hooks = [layer.mlp.register_forward_hook(lambda m, i, o: ran.append(1)) for layer in model.model.layers]
         alone = saved_bytes_loss_and_grads()
         assert len(ran) == model.config.num_hidden_layers  # an MLP with a hook runs as its module
-        monkeypatch.setattr(handoff.NORMED_INPUT, "get", lambda key: None)
+        monkeypatch.setattr(Relay, "normed_input_of", lambda self, x: None)
         unfused = saved_bytes_loss_and_grads()
     finally:
         for hook in hooks:
@@ -389,7 +391,8 @@ def test_residual_add_fuses_with_the_next_layers_norm(model_type, monkeypatch):
         )
     tigon.patch(model)
     layers = model.config.num_hidden_layers
-    assert all(isinstance(handoff.NEXT_NORM.get(layer), torch.nn.Module) for layer in model.model.layers)
+    norms = [layer.input_layernorm for layer in model.model.layers[1:]] + [model.model.norm]
+    assert [plan.next_norm for plan in layer_plans(model)] == norms
     got = run(model)
     alone = 1 + (2 * layers if model_type == "gemma2" else 0)
     assert calls == {"add_rms_norm": layers, "add_rms_norm_glu_mlp": layers, "rms_norm": alone}
@@ -411,7 +414,7 @@ def test_residual_add_fuses_with_the_next_layers_norm(model_type, monkeypatch):
     assert calls["add_rms_norm_glu_mlp"] == 2 * layers and calls["add_rms_norm"] == 0
 
     tigon.unpatch(model)
-    assert not any(handoff.NEXT_NORM.get(layer) for layer in model.model.layers)
+    assert not layer_plans(model)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma2"])

@@ -214,3 +214,28 @@ def test_gradients_are_zeroed_without_walking_the_model(tokenizer, tmp_path, mon
     assert walks == []
     assert all(p.grad is None for p in t.model.parameters())
     assert "zero_grad" not in vars(t.model)
+
+
+def test_unpatch_after_training_leaves_the_models_own_methods(tokenizer, tmp_path):
+    """What the patch floor rebinds for training (the forwards, the hidden-state output of the
+    fused losses, the trainer's lent ``train`` and ``zero_grad``) is undone by ``tigon.unpatch``:
+    after a patched model trained with the trainer, its modules hold what they held before."""
+    import tigon
+    from tigon.train.heads import add_hidden_output
+
+    t = trainer(tokenizer, tmp_path, rows(tokenizer, 8, random.Random(0)), "no")
+    t.token_accuracy = True
+    model = t.model
+    before = {name: dict(vars(module)) for name, module in model.named_modules()}
+    tigon.patch(model)
+    add_hidden_output(model)
+    t.train()
+    assert "accuracy" in t.state.log_history[0], "the patched loss handed its accuracy to the trainer"
+    tigon.unpatch(model)
+    after = {name: dict(vars(module)) for name, module in model.named_modules()}
+    assert after.keys() == before.keys()
+    for name, attributes in before.items():
+        added = after[name].keys() - attributes.keys() - {"_is_accelerate_prepared"}  # the Trainer's own mark
+        assert not added and all(after[name][key] is value for key, value in attributes.items()), name
+    assert model.forward.__func__ is type(model).forward
+    assert model.train.__func__ is type(model).train and model.zero_grad.__func__ is type(model).zero_grad

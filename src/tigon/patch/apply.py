@@ -19,29 +19,26 @@ one record per patch says what to restore.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import logging
 import sys
 import types
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
-from tigon.patch import forwards, handoff, offload, tiled, trl_head
+from tigon.patch import forwards, offload, tiled, trl_head
 from tigon.patch import lora as peft_lora
 from tigon.patch.families import FAMILIES, Family, modeling_module
+from tigon.patch.handoff import LayerPlan, Relay
 from tigon.patch.modules import forward_attr
 from tigon.patch.switches import check_switch_names
 
 log = logging.getLogger("tigon")
-
-# Whether instance patching links each decoder layer to the norm after it (handoff.NEXT_NORM), so
-# its closing residual add runs with that norm. Private: only for measuring what the cross-layer
-# fusion is worth end to end (scripts/cross_layer_norm_e2e.py); every model gets it otherwise.
-_CROSS_LAYER_ADD_NORM = True
-
 
 @dataclass(frozen=True)
 class Patched:
@@ -73,6 +70,7 @@ class _Replacement:
     switch: str
     owner: Any  # a class (its `name` attribute is a method) or the family's modeling module
     name: str
+    # The replacement; with `planned`, what makes it for a plan: new(plan) -> forward.
     new: Callable[..., Any]
     also: tuple[str, ...] = ()  # further switches `new` wraps in (tiled_mlp, offload_activations)
     # A class from outside the family's module (torch's LayerNorm, PEFT's LoRA Linear): bound only on
@@ -80,6 +78,11 @@ class _Replacement:
     # the process; a subclass may compute something else. A module outside transformers (TRL's)
     # is swapped for model instances only, too.
     foreign: bool = False
+    planned: bool = False
+
+    def made(self, plan: LayerPlan) -> Callable[..., Any]:
+        """The replacement, bound to `plan` where it reads one."""
+        return self.new(plan) if self.planned else self.new
 
     @property
     def per_module(self) -> bool:
@@ -94,20 +97,37 @@ class _Replacement:
 # [owner, original, replacement, holders].
 _MISSING = object()
 _shared: dict[tuple[int, str], list[Any]] = {}
-# model_type -> the shared swaps a class patch holds.
-_class_patches: dict[str, list[tuple[int, str]]] = {}
+
+
+@dataclass
+class _ClassPatch:
+    """What a class patch holds: the shared swaps, and the relay its forwards share, the
+    forwards made for it and the switches they were made for (patching again with the same
+    switches installs the identical functions: stable for torch.compile)."""
+
+    switches: dict[str, bool]
+    relay: Relay
+    made: list[Callable[..., Any]]
+    held: list[tuple[int, str]] = field(default_factory=list)
+
+
+_class_patches: dict[str, _ClassPatch] = {}  # by model_type
 
 
 @dataclass
 class _Undo:
-    """What one instance patch changed, for :func:`unpatch` to restore. The modules are held by
-    weak reference: the record is the value of a weak-keyed map from the model, and a strong
-    reference to the model (or to any module that is it) would keep a patched model alive
-    after its user let go of it."""
+    """What one instance patch changed (and what :func:`add_hidden_output` and :func:`lent_methods`
+    rebound on the model), for :func:`unpatch` to restore, with the plan the model's forwards are
+    bound to. The modules changed are held by weak reference: the record is the value of a
+    weak-keyed map from the model, and a strong reference to the model (or to any module that is
+    it) would keep a patched model alive after its user let go of it. (The layer plans hold the
+    norms after each layer, which hold nothing above them.)"""
 
+    relay: Relay | None = None  # the one channel of the model's patched forwards (None: not patched, only lent methods)
+    layers: list[LayerPlan] = field(default_factory=list)  # the decoder layers' plans, in order
+    hidden_output: bool = False  # add_hidden_output rebound the causal LM's forward
     forwards: list[tuple[weakref.ref, str, Any]] = field(default_factory=list)  # (module, attr, previous)
     shared: list[tuple[int, str]] = field(default_factory=list)
-    links: list[weakref.ref] = field(default_factory=list)  # layers holding a handoff.NEXT_NORM
     experts: tuple[weakref.ref, str] | None = None  # (the HF model, its experts implementation before)
     hub_kernels: weakref.ref | None = None  # the HF model whose transformers hub kernels were switched off
 
@@ -116,8 +136,6 @@ class _Undo:
             hf_model, previous = self.experts[0](), self.experts[1]
             if hf_model is not None:
                 hf_model.set_experts_implementation(previous)
-        for layer in filter(None, (ref() for ref in self.links)):
-            handoff.NEXT_NORM.drop(layer)
         for ref, attr, previous in reversed(self.forwards):
             module = ref()
             if module is None:
@@ -215,8 +233,10 @@ def _wrap(plan: list[_Replacement], switch: str, owner: Any, wrap: Callable[...,
     """Wrap `owner.forward` in `wrap`: the forward planned for it if any, else the original."""
     for i, replacement in enumerate(plan):
         if replacement.owner is owner and replacement.name == "forward":
+            inner = replacement.new
+            new = (lambda plan: wrap(inner(plan))) if replacement.planned else wrap(inner)
             plan[i] = _Replacement(
-                replacement.switch, owner, "forward", wrap(replacement.new), (*replacement.also, switch)
+                replacement.switch, owner, "forward", new, (*replacement.also, switch), planned=replacement.planned
             )
             return
     plan.append(_Replacement(switch, owner, "forward", wrap(_original(owner, "forward"))))
@@ -247,10 +267,11 @@ def _plan(
         if cls is None:
             continue
         if norm.kind == "rms":
-            forward = forwards.rms_norm_forward(norm)
+            plan.append(_Replacement(norm.switch, cls, "forward", functools.partial(forwards.rms_norm_forward, norm),
+                                     planned=True))
         else:
-            forward = forwards.layer_norm_forward(norm, _original(cls, "forward"))
-        plan.append(_Replacement(norm.switch, cls, "forward", forward))
+            layer_norm = forwards.layer_norm_forward(norm, _original(cls, "forward"))
+            plan.append(_Replacement(norm.switch, cls, "forward", layer_norm))
     for rope in family.ropes if switches["rope"] else ():
         if find(rope.function) is not None:
             original = _original(module, rope.function)
@@ -265,18 +286,21 @@ def _plan(
     patched_mlp = None
     recompute = ("recompute_mlp",) if switches["recompute_mlp"] else ()
     if glu_ops or lora_mlp is not None:
-        patched_mlp = forwards.mlp_forward(
-            mlp, _original(mlp_cls, "forward"), glu_ops, lora_mlp, lora_forward, switches["recompute_mlp"]
+        make_mlp = functools.partial(
+            forwards.mlp_forward, mlp, _original(mlp_cls, "forward"), glu_ops, lora_mlp, lora_forward,
+            switches["recompute_mlp"],
         )
-        plan.append(_Replacement(mlp.switch if glu_ops else "lora", mlp_cls, "forward", patched_mlp, recompute))
+        patched_mlp = make_mlp()  # how the decoder layer knows the MLP's forward as tigon's own
+        plan.append(_Replacement(mlp.switch if glu_ops else "lora", mlp_cls, "forward", make_mlp, recompute,
+                                 planned=True))
     loss_switch = next((name for name in ("linear_cross_entropy", "cross_entropy") if switches[name]), None)
     causal_lm = find(family.causal_lm)
     aux_loss = find(family.head.aux_loss) if family.head.aux_loss else None
     if loss_switch is not None and causal_lm is not None:
         original = _original(causal_lm, "forward")
         fused = loss_switch == "linear_cross_entropy"
-        forward = forwards.causal_lm_forward(family.head, fused, original, aux_loss)
-        plan.append(_Replacement(loss_switch, causal_lm, "forward", forward))
+        forward = functools.partial(forwards.causal_lm_forward, family.head, fused, original, aux_loss)
+        plan.append(_Replacement(loss_switch, causal_lm, "forward", forward, planned=True))
         masking = sys.modules.get("transformers.masking_utils")
         if fused and masking is not None and hasattr(masking, "find_packed_sequence_indices"):
             finder = forwards.packed_sequence_finder(_original(masking, "find_packed_sequence_indices"))
@@ -289,18 +313,20 @@ def _plan(
         # The layer runs its MLP in one op with the add + RMSNorm before it only where that MLP runs
         # tigon's own forward (not under tiled_mlp, which wraps it).
         joins_mlp = glu_ops and not switches["tiled_mlp"]
-        fused = forwards.decoder_layer_forward(
-            family.layer, family.norm, _original(layer, "forward"),
+        fused = functools.partial(
+            forwards.decoder_layer_forward, family.layer, family.norm, _original(layer, "forward"),
             mlp if joins_mlp else None, patched_mlp if joins_mlp else None, switches["recompute_mlp"],
         )
-        plan.append(_Replacement("add_rms_norm", layer, "forward", fused, recompute if joins_mlp else ()))
+        plan.append(_Replacement("add_rms_norm", layer, "forward", fused, recompute if joins_mlp else (), planned=True))
     if family.attention is not None and (switches["qkv_group"] or lora_forward is not None):
         cls = find(family.attention.cls)
         if cls is not None:
-            grouped = forwards.attention_forward(
-                family.attention, _original(cls, "forward"), switches["qkv_group"], lora_forward
+            grouped = functools.partial(
+                forwards.attention_forward, family.attention, _original(cls, "forward"), switches["qkv_group"],
+                lora_forward,
             )
-            plan.append(_Replacement("qkv_group" if switches["qkv_group"] else "lora", cls, "forward", grouped))
+            plan.append(_Replacement("qkv_group" if switches["qkv_group"] else "lora", cls, "forward", grouped,
+                                     planned=True))
     if switches["tiled_mlp"] and mlp_cls is not None:
         _wrap(plan, "tiled_mlp", mlp_cls, tiled.tiled_forward)
     if switches["moe_experts"] and family.experts is not None:
@@ -354,16 +380,19 @@ def _find_hf_model(model: torch.nn.Module) -> torch.nn.Module:
 def _patch_classes(model_type: str, switches: dict[str, bool]) -> Patched:
     family, module = _family(model_type)
     plan = [r for r in _plan(family, module, switches) if not r.foreign]
+    record = _class_patches.get(model_type)
+    if record is None or record.switches != switches:
+        relay = Relay()
+        shared = LayerPlan(relay)  # no decoder layer is linked to the norm after it: a class has no "after"
+        record = _ClassPatch(switches, relay, [replacement.made(shared) for replacement in plan])
     unpatch(model_type)
-    held = []
     try:
-        for replacement in plan:
-            held.append(_acquire(replacement.owner, replacement.name, replacement.new))
+        for replacement, new in zip(plan, record.made):
+            record.held.append(_acquire(replacement.owner, replacement.name, new))
     except BaseException:
-        for key in held:
-            _release(key)
+        _release_all(record.held)
         raise
-    _class_patches[model_type] = held
+    _class_patches[model_type] = record
     applied = (name for r in plan for name in (r.switch, *r.also))
     return Patched(f"{model_type} classes", model_type, tuple(dict.fromkeys(applied)))
 
@@ -375,7 +404,7 @@ def _patch_instance(model: torch.nn.Module, switches: dict[str, bool]) -> Patche
     lora_classes = peft_lora.lora_classes_in(model) if switches["lora"] else ()
     plan = _plan(family, module, switches, lora_classes)
     unpatch(model)
-    undo = _Undo()
+    undo = _Undo(Relay())
     applied: dict[str, None] = {}
     try:
         if getattr(hf_model, "use_kernels", False):
@@ -384,6 +413,12 @@ def _patch_instance(model: torch.nn.Module, switches: dict[str, bool]) -> Patche
             # every forward set on a module instance, tigon's among them: off while patched.
             hf_model.use_kernels = False
             undo.hub_kernels = weakref.ref(hf_model)
+        shared = LayerPlan(undo.relay)
+        layer_plans = {}
+        if switches["add_rms_norm"] and family.layer.fuse is not None:
+            layer_plans = {layer: LayerPlan(undo.relay, next_norm)
+                           for layer, next_norm in _next_norms(model, family, module, switches["rms_norm"])}
+            undo.layers = list(layer_plans.values())
         for replacement in plan:
             if not replacement.per_module:
                 undo.shared.append(_acquire(replacement.owner, replacement.name, replacement.new))
@@ -391,12 +426,8 @@ def _patch_instance(model: torch.nn.Module, switches: dict[str, bool]) -> Patche
                 continue
             for sub in model.modules():
                 if replacement.binds_on(sub):
-                    attr = forward_attr(sub)
-                    undo.forwards.append((weakref.ref(sub), attr, _previous(sub, attr)))
-                    setattr(sub, attr, types.MethodType(replacement.new, sub))
+                    _rebind(undo, sub, forward_attr(sub), replacement.made(layer_plans.get(sub, shared)))
                     applied.update(dict.fromkeys((replacement.switch, *replacement.also)))
-        if _CROSS_LAYER_ADD_NORM and switches["add_rms_norm"] and family.layer.fuse is not None:
-            undo.links = [weakref.ref(layer) for layer in _link_next_norms(model, family, module, switches["rms_norm"])]
         if switches["moe_experts"] and family.experts is not None:
             before = _use_tigon_experts(model, hf_model, getattr(module, family.experts))
             if before is not None:
@@ -417,7 +448,7 @@ def _patch_instance(model: torch.nn.Module, switches: dict[str, bool]) -> Patche
 
 
 def _use_tigon_experts(model: torch.nn.Module, hf_model: Any, experts_cls: type) -> tuple[Any, str] | None:
-    """Set `hf_model`'s experts implementation to tigon's (:func:`tigon.nn.moe.register_experts_implementation`)
+    """Set `hf_model`'s experts implementation to tigon's (:func:`tigon.patch.moe.register_experts_implementation`)
     when `model` holds an experts module of `experts_cls` that tigon's op computes; returns
     ``(hf_model, the implementation before)`` for the undo, or None when nothing was set. (An
     experts module the op cannot compute runs transformers' loop under that implementation,
@@ -449,16 +480,15 @@ def _lora_summary(
     return peft_lora.summarize(model, lora_classes, mlps, groups)
 
 
-def _link_next_norms(
+def _next_norms(
     model: torch.nn.Module, family: Family, module: types.ModuleType, final_norm: bool
-) -> list[torch.nn.Module]:
-    """Tell each decoder layer of `model` the norm its output goes through next (the following
-    layer's input norm; after the last layer the model's final norm, when the rms_norm switch
-    patched it to take what the layer leaves), so its closing residual add fuses with it; returns
-    the layers told (:data:`handoff.NEXT_NORM`)."""
+) -> list[tuple[torch.nn.Module, torch.nn.Module | None]]:
+    """Each decoder layer of `model` with the norm its output goes through next (the following
+    layer's input norm; after the last layer the model's final norm when the rms_norm switch
+    patched it to take what the layer leaves, else None), for its closing residual add to fuse with."""
     layer_cls, norm_cls = getattr(module, family.layer.cls), getattr(module, family.norm.cls)
     input_norm = family.layer.norms[0]
-    linked = []
+    planned = []
     for sub in model.modules():
         layers = getattr(sub, "layers", None)
         if not isinstance(layers, torch.nn.ModuleList) or not layers:
@@ -468,11 +498,111 @@ def _link_next_norms(
         final = getattr(sub, "norm", None)
         nexts = [getattr(layer, input_norm) for layer in layers[1:]]
         nexts.append(final if final_norm and isinstance(final, norm_cls) else None)
-        for layer, next_norm in zip(layers, nexts):
-            if next_norm is not None:
-                handoff.NEXT_NORM.put(layer, next_norm)
-                linked.append(layer)
-    return linked
+        planned += zip(layers, nexts)
+    return planned
+
+
+def _rebind(undo: _Undo, module: torch.nn.Module, attr: str, function: Callable[..., Any]) -> None:
+    """Bind `function` as `module`'s `attr`, recorded in `undo` for :func:`unpatch`."""
+    undo.forwards.append((weakref.ref(module), attr, _previous(module, attr)))
+    setattr(module, attr, types.MethodType(function, module))
+
+
+def layer_plans(model: torch.nn.Module) -> list[LayerPlan]:
+    """The plans of `model`'s decoder layers, in order, as :func:`patch` made them ([] for a model
+    it did not patch, or whose layers it did not fuse across)."""
+    undo = _instance_patches.get(model)
+    return [] if undo is None else undo.layers
+
+
+def _relay_of(model: torch.nn.Module) -> Relay | None:
+    """The relay of the patch `model` runs: its own, or that of the patched model it wraps (the
+    walk stops at the first Hugging Face model, which a patched model is or holds), or its
+    family's class patch."""
+    from transformers import PreTrainedModel
+
+    for sub in model.modules():
+        undo = _instance_patches.get(sub)
+        if undo is not None and undo.relay is not None:
+            return undo.relay
+        if isinstance(sub, PreTrainedModel):
+            record = _class_patches.get(sub.config.model_type)
+            return record.relay if record is not None else None
+    return None
+
+
+@contextlib.contextmanager
+def token_accuracy(model: torch.nn.Module, hits: list) -> Iterator[None]:
+    """For the duration of the block, the patched causal-LM forward of `model` (or of the patched
+    model inside it) appends to `hits`, for each loss it computes from labels, ``(hits, count)``:
+    0-dim device tensors, the targets its loss did not ignore that the model's argmax predicts,
+    and their number, taken from the loss kernel's pass (no logits, no host sync). A model whose
+    loss is not tigon's appends nothing."""
+    relay = _relay_of(model)
+    if relay is None:
+        yield
+        return
+    relay.accuracy = hits
+    try:
+        yield
+    finally:
+        relay.accuracy = None
+
+
+HIDDEN = "tigon_last_hidden_state"  # the keyword that makes a model return its last hidden states
+_NOT_FOR_THE_BACKBONE = ("labels", "return_dict", "output_attentions", "output_hidden_states", "use_cache")
+
+
+def add_hidden_output(model: torch.nn.Module) -> None:
+    """Make `model` (a causal LM, or a PEFT model around one) return its backbone's last hidden
+    states, ``(batch, tokens, hidden)``, when called with ``HIDDEN=True``, and nothing else: no
+    LM head, no logits. Otherwise its forward is what it was. The flag passes through the call of
+    every wrapper (PEFT, DDP, accelerate's autocast), which the backbone called directly would skip.
+    Undone by :func:`unpatch` of `model` (and so by patching it again)."""
+    undo = _record(model)
+    if undo.hidden_output:
+        return
+    causal = model.get_base_model() if hasattr(model, "get_base_model") else model
+    forward = causal.forward
+
+    # The class's signature, which `generate` checks its keywords against.
+    @functools.wraps(type(causal).forward)
+    def hidden_or_forward(self, *args, **kwargs):
+        if not kwargs.pop(HIDDEN, False):
+            return forward(*args, **kwargs)
+        kwargs = {k: v for k, v in kwargs.items() if v is not None and k not in _NOT_FOR_THE_BACKBONE}
+        return forwards.run_decoder(self.base_model, *args, use_cache=False, **kwargs).last_hidden_state
+
+    _rebind(undo, causal, "forward", hidden_or_forward)
+    undo.hidden_output = True
+
+
+def _record(model: torch.nn.Module) -> _Undo:
+    """The record of what tigon changed on `model`, made (with no relay) if it has none."""
+    undo = _instance_patches.get(model)
+    if undo is None:
+        undo = _instance_patches[model] = _Undo()
+    return undo
+
+
+@contextlib.contextmanager
+def lent_methods(model: torch.nn.Module, **methods: Callable[..., Any]) -> Iterator[None]:
+    """For the duration of the block, `model`'s methods named in `methods` are those given (plain
+    functions, set on the instance: they take no `self`); then what `model` held before. Also
+    undone by :func:`unpatch` of `model`, should it come first. A method set on the instance
+    already is left as it is."""
+    undo = _record(model)
+    lent = {name: fn for name, fn in methods.items() if name not in vars(model)}
+    start = len(undo.forwards)
+    for name, fn in lent.items():
+        undo.forwards.append((weakref.ref(model), name, _MISSING))
+        setattr(model, name, fn)
+    try:
+        yield
+    finally:
+        for name in lent:
+            vars(model).pop(name, None)
+        del undo.forwards[start:start + len(lent)]
 
 
 def patch(
@@ -516,7 +646,7 @@ def patch(
             about half of a decoder layer's activations for two more GEMMs per layer, for runs
             without gradient checkpointing whose memory is tight (``tigon rlhf``'s policy and
             reference in one step). `moe_experts` sets a patched model's experts
-            implementation to tigon's fused experts op (:mod:`tigon.nn.moe`) for the model instance
+            implementation to tigon's fused experts op (:mod:`tigon.patch.moe`) for the model instance
             (its config's setting, restored by :func:`unpatch`).
         others: nothing; a name here is no switch, and raises.
 
@@ -560,8 +690,9 @@ def unpatch(target: str | torch.nn.Module | None = None) -> None:
         for model_type in list(_class_patches):
             unpatch(model_type)
     elif isinstance(target, str):
-        for key in _class_patches.pop(target, []):
-            _release(key)
+        record = _class_patches.pop(target, None)
+        if record is not None:
+            _release_all(record.held)
     elif isinstance(target, torch.nn.Module):
         undo = _instance_patches.pop(target, None)
         if undo is not None:

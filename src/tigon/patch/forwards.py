@@ -1,10 +1,11 @@
 """The forwards and functions tigon puts in place of Hugging Face's.
 
-Each factory returns one function per table entry and returns the *same* function for the same
-entry (``lru_cache``), so patching twice installs an identical object and torch.compile sees a
-stable callee. A forward reads only the attributes the HF module already has, so it can be bound
-to a live module (instance patching) or set on the class (class patching) alike. What the
-forwards hand to one another goes through :mod:`tigon.patch.handoff`.
+A forward reads only the attributes the HF module already has, so it can be bound to a live module
+(instance patching) or set on the class (class patching) alike. The forwards whose fusions reach
+across modules are made for a :class:`~tigon.patch.handoff.LayerPlan` (its relay, and for a decoder
+layer the norm after it) and read what crosses modules from it alone. Module-level functions
+(RoPE, transformers' mask helpers) are the same function for the same table entry (``lru_cache``),
+so every patch that needs one installs an identical object.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
+import types
+import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -21,8 +25,9 @@ from tigon.nn.activations import glu, glu_kind
 from tigon.ops import autocast_dtype
 from tigon.ops.cross_entropy import token_hits
 from tigon.ops.rms_norm import NormedInput
-from tigon.patch import handoff, lora
+from tigon.patch import lora
 from tigon.patch.families import MLP, Attention, Head, Layer, Norm, Rope
+from tigon.patch.handoff import LayerPlan, live
 from tigon.patch.modules import forward_attr, has_hooks, module_activation, plain_linear, zero3_partitioned
 
 
@@ -38,13 +43,16 @@ def norm_eps(norm: Norm, module: torch.nn.Module) -> float:
     return getattr(module, names[-1])
 
 
-@functools.lru_cache(maxsize=None)
-def rms_norm_forward(norm: Norm) -> Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]:
+def rms_norm_forward(
+    norm: Norm, plan: LayerPlan | None = None
+) -> Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]:
     """Forward for an HF RMSNorm module: its `weight` (if it has one) and epsilon through
-    :func:`tigon.functional.rms_norm`."""
+    :func:`tigon.functional.rms_norm`, or the output the layer before formed with its add
+    (`plan`'s relay)."""
+    relay = plan.relay if plan is not None else None
 
     def forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-        normed = _take_normed(hidden_states, self)
+        normed = relay.take_normed(hidden_states, self) if relay is not None else None
         if normed is not None:
             return normed
         # (Gemma 4 builds some modules of its norm class without a weight.)
@@ -118,34 +126,29 @@ def _add_norm_mlp(
 
 
 def _normed_from(norm: Norm, module: torch.nn.Module, source: torch.Tensor) -> NormedInput:
-    """What says that a tensor is `module`'s norm of `source` (for :data:`handoff.NORMED_INPUT`)."""
+    """What says that a tensor is `module`'s norm of `source` (a relay's ``normed_input``)."""
     weight = getattr(module, "weight", None) if norm.weight else None  # as rms_norm_forward reads it
     return NormedInput(source, weight, float(norm_eps(norm, module)), norm.offset, norm.casting)
 
 
 def _calls_only(module: torch.nn.Module, forward: Callable[..., Any]) -> bool:
-    """Whether calling `module` runs `forward` (bound to it by tigon.patch, or its class's) and
-    nothing else."""
+    """Whether calling `module` runs a forward made as `forward` was (bound to it by tigon.patch,
+    or its class's) and nothing else."""
     bound = vars(module).get(forward_attr(module))
     own = getattr(bound, "__func__", None) if bound is not None else getattr(type(module), "forward", None)
-    return own is forward and not has_hooks(module, own_forward=forward)
+    return getattr(own, "__code__", None) is forward.__code__ and not has_hooks(module, own_forward=forward)
 
 
-def _take_normed(x: torch.Tensor, norm_module: torch.nn.Module | None) -> torch.Tensor | None:
-    """The normed `x` a fused layer left for `norm_module` (:data:`handoff.NORMED`), no longer
-    held; None if there is none."""
-    left = handoff.NORMED.take(x)
-    return left[1] if left is not None and left[0] is norm_module else None
-
-
-def _next_norm(layer: torch.nn.Module, residual: torch.Tensor, norm_forward: Callable[..., Any]) -> torch.nn.Module | None:
-    """The norm `layer`'s output goes through next (:data:`handoff.NEXT_NORM`), if its add can be
-    fused with it here: not under gradient checkpointing (the recomputed layer must save what the
-    first pass saved), nor into a module whose hooks or ZeRO-3 partitioning a direct read would
-    skip, nor across devices, nor in a distributed run, where FSDP gathers each layer's weights
-    only for its own forward and reduces their gradients right after its own backward."""
-    norm_module = handoff.NEXT_NORM.get(layer)
-    if norm_module is None:
+def _next_norm(
+    plan: LayerPlan, layer: torch.nn.Module, residual: torch.Tensor, norm_forward: Callable[..., Any]
+) -> torch.nn.Module | None:
+    """The norm `plan` says `layer`'s output goes through next, if its add can be fused with it
+    on this call: not under gradient checkpointing (the recomputed layer must save what the first
+    pass saved), nor into a module whose hooks or ZeRO-3 partitioning a direct read would skip,
+    nor across devices, nor in a distributed run, where FSDP gathers each layer's weights only for
+    its own forward and reduces their gradients right after its own backward."""
+    norm_module = plan.next_norm
+    if norm_module is None or not live():
         return None
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return None
@@ -161,7 +164,6 @@ def _next_norm(layer: torch.nn.Module, residual: torch.Tensor, norm_forward: Cal
     return norm_module
 
 
-@functools.lru_cache(maxsize=None)
 def decoder_layer_forward(
     layer: Layer,
     norm: Norm,
@@ -169,6 +171,7 @@ def decoder_layer_forward(
     mlp: MLP | None = None,
     patched_mlp_forward: Callable[..., torch.Tensor] | None = None,
     recompute_mlp: bool = False,
+    plan: LayerPlan | None = None,
 ) -> Callable[..., torch.Tensor]:
     """Forward for an HF decoder layer with its residual add and following RMSNorm fused.
 
@@ -182,7 +185,13 @@ def decoder_layer_forward(
     with nothing but that forward to run goes into the same op as the add + RMSNorm before it
     (:func:`tigon.functional.add_rms_norm_glu_mlp`): the same kernels, less host time per layer;
     with `recompute_mlp` that op keeps neither gate nor up for backward.
+
+    With `plan`: the closing add runs with ``plan.next_norm`` and leaves its output on the relay;
+    the input norm's output (from the relay, or from tigon's norm kernel) is lent on the relay to
+    the attention and the MLP, which may then save the norm's input instead.
     """
+    plan = plan if plan is not None else LayerPlan()
+    relay = plan.relay
     sandwich = layer.fuse == "sandwich"
     input_norm, fused_norm = layer.norms[0], layer.norms[2 if sandwich else 1]
     norm_forward = rms_norm_forward(norm)  # the norms' own forward when tigon patched them: not a hook
@@ -219,9 +228,21 @@ def decoder_layer_forward(
     def mixer(self: torch.nn.Module) -> torch.nn.Module:
         return next(getattr(self, name) for name in layer.mixers if hasattr(self, name))
 
+    def lent(x: torch.Tensor, made_from: NormedInput | None, call: Callable[[], Any]) -> torch.Tensor:
+        """``call()``'s hidden states, while the relay says which input tigon's norm kernel made `x`
+        from (`made_from`; None: nothing to say)."""
+        if made_from is None:
+            return _first(call())
+        relay.normed_input = (x, made_from)
+        try:
+            return _first(call())
+        finally:
+            relay.normed_input = None
+
     def fused(self: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         first_norm = getattr(self, input_norm)
-        normed = _take_normed(hidden_states, first_norm)
+        handing = relay is not None and live()
+        normed = relay.take_normed(hidden_states, first_norm) if handing else None
         norm_module = getattr(self, fused_norm)
         # The fused add reads the norm's weight without calling it: a norm with hooks (or a forward
         # of its own) runs in the original layer, as a module call.
@@ -230,13 +251,11 @@ def decoder_layer_forward(
         residual = hidden_states
         # Made by tigon's kernel (the previous layer's add, or this norm's own forward) from the
         # layer's input: the q/k/v projections may save that input, which the norm keeps anyway.
-        made_by_kernel = normed is not None or _calls_only(first_norm, norm_forward)
+        made_by_kernel = handing and (normed is not None or _calls_only(first_norm, norm_forward))
         if normed is None:
             normed = first_norm(hidden_states)
-        lending = (handoff.NORMED_INPUT.lent(normed, _normed_from(norm, first_norm, hidden_states)) if made_by_kernel
-                   else contextlib.nullcontext())
-        with lending:
-            hidden_states = branch(self, _first(mixer(self)(hidden_states=normed, **kwargs)), 0)
+        made_from = _normed_from(norm, first_norm, hidden_states) if made_by_kernel else None
+        hidden_states = branch(self, lent(normed, made_from, lambda: mixer(self)(hidden_states=normed, **kwargs)), 0)
         feed_forward = getattr(self, layer.feed_forward)
         weights, activation = _fusable_mlp(feed_forward)
         if weights is not None:
@@ -245,16 +264,16 @@ def decoder_layer_forward(
             )
             hidden_states = mlp_dropout(mlp, feed_forward, hidden_states)
         else:
-            hidden_states, residual = _add_norm(norm, norm_module, hidden_states, residual)
-            with handoff.NORMED_INPUT.lent(hidden_states, _normed_from(norm, norm_module, residual)):
-                hidden_states = _first(feed_forward(hidden_states))
+            normed, residual = _add_norm(norm, norm_module, hidden_states, residual)
+            made_from = _normed_from(norm, norm_module, residual) if handing else None
+            hidden_states = lent(normed, made_from, lambda: feed_forward(normed))
         # (Llama 4's expert block returns its output flattened to tokens x hidden.)
         out = branch(self, hidden_states, 1).view(residual.shape)
-        next_norm = _next_norm(self, residual, norm_forward)
+        next_norm = _next_norm(plan, self, residual, norm_forward) if handing else None
         if next_norm is None:
             return residual + out
         normed, total = _add_norm(norm, next_norm, out, residual)
-        handoff.NORMED.put(total, (next_norm, normed))
+        relay.normed = (total, next_norm, normed)
         return total
 
     def forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -320,7 +339,6 @@ def _lora_projections(layers: Sequence[torch.nn.Module], x: torch.Tensor) -> lis
     return weights if all(w is not None for w in weights) else None
 
 
-@functools.lru_cache(maxsize=None)
 def mlp_forward(
     mlp: MLP,
     original: Callable[..., torch.Tensor],
@@ -328,6 +346,7 @@ def mlp_forward(
     lora_forward: Callable[..., Any] | None = None,
     linear_forward: Callable[..., Any] | None = None,
     recompute: bool = False,
+    plan: LayerPlan | None = None,
 ) -> Callable[..., torch.Tensor]:
     """Forward for an HF gated MLP whose activation is one of `mlp.switch`'s (else `original` runs).
 
@@ -342,8 +361,10 @@ def mlp_forward(
     too where the down projection is linear in its input (:func:`scales_through`), else the
     down projection's output is scaled after it, as the MLP's forward does. Anything else runs
     `original`. With `recompute` (the recompute_mlp switch), the one-op MLPs keep neither gate nor
-    up for backward, which forms them again.
+    up for backward, which forms them again. The one-op MLPs save the norm's input instead of `x`
+    where `plan`'s relay says which input tigon's norm kernel made `x` from.
     """
+    relay = plan.relay if plan is not None else None
 
     def scales_through(down: torch.nn.Module) -> bool:
         """Whether ``down(y * m)`` is ``down(y) * m`` up to rounding, so that the down multiplier
@@ -375,12 +396,12 @@ def mlp_forward(
                 projections = _lora_projections(layers, x)
                 if projections is not None:
                     return F.lora_gated_mlp(x, *projections, activation=activation, recompute=recompute,
-                                            normed_input=handoff.NORMED_INPUT.get(x))
+                                            normed_input=relay and relay.normed_input_of(x))
         if not glu_ops:
             return None
         weights = _glu_mlp_weights(mlp, self) if mlp.multipliers is None else None
         if weights is not None:
-            return F.glu_mlp(x, *weights, activation=activation, normed_input=handoff.NORMED_INPUT.get(x),
+            return F.glu_mlp(x, *weights, activation=activation, normed_input=relay and relay.normed_input_of(x),
                              recompute=recompute)
         return projected(self, x, activation)
 
@@ -413,6 +434,33 @@ class _Group:
             self.outputs = {} if outs is None else dict(zip(self.projections, outs))
         return self.outputs.get(projection)
 
+    @contextlib.contextmanager
+    def answering(self) -> Iterator[None]:
+        """For the duration of the block, a call of a projection on one tensor returns its
+        :meth:`answer` when that is not None, and runs the projection's own forward otherwise.
+        Hooks still run: the module is still called, only the forward its call ends in is
+        displaced (the one forward attribute not set by the patch itself)."""
+        displaced = []
+        try:
+            for module in self.projections:
+                attr = forward_attr(module)
+                previous = vars(module).get(attr)
+                own = previous if previous is not None else types.MethodType(type(module).forward, module)
+
+                def answered(projection, *args, _own=own, **kwargs):
+                    out = self.answer(projection, args[0]) if len(args) == 1 and not kwargs else None
+                    return _own(*args, **kwargs) if out is None else out
+
+                setattr(module, attr, types.MethodType(answered, module))
+                displaced.append((module, attr, previous))
+            yield
+        finally:
+            for module, attr, previous in reversed(displaced):
+                if previous is None:
+                    delattr(module, attr)
+                else:
+                    setattr(module, attr, previous)
+
 
 def _plain_group(projections: tuple, x: torch.Tensor) -> _Group | None:
     """Plain linears as one :func:`tigon.functional.linear_group` (their input gradient
@@ -428,7 +476,9 @@ def _plain_group(projections: tuple, x: torch.Tensor) -> _Group | None:
     return _Group(x, projections, lambda: F.linear_group(x, [p.weight for p in projections], [p.bias for p in projections]))
 
 
-def _lora_group(projections: tuple, x: torch.Tensor, lora_forward: Callable[..., Any]) -> _Group | None:
+def _lora_group(
+    projections: tuple, x: torch.Tensor, lora_forward: Callable[..., Any], normed_input: NormedInput | None
+) -> _Group | None:
     """PEFT LoRA linears running tigon's LoRA forward as one :func:`tigon.functional.lora_linear_group`
     (x read and saved once, one input gradient), when each qualifies at the time of the call."""
     if not all(lora.runs(p, lora_forward) for p in projections):
@@ -436,32 +486,34 @@ def _lora_group(projections: tuple, x: torch.Tensor, lora_forward: Callable[...,
 
     def compute() -> Sequence[torch.Tensor] | None:  # while their forwards are displaced: no `runs`
         weights = _lora_projections(projections, x)
-        return None if weights is None else F.lora_linear_group(x, weights, normed_input=handoff.NORMED_INPUT.get(x))
+        return None if weights is None else F.lora_linear_group(x, weights, normed_input=normed_input)
 
     return _Group(x, projections, compute)
 
 
-@functools.lru_cache(maxsize=None)
 def attention_forward(
-    attention: Attention, original: Callable[..., Any], plain: bool, lora_forward: Callable[..., Any] | None = None
+    attention: Attention, original: Callable[..., Any], plain: bool, lora_forward: Callable[..., Any] | None = None,
+    plan: LayerPlan | None = None,
 ) -> Callable[..., Any]:
     """Forward for an HF attention whose q/k/v projections read the same `hidden_states`: runs
     `original` with the three computed as one op (`plain`: plain linears; `lora_forward`: PEFT LoRA
     linears that run it), each projection's call on those hidden states returning its part
-    (:func:`tigon.patch.handoff.answered_calls`)."""
+    (:meth:`_Group.answering`). Off under torch.compile, which would bake the displaced forwards
+    into its guards."""
+    relay = plan.relay if plan is not None else None
 
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         x = kwargs["hidden_states"] if "hidden_states" in kwargs else (args[0] if args else None)
         group = None
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and handoff.available():
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and live():
             projections = tuple(getattr(self, name, None) for name in attention.projections)
             if plain:
                 group = _plain_group(projections, x)
             if group is None and lora_forward is not None:
-                group = _lora_group(projections, x, lora_forward)
+                group = _lora_group(projections, x, lora_forward, relay and relay.normed_input_of(x))
         if group is None:
             return original(self, *args, **kwargs)
-        with handoff.answered_calls(group.projections, group.answer):
+        with group.answering():
             return original(self, *args, **kwargs)
 
     forward.__qualname__ = f"tigon_{attention.cls}.forward"
@@ -631,27 +683,27 @@ def _head_weights(lm_head: torch.nn.Module) -> contextlib.AbstractContextManager
 CAUSAL_LM_LOSS_CHUNK_BYTES = 256 * 2**20
 
 
-def _whole_sequence_positions(tokens: torch.Tensor) -> torch.Tensor:
-    """The positions Hugging Face's decoder would make for `tokens` (ids or embeddings, batch
-    first) with no cache, one row per sequence."""
-    batch, length = tokens.shape[:2]
-    return torch.arange(length, device=tokens.device).expand(batch, length)
+class _PackedSequenceFinder:
+    """``transformers.masking_utils.find_packed_sequence_indices``, answering None (no packed
+    sequences) for the positions :func:`run_decoder` made for whole sequences, without the look at
+    the device's data that `original` takes: a device-to-host synchronisation that would stall
+    every training step until the GPU had drained the previous one. Every other tensor gets
+    `original`'s answer. It knows the positions made last, held weakly: they live for their
+    decoder call."""
+
+    def __init__(self, original: Callable[[torch.Tensor], Any]) -> None:
+        self.original = original
+        self.made: weakref.ref | None = None
+
+    def __call__(self, position_ids: torch.Tensor) -> Any:
+        made = self.made if live() else None
+        return None if made is not None and made() is position_ids else self.original(position_ids)
 
 
 @functools.lru_cache(maxsize=None)
-def packed_sequence_finder(original: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
-    """``transformers.masking_utils.find_packed_sequence_indices``, answering None (no packed
-    sequences) for positions tigon made for whole sequences (:data:`handoff.WHOLE_SEQUENCES`),
-    without the look at the device's data that `original` takes: a device-to-host synchronisation
-    that would stall every training step until the GPU had drained the previous one. Every other
-    tensor gets `original`'s answer."""
-
-    def find_packed_sequence_indices(position_ids: torch.Tensor) -> Any:
-        if handoff.WHOLE_SEQUENCES.get(position_ids):
-            return None
-        return original(position_ids)
-
-    return find_packed_sequence_indices
+def packed_sequence_finder(original: Callable[[torch.Tensor], Any]) -> _PackedSequenceFinder:
+    """The one :class:`_PackedSequenceFinder` in place of `original`."""
+    return _PackedSequenceFinder(original)
 
 
 @functools.lru_cache(maxsize=None)
@@ -666,7 +718,7 @@ def captured_causal_mask_skip(original: Callable[..., bool]) -> Callable[..., bo
     signature = inspect.signature(original)
 
     def ignore_causal_mask_sdpa(*args: Any, **kwargs: Any) -> bool:
-        if not torch.compiler.is_compiling() and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if live() and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             try:
                 given = signature.bind(*args, **kwargs).arguments
             except TypeError:
@@ -690,20 +742,24 @@ def run_decoder(
 ) -> Any:
     """``decoder(input_ids=..., attention_mask=..., position_ids=..., **kwargs)`` for a causal LM's
     backbone. Given no positions, no mask and no cache (whole, unpadded sequences, as in training),
-    it passes the positions HF would make, marked as whole sequences, so that HF's mask code does
-    not look for packed sequences on the device (:func:`packed_sequence_finder`)."""
+    it passes the positions HF would make, and where tigon's finder is in place it tells the finder
+    they are whole sequences, so that HF's mask code does not look for packed sequences on the
+    device (:class:`_PackedSequenceFinder`)."""
     tokens = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
     no_cache = kwargs.get("past_key_values") is None and kwargs.get("cache") is None
-    made = position_ids is None and attention_mask is None and no_cache and tokens is not None
-    if made:
-        position_ids = _whole_sequence_positions(tokens)
-    with handoff.WHOLE_SEQUENCES.lent(position_ids, True) if made else contextlib.nullcontext():
-        return decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+    if position_ids is None and attention_mask is None and no_cache and tokens is not None:
+        batch, length = tokens.shape[:2]
+        position_ids = torch.arange(length, device=tokens.device).expand(batch, length)
+        masking = sys.modules.get("transformers.masking_utils") if live() else None
+        finder = getattr(masking, "find_packed_sequence_indices", None)
+        if isinstance(finder, _PackedSequenceFinder):
+            finder.made = weakref.ref(position_ids)
+    return decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
 
 
 def _recorded(out: Any, accuracy: list | None, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """The loss of a loss op's result; with a :data:`handoff.TOKEN_ACCURACY` list, the result's
-    argmax hits on `targets` and their count appended to it first."""
+    """The loss of a loss op's result; with a relay's ``accuracy`` list, the result's argmax hits
+    on `targets` and their count appended to it first."""
     if accuracy is None:
         return out
     accuracy.append(token_hits(out.argmax, targets, ignore_index))
@@ -715,9 +771,9 @@ def _mean_as_hf(loss_sum: torch.Tensor, kwargs: dict) -> torch.Tensor:
     return loss_sum / (count.to(loss_sum.device) if isinstance(count, torch.Tensor) else count)
 
 
-@functools.lru_cache(maxsize=None)
 def causal_lm_forward(
-    head: Head, fused: bool, original: Callable[..., Any], aux_loss: Callable[..., torch.Tensor] | None
+    head: Head, fused: bool, original: Callable[..., Any], aux_loss: Callable[..., torch.Tensor] | None,
+    plan: LayerPlan | None = None,
 ) -> Callable[..., Any]:
     """Forward for an HF ``*ForCausalLM`` whose loss runs on tigon's kernels, same loss as HF's.
 
@@ -732,11 +788,14 @@ def causal_lm_forward(
     Both follow HF's ``ForCausalLMLoss``: shifted labels (or `shift_labels`), `ignore_index`,
     ``sum / num_items_in_batch`` when that is given, and the MoE router loss when router logits
     are output. Arguments after `position_ids` must be passed by keyword (as Trainer, PEFT and
-    generate do); a positional one sends the call to `original`.
+    generate do); a positional one sends the call to `original`. Where `plan`'s relay holds an
+    ``accuracy`` list, the loss appends its argmax hits and their count to it.
     """
     from transformers.loss.loss_utils import ForCausalLMLoss
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
     from transformers.utils import can_return_tuple
+
+    relay = plan.relay if plan is not None else None
 
     dtensor = _dtensor_type()  # resolved here, once: torch.compile warns on a cached lookup per call
 
@@ -758,7 +817,7 @@ def causal_lm_forward(
             hidden = hidden * getattr(self.config, head.multiplier)
         ignore_index = kwargs.get("ignore_index", -100)
         has_count = kwargs.get("num_items_in_batch") is not None
-        accuracy = handoff.TOKEN_ACCURACY.get(labels)
+        accuracy = relay.accuracy if relay is not None and live() else None
         targets = _shifted_targets(labels, kwargs, ignore_index).to(hidden.device)
         # The loss computes the weight's gradient in forward: nothing reads the weights after this.
         with head_weights:
@@ -786,7 +845,7 @@ def causal_lm_forward(
         ignore_index = kwargs.get("ignore_index", -100)
         has_count = kwargs.get("num_items_in_batch") is not None
         logits = out.logits
-        accuracy = handoff.TOKEN_ACCURACY.get(labels)
+        accuracy = relay.accuracy if relay is not None and live() else None
         targets = _shifted_targets(labels, kwargs, ignore_index).to(logits.device)
         loss = F.cross_entropy(
             logits, targets, ignore_index=ignore_index, reduction="sum" if has_count else "mean",

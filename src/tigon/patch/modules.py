@@ -19,13 +19,14 @@ def forward_attr(module: torch.nn.Module) -> str:
 def has_hooks(module: torch.nn.Module, own_forward: Callable[..., Any] | None = None) -> bool:
     """True when calling `module` would do more than its class's forward (hooks, or a forward
     set on the instance, as accelerate's wrapper is), which a fused path that reads its weights
-    without calling it would skip. `own_forward` is a rebound forward that does not count (tigon's
-    own)."""
+    without calling it would skip. A rebound forward made as `own_forward` was (tigon's own, made
+    for this module's plan from the same code) does not count."""
     forward = vars(module).get("forward")
     return bool(
         module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
         or getattr(module, "_backward_pre_hooks", None)
-        or (forward is not None and getattr(forward, "__func__", None) is not own_forward)
+        or (forward is not None and getattr(getattr(forward, "__func__", None), "__code__", None)
+            is not getattr(own_forward, "__code__", False))
     )
 
 

@@ -154,11 +154,10 @@ def _tokens(args: tuple, kwargs: dict) -> int | None:
     return None if embeds is None else embeds.shape[:-1].numel()
 
 
-@functools.lru_cache(maxsize=None)
 def offloaded_forward(inner: Callable[..., Any]) -> Callable[..., Any]:
     """A ``*ForCausalLM`` forward running ``inner`` inside :class:`ActivationOffload` when the
-    model is training with gradient checkpointing on, and plainly otherwise. The same `inner`
-    gives the same function (stable for patching); its signature is `inner`'s."""
+    model is training with gradient checkpointing on, and plainly otherwise; its signature is
+    `inner`'s."""
 
     @functools.wraps(inner)
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:

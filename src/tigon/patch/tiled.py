@@ -137,10 +137,9 @@ def tiled_mlp(
     return _TiledFunction.apply(forward, chunk, x, *params)
 
 
-@functools.lru_cache(maxsize=None)
 def tiled_forward(inner: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """An MLP module forward that runs ``inner(module, x)`` through :func:`tiled_mlp`, with the
-    module's trainable parameters. The same `inner` gives the same function (stable for patching)."""
+    module's trainable parameters."""
 
     def forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         params = [p for p in self.parameters() if p.requires_grad]

@@ -6,7 +6,7 @@ A Hugging Face Trainer reads device values back in every step: the token count
 GPU has finished the step, and the dataloader's copies to the GPU (``non_blocking`` off) until it
 has finished everything queued. Each such wait empties the GPU's queue, and the host's Python
 between steps (optimizer step, bookkeeping, the next batch, the next forward's first layers) then
-runs with the GPU idle: 12-70 ms per step on an H200 host for the TARGETS.md Llama, against a
+runs with the GPU idle: 12-70 ms per step on an H200 host for a 1B Llama, against a
 100-140 ms step. Here the tokens are counted on the host, from the count the collator puts in each
 batch; `run._training_arguments` turns the filter off (a NaN loss shows as NaN, not as the running
 mean) and the copies asynchronous. The loss read at each log is the one wait left.
@@ -23,11 +23,11 @@ Under DDP (``torchrun``) the gradients are views into DDP's all-reduce buckets i
 copy beside them.
 
 With ``--cuda-graphs`` each micro-step (forward, loss, backward) is replayed from a CUDA graph per
-batch shape (`tigon.train.step_graphs`). The graph replays kernels only: the metrics a step adds
+batch shape (`tigon.cuda_graphs`). The graph replays kernels only: the metrics a step adds
 (``_add``: token accuracy, the preference methods' rewards) are recorded at capture as the graph's
 outputs and copied out after each replay, and the loss the step returns is copied before the next.
 The gradient clipping and the optimizer's update are replayed too, one graph each
-(`step_graphs.CapturedOptimizer`), so between two micro-steps the host launches three graphs and
+(`cuda_graphs.CapturedOptimizer`), so between two micro-steps the host launches three graphs and
 the Trainer's bookkeeping: at 1 x 1024 tokens the optimizer's Python would otherwise leave the GPU
 waiting after every loss read.
 """
@@ -42,7 +42,7 @@ import torch
 from accelerate.utils import DistributedType
 
 from tigon.cuda_graphs import CapturedOptimizer, CapturedStep
-from tigon.patch import handoff
+from tigon.patch.apply import lent_methods, token_accuracy
 from tigon.train.batching import NUM_TOKENS
 from tigon.train.checkpoint import AtomicTrainer
 
@@ -59,7 +59,7 @@ def _unwrap_once(unwrap: Callable[..., torch.nn.Module]) -> Callable[..., torch.
     """accelerate's ``unwrap_model``, asked once per model and arguments.
 
     Each call walks every module looking for compiled regions (1337 modules for LoRA on the
-    16-layer TARGETS.md Llama, ~5-20 ms of host time), and the preference and GRPO trainers ask for
+    16-layer 1B Llama, ~5-20 ms of host time), and the preference and GRPO trainers ask for
     the LM head and the reference's switch several times a step. What a model unwraps to does not
     change while it trains; compiling it or wrapping it again makes a new object, asked anew."""
     known: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -92,7 +92,7 @@ class TigonTrainer(AtomicTrainer):
         """`cuda_graphs`: each micro-step is replayed from a CUDA graph (``--cuda-graphs``, see the
         module docstring).
         `token_accuracy`: log the training steps' next-token accuracy (``accuracy``) where the
-        model's loss is tigon's patched one, which hands it over (``handoff.TOKEN_ACCURACY``)."""
+        model's loss is tigon's patched one, which hands it over (:func:`tigon.patch.token_accuracy`)."""
         # Metrics summed on the device per mode, key -> [stack([total, count])], read once per log.
         self._sums: dict[str, dict[str, list[torch.Tensor]]] = {"train": {}, "eval": {}}
         super().__init__(*args, **kwargs)
@@ -107,7 +107,7 @@ class TigonTrainer(AtomicTrainer):
         if labels is None:
             return super().compute_loss(model, inputs, *args, **kwargs)
         hits: list[tuple[torch.Tensor, torch.Tensor]] = []
-        with handoff.TOKEN_ACCURACY.lent(labels, hits):
+        with token_accuracy(model, hits):
             out = super().compute_loss(model, inputs, *args, **kwargs)
         for hit, count in hits:
             self._add("train", TOKEN_ACCURACY, hit, count)
@@ -164,11 +164,8 @@ class TigonTrainer(AtomicTrainer):
         # The Trainer calls model.train() in every step, a walk over every module (1337 for LoRA
         # on a 16-layer Llama: ~4-8 ms of host time per step). Every module is in training mode
         # since the last walk: evaluation and sample generation, which leave it, switch this root.
-        model.train = lambda mode=True: model if mode else type(model).train(model, mode)
-        try:
+        with lent_methods(model, train=lambda mode=True: model if mode else type(model).train(model, mode)):
             return self._micro_step(model, inputs, *args, **kwargs)
-        finally:
-            del model.train
 
     def _micro_step(self, model, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         """The Trainer's training step; under cuda_graphs replayed from a CUDA graph, what it
@@ -207,15 +204,10 @@ class TigonTrainer(AtomicTrainer):
         # module and parameter (~1.5 ms on a 2-core host for LoRA on the 16-layer Llama); only the
         # trainable parameters have gradients. One process trains self.model itself (several
         # train it inside a wrapper, whose zero_grad walks as before).
-        model = self.model
-        faster = self.accelerator.distributed_type == DistributedType.NO and "zero_grad" not in vars(model)
-        if faster:
-            model.zero_grad = self._zero_trainable_grads
-        try:
+        if self.accelerator.distributed_type != DistributedType.NO:
             return super().train(*args, **kwargs)
-        finally:
-            if faster:
-                del model.zero_grad
+        with lent_methods(self.model, zero_grad=self._zero_trainable_grads):
+            return super().train(*args, **kwargs)
 
     def _zero_trainable_grads(self, set_to_none: bool = True) -> None:
         """``model.zero_grad`` over the trainable parameters, the only ones autograd gives a
@@ -232,7 +224,7 @@ class TigonTrainer(AtomicTrainer):
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         # DDP all-reduces gradients through flat buckets of its own, by default a second copy of
-        # every gradient (2.3 GiB for the 1.24B-parameter TARGETS.md Llama in bf16) and a copy
+        # every gradient (2.3 GiB for the 1.24B-parameter Llama in bf16) and a copy
         # into it per gradient per step. As views into the buckets the gradients exist once. The
         # peak (early in backward, gradients freed between steps) holds the buckets either way:
         # measured on two H200s, it did not move. The Trainer offers no argument for it.
