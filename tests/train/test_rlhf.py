@@ -250,6 +250,17 @@ def test_orpos_odds_ratio_term_equals_trls(tiny_run, tmp_path):
     assert ours["rewards/margins"] == pytest.approx(theirs["rewards/margins"], rel=1e-5, abs=1e-6)
 
 
+def test_the_frozen_references_patch_line_says_whose_it_is(tiny_run, tmp_path, caplog):
+    """Full DPO patches the policy and its frozen reference alike: two lines, the second naming
+    the reference (it read as the same line printed twice)."""
+    caplog.set_level(logging.INFO)
+    root, _ = tiny_run
+    _, argv = settings(root, max_steps=1, kernels=True)
+    assert main(["rlhf", *argv, "--output-dir", str(tmp_path / "o")]) == 0
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tigon: applied")]
+    assert len(lines) == 2 and lines[1] == f"{lines[0]} (the frozen reference)", lines
+
+
 def test_kernels_and_the_fused_losss_triton_path_train_alike(tiny_run, tmp_path, monkeypatch, caplog):
     """The patched model (its kernels and the fused loss's in Triton's interpreter) takes the
     steps of the unpatched one scored by the loss's reference, LoRA, a few pairs."""

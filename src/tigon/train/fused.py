@@ -11,7 +11,7 @@ import torch
 from accelerate.utils import is_peft_model
 
 from tigon.train.heads import HIDDEN, add_hidden_output
-from tigon.train.modeling import kernel_switches
+from tigon.train.modeling import kernel_switches, patch_line_of
 
 
 def checkpointing_off(config_class: type) -> dict[str, bool]:
@@ -22,17 +22,22 @@ def checkpointing_off(config_class: type) -> dict[str, bool]:
     return {next(name for name in ("activation_checkpointing", "gradient_checkpointing") if name in names): False}
 
 
-def frozen_patcher(cfg: Any) -> Callable[[torch.nn.Module], Any] | None:
-    """What patches a frozen model the trainer scores with (GRPO's reference, GKD's teacher) as
-    the policy was patched (None: --no-kernels), less the causal LM's loss: such a model's forward
-    runs either TRL's fused LM head (which `trl_log_probs` runs on tigon's op) or, for the hidden
-    states, its backbone alone."""
+def frozen_patcher(cfg: Any, whose: str) -> Callable[[torch.nn.Module], Any] | None:
+    """What patches a frozen model the trainer scores with (GRPO's reference, GKD's teacher:
+    `whose`, named in the patch's line) as the policy was patched (None: --no-kernels), less the
+    causal LM's loss: such a model's forward runs either TRL's fused LM head (which
+    `trl_log_probs` runs on tigon's op) or, for the hidden states, its backbone alone."""
     if not cfg.kernels:
         return None
     import tigon
 
     switches = {**kernel_switches(cfg.kernels_off), "linear_cross_entropy": False, "cross_entropy": False}
-    return lambda model: tigon.patch(model, **switches)
+
+    def patch(model: torch.nn.Module) -> Any:
+        with patch_line_of(whose):
+            return tigon.patch(model, **switches)
+
+    return patch
 
 
 class FusedTrainer:

@@ -113,7 +113,7 @@ def _vocab(model: str) -> int:
 def _teacher(cfg: RLHFConfig, path: str, dtype: torch.dtype) -> torch.nn.Module:
     """The frozen teacher, patched as the student is (less its loss: only its backbone runs)."""
     teacher = load_model(path, dtype).eval().requires_grad_(False)
-    patch = frozen_patcher(cfg)
+    patch = frozen_patcher(cfg, "the teacher")
     if patch is not None:
         patch(teacher)
     return teacher

@@ -254,7 +254,7 @@ def run(cfg: RLHFConfig) -> Path:
     def trainer(built: Built, args: Any) -> TigonGRPOTrainer:
         return TigonGRPOTrainer(model=built.model, reward_funcs=[r.fn for r in rewards], args=args,
                                 train_dataset=train_data, eval_dataset=eval_data, processing_class=tokenizer,
-                                save_limit=cfg.save_limit, patch_reference=frozen_patcher(cfg))
+                                save_limit=cfg.save_limit, patch_reference=frozen_patcher(cfg, "the frozen reference"))
 
     def flops(model: torch.nn.Module, seq_len: float) -> float:
         # Per trained token: the policy's step, its sampling (a forward per token, counted as one

@@ -4,6 +4,7 @@ kernels. Loading failures become one-line SFTErrors."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -11,7 +12,7 @@ import os
 import threading
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -122,6 +123,32 @@ class _DropLine(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith(self.start)
+
+
+class _NamedModel(logging.Filter):
+    """Appends whose model a `tigon.patch` line is about."""
+
+    def __init__(self, whose: str):
+        super().__init__()
+        self.whose = whose
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith("tigon: applied"):
+            record.msg, record.args = f"{message} ({self.whose})", ()
+        return True
+
+
+@contextlib.contextmanager
+def patch_line_of(whose: str) -> Iterator[None]:
+    """While the block runs, `tigon.patch`'s line names the model it patched (a run's frozen
+    reference or teacher), so that it does not read as the trained model's line again."""
+    logger, named = logging.getLogger("tigon"), _NamedModel(whose)
+    logger.addFilter(named)
+    try:
+        yield
+    finally:
+        logger.removeFilter(named)
 
 
 def quiet_transformers() -> None:

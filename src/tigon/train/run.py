@@ -41,7 +41,8 @@ from tigon.train.data import Sample, load_samples
 from tigon.train.infer import generate
 from tigon.train.modeling import (QUANT_FILE, add_lora, apply_kernels, check_bitsandbytes, count_parameters,
                                   flops_per_token, load_model, load_tokenizer, loraplus_optimizer, pick_dtype,
-                                  prepare_quantized, quantization_config, quantization_record, quiet_transformers)
+                                  patch_line_of, prepare_quantized, quantization_config, quantization_record,
+                                  quiet_transformers)
 from tigon.train.stop import StopOnSignal, signal_name
 from tigon.train.template import encode, encode_all, ensure_chat_template
 from tigon.train.trainer import TOKEN_ACCURACY, TigonTrainer
@@ -315,7 +316,8 @@ def build_model(cfg: SFTConfig, tokenizer: Any, dtype: torch.dtype, args: Any, r
     if quantization is None:  # a quantised model is on its device already, and moves no further
         model.to(args.device)
     if frozen is not None:
-        apply_kernels(frozen, cfg)
+        with patch_line_of("the frozen reference"):
+            apply_kernels(frozen, cfg)
         if quantization is None:
             frozen.to(args.device)
     files = {QUANT_FILE: quantization_record(quantization)} if quantization is not None else {}
