@@ -209,12 +209,13 @@ def test_screenshots_of_each_tab(ui, client, default_run, browser_page, artifact
 
 
 def test_the_live_chart_draws_a_run_started_from_the_page(ui, client, default_run, browser_page):
-    """From a page showing a finished run, a run started with its Start button: while it trains,
-    the chart draws the new run's points on number axes (it drew nothing until a reload, its
-    axes read as categories), and Stop is enabled while the run runs, and only then."""
+    """A run started with the page's Start button, on a page that opened with no curve to show:
+    while it trains, the chart draws its points on number axes (it drew no line until a reload,
+    its axes reading steps and losses as categories), and Stop is enabled while the run runs,
+    and only then."""
     page = browser_page
-    page.goto(f"{ui}?run={default_run['name']}", wait_until="load", timeout=60_000)
-    page.wait_for_function("() => document.querySelector('#train-status')?.innerText.includes('finished')",
+    page.goto(f"{ui}?run=not-started-yet", wait_until="load", timeout=60_000)
+    page.wait_for_function("() => document.querySelector('#train-status')?.innerText.includes('not-started-yet')",
                            timeout=60_000)
     assert page.locator("#stop").is_disabled()
     page.get_by_label("steps").first.fill("2000")
@@ -226,6 +227,8 @@ def test_the_live_chart_draws_a_run_started_from_the_page(ui, client, default_ru
     name = page.locator("#train-run textarea, #train-run input").first.input_value()
     assert name != default_run["name"] and page.locator("#stop").is_enabled()
     _line_drawn(page, "train-loss-plot")
+    line = page.locator("#train-loss-plot .mark-line path").first.get_attribute("aria-label")
+    assert "undefined" not in line, line  # the line's points have their losses
     ticks = page.locator("#train-loss-plot .role-axis-label text").evaluate_all("ts => ts.map(t => t.textContent)")
     assert ticks and all(len(t) <= 5 and float(t) >= 0 for t in ticks), ticks  # numbers, not 6.3040752411
     page.locator("#stop").click()
