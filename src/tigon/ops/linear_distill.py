@@ -38,16 +38,22 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from tigon.ops._checks import KERNEL_DTYPES, check_choice, check_device, rows_view
-from tigon.ops._dispatch import Op, backward_fallback, library_op, tl, triton
-from tigon.ops._launch import launched, next_power_of_2
-from tigon.ops.cross_entropy import check_target
-from tigon.ops.linear_cross_entropy import chunk_rows
-from tigon.ops.linear_log_probs import (
+from tigon.ops._checks import (
+    KERNEL_DTYPES,
+    check_choice,
+    check_device,
+    check_divisor,
+    check_ignore_index,
+    check_target,
+    is_number,
+    rows_view,
+)
+from tigon.ops._chunked_head import (
+    as_device_scalar,
     backprop_head,
     check_chunk_bytes,
     check_head,
-    check_ignore_index,
+    chunk_rows,
     head_grad_needs,
     head_grads_fake,
     head_grads_out,
@@ -55,8 +61,8 @@ from tigon.ops.linear_log_probs import (
     register_forward_grads_autograd,
     scaled_forward_grads,
 )
-from tigon.ops.linear_policy import check_divisor
-from tigon.ops.linear_preference import as_device_scalar, is_number
+from tigon.ops._dispatch import Op, backward_fallback, library_op, tl, triton
+from tigon.ops._launch import launched, next_power_of_2
 
 LOSSES = ("forward_kl", "reverse_kl", "jsd", "tvd")
 _KINDS = {name: kind for kind, name in enumerate(LOSSES)}
