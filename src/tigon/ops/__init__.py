@@ -1,8 +1,9 @@
 """tigon's kernel floor: fused Triton kernels, one op per file (``tigon/ops/<op>.py``: kernels,
 PyTorch reference, autograd Function, public function), and in :mod:`tigon.ops.composite` the ops
 that are cuBLAS choreography around them (LoRA on plain, quantised and DoRA projections, linear
-groups, gated MLPs). One dispatcher
-(:mod:`tigon.ops._dispatch`) decides for every op where it runs. Imports torch and triton only.
+groups, gated MLPs). One dispatcher (:mod:`tigon.ops._dispatch`) decides for every op where it
+runs; the fused linear losses share the chunked LM head of :mod:`tigon.ops._chunked_head`. Imports
+torch and triton only.
 
 The public functions are in :mod:`tigon.functional`; this package exports what the layers above
 need besides them: the argument types, the references (test oracles and benchmark baselines) and

@@ -167,14 +167,8 @@ def head_logits(hidden_rows: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 
 def log_prob_rows(
-    logits2d: torch.Tensor,
-    target1d: torch.Tensor,
-    logp: torch.Tensor,
-    lse: torch.Tensor,
-    entropy: torch.Tensor | None,
-    ignore_index: int,
-    inv_temperature: float,
-    stats: torch.Tensor | None = None,
+    logits2d: torch.Tensor, target1d: torch.Tensor, logp: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor | None,
+    ignore_index: int, inv_temperature: float, stats: torch.Tensor | None = None,
 ) -> None:
     """Write each row's fp32 logp, lse of z = logits / T, (if `entropy` is given) entropy and (if
     `stats`, a (3, rows) view, is given) its mean z, top-1 flag as 0/1 and log sum p^2."""
@@ -188,14 +182,8 @@ def log_prob_rows(
 
 
 def log_prob_grad_rows(
-    logits2d: torch.Tensor,
-    target1d: torch.Tensor,
-    lse: torch.Tensor,
-    entropy: torch.Tensor | None,
-    grad_logp: torch.Tensor | None,
-    grad_entropy: torch.Tensor | None,
-    ignore_index: int,
-    inv_temperature: float,
+    logits2d: torch.Tensor, target1d: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor | None,
+    grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None, ignore_index: int, inv_temperature: float,
     out: torch.Tensor,
 ) -> None:
     """Write into `out` the gradient over the logits of ``sum(grad_logp * logp + grad_entropy * H)``;
@@ -217,14 +205,8 @@ def _stride(t: torch.Tensor | None) -> int:
 
 
 def backprop_head(
-    dlogits: torch.Tensor,
-    hidden_rows: torch.Tensor,
-    weight: torch.Tensor,
-    grad_hidden_rows: torch.Tensor | None,
-    grad_weight: torch.Tensor | None,
-    grad_bias: torch.Tensor | None,
-    first: bool,
-    accumulate_hidden: bool = False,
+    dlogits: torch.Tensor, hidden_rows: torch.Tensor, weight: torch.Tensor, grad_hidden_rows: torch.Tensor | None,
+    grad_weight: torch.Tensor | None, grad_bias: torch.Tensor | None, first: bool, accumulate_hidden: bool = False,
 ) -> None:
     """Run the head's gradient GEMMs for one chunk's d/dlogits, each only for a gradient that is
     wanted: rows of grad_hidden (written, or added to), grad_weight (written on the `first` chunk,
@@ -258,15 +240,8 @@ def logits_chunks(
 
 
 def chunked_log_probs(
-    hidden2d: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    target1d: torch.Tensor,
-    rows: int,
-    ignore_index: int,
-    inv_temperature: float,
-    with_entropy: bool = False,
-    grad_hidden: torch.Tensor | None = None,
+    hidden2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target1d: torch.Tensor, rows: int,
+    ignore_index: int, inv_temperature: float, with_entropy: bool = False, grad_hidden: torch.Tensor | None = None,
     stats: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Per-row fp32 (logp, lse, entropy or None) in chunks of `rows`. With `grad_hidden` (N, H),
@@ -291,19 +266,9 @@ def chunked_log_probs(
 
 
 def chunked_grads(
-    hidden2d: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    target1d: torch.Tensor,
-    lse: torch.Tensor,
-    entropy: torch.Tensor | None,
-    grad_logp: torch.Tensor | None,
-    grad_entropy: torch.Tensor | None,
-    ignore_index: int,
-    temperature: float,
-    rows: int,
-    needs: Sequence[bool],
-    grad_hidden: torch.Tensor | None = None,
+    hidden2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target1d: torch.Tensor, lse: torch.Tensor,
+    entropy: torch.Tensor | None, grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None,
+    ignore_index: int, temperature: float, rows: int, needs: Sequence[bool], grad_hidden: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Recompute the logits chunk by chunk and return the gradients (hidden, weight, bias) of
     ``sum(grad_logp * logp + grad_entropy * H)`` for those in `needs` (None for the others), in
@@ -399,7 +364,9 @@ def head_grad_needs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return [grad_enabled and t is not None and t.requires_grad for t in (hidden, weight, bias)]
 
 
-def check_head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, names: tuple[str, str, str]) -> None:
+def check_head(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, names: tuple[str, str, str]
+) -> None:
     """`weight` is a (V, H) head for `hidden` (..., H) of its dtype and device, `bias` None or (V,)."""
     hidden_name, weight_name, bias_name = names
     check_float(hidden_name, hidden)

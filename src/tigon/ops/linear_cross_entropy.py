@@ -36,30 +36,13 @@ import torch
 
 from tigon.ops._checks import check_device, check_target, rows_view
 from tigon.ops._chunked_head import (
-    backprop_head,
-    check_chunk_bytes,
-    check_head,
-    chunk_rows,
-    head_grad_needs,
-    head_grads_fake,
-    head_grads_out,
-    logits_chunks,
-    register_forward_grads_autograd,
-    scale_in_place,
+    backprop_head, check_chunk_bytes, check_head, chunk_rows, head_grad_needs, head_grads_fake, head_grads_out,
+    logits_chunks, register_forward_grads_autograd, scale_in_place,
 )
 from tigon.ops._dispatch import Op, backward_fallback, debug_enabled, library_op
 from tigon.ops.cross_entropy import (
-    LossOptions,
-    LossOutput,
-    check_class_weight,
-    check_flags,
-    check_loss_options,
-    check_target_range,
-    class_weights,
-    cross_entropy_reference,
-    cross_entropy_rows,
-    loss_output,
-    mean_denominator,
+    LossOptions, LossOutput, check_class_weight, check_flags, check_loss_options, check_target_range, class_weights,
+    cross_entropy_reference, cross_entropy_rows, loss_output, mean_denominator,
 )
 
 # The logits chunk's budget: 512 rows at V = 128256 in bf16 (125 MiB), the op's extra memory. A

@@ -39,27 +39,11 @@ import torch
 import torch.nn.functional as F
 
 from tigon.ops._checks import (
-    KERNEL_DTYPES,
-    check_choice,
-    check_device,
-    check_divisor,
-    check_ignore_index,
-    check_target,
-    is_number,
-    rows_view,
+    KERNEL_DTYPES, check_choice, check_device, check_divisor, check_ignore_index, check_target, is_number, rows_view,
 )
 from tigon.ops._chunked_head import (
-    as_device_scalar,
-    backprop_head,
-    check_chunk_bytes,
-    check_head,
-    chunk_rows,
-    head_grad_needs,
-    head_grads_fake,
-    head_grads_out,
-    head_logits,
-    register_forward_grads_autograd,
-    scaled_forward_grads,
+    as_device_scalar, backprop_head, check_chunk_bytes, check_head, chunk_rows, head_grad_needs, head_grads_fake,
+    head_grads_out, head_logits, register_forward_grads_autograd, scaled_forward_grads,
 )
 from tigon.ops._dispatch import Op, backward_fallback, library_op, tl, triton
 from tigon.ops._launch import launched, next_power_of_2

@@ -37,15 +37,8 @@ import torch
 
 from tigon.ops._checks import check_ignore_index, check_target, rows_view
 from tigon.ops._chunked_head import (
-    LOG_PROB_CHUNK_BYTES,
-    check_chunk_bytes,
-    check_head,
-    chunk_rows,
-    chunked_grads,
-    chunked_log_probs,
-    head_grad_needs,
-    head_grads_fake,
-    head_grads_out,
+    LOG_PROB_CHUNK_BYTES, check_chunk_bytes, check_head, chunk_rows, chunked_grads, chunked_log_probs, head_grad_needs,
+    head_grads_fake, head_grads_out,
 )
 from tigon.ops._dispatch import Op, backward_fallback, empty_if, library_op
 

@@ -47,30 +47,12 @@ import torch
 import torch.nn.functional as F
 
 from tigon.ops._checks import (
-    check_choice,
-    check_device,
-    check_float,
-    check_ignore_index,
-    check_target,
-    is_number,
-    rows_view,
+    check_choice, check_device, check_float, check_ignore_index, check_target, is_number, rows_view,
 )
 from tigon.ops._chunked_head import (
-    as_device_scalar,
-    backprop_head,
-    check_chunk_bytes,
-    check_head,
-    chunk_rows,
-    chunked_log_probs,
-    head_grad_needs,
-    head_grads_fake,
-    head_grads_out,
-    head_logits,
-    log_prob_grad_rows,
-    log_prob_rows,
-    logits_chunks,
-    register_forward_grads_autograd,
-    scaled_forward_grads,
+    as_device_scalar, backprop_head, check_chunk_bytes, check_head, chunk_rows, chunked_log_probs, head_grad_needs,
+    head_grads_fake, head_grads_out, head_logits, log_prob_grad_rows, log_prob_rows, logits_chunks,
+    register_forward_grads_autograd, scaled_forward_grads,
 )
 from tigon.ops._dispatch import Op, backward_fallback, library_op
 from tigon.ops.linear_log_probs import linear_log_probs_reference
