@@ -308,11 +308,12 @@ def scale_in_place(t: torch.Tensor, scale: torch.Tensor) -> None:
 
 
 def scaled_forward_grads(
-    ctx: Any, grad_loss: torch.Tensor, recompute: Callable[[], Sequence[torch.Tensor | None]]
-) -> Sequence[torch.Tensor | None]:
-    """The gradients a fused loss formed in forward (``ctx.grads``, for an upstream gradient of 1),
-    scaled in place by `grad_loss`, read on the device. Handed over once: a second backward through
-    a retained graph gets them from `recompute()`."""
+    ctx: Any, grad_loss: torch.Tensor, hidden: torch.Tensor, recompute: Callable[[], Sequence[torch.Tensor | None]]
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The head's gradients (hidden, weight, bias; None where not formed) that a fused loss formed
+    in forward (``ctx.grads``, for an upstream gradient of 1, hidden's as rows), scaled in place by
+    `grad_loss`, read on the device; hidden's in the shape of `hidden`. Handed over once: a second
+    backward through a retained graph gets them from `recompute()`."""
     if ctx.grads is not None:
         grads, ctx.grads = ctx.grads, None
     else:
@@ -320,7 +321,8 @@ def scaled_forward_grads(
     for grad in grads:
         if grad is not None:
             scale_in_place(grad, grad_loss)
-    return grads
+    grad_hidden, grad_weight, grad_bias = grads
+    return (None if grad_hidden is None else grad_hidden.view(hidden.shape)), grad_weight, grad_bias
 
 
 def register_forward_grads_autograd(op: Any) -> None:

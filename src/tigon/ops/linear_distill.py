@@ -360,13 +360,11 @@ class _LinearDistillFunction(torch.autograd.Function):
     def backward(ctx, saved, grad_loss, _grad_divergence, _grad_nll):
         hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, target, scale = saved
         options, rows = ctx.config
-        grad_hidden, grad_weight, grad_bias = scaled_forward_grads(ctx, grad_loss, lambda: _distill_pass(
+        grads = scaled_forward_grads(ctx, grad_loss, hidden, lambda: _distill_pass(
             rows_view(hidden), weight, bias, rows_view(teacher_hidden), teacher_weight, teacher_bias,
             target.reshape(-1) if target is not None else None, scale, options, rows, tuple(ctx.needs_input_grad[:3]),
         )[2])
-        if grad_hidden is not None:
-            grad_hidden = grad_hidden.view(hidden.shape)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None
+        return (*grads, *[None] * 8)
 
 
 def _metrics(divergence, nll):

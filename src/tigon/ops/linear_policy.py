@@ -266,13 +266,11 @@ class _LinearPolicyFunction(torch.autograd.Function):
     def backward(ctx, saved, grad_loss, _grad_logp, _grad_entropy):
         hidden, weight, bias, target = saved
         options, plan = ctx.config
-        grad_hidden, grad_weight, grad_bias = scaled_forward_grads(ctx, grad_loss, lambda: _policy_pass(
+        grads = scaled_forward_grads(ctx, grad_loss, hidden, lambda: _policy_pass(
             rows_view(hidden), weight, bias, target.reshape(-1), ctx.tokens, options, plan, target.shape[-1],
             tuple(ctx.needs_input_grad[:3]),
         )[2])
-        if grad_hidden is not None:
-            grad_hidden = grad_hidden.view(hidden.shape)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return (*grads, *[None] * 5)
 
 
 def policy_metrics(

@@ -378,14 +378,12 @@ class _LinearPreferenceFunction(torch.autograd.Function):
     def backward(ctx, saved, grad_loss, _grad_logps, _grad_kl):
         hidden, weight, bias, target, ref_logps, labels, kl = saved
         options, plan = ctx.config
-        grad_hidden, grad_weight, grad_bias = scaled_forward_grads(ctx, grad_loss, lambda: _policy_pass(
+        grads = scaled_forward_grads(ctx, grad_loss, hidden, lambda: _policy_pass(
             rows_view(hidden), weight, bias, target.reshape(-1), ref_logps,
             _sequence_counts(target, options.ignore_index), labels, kl, options, plan, target.shape[-1],
             tuple(ctx.needs_input_grad[:3]),
         )[3])
-        if grad_hidden is not None:
-            grad_hidden = grad_hidden.view(hidden.shape)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
+        return (*grads, *[None] * 7)
 
 
 def _policy_reference(hidden, weight, target, bias, ref_logps, labels, kl, options):
