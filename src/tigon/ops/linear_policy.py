@@ -52,9 +52,7 @@ from typing import NamedTuple
 
 import torch
 
-from tigon.ops._checks import (
-    check_choice, check_device, check_divisor, check_float, check_target, is_number, rows_view,
-)
+from tigon.ops._checks import check_choice, check_device, check_divisor, check_float, check_target, is_number, rows_view
 from tigon.ops._chunked_head import (
     LOG_PROB_CHUNK_BYTES, as_device_scalar, backprop_head, check_chunk_bytes, check_head, chunk_rows, chunked_grads,
     chunked_log_probs, head_grad_needs, head_grads_fake, head_grads_out, log_prob_grad_rows, log_prob_rows,
