@@ -1,6 +1,10 @@
 """Dispatch rules: Triton where it can run, the reference otherwise, loudly; switches and debug."""
 
+import ast
+import importlib
+import inspect
 import logging
+import pkgutil
 
 import pytest
 import torch
@@ -231,3 +235,30 @@ def test_why_not_triton_names_old_gpus(monkeypatch):
 def test_unknown_op_name_is_a_value_error():
     with pytest.raises(ValueError, match="op must be one of rms_norm, add_rms_norm"):
         ops.why_not_triton("rmsnorm", torch.device("cpu"))
+
+
+def _op_imports(module: str) -> list[tuple[str, list[str]]]:
+    """(module below tigon.ops, names) of each ``from tigon.ops.<module> import ...`` in a module of
+    tigon.ops."""
+    tree = ast.parse(inspect.getsource(importlib.import_module(f"tigon.ops.{module}")))
+    return [(node.module.removeprefix("tigon.ops."), [alias.name for alias in node.names])
+            for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tigon.ops.")]
+
+
+def test_op_modules_import_only_public_names_of_the_ops_above_them():
+    table = list(ops.OP_MODULES)
+    private = [info.name for info in pkgutil.iter_modules(ops.__path__) if info.name.startswith("_")]
+    assert "_chunked_head" in private and "_dispatch" in private
+    for module in private:  # the shared floor (dispatch, checks, launch shapes, the chunked head) imports no op
+        assert all(imported.startswith("_") for imported, _ in _op_imports(module)), module
+    for index, module in enumerate(table):
+        for imported, names in _op_imports(module):
+            assert not [name for name in names if name.startswith("_")], f"{module} imports {names} from {imported}"
+            assert imported.startswith("_") or imported in table[:index], f"{module} imports {imported}, not above it"
+
+
+def test_the_op_table_is_the_dispatch_order_and_tigon_functional():
+    assert F.__all__ == [name for names in ops.OP_MODULES.values() for name in names]
+    assert F.rms_norm is rms_norm_module.rms_norm and F.linear_distill_loss is ops.FUNCTIONS["linear_distill_loss"]
+    assert ops.op_names()[:4] == ("rms_norm", "add_rms_norm", "layer_norm", "rope")
+    assert ops.op_names()[-1] == "moe_experts"

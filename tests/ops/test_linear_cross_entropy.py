@@ -4,7 +4,8 @@ import torch.nn.functional as TF
 
 import tigon.functional as F
 from tigon.ops import linear_cross_entropy as lce
-from tigon.ops.linear_cross_entropy import chunk_rows, linear_cross_entropy_reference
+from tigon.ops._chunked_head import chunk_rows
+from tigon.ops.linear_cross_entropy import linear_cross_entropy_reference
 from tests.helpers import assert_close, compare_fwd_bwd
 
 IGNORE = -100

@@ -190,11 +190,14 @@ def test_strided_hidden_and_int32_target(poison_outputs, device):
 
 
 def _torch_stats(h, w, b, target, temperature=1.0):
-    """The statistics from torch alone: the mean logit, argmax == target, log of sum p^2."""
+    """The statistics from torch alone: the mean logit, argmax == target, log of sum p^2. The
+    argmax is taken over the logits in the input dtype, as the op rounds them: two fp16 logits that
+    differ in float64 can be one value there, and the first of them is the argmax."""
     z = (TF.linear(h.double(), w.double(), None if b is None else b.double()) / temperature)
+    rounded = TF.linear(h, w, b).double() / temperature
     valid = target != IGNORE
     p = z.softmax(-1)
-    return (torch.where(valid, z.mean(-1), 0.0).float(), valid & (z.argmax(-1) == target),
+    return (torch.where(valid, z.mean(-1), 0.0).float(), valid & (rounded.argmax(-1) == target),
             torch.where(valid, (p * p).sum(-1).log(), 0.0).float())
 
 

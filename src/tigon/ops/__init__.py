@@ -1,33 +1,51 @@
 """tigon's kernel floor: fused Triton kernels, one op per file (``tigon/ops/<op>.py``: kernels,
 PyTorch reference, autograd Function, public function), and in :mod:`tigon.ops.composite` the ops
 that are cuBLAS choreography around them (LoRA on plain, quantised and DoRA projections, linear
-groups, gated MLPs). One dispatcher
-(:mod:`tigon.ops._dispatch`) decides for every op where it runs. Imports torch and triton only.
+groups, gated MLPs). One dispatcher (:mod:`tigon.ops._dispatch`) decides for every op where it
+runs; the fused linear losses share the chunked LM head of :mod:`tigon.ops._chunked_head`. Imports
+torch and triton only.
 
 The public functions are in :mod:`tigon.functional`; this package exports what the layers above
 need besides them: the argument types, the references (test oracles and benchmark baselines) and
 the dispatch introspection of ``tigon env``.
 """
 
-# In dispatch order: what `tigon env` lists and TIGON_DISABLE names.
-from tigon.ops import rms_norm as _rms_norm  # noqa: F401
-from tigon.ops import layer_norm as _layer_norm  # noqa: F401
-from tigon.ops import rope as _rope  # noqa: F401
-from tigon.ops import glu as _glu  # noqa: F401
-from tigon.ops.composite import glu_mlp as _glu_mlp  # noqa: F401
-from tigon.ops import cross_entropy as _cross_entropy  # noqa: F401
-from tigon.ops import linear_cross_entropy as _linear_cross_entropy  # noqa: F401
-from tigon.ops import linear_log_probs as _linear_log_probs  # noqa: F401
-from tigon.ops import linear_preference as _linear_preference  # noqa: F401
-from tigon.ops import linear_policy as _linear_policy  # noqa: F401
-from tigon.ops import linear_distill as _linear_distill  # noqa: F401
-from tigon.ops.composite import linear_group as _linear_group  # noqa: F401
-from tigon.ops import dequantize as _dequantize  # noqa: F401
-from tigon.ops import dora as _dora  # noqa: F401
-from tigon.ops.composite import lora as _lora  # noqa: F401
-from tigon.ops.composite import lora_mlp as _lora_mlp  # noqa: F401
-from tigon.ops.composite import norm_mlp as _norm_mlp  # noqa: F401
-from tigon.ops import moe as _moe  # noqa: F401
+import importlib
+from typing import Callable
+
+# The op table: every op module, in dispatch order (the order their Ops register in, which
+# `tigon env` lists and TIGON_DISABLE's messages follow), with the public functions
+# tigon.functional exports from it. A new op is its file and one line here; an op module imports
+# only ops above it. tigon.patch.switches takes an op that no switch covers for one tigon.patch
+# does not apply.
+OP_MODULES: dict[str, tuple[str, ...]] = {
+    "rms_norm": ("rms_norm", "add_rms_norm"),
+    "layer_norm": ("layer_norm",),
+    "rope": ("rope",),
+    "glu": ("swiglu", "geglu"),
+    "composite.glu_mlp": ("glu_mlp",),
+    "cross_entropy": ("cross_entropy",),
+    "linear_cross_entropy": ("linear_cross_entropy",),
+    "linear_log_probs": ("linear_log_probs",),
+    "linear_preference": ("linear_preference_loss",),
+    "linear_policy": ("linear_policy_loss",),
+    "linear_distill": ("linear_distill_loss",),
+    "composite.linear_group": ("linear_group",),
+    "dequantize": ("dequantize",),
+    "dora": ("dora_norm", "dora_scale"),
+    "composite.lora": ("lora_linear", "lora_linear_group"),
+    "composite.lora_mlp": ("lora_gated_mlp",),
+    "composite.norm_mlp": ("add_rms_norm_glu_mlp",),
+    "moe": ("moe_experts",),
+}
+
+# name -> public function, what tigon.functional exports.
+FUNCTIONS: dict[str, Callable] = {
+    name: getattr(importlib.import_module(f"tigon.ops.{module}"), name)
+    for module, names in OP_MODULES.items()
+    for name in names
+}
+
 from tigon.ops._dispatch import (
     INTERPRET,
     autocast_dtype,
@@ -52,7 +70,7 @@ from tigon.ops.rms_norm import NormedInput, add_rms_norm_reference, rms_norm_ref
 from tigon.ops.rope import rope_reference
 
 __all__ = [
-    "INTERPRET", "LoraProjection", "LossOptions", "LossOutput", "NormedInput", "QuantizedWeight", "autocast_dtype",
+    "FUNCTIONS", "INTERPRET", "OP_MODULES", "LoraProjection", "LossOptions", "LossOutput", "NormedInput", "QuantizedWeight", "autocast_dtype",
     "check_flags", "check_loss_options",
     "disabled", "op_names", "placement", "reset", "why_not_triton",
     "add_rms_norm_glu_mlp_reference", "add_rms_norm_reference", "cross_entropy_reference", "dequantize_reference",

@@ -10,6 +10,12 @@ import torch
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # dtypes the kernels take; float64 is accepted by the ops but runs on the reference.
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TARGET_DTYPES = (torch.int64, torch.int32)
+
+
+def is_number(x: object) -> bool:
+    """Whether `x` is an int or a float (a bool is neither)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def check_float(name: str, t: torch.Tensor) -> None:
@@ -48,6 +54,31 @@ def check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
 def check_choice(name: str, value: object, choices: Collection[object]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+def check_target(target: torch.Tensor, rows_shape: torch.Size, device: torch.device, of: str) -> None:
+    """`target` holds class indices with shape `rows_shape` (that of `of` without its last dim)."""
+    if not isinstance(target, torch.Tensor):
+        raise ValueError(f"target must be a torch.Tensor, got {type(target).__name__}")
+    if target.dtype not in TARGET_DTYPES:
+        raise ValueError(f"target must hold class indices as int64 or int32, got {target.dtype}")
+    if target.shape != rows_shape:
+        raise ValueError(
+            f"target must have shape {tuple(rows_shape)} ({of} without its last dim), got {tuple(target.shape)}"
+        )
+    check_device("target", target, device)
+
+
+def check_ignore_index(ignore_index: int) -> None:
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
+
+
+def check_divisor(name: str, value: object) -> None:
+    """`value` is a loss's divisor: a positive number or a 0-dim tensor (not read: no host sync)."""
+    is_scalar_tensor = isinstance(value, torch.Tensor) and value.dim() == 0
+    if not ((is_number(value) and value > 0) or is_scalar_tensor):
+        raise ValueError(f"{name} must be a positive number or a 0-dim tensor, got {value!r}")
 
 
 def check_eps(eps: float) -> None:

@@ -1,7 +1,7 @@
 """Where each op runs (its kernels or its PyTorch reference), and why: one dispatcher for every op.
 
 Each public op is an :class:`Op`. Its public function checks the arguments and calls the Op, which
-applies the rules of shared/DESIGN.md, the same for every op:
+applies these rules, the same for every op:
 
 * An op with Triton kernels runs them on a CUDA device of compute capability >= 8.0 with a working
   Triton, or on any device when ``TRITON_INTERPRET=1`` was set before tigon was imported (the CPU
@@ -91,7 +91,8 @@ def _flag(raw: Any) -> bool:
     return raw is not None and _text(raw).strip().lower() not in ("", "0", "false", "no", "off")
 
 
-# name -> Op, in the order the op modules define them (tigon.ops imports every one).
+# name -> Op, in the order the op modules define them (tigon.ops imports every one, in the order of
+# its op table).
 _OPS: dict[str, "Op"] = {}
 
 

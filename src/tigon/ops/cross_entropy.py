@@ -39,19 +39,11 @@ from typing import NamedTuple
 
 import torch
 
-from tigon.ops._checks import check_choice, check_device, check_float, rows_view
+from tigon.ops._checks import check_choice, check_device, check_float, check_ignore_index, check_target, rows_view
 from tigon.ops._dispatch import Op, backward_fallback, debug_enabled, library_op, tl, triton
-from tigon.ops._launch import launched, next_power_of_2
+from tigon.ops._launch import launched, next_power_of_2, vocab_block_config
 
 REDUCTIONS = ("mean", "sum", "none")
-TARGET_DTYPES = (torch.int64, torch.int32)
-# Vocab elements per loop step, and per thread: the pass that only reads the row (loss and lse)
-# keeps 32 elements per thread in flight, a pass that also writes the gradient 16. Chosen on the
-# H200 (scripts/tune_cross_entropy.py, 2026-11-29): at 8192 x 128256 bf16 the forward takes
-# 0.555 ms (was 0.596 at 4096/8 warps) and the backward 1.059; on a linear-CE chunk of 512 rows
-# the pass that writes the gradient in place takes 0.111 ms (was 0.127).
-MAX_BLOCK = 8192
-ELEMENTS_PER_THREAD = {False: 32, True: 16}
 
 
 @triton.jit
@@ -416,13 +408,6 @@ def cross_entropy_reference(
     return out
 
 
-def vocab_block_config(n_cols: int, writes_grad: bool) -> tuple[int, int]:
-    """(BLOCK, num_warps) for a kernel that walks a row of `n_cols` logits block by block, and
-    writes the row's gradient too if `writes_grad`."""
-    block = min(MAX_BLOCK, next_power_of_2(n_cols))
-    return block, max(1, min(16, block // (32 * ELEMENTS_PER_THREAD[writes_grad])))
-
-
 def _kernel_options(options: LossOptions, n_cols: int, writes_grad: bool, class_weight: ClassWeight | None) -> dict:
     block, num_warps = vocab_block_config(n_cols, writes_grad)
     return dict(
@@ -619,8 +604,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
 def check_loss_options(options: LossOptions, reduction: str) -> None:
     """ValueError for an option outside its domain."""
     ignore_index, label_smoothing, z_loss_scale, softcap, token_scaling = options
-    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
-        raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
+    check_ignore_index(ignore_index)
     check_choice("reduction", reduction, REDUCTIONS)
     if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be a float in [0, 1], got {label_smoothing!r}")
@@ -650,19 +634,6 @@ def check_class_weight(name: str, weight: torch.Tensor | None, n_classes: int, d
     if weight.shape != (n_classes,):
         raise ValueError(f"{name} must have shape ({n_classes},), one weight per class, got {tuple(weight.shape)}")
     check_device(name, weight, device)
-
-
-def check_target(target: torch.Tensor, rows_shape: torch.Size, device: torch.device, of: str) -> None:
-    """`target` holds class indices with shape `rows_shape` (that of `of` without its last dim)."""
-    if not isinstance(target, torch.Tensor):
-        raise ValueError(f"target must be a torch.Tensor, got {type(target).__name__}")
-    if target.dtype not in TARGET_DTYPES:
-        raise ValueError(f"target must hold class indices as int64 or int32, got {target.dtype}")
-    if target.shape != rows_shape:
-        raise ValueError(
-            f"target must have shape {tuple(rows_shape)} ({of} without its last dim), got {tuple(target.shape)}"
-        )
-    check_device("target", target, device)
 
 
 def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int) -> None:

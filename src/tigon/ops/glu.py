@@ -36,7 +36,9 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _activation(gate, ACTIVATION: tl.constexpr):
+def activate(gate, ACTIVATION: tl.constexpr):
+    """act(gate) in fp32 for ACTIVATION, one of :data:`ACTIVATIONS` (the MoE experts' kernels use
+    it too)."""
     if ACTIVATION == "silu":
         act = gate * tl.sigmoid(gate)
     elif ACTIVATION == "gelu_tanh":
@@ -49,7 +51,7 @@ def _activation(gate, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _activation_grad(gate, ACTIVATION: tl.constexpr):
+def activation_grad(gate, ACTIVATION: tl.constexpr):
     """d act / d gate."""
     if ACTIVATION == "silu":
         sig = tl.sigmoid(gate)
@@ -87,7 +89,7 @@ def _glu_fwd_kernel(
     row, cols, mask = _program_block(n_cols, n_col_blocks, BLOCK)
     gate = tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32) * gate_multiplier
     up = tl.load(up_ptr + row * up_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * out_row_stride + cols, _activation(gate, ACTIVATION) * up * out_multiplier, mask=mask)
+    tl.store(out_ptr + row * out_row_stride + cols, activate(gate, ACTIVATION) * up * out_multiplier, mask=mask)
 
 
 @launched
@@ -106,9 +108,9 @@ def _glu_bwd_kernel(
     grad_out = tl.load(grad_out_ptr + row * grad_out_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     gate = tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32) * gate_multiplier
     up = tl.load(up_ptr + row * up_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    act = _activation(gate, ACTIVATION)
+    act = activate(gate, ACTIVATION)
     grad_product = grad_out * out_multiplier
-    grad_gate = grad_product * up * _activation_grad(gate, ACTIVATION) * gate_multiplier
+    grad_gate = grad_product * up * activation_grad(gate, ACTIVATION) * gate_multiplier
     tl.store(grad_gate_ptr + row * grad_gate_row_stride + cols, grad_gate, mask=mask)
     tl.store(grad_up_ptr + row * grad_up_row_stride + cols, grad_product * act, mask=mask)
     if STORE_PRODUCT:
@@ -116,7 +118,8 @@ def _glu_bwd_kernel(
         tl.store(product_ptr + row * product_row_stride + cols, act * up * out_multiplier, mask=mask)
 
 
-def _activation_reference(gate: torch.Tensor, activation: str) -> torch.Tensor:
+def activation_reference(gate: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) in PyTorch for `activation`, one of :data:`ACTIVATIONS`."""
     if activation == "silu":
         return torch_f.silu(gate)
     return torch_f.gelu(gate, approximate="tanh" if activation == "gelu_tanh" else "none")
@@ -132,7 +135,7 @@ def glu_reference(
 ) -> torch.Tensor:
     """``act(gate * gate_multiplier) * up * out_multiplier`` in PyTorch for any of ACTIVATIONS:
     the test oracle and the fallback."""
-    return _scaled(_activation_reference(_scaled(gate, gate_multiplier), activation) * up, out_multiplier)
+    return _scaled(activation_reference(_scaled(gate, gate_multiplier), activation) * up, out_multiplier)
 
 
 def swiglu_reference(

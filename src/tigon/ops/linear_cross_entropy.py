@@ -34,45 +34,21 @@ from __future__ import annotations
 
 import torch
 
-from tigon.ops._checks import check_device, check_float, check_vector, rows_view
-from tigon.ops._dispatch import Op, backward_fallback, debug_enabled, empty_if, library_op, tl, triton
-from tigon.ops._launch import cdiv, launched, multiprocessor_count
+from tigon.ops._checks import check_device, check_target, rows_view
+from tigon.ops._chunked_head import (
+    backprop_head, check_chunk_bytes, check_head, chunk_rows, head_grad_needs, head_grads_fake, head_grads_out,
+    logits_chunks, register_forward_grads_autograd, scale_in_place,
+)
+from tigon.ops._dispatch import Op, backward_fallback, debug_enabled, library_op
 from tigon.ops.cross_entropy import (
-    LossOptions,
-    LossOutput,
-    check_class_weight,
-    check_flags,
-    check_loss_options,
-    check_target,
-    check_target_range,
-    class_weights,
-    cross_entropy_reference,
-    cross_entropy_rows,
-    loss_output,
-    mean_denominator,
+    LossOptions, LossOutput, check_class_weight, check_flags, check_loss_options, check_target_range, class_weights,
+    cross_entropy_reference, cross_entropy_rows, loss_output, mean_denominator,
 )
 
-# The logits chunk's budget; 128 MiB keeps the op's extra memory under the TARGETS.md bound at
-# V = 128256 in bf16 (512 rows = 125 MiB). A larger chunk makes the weight-gradient GEMM
-# (K = chunk rows) more efficient: see BENCHMARKS.md for the time/memory curve.
+# The logits chunk's budget: 512 rows at V = 128256 in bf16 (125 MiB), the op's extra memory. A
+# larger chunk makes the weight-gradient GEMM (K = chunk rows) more efficient: see BENCHMARKS.md
+# for the time/memory curve.
 DEFAULT_MAX_CHUNK_BYTES = 128 * 2**20
-CHUNK_ROW_MULTIPLE = 64  # whole GEMM tiles along the chunk's rows
-SCALE_BLOCK = 4096
-
-
-@launched
-@triton.jit
-def _scale_in_place_kernel(x_ptr, scale_ptr, n_elements, BLOCK: tl.constexpr):
-    # grad_output is read on the device: when it is 1 every program returns at once, with no host
-    # sync and no pass over the gradient.
-    scale = tl.load(scale_ptr).to(tl.float32)
-    if scale != 1.0:
-        step = tl.num_programs(0).to(tl.int64) * BLOCK
-        for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n_elements, step):
-            offs = start + tl.arange(0, BLOCK)
-            mask = offs < n_elements
-            x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
-            tl.store(x_ptr + offs, (x * scale).to(x_ptr.dtype.element_ty), mask=mask)
 
 
 def linear_cross_entropy_reference(
@@ -100,13 +76,6 @@ def linear_cross_entropy_reference(
     )
 
 
-def chunk_rows(max_chunk_bytes: int, vocab: int, dtype: torch.dtype) -> int:
-    """Rows per logits chunk: as many as `max_chunk_bytes` holds, rounded down to whole GEMM
-    tiles, and at least one."""
-    rows = max(1, max_chunk_bytes // (vocab * dtype.itemsize))
-    return rows - rows % CHUNK_ROW_MULTIPLE if rows >= CHUNK_ROW_MULTIPLE else rows
-
-
 def _chunked_loss_and_grads(
     hidden2d, weight, bias, target1d, options, chunk, scale, need_hidden, need_weight, need_bias,
     class_weight=None, argmax=None, z_loss=None, fp32_weight_grad=False,
@@ -122,7 +91,6 @@ def _chunked_loss_and_grads(
     write_grad = need_hidden or need_weight or need_bias
     losses = torch.empty(n_rows, dtype=torch.float32, device=device)
     lse = torch.empty(min(chunk, n_rows), dtype=torch.float32, device=device)
-    logits_buffer = torch.empty((min(chunk, n_rows), vocab), dtype=hidden2d.dtype, device=device)
     grad_hidden = torch.empty((n_rows, hidden2d.shape[1]), dtype=hidden2d.dtype, device=device) if need_hidden else None
     grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=device) if need_weight else None
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if need_bias else None
@@ -130,13 +98,7 @@ def _chunked_loss_and_grads(
     weight_grad_sum = None  # fp32, with fp32_weight_grad
     fp32_weight_grad = fp32_weight_grad and need_weight and weight.dtype != torch.float32
 
-    for start in range(0, n_rows, chunk):
-        end = min(start + chunk, n_rows)
-        hidden_c, logits = hidden2d[start:end], logits_buffer[: end - start]
-        if bias is None:
-            torch.mm(hidden_c, weight.t(), out=logits)
-        else:
-            torch.addmm(bias, hidden_c, weight.t(), out=logits)
+    for start, end, logits in logits_chunks(hidden2d, weight, bias, chunk):
         cross_entropy_rows(
             logits, target1d[start:end], losses[start:end], lse[: end - start], options,
             grad=logits if write_grad else None,
@@ -145,34 +107,22 @@ def _chunked_loss_and_grads(
             argmax=None if argmax is None else argmax[start:end],
             z_loss=None if z_loss is None else z_loss[start:end],
         )
-        # `logits` now holds d loss / d logits for this chunk.
-        if need_hidden:
-            torch.mm(logits, weight, out=grad_hidden[start:end])
+        # `logits` now holds d loss / d logits for this chunk. With fp32_weight_grad each chunk's
+        # share is written, rounded once (cuBLAS sums it in fp32), and added to the fp32 sum.
+        backprop_head(
+            logits, hidden2d[start:end], weight, grad_hidden[start:end] if need_hidden else None, grad_weight,
+            grad_bias, first=start == 0 or fp32_weight_grad,
+        )
         if fp32_weight_grad:
-            # This chunk's share, rounded once (cuBLAS sums it in fp32), into the fp32 sum.
-            torch.mm(logits.t(), hidden_c, out=grad_weight)
             if start == 0:
                 weight_grad_sum = grad_weight.float()
             else:
                 weight_grad_sum += grad_weight
-        elif need_weight:
-            if start == 0:
-                torch.mm(logits.t(), hidden_c, out=grad_weight)
-            else:
-                grad_weight.addmm_(logits.t(), hidden_c)
-        if need_bias:
-            grad_bias += logits.sum(0, dtype=torch.float32)
     if weight_grad_sum is not None:
         grad_weight.copy_(weight_grad_sum)
     if grad_bias is not None:
         grad_bias = grad_bias.to(bias.dtype)
     return losses, grad_hidden, grad_weight, grad_bias
-
-
-def _scale_in_place(t: torch.Tensor, scale: torch.Tensor) -> None:
-    n_blocks = cdiv(t.numel(), SCALE_BLOCK)
-    programs = max(1, min(n_blocks, 8 * multiprocessor_count(t.device)))
-    _scale_in_place_kernel[(programs,)](t, scale, t.numel(), BLOCK=SCALE_BLOCK, num_warps=8)
 
 
 def _reference(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss_scale, softcap,
@@ -262,7 +212,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             grads, ctx.grads = ctx.grads, None
             for grad in grads:
                 if grad is not None:
-                    _scale_in_place(grad, grad_output)
+                    scale_in_place(grad, grad_output)
         else:
             scale = grad_output.reshape(-1) if reduction == "none" else grad_output * ctx.inverse_denominator
             grads = _chunked_loss_and_grads(
@@ -276,22 +226,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
 
 
 def _check(hidden, weight, target, bias, options, reduction, num_items_in_batch, max_chunk_bytes, class_weight) -> None:
-    check_float("hidden", hidden)
-    if hidden.dim() == 0:
-        raise ValueError("hidden must have at least one dimension (the hidden size), got a scalar")
-    check_float("weight", weight)
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
-        raise ValueError(
-            f"weight must have shape (vocab, {hidden.shape[-1]}) with vocab >= 1 to match the last dim "
-            f"of hidden, got {tuple(weight.shape)}"
-        )
-    check_device("weight", weight, hidden.device)
-    if weight.dtype != hidden.dtype:
-        raise ValueError(f"weight must have the dtype of hidden ({hidden.dtype}), got {weight.dtype}")
-    if bias is not None:
-        check_vector("bias", bias, weight.shape[0], hidden.device)
-        if bias.dtype != hidden.dtype:
-            raise ValueError(f"bias must have the dtype of hidden ({hidden.dtype}), got {bias.dtype}")
+    check_head(hidden, weight, bias, ("hidden", "weight", "bias"))
     check_target(target, hidden.shape[:-1], hidden.device, "hidden")
     check_loss_options(options, reduction)
     if num_items_in_batch is not None:
@@ -303,8 +238,7 @@ def _check(hidden, weight, target, bias, options, reduction, num_items_in_batch,
             raise ValueError(f"num_items_in_batch must be an int or a 0-dim tensor, got {num_items_in_batch!r}")
         if is_scalar_tensor and num_items_in_batch.device.type != "cpu":
             check_device("num_items_in_batch", num_items_in_batch, hidden.device)
-    if not isinstance(max_chunk_bytes, int) or isinstance(max_chunk_bytes, bool) or max_chunk_bytes <= 0:
-        raise ValueError(f"max_chunk_bytes must be a positive int, got {max_chunk_bytes!r}")
+    check_chunk_bytes(max_chunk_bytes)
     check_class_weight("class_weight", class_weight, weight.shape[0], hidden.device)
 
 
@@ -328,10 +262,8 @@ _OPTIONS_SCHEMA = "int ignore_index, float label_smoothing, float z_loss_scale, 
 
 def _loss_fake(hidden, weight, bias, target, scale, ignore_index, label_smoothing, z_loss_scale, softcap, chunk,
                need_hidden, need_weight, need_bias):
-    return (
-        hidden.new_empty((), dtype=torch.float32), empty_if(need_hidden, hidden), empty_if(need_weight, weight),
-        empty_if(need_bias, weight, weight.shape[:1], None if bias is None else bias.dtype),
-    )
+    needs = (need_hidden, need_weight, need_bias)
+    return hidden.new_empty((), dtype=torch.float32), *head_grads_fake(hidden, weight, bias, needs)
 
 
 @library_op(
@@ -348,22 +280,10 @@ def _loss_op(hidden, weight, bias, target, scale, ignore_index, label_smoothing,
         rows_view(hidden), weight, bias, target.reshape(-1), options, chunk, scale, need_hidden, need_weight, need_bias
     )
     loss = losses.sum() * scale if scale.dim() == 0 else (losses * scale).sum()
-    if grads[0] is not None:
-        grads[0] = grads[0].view(hidden.shape)
-    return (loss, *(hidden.new_empty(0) if g is None else g for g in grads))
+    return loss, *head_grads_out(hidden, grads)
 
 
-def _loss_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*output[1:])
-    ctx.needs = inputs[-3:]
-
-
-def _loss_backward(ctx, grad_loss, *_):
-    grads = [g * grad_loss if need else None for g, need in zip(ctx.saved_tensors, ctx.needs)]
-    return (*grads, *[None] * 10)
-
-
-_loss_op.register_autograd(_loss_backward, setup_context=_loss_setup_context)
+register_forward_grads_autograd(_loss_op)
 
 
 @library_op(
@@ -412,9 +332,7 @@ def _linear_cross_entropy_compiled(
         scale = 1.0 / mean_denominator(target, ignore_index, num_items_in_batch, torch.float32)
     else:
         scale = torch.ones((), dtype=torch.float32, device=hidden.device)
-    grad_enabled = torch.is_grad_enabled()
-    needs = [grad_enabled and t is not None and t.requires_grad for t in (hidden, weight, bias)]
-    return _loss_op(hidden, weight, bias, target, scale, *options, *needs)[0]
+    return _loss_op(hidden, weight, bias, target, scale, *options, *head_grad_needs(hidden, weight, bias))[0]
 
 
 LINEAR_CROSS_ENTROPY = Op(

@@ -38,25 +38,15 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from tigon.ops._checks import KERNEL_DTYPES, check_choice, check_device, rows_view
+from tigon.ops._checks import (
+    KERNEL_DTYPES, check_choice, check_device, check_divisor, check_ignore_index, check_target, is_number, rows_view,
+)
+from tigon.ops._chunked_head import (
+    as_device_scalar, backprop_head, check_chunk_bytes, check_head, chunk_rows, head_grad_needs, head_grads_fake,
+    head_grads_out, head_logits, register_forward_grads_autograd, scaled_forward_grads,
+)
 from tigon.ops._dispatch import Op, backward_fallback, library_op, tl, triton
 from tigon.ops._launch import launched, next_power_of_2
-from tigon.ops.cross_entropy import check_target
-from tigon.ops.linear_cross_entropy import chunk_rows
-from tigon.ops.linear_log_probs import (
-    backprop_head,
-    check_chunk_bytes,
-    check_head,
-    check_ignore_index,
-    head_grad_needs,
-    head_grads_fake,
-    head_grads_out,
-    head_logits,
-    register_forward_grads_autograd,
-    scaled_forward_grads,
-)
-from tigon.ops.linear_policy import check_divisor
-from tigon.ops.linear_preference import as_device_scalar, is_number
 
 LOSSES = ("forward_kl", "reverse_kl", "jsd", "tvd")
 _KINDS = {name: kind for kind, name in enumerate(LOSSES)}
@@ -370,13 +360,11 @@ class _LinearDistillFunction(torch.autograd.Function):
     def backward(ctx, saved, grad_loss, _grad_divergence, _grad_nll):
         hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, target, scale = saved
         options, rows = ctx.config
-        grad_hidden, grad_weight, grad_bias = scaled_forward_grads(ctx, grad_loss, lambda: _distill_pass(
+        grads = scaled_forward_grads(ctx, grad_loss, hidden, lambda: _distill_pass(
             rows_view(hidden), weight, bias, rows_view(teacher_hidden), teacher_weight, teacher_bias,
             target.reshape(-1) if target is not None else None, scale, options, rows, tuple(ctx.needs_input_grad[:3]),
         )[2])
-        if grad_hidden is not None:
-            grad_hidden = grad_hidden.view(hidden.shape)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None
+        return (*grads, *[None] * 8)
 
 
 def _metrics(divergence, nll):

@@ -52,29 +52,14 @@ from typing import NamedTuple
 
 import torch
 
-from tigon.ops._checks import check_choice, check_device, check_float, rows_view
-from tigon.ops._dispatch import Op, backward_fallback, library_op
-from tigon.ops.cross_entropy import check_target
-from tigon.ops.linear_cross_entropy import chunk_rows
-from tigon.ops.linear_log_probs import (
-    DEFAULT_MAX_CHUNK_BYTES,
-    LogProbOptions,
-    backprop_head,
-    check_chunk_bytes,
-    check_head,
-    chunked_grads,
-    chunked_log_probs,
-    head_grad_needs,
-    head_grads_fake,
-    head_grads_out,
-    linear_log_probs_reference,
-    log_prob_grad_rows,
-    log_prob_rows,
-    logits_chunks,
-    register_forward_grads_autograd,
-    scaled_forward_grads,
+from tigon.ops._checks import check_choice, check_device, check_divisor, check_float, check_target, is_number, rows_view
+from tigon.ops._chunked_head import (
+    LOG_PROB_CHUNK_BYTES, as_device_scalar, backprop_head, check_chunk_bytes, check_head, chunk_rows, chunked_grads,
+    chunked_log_probs, head_grad_needs, head_grads_fake, head_grads_out, log_prob_grad_rows, log_prob_rows,
+    logits_chunks, register_forward_grads_autograd, scaled_forward_grads,
 )
-from tigon.ops.linear_preference import as_device_scalar, is_number
+from tigon.ops._dispatch import Op, backward_fallback, library_op
+from tigon.ops.linear_log_probs import linear_log_probs_reference
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "gspo")
 LEVELS = ("token", "sequence")
@@ -175,10 +160,10 @@ def plan_chunks(whole_sequences, n_seq, seq_len, vocab, dtype, max_chunk_bytes) 
     """Chunks of any rows, or of whole completions where a sequence-level ratio meets a head that
     needs its weight gradient (the one pass); two passes when a completion exceeds the budget."""
     if not whole_sequences:
-        return _Plan(chunk_rows(max_chunk_bytes or DEFAULT_MAX_CHUNK_BYTES, vocab, dtype), False)
+        return _Plan(chunk_rows(max_chunk_bytes or LOG_PROB_CHUNK_BYTES, vocab, dtype), False)
     sequence_bytes = seq_len * vocab * dtype.itemsize
     if max_chunk_bytes is None:
-        max_chunk_bytes = max(DEFAULT_MAX_CHUNK_BYTES, min(sequence_bytes, MAX_SEQUENCE_CHUNK_BYTES))
+        max_chunk_bytes = max(LOG_PROB_CHUNK_BYTES, min(sequence_bytes, MAX_SEQUENCE_CHUNK_BYTES))
     sequences = min(n_seq, max_chunk_bytes // sequence_bytes)
     if sequences:
         return _Plan(sequences * seq_len, False)
@@ -207,8 +192,8 @@ def _policy_pass(hidden2d, weight, bias, target1d, tokens, options, plan, seq_le
         if hidden_only:
             return logp, entropy, (grad_hidden.mul_(coefficients.unsqueeze(1)), None, None)
         grads = chunked_grads(
-            hidden2d, weight, bias, target1d, lse, None, coefficients, None,
-            LogProbOptions(UNSCORED, options.temperature), plan.rows, needs,
+            hidden2d, weight, bias, target1d, lse, None, coefficients, None, UNSCORED, options.temperature, plan.rows,
+            needs,
         )
         return logp, entropy, grads
 
@@ -279,13 +264,11 @@ class _LinearPolicyFunction(torch.autograd.Function):
     def backward(ctx, saved, grad_loss, _grad_logp, _grad_entropy):
         hidden, weight, bias, target = saved
         options, plan = ctx.config
-        grad_hidden, grad_weight, grad_bias = scaled_forward_grads(ctx, grad_loss, lambda: _policy_pass(
+        grads = scaled_forward_grads(ctx, grad_loss, hidden, lambda: _policy_pass(
             rows_view(hidden), weight, bias, target.reshape(-1), ctx.tokens, options, plan, target.shape[-1],
             tuple(ctx.needs_input_grad[:3]),
         )[2])
-        if grad_hidden is not None:
-            grad_hidden = grad_hidden.view(hidden.shape)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return (*grads, *[None] * 5)
 
 
 def policy_metrics(
@@ -438,13 +421,6 @@ def _per_token(name, values, shape, device, dtype):
         raise ValueError(f"{name} must have shape {tuple(shape)} (one value per completion token), got {tuple(values.shape)}")
     check_device(name, values, device)
     return values.detach().to(dtype).reshape(-1)
-
-
-def check_divisor(name: str, value) -> None:
-    """`value` is a loss's divisor: a positive number or a 0-dim tensor (not read: no host sync)."""
-    is_scalar_tensor = isinstance(value, torch.Tensor) and value.dim() == 0
-    if not ((is_number(value) and value > 0) or is_scalar_tensor):
-        raise ValueError(f"{name} must be a positive number or a 0-dim tensor, got {value!r}")
 
 
 def _check(hidden, weight, target, bias, advantages, mask, options, given, max_chunk_bytes) -> None:

@@ -46,27 +46,16 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from tigon.ops._checks import check_choice, check_device, check_float, rows_view
-from tigon.ops._dispatch import Op, backward_fallback, library_op
-from tigon.ops.cross_entropy import check_target
-from tigon.ops.linear_cross_entropy import chunk_rows
-from tigon.ops.linear_log_probs import (
-    backprop_head,
-    check_chunk_bytes,
-    check_head,
-    check_ignore_index,
-    chunked_log_probs,
-    head_grad_needs,
-    head_grads_fake,
-    head_grads_out,
-    head_logits,
-    linear_log_probs_reference,
-    log_prob_grad_rows,
-    log_prob_rows,
-    logits_chunks,
-    register_forward_grads_autograd,
-    scaled_forward_grads,
+from tigon.ops._checks import (
+    check_choice, check_device, check_float, check_ignore_index, check_target, is_number, rows_view,
 )
+from tigon.ops._chunked_head import (
+    as_device_scalar, backprop_head, check_chunk_bytes, check_head, chunk_rows, chunked_log_probs, head_grad_needs,
+    head_grads_fake, head_grads_out, head_logits, log_prob_grad_rows, log_prob_rows, logits_chunks,
+    register_forward_grads_autograd, scaled_forward_grads,
+)
+from tigon.ops._dispatch import Op, backward_fallback, library_op
+from tigon.ops.linear_log_probs import linear_log_probs_reference
 
 METHODS = ("dpo", "ipo", "hinge", "robust", "simpo", "cpo", "orpo", "kto")
 REFERENCE_METHODS = ("dpo", "ipo", "hinge", "robust", "kto")
@@ -389,14 +378,12 @@ class _LinearPreferenceFunction(torch.autograd.Function):
     def backward(ctx, saved, grad_loss, _grad_logps, _grad_kl):
         hidden, weight, bias, target, ref_logps, labels, kl = saved
         options, plan = ctx.config
-        grad_hidden, grad_weight, grad_bias = scaled_forward_grads(ctx, grad_loss, lambda: _policy_pass(
+        grads = scaled_forward_grads(ctx, grad_loss, hidden, lambda: _policy_pass(
             rows_view(hidden), weight, bias, target.reshape(-1), ref_logps,
             _sequence_counts(target, options.ignore_index), labels, kl, options, plan, target.shape[-1],
             tuple(ctx.needs_input_grad[:3]),
         )[3])
-        if grad_hidden is not None:
-            grad_hidden = grad_hidden.view(hidden.shape)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
+        return (*grads, *[None] * 7)
 
 
 def _policy_reference(hidden, weight, target, bias, ref_logps, labels, kl, options):
@@ -450,17 +437,6 @@ def preference_metrics(
         "accuracy": (chosen_rewards > rejected_rewards).to(logps.dtype),
         "chosen_logps": chosen_logps, "rejected_logps": rejected_logps, "chosen_nll": chosen_nll,
     }
-
-
-def as_device_scalar(value, device, dtype=torch.float32):
-    """A float or 0-dim tensor (a KL baseline, a loss's divisor) as a 0-dim tensor on `device`,
-    without a gradient or a host sync; None stays None."""
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor) and value.device == device:
-        return value.detach().to(dtype)
-    # A float, or a CPU tensor (reading host memory is no device sync; copying it over would be).
-    return torch.full((), float(value), dtype=dtype, device=device)
 
 
 def linear_preference_loss_reference(
@@ -589,10 +565,6 @@ def _linear_preference_compiled(
 LINEAR_PREFERENCE_LOSS = Op(
     "linear_preference_loss", _linear_preference_kernel, _reference, compiled=_linear_preference_compiled
 )
-
-
-def is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _check(

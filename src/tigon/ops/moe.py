@@ -57,7 +57,7 @@ import torch.nn.functional as torch_f
 from tigon.ops._checks import KERNEL_DTYPES, check_choice, check_device, check_float
 from tigon.ops._dispatch import Op, autocast_dtype, backward_fallback, empty_if, library_op, tl, triton
 from tigon.ops._launch import cdiv, launched, next_power_of_2, row_block_config
-from tigon.ops.glu import ACTIVATIONS, _activation, _activation_grad, _activation_reference
+from tigon.ops.glu import ACTIVATIONS, activate, activation_grad, activation_reference
 
 GEMMS = ("auto", "triton", "grouped_mm", "hybrid")
 # What "auto" runs for bfloat16 on a CUDA device of compute capability >= 9.0 (where
@@ -91,7 +91,7 @@ def _gated(gate, up, alpha, limit, up_offset, ACTIVATION: tl.constexpr, CLAMP: t
     if CLAMP:
         gate = tl.where(gate > limit, limit, gate)
         up = tl.where(up > limit, limit, tl.where(up < -limit, -limit, up))
-    return _activation(gate * alpha, ACTIVATION) / alpha * (up + up_offset)
+    return activate(gate * alpha, ACTIVATION) / alpha * (up + up_offset)
 
 
 @triton.jit
@@ -103,9 +103,9 @@ def _gated_backward(grad, gate, up, alpha, limit, up_offset, ACTIVATION: tl.cons
     if CLAMP:
         gate_c = tl.where(gate > limit, limit, gate)
         up_c = tl.where(up > limit, limit, tl.where(up < -limit, -limit, up))
-    act = _activation(gate_c * alpha, ACTIVATION) / alpha
+    act = activate(gate_c * alpha, ACTIVATION) / alpha
     up_term = up_c + up_offset
-    grad_gate = grad * up_term * _activation_grad(gate_c * alpha, ACTIVATION)
+    grad_gate = grad * up_term * activation_grad(gate_c * alpha, ACTIVATION)
     grad_up = grad * act
     if CLAMP:
         grad_gate = tl.where(gate <= limit, grad_gate, 0.0)
@@ -409,7 +409,7 @@ def gate_reference(gate: torch.Tensor, up: torch.Tensor, options: GateOptions) -
     if options.activation == "silu" and options.alpha != 1.0:
         act = gate * torch.sigmoid(gate * options.alpha)
     else:
-        act = _activation_reference(gate, options.activation)
+        act = activation_reference(gate, options.activation)
     return act * (up + options.up_offset) if options.up_offset else act * up
 
 

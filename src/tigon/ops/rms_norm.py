@@ -374,7 +374,7 @@ def rms_norm_backward(
     return grad_x, grad_weight
 
 
-def _check(x, weight, eps, casting, residual=None) -> str | None:
+def check_rms_norm(x, weight, eps, casting, residual=None) -> str | None:
     """Validate the arguments; return why the kernel cannot take them, if it cannot."""
     check_float("x", x)
     if x.dim() == 0:
@@ -456,13 +456,14 @@ def _rms_norm_compiled(x, weight, eps, offset, casting, inplace_backward=False):
     return _forward_op(x, None, weight, float(eps), float(offset), casting)[0]
 
 
-def _add_rms_norm_compiled(x, residual, weight, eps, offset, casting, inplace_backward=False):
+def add_rms_norm_compiled(x, residual, weight, eps, offset, casting, inplace_backward=False):
+    """add_rms_norm inside torch.compile: the forward library op (add_rms_norm_glu_mlp's too)."""
     out, total, _ = _forward_op(x, residual, weight, float(eps), float(offset), casting)
     return out, total
 
 
 RMS_NORM = Op("rms_norm", _rms_norm_kernel, rms_norm_reference, compiled=_rms_norm_compiled)
-ADD_RMS_NORM = Op("add_rms_norm", _add_rms_norm_kernel, add_rms_norm_reference, compiled=_add_rms_norm_compiled)
+ADD_RMS_NORM = Op("add_rms_norm", _add_rms_norm_kernel, add_rms_norm_reference, compiled=add_rms_norm_compiled)
 
 
 def rms_norm(
@@ -506,7 +507,7 @@ def rms_norm(
         A tensor of the shape of `x`; dtype of `x` (``"llama"``/``"none"`` promote with the
         weight's dtype, as the HF modules do).
     """
-    return RMS_NORM(_check(x, weight, eps, casting), x, weight, eps, offset, casting, bool(inplace_backward))
+    return RMS_NORM(check_rms_norm(x, weight, eps, casting), x, weight, eps, offset, casting, bool(inplace_backward))
 
 
 def add_rms_norm(
@@ -528,5 +529,6 @@ def add_rms_norm(
     sum's gradient is only read.
     """
     return ADD_RMS_NORM(
-        _check(x, weight, eps, casting, residual), x, residual, weight, eps, offset, casting, bool(inplace_backward)
+        check_rms_norm(x, weight, eps, casting, residual), x, residual, weight, eps, offset, casting,
+        bool(inplace_backward),
     )

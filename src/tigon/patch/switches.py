@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
+from tigon.ops import op_names
+
 
 @dataclass(frozen=True)
 class Switch:
@@ -64,10 +66,6 @@ TABLE: tuple[Switch, ...] = (
            ("moe_experts",)),
 )
 
-# The ops tigon.patch does not apply, so no switch covers them (TIGON_DISABLE still takes them):
-# the fused RL and preference losses, which a trainer calls on the hidden states itself.
-UNPATCHED_OPS: tuple[str, ...] = ("linear_preference_loss", "linear_policy_loss", "linear_distill_loss")
-
 SWITCHES: tuple[str, ...] = tuple(switch.name for switch in TABLE)
 DEFAULTS: dict[str, bool] = {switch.name: switch.default for switch in TABLE}
 
@@ -76,6 +74,11 @@ def covering(op: str) -> tuple[str, ...]:
     """The switches covering the op named `op` (empty for a name no switch covers, such as the
     :data:`UNPATCHED_OPS`)."""
     return tuple(switch.name for switch in TABLE if op in switch.ops)
+
+
+# The ops no switch covers, which tigon.patch does not apply (TIGON_DISABLE still takes them): the
+# fused RL, preference and distillation losses, which a trainer calls on the hidden states itself.
+UNPATCHED_OPS: tuple[str, ...] = tuple(op for op in op_names() if not covering(op))
 
 
 def check_switch_names(names: Iterable[str], where: str) -> None:

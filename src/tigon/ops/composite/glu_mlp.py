@@ -145,7 +145,7 @@ class _GLUMLPFunction(torch.autograd.Function):
         return (*grads, None, None, None)
 
 
-def _check_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation) -> str | None:
+def check_glu_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation) -> str | None:
     """Validate glu_mlp's arguments; return why the kernel path cannot take them, if it cannot."""
     check_choice("activation", activation, ACTIVATIONS)
     check_float("x", x)
@@ -248,8 +248,9 @@ def _op_backward(ctx, grad_out, *_):
 _forward_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
-def _glu_mlp_compiled(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, normed_input,
-                      recompute):
+def glu_mlp_compiled(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, normed_input,
+                     recompute):
+    """glu_mlp inside torch.compile: the forward library op (add_rms_norm_glu_mlp's too)."""
     # normed_input and recompute are not used: what a compiled graph keeps is the compiler's choice.
     dtype = autocast_dtype(x)
     if dtype is None:
@@ -260,7 +261,7 @@ def _glu_mlp_compiled(x, gate_weight, up_weight, down_weight, gate_bias, up_bias
         return _forward_op(*cast, activation)[0]
 
 
-GLU_MLP = Op("glu_mlp", _glu_mlp_kernel, _glu_mlp_reference, compiled=_glu_mlp_compiled)
+GLU_MLP = Op("glu_mlp", _glu_mlp_kernel, _glu_mlp_reference, compiled=glu_mlp_compiled)
 
 
 def glu_mlp(
@@ -299,7 +300,7 @@ def glu_mlp(
         ``(..., hidden)``.
     """
     args = (x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation)
-    unsupported = _check_mlp(*args)
+    unsupported = check_glu_mlp(*args)
     if normed_input is not None:
         check_normed_input(x, normed_input)
     return GLU_MLP(unsupported, *args, normed_input, bool(recompute))

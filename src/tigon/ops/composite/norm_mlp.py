@@ -23,11 +23,11 @@ import torch
 from tigon.ops._checks import rows_view
 from tigon.ops._dispatch import Op, backward_fallback
 from tigon.ops.composite.glu_mlp import (
-    GLU_MLP, _check_mlp, _glu_mlp_compiled, glu_mlp_backward, glu_mlp_forward, glu_mlp_reference,
+    GLU_MLP, check_glu_mlp, glu_mlp_backward, glu_mlp_compiled, glu_mlp_forward, glu_mlp_reference,
     recomputed_projections,
 )
 from tigon.ops.rms_norm import (
-    ADD_RMS_NORM, _add_rms_norm_compiled, _check as _check_norm, add_rms_norm_reference, rms_norm_backward,
+    ADD_RMS_NORM, add_rms_norm_compiled, add_rms_norm_reference, check_rms_norm, rms_norm_backward,
     rms_norm_rows,
 )
 
@@ -121,8 +121,8 @@ def _kernel(x, residual, norm_weight, eps, gate_weight, up_weight, down_weight, 
 def _compiled(x, residual, norm_weight, eps, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias,
               offset, casting, activation, recompute):
     # Inside torch.compile: the two ops' library ops, one after the other.
-    normed, total = _add_rms_norm_compiled(x, residual, norm_weight, eps, offset, casting)
-    out = _glu_mlp_compiled(normed, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation,
+    normed, total = add_rms_norm_compiled(x, residual, norm_weight, eps, offset, casting)
+    out = glu_mlp_compiled(normed, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation,
                             None, recompute)
     return out, total
 
@@ -169,7 +169,7 @@ def add_rms_norm_glu_mlp(
     runs the PyTorch reference.
     """
     args = (x, residual, norm_weight, eps, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
-    unsupported = _check_norm(x, norm_weight, eps, casting, residual) or _check_mlp(
+    unsupported = check_rms_norm(x, norm_weight, eps, casting, residual) or check_glu_mlp(
         x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation
     )
     return ADD_RMS_NORM_GLU_MLP(unsupported, *args, offset, casting, activation, bool(recompute))
