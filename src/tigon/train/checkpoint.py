@@ -75,7 +75,7 @@ def resume_checkpoint(output_dir: Path, resume: str) -> Path | None:
 def staging_dir(target: Path) -> Path:
     """An empty hidden directory next to `target` to write it into (leftovers of a crash removed)."""
     staging = target.with_name(STAGING_PREFIX + target.name)
-    _remove(staging)
+    remove_path(staging)
     staging.mkdir(parents=True)
     return staging
 
@@ -83,7 +83,7 @@ def staging_dir(target: Path) -> Path:
 def _staging_file(target: Path) -> Path:
     """A hidden file path next to `target` to write it into (leftovers of a crash removed)."""
     staging = target.with_name(STAGING_PREFIX + target.name)
-    _remove(staging)
+    remove_path(staging)
     staging.parent.mkdir(parents=True, exist_ok=True)
     return staging
 
@@ -105,7 +105,7 @@ def _disk_full(err: BaseException, where: Path) -> bool:
     return False
 
 
-def _remove(path: Path) -> None:
+def remove_path(path: Path) -> None:
     """Delete `path`, a directory tree or a file; a symbolic link itself, never what it points to."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
@@ -123,7 +123,7 @@ def removed_on_failure(staging: Path, target: Path) -> Iterator[None]:
         yield
     except BaseException as err:
         full = _disk_full(err, staging.parent)  # asked before the removal gives the space back
-        _remove(staging)
+        remove_path(staging)
         if full:
             raise SFTError(f"{target}: no space left on device; the partial save was removed (free some "
                            "space, or write elsewhere)") from err
@@ -159,11 +159,11 @@ def publish(staging: Path, target: Path) -> None:
     _fsync(staging)
     old = target.with_name(STAGING_PREFIX + "old-" + target.name)
     if target.exists() or target.is_symlink():
-        _remove(old)
+        remove_path(old)
         os.replace(target, old)
     os.replace(staging, target)
     _fsync(target.parent)
-    _remove(old)
+    remove_path(old)
 
 
 def damage(directory: Path) -> str | None:
@@ -274,7 +274,8 @@ class AtomicTrainer(Trainer):
         self.accelerator.wait_for_everyone()  # every process has written its part (RNG states, shards)
         if self.args.should_save:
             # The Trainer wrote staging/checkpoint-N; the extra level keeps its own name intact.
-            publish(staging / target.name, target)
+            with removed_on_failure(staging, target):  # its manifest and flushes can meet a full disk too
+                publish(staging / target.name, target)
             shutil.rmtree(staging)
             if self.save_limit is not None:
                 for old in list_checkpoints(run_dir)[: -self.save_limit]:

@@ -34,8 +34,8 @@ from tigon.timing import measure_matmul_rate
 from tigon.train import tiny
 from tigon.train.batching import Collator, TokenDataset, pack
 from tigon.train.callbacks import METRICS_FILE, PLOT_FILE, Reporter, read_metrics
-from tigon.train.checkpoint import (STAGING_PREFIX, damage, list_checkpoints, publish, removed_on_failure,
-                                    resume_checkpoint, staging_dir, written_atomically)
+from tigon.train.checkpoint import (STAGING_PREFIX, damage, list_checkpoints, publish, remove_path,
+                                    removed_on_failure, resume_checkpoint, staging_dir, written_atomically)
 from tigon.train.config import Interrupted, SFTConfig, SFTError, resolve
 from tigon.train.data import Sample, load_samples
 from tigon.train.infer import generate
@@ -368,7 +368,7 @@ def start_output(output_dir: Path, resume_from: Path | None, built: Built, token
         return
     output_dir.mkdir(parents=True, exist_ok=True)
     for staging in output_dir.glob(STAGING_PREFIX + "*"):
-        shutil.rmtree(staging, ignore_errors=True)  # a crash's half-written saves, holding disk space
+        remove_path(staging)  # a crash's half-written saves (directories, and files), holding disk space
     if resume_from is not None:
         step = json.loads((resume_from / "trainer_state.json").read_text())["global_step"]
         kept = [r for r in read_metrics(output_dir) if r["step"] <= step]
@@ -382,11 +382,9 @@ def start_output(output_dir: Path, resume_from: Path | None, built: Built, token
                 path.unlink()
     base = output_dir / BASE_DIR
     if built.base is not None and not base.is_dir():
-        staging = staging_dir(base)
-        with removed_on_failure(staging, base):
+        with written_atomically(base) as staging:
             built.base.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
-        publish(staging, base)
 
 
 # --- trainer ----------------------------------------------------------------------------------
@@ -495,7 +493,8 @@ def finish(trainer: Any, built: Built, tokenizer: Any, cfg: SFTConfig, prompts: 
         trainer.save_model(str(staging))  # every process: sharded models gather here
     trainer.accelerator.wait_for_everyone()
     if trainer.is_world_process_zero():
-        publish(staging, final)
+        with removed_on_failure(staging, final):
+            publish(staging, final)
         after = answer(built, tokenizer, prompts, cfg)
         record = [{"prompt": _prompt_text(p), "before": b, "after": a} for p, b, a in zip(prompts, before, after)]
         with written_atomically(output_dir / SAMPLES_FILE, directory=False) as staging:
