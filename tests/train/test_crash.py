@@ -277,3 +277,23 @@ def test_merge_and_infer_read_back_cut_outputs(sft_run, merged, tmp_path, capsys
     rows = read_back(merged, files(merged, "."), lambda out: ["infer", str(out), *INFER],
                      lambda out, stdout: stdout == answer, tmp_path, capsys, caplog)
     print_table("tigon infer MERGED (file, cut, outcome):", rows, capsys)
+
+
+def test_a_checkpoint_deleted_halfway_is_not_left_under_its_name(sft_run, tmp_path, monkeypatch):
+    """An old checkpoint rotated out by --save-limit (or cleared by --overwrite) as the run is
+    killed: what is left of it must not pass for a checkpoint without a manifest (an older
+    tigon's), which --resume would take as it is."""
+    from tigon.train import checkpoint
+
+    out = tmp_path / "out"
+    shutil.copytree(sft_run, out)
+
+    def killed_halfway(path, ignore_errors=False):
+        (Path(path) / MANIFEST_FILE).unlink()  # the first file gone, and then the kill
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.remove_path(out / "checkpoint-3")
+    assert [p.name for p in checkpoint.list_checkpoints(out)] == ["checkpoint-6"]
+    assert (out / ".tmp-old-checkpoint-3").is_dir()  # cleared by the next run, as staging is

@@ -106,8 +106,16 @@ def _disk_full(err: BaseException, where: Path) -> bool:
 
 
 def remove_path(path: Path) -> None:
-    """Delete `path`, a directory tree or a file; a symbolic link itself, never what it points to."""
+    """Delete `path`, a directory tree or a file; a symbolic link itself, never what it points to.
+    A directory is renamed to a hidden staging name first: a crash halfway through deleting it
+    leaves what remains under that name (cleared by the next run), never under its own, where a
+    checkpoint without its manifest would pass for a whole one of an older tigon."""
     if path.is_dir() and not path.is_symlink():
+        if not path.name.startswith(STAGING_PREFIX):
+            doomed = path.with_name(STAGING_PREFIX + "old-" + path.name)
+            remove_path(doomed)
+            os.replace(path, doomed)
+            path = doomed
         shutil.rmtree(path, ignore_errors=True)
     else:
         with contextlib.suppress(FileNotFoundError):
@@ -279,5 +287,5 @@ class AtomicTrainer(Trainer):
             shutil.rmtree(staging)
             if self.save_limit is not None:
                 for old in list_checkpoints(run_dir)[: -self.save_limit]:
-                    shutil.rmtree(old)
+                    remove_path(old)
         self.accelerator.wait_for_everyone()

@@ -22,7 +22,6 @@ import logging
 import math
 import os
 import random
-import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -376,10 +375,7 @@ def start_output(output_dir: Path, resume_from: Path | None, built: Built, token
             staging.write_text("".join(json.dumps(r) + "\n" for r in kept))
     else:
         for path in list_checkpoints(output_dir) + _leftovers(output_dir):
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
+            remove_path(path)
     base = output_dir / BASE_DIR
     if built.base is not None and not base.is_dir():
         with written_atomically(base) as staging:
