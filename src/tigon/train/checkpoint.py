@@ -140,7 +140,10 @@ def removed_on_failure(staging: Path, target: Path) -> Iterator[None]:
 
 def _fsync(path: Path) -> None:
     """Flush `path` (a file, or a directory's entries) to the disk."""
-    fd = os.open(path, os.O_RDONLY)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except PermissionError:
+        return  # a directory one may write in but not read: its entries reach the disk in the system's own time
     try:
         os.fsync(fd)
     except OSError as err:
