@@ -110,6 +110,7 @@ def ends_like(whole: Path, out: Path, weights: str, new_steps: set[int]) -> bool
 
 
 def print_table(title: str, rows: list[tuple[str, str, str, str]], capsys) -> None:
+    """`rows` (file, cut, outcome, plain rerun's outcome) on the terminal, then fail on any that failed."""
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     with capsys.disabled():
         print(f"\n{title}")
@@ -120,8 +121,9 @@ def print_table(title: str, rows: list[tuple[str, str, str, str]], capsys) -> No
 
 
 def files(out: Path, *folders: str) -> list[str]:
+    """The files under `folders` of `out`, as paths relative to it."""
     return [p.relative_to(out).as_posix() for folder in folders for p in sorted((out / folder).rglob("*"))
-            if p.is_file()] if folders else []
+            if p.is_file()]
 
 
 def cut_runs(whole: Path, stage: Path, relatives: list[str], rerun: list[str], command: str, weights: str,
@@ -142,7 +144,7 @@ def cut_runs(whole: Path, stage: Path, relatives: list[str], rerun: list[str], c
             resumed = stopped(code, lines, command, path, before, out)
             if resumed is None and code == 0:
                 kept = {k: v for k, v in before.items() if k.startswith("checkpoint-")
-                        and int(k.split("/")[0].split("-")[1]) <= resumed_at and not (out / k).parent == path.parent}
+                        and int(k.split("/")[0].split("-")[1]) <= resumed_at and (out / k).parent != path.parent}
                 after = stamps(out)
                 untouched = all(after.get(k) == v for k, v in kept.items())
                 if untouched and ends_like(whole, out, weights, set(range(resumed_at + 1, max(losses(whole)) + 1))):
