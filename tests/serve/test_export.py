@@ -241,7 +241,7 @@ def test_a_folder_with_the_users_files_is_refused_untouched_and_replaced_with_ov
     assert main([*command, "--output", str(out), "--overwrite"]) == 0
     written = sorted(p.name for p in out.iterdir())
     if how == "gguf":
-        assert written == ["Modelfile", "model.gguf"]
+        assert written == ["Modelfile", "model.gguf", "tigon-manifest.json"]
     else:
         assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(written) and "notes.txt" not in written
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # no staging or old copy left beside it

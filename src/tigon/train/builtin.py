@@ -13,7 +13,7 @@ from typing import Any
 from tigon.train import tiny
 from tigon.train.config import SFTConfig
 from tigon.train.data import load_samples
-from tigon.train.run import FINAL_DIR, run_sft
+from tigon.train.run import FINAL_DIR, finished, run_sft
 from tigon.train.template import ensure_chat_template
 
 log = logging.getLogger("tigon.train")
@@ -51,7 +51,7 @@ def builtin_after_sft(cfg: SFTConfig, tokenizer: Any, role: str = "policy") -> P
     else `make demo`'s demo-out/final when that is the built-in model; else the sft stage, trained
     first (resumed with --resume, trained again with --overwrite)."""
     stage = Path(cfg.output_dir) / SFT_DIR
-    if not cfg.overwrite and (stage / FINAL_DIR).is_dir():
+    if not cfg.overwrite and finished(stage):  # else its run says what is wrong with its final/, or completes it
         log.info("%s: the built-in model after sft, from %s", role, stage / FINAL_DIR)
         return (stage / FINAL_DIR).resolve()
     if is_builtin_sft(DEMO_SFT, tokenizer):

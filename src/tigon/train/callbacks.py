@@ -17,6 +17,8 @@ import torch
 from transformers import TrainerCallback
 
 from tigon.timing import BusyMeter
+from tigon.train.checkpoint import written_atomically
+from tigon.train.config import SFTError
 
 log = logging.getLogger("tigon.train")
 
@@ -32,10 +34,37 @@ def _si(x: float) -> str:
 
 
 def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
+    """The records of metrics.jsonl. A last line cut short (the run was killed as it appended it)
+    is left out, with a warning; any other line that is not a record is an SFTError naming it."""
     path = output_dir / METRICS_FILE
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = path.read_bytes().decode("utf-8", errors="replace").split("\n")
+    last = lines.pop()  # after the newline that ends a complete file: ""
+    records = []
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            record = _record(line)
+            if record is None:
+                raise SFTError(f"{path} line {number}: not a metrics record: delete that line (or the file, and with "
+                               "it the run's loss curve), then rerun")
+            records.append(record)
+    if last.strip():
+        record = _record(last)  # whole when only its newline was lost
+        if record is None:
+            log.warning("%s: its last line is cut short (the run was stopped as it was written): left out", path)
+        else:
+            records.append(record)
+    return records
+
+
+def _record(line: str) -> dict[str, Any] | None:
+    """A line of metrics.jsonl as the record it holds, or None if it holds none."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
 
 
 MARGIN = "rewards/margins"  # the preference trainers' reward margin (TRL's name)
@@ -86,7 +115,8 @@ def plot_loss(output_dir: Path, title: str = "tigon sft") -> Path | None:
         ax.legend(loc="upper left")
     fig.tight_layout()
     path = output_dir / PLOT_FILE
-    fig.savefig(path, dpi=110)
+    with written_atomically(path, directory=False) as staging:
+        fig.savefig(staging, dpi=110, format="png")
     plt.close(fig)
     return path
 

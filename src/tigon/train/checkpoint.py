@@ -2,12 +2,19 @@
 file) next to the target and renamed into place only when complete, so a crash mid-save never
 leaves a ``checkpoint-N`` (or ``final``, or an export) that looks finished. Resuming only ever
 sees complete checkpoints. A save that fails with an error removes what it staged (a full disk
-gets its space back) and a full disk is said as such, in one line."""
+gets its space back) and a full disk is said as such, in one line.
+
+What is published is on the disk before its name is (fsync, then rename), and a published
+directory carries a manifest of its files' sizes: a file cut or lost afterwards (a copy stopped
+halfway, a failing disk, a power cut on a file system that reorders writes) is found by `damage`
+before anything loads it, and named, instead of surfacing as a loader's traceback or, worse, as a
+resume that quietly starts a fresh optimizer (the Trainer skips a missing optimizer.pt)."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import re
 import shutil
@@ -20,6 +27,7 @@ from tigon.train.config import SFTError
 
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 STAGING_PREFIX = ".tmp-"
+MANIFEST_FILE = "tigon-manifest.json"  # in every published directory: its files and their sizes
 # torch.save reports a failed write as "unexpected pos ..." or "file write failed", and numpy's
 # tofile (the gguf writer's) as an OSError "N requested and M written" without an errno: naming no
 # cause; below this much free space, the cause is taken to be a full disk.
@@ -41,11 +49,24 @@ def list_checkpoints(output_dir: Path) -> list[Path]:
 
 def resume_checkpoint(output_dir: Path, resume: str) -> Path | None:
     """The checkpoint ``--resume`` names: for "latest" the newest complete one in `output_dir`
-    (None while there is none), else the path given, which must be a checkpoint."""
+    (None while there is none), else the path given, which must be a checkpoint. A damaged one
+    (see `damage`) is an SFTError naming its file. It is never passed over for an older one
+    unasked, nor deleted: a checkpoint is published whole, so damage is done to it afterwards (by
+    a disk, or a hand), and whether to continue from an older one is the user's call."""
     if resume == "latest":
         checkpoints = list_checkpoints(output_dir)
-        return checkpoints[-1] if checkpoints else None
+        if not checkpoints:
+            return None
+        wrong = damage(checkpoints[-1])
+        if wrong is not None:
+            older = f"continue from {checkpoints[-2].name}" if len(checkpoints) > 1 else "start again from step 0"
+            raise SFTError(f"--resume: {wrong}: move {checkpoints[-1].name} out of {output_dir} (or delete it), "
+                           f"then --resume again to {older}")
+        return checkpoints[-1]
     path = Path(resume)
+    wrong = damage(path)
+    if wrong is not None:
+        raise SFTError(f"--resume {resume}: {wrong}: resume from another checkpoint")
     if not (path / "trainer_state.json").is_file():
         raise SFTError(f"--resume {resume}: not a checkpoint directory (no trainer_state.json)")
     return path
@@ -54,7 +75,7 @@ def resume_checkpoint(output_dir: Path, resume: str) -> Path | None:
 def staging_dir(target: Path) -> Path:
     """An empty hidden directory next to `target` to write it into (leftovers of a crash removed)."""
     staging = target.with_name(STAGING_PREFIX + target.name)
-    _remove(staging)
+    remove_path(staging)
     staging.mkdir(parents=True)
     return staging
 
@@ -62,7 +83,7 @@ def staging_dir(target: Path) -> Path:
 def _staging_file(target: Path) -> Path:
     """A hidden file path next to `target` to write it into (leftovers of a crash removed)."""
     staging = target.with_name(STAGING_PREFIX + target.name)
-    _remove(staging)
+    remove_path(staging)
     staging.parent.mkdir(parents=True, exist_ok=True)
     return staging
 
@@ -84,9 +105,17 @@ def _disk_full(err: BaseException, where: Path) -> bool:
     return False
 
 
-def _remove(path: Path) -> None:
-    """Delete `path`, a directory tree or a file; a symbolic link itself, never what it points to."""
+def remove_path(path: Path) -> None:
+    """Delete `path`, a directory tree or a file; a symbolic link itself, never what it points to.
+    A directory is renamed to a hidden staging name first: a crash halfway through deleting it
+    leaves what remains under that name (cleared by the next run), never under its own, where a
+    checkpoint without its manifest would pass for a whole one of an older tigon."""
     if path.is_dir() and not path.is_symlink():
+        if not path.name.startswith(STAGING_PREFIX):
+            doomed = path.with_name(STAGING_PREFIX + "old-" + path.name)
+            remove_path(doomed)
+            os.replace(path, doomed)
+            path = doomed
         shutil.rmtree(path, ignore_errors=True)
     else:
         with contextlib.suppress(FileNotFoundError):
@@ -102,22 +131,74 @@ def removed_on_failure(staging: Path, target: Path) -> Iterator[None]:
         yield
     except BaseException as err:
         full = _disk_full(err, staging.parent)  # asked before the removal gives the space back
-        _remove(staging)
+        remove_path(staging)
         if full:
             raise SFTError(f"{target}: no space left on device; the partial save was removed (free some "
                            "space, or write elsewhere)") from err
         raise
 
 
+def _fsync(path: Path) -> None:
+    """Flush `path` (a file, or a directory's entries) to the disk."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except PermissionError:
+        return  # a directory one may write in but not read: its entries reach the disk in the system's own time
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno != errno.EINVAL:  # some file systems cannot flush a directory: nothing to wait for
+            raise
+    finally:
+        os.close(fd)
+
+
+def _write_manifest(directory: Path) -> None:
+    sizes = {p.relative_to(directory).as_posix(): p.stat().st_size
+             for p in sorted(directory.rglob("*")) if p.is_file()}
+    (directory / MANIFEST_FILE).write_text(json.dumps({"files": sizes}, indent=1) + "\n")
+
+
 def publish(staging: Path, target: Path) -> None:
-    """Move the complete `staging` directory (or file) to `target` by rename; an older `target` is
-    moved aside first and deleted after, so `target` is always either the old or the new whole."""
+    """Move the complete `staging` directory (or file) to `target` by rename, a directory with its
+    manifest (see `damage`), everything flushed to the disk first; an older `target` is moved aside
+    first and deleted after, so `target` is always either the old or the new whole."""
+    if staging.is_dir():
+        _write_manifest(staging)
+        for path in sorted(staging.rglob("*"), reverse=True):  # files before the directories naming them
+            _fsync(path)
+    _fsync(staging)
     old = target.with_name(STAGING_PREFIX + "old-" + target.name)
     if target.exists() or target.is_symlink():
-        _remove(old)
+        remove_path(old)
         os.replace(target, old)
     os.replace(staging, target)
-    _remove(old)
+    _fsync(target.parent)
+    remove_path(old)
+
+
+def damage(directory: Path) -> str | None:
+    """What is wrong with `directory`, as its manifest knows it was published: the first file that
+    is missing or not of its written size, said as "PATH is ...", or an unreadable manifest. None
+    for an intact directory and for one without a manifest (not written by `publish`: a model of
+    the user's, a checkpoint of an older tigon), which is taken as it is."""
+    manifest = directory / MANIFEST_FILE
+    if not manifest.exists():
+        return None
+    try:
+        sizes = json.loads(manifest.read_text())["files"]
+        written = {str(name): int(size) for name, size in sizes.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return f"{manifest} is damaged (not the list of files tigon wrote)"
+    for name, size in written.items():
+        path = directory / name
+        try:
+            found = path.stat().st_size
+        except OSError:
+            return f"{path} is missing"
+        if found != size:
+            return f"{path} is damaged ({found} bytes where {size} were written)"
+    return None
 
 
 def check_output(output: Path, overwrite: bool, sources: Iterable[str | Path | None]) -> None:
@@ -204,9 +285,10 @@ class AtomicTrainer(Trainer):
         self.accelerator.wait_for_everyone()  # every process has written its part (RNG states, shards)
         if self.args.should_save:
             # The Trainer wrote staging/checkpoint-N; the extra level keeps its own name intact.
-            publish(staging / target.name, target)
+            with removed_on_failure(staging, target):  # its manifest and flushes can meet a full disk too
+                publish(staging / target.name, target)
             shutil.rmtree(staging)
             if self.save_limit is not None:
                 for old in list_checkpoints(run_dir)[: -self.save_limit]:
-                    shutil.rmtree(old)
+                    remove_path(old)
         self.accelerator.wait_for_everyone()

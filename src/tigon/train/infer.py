@@ -10,7 +10,7 @@ from typing import Any, Sequence, TextIO
 
 import torch
 
-from tigon.train.checkpoint import check_output, written_atomically
+from tigon.train.checkpoint import check_output, damage, written_atomically
 from tigon.train.config import SFTError
 from tigon.train.modeling import (DTYPES, check_bitsandbytes, load_model, load_tokenizer, pick_dtype,
                                   quantization_name, recorded_quantization, source_kwargs)
@@ -25,6 +25,15 @@ _SIZE_MISMATCH = re.compile(r"size mismatch for (\S+): copying a param with shap
 
 def is_adapter(path: str | Path) -> bool:
     return (Path(path) / "adapter_config.json").is_file()
+
+
+def check_intact(path: str | Path) -> None:
+    """An SFTError naming the file, if `path` is a directory tigon wrote and it was damaged since
+    (see `damage`): loading it would fail with a loader's traceback, or load something else."""
+    wrong = damage(Path(path)) if Path(path).is_dir() else None
+    if wrong is not None:
+        raise SFTError(f"{wrong}: {path} is not as tigon wrote it; write it again (--resume the run that wrote "
+                       "it, or repeat the merge or export with --overwrite)")
 
 
 def _adapter_base(adapter: str | Path) -> str:
@@ -75,8 +84,10 @@ def load_for_inference(path: str, dtype: torch.dtype, base: str | None = None,
     """(model, tokenizer) from a model directory / hub id, or from a LoRA adapter directory on
     top of its base (from adapter_config.json unless `base` is given; quantised as it was in
     training, and with `dequantize` unpacked to `dtype` again), in eval mode."""
+    check_intact(path)
     if is_adapter(path):
         base = base or _adapter_base(path)
+        check_intact(base)
         model = _adapter_model(path, base, dtype, dequantize)
         has_tokenizer = (Path(path) / "tokenizer_config.json").is_file()
         tokenizer = load_tokenizer(path if has_tokenizer else base)
@@ -140,11 +151,13 @@ def merge(adapter: str, output: str, base: str | None = None, dtype: str = "auto
     in `dtype` (auto: the base model's own dtype). An adapter trained on a quantised base (QLoRA)
     is added to that base's dequantised weights, and auto stores bf16. An existing `output` is
     replaced only with `overwrite` (see `check_output`)."""
+    check_intact(adapter)
     if not is_adapter(adapter):
         raise SFTError(f"{adapter} is not a LoRA adapter directory (no adapter_config.json)")
     from transformers import AutoConfig
 
     base = base or _adapter_base(adapter)
+    check_intact(base)
     out = Path(output)
     check_output(out, overwrite, [adapter, base])
     quantization = recorded_quantization(adapter)

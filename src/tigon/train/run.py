@@ -22,7 +22,6 @@ import logging
 import math
 import os
 import random
-import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,8 +33,8 @@ from tigon.timing import measure_matmul_rate
 from tigon.train import tiny
 from tigon.train.batching import Collator, TokenDataset, pack
 from tigon.train.callbacks import METRICS_FILE, PLOT_FILE, Reporter, read_metrics
-from tigon.train.checkpoint import (STAGING_PREFIX, list_checkpoints, publish, removed_on_failure,
-                                    resume_checkpoint, staging_dir)
+from tigon.train.checkpoint import (STAGING_PREFIX, damage, list_checkpoints, publish, remove_path,
+                                    removed_on_failure, resume_checkpoint, staging_dir, written_atomically)
 from tigon.train.config import Interrupted, SFTConfig, SFTError, resolve
 from tigon.train.data import Sample, load_samples
 from tigon.train.infer import generate
@@ -82,20 +81,42 @@ def _leftovers(output_dir: Path) -> list[Path]:
             + sorted(output_dir.glob(STAGING_PREFIX + "*")))
 
 
+def _final_damage(output_dir: Path) -> str | None:
+    """What is wrong with the run's final/ (see `damage`), if it has one."""
+    final = output_dir / FINAL_DIR
+    return damage(final) if final.is_dir() else None
+
+
+def finished(output_dir: Path) -> bool:
+    """Whether `output_dir` holds a finished run: its final/, intact."""
+    return (output_dir / FINAL_DIR).is_dir() and _final_damage(output_dir) is None
+
+
 def _resume_point(output_dir: Path, cfg: SFTConfig) -> Path | None:
     """The checkpoint to resume from (None: train from step 0); refuses to mix a new run into an
-    old one, saying what to pass for each kind of old run."""
+    old one, saying what to pass for each kind of old run. A damaged final/ makes the run an
+    unfinished one, which --resume completes from its newest checkpoint (replacing final/)."""
     checkpoints = list_checkpoints(output_dir)
+    broken = _final_damage(output_dir)
+    elsewhere = "or choose another --output-dir"
     if cfg.resume:
         checkpoint = resume_checkpoint(output_dir, cfg.resume)
-        if checkpoint is None and not (output_dir / FINAL_DIR).is_dir():  # a finished run: see `already_trained`
+        if broken is not None:
+            if checkpoint is None:
+                raise SFTError(f"--resume: {broken}, and no checkpoint is left to write {FINAL_DIR}/ again from: "
+                               f"pass --overwrite to train the run again, {elsewhere}")
+            log.warning("%s: the run is not complete: --resume completes it from %s", broken, checkpoint.name)
+        elif checkpoint is None and not (output_dir / FINAL_DIR).is_dir():  # a finished run: see `already_trained`
             stopped = " (the run there stopped before its first one)" if _leftovers(output_dir) else ""
             log.info("--resume: no checkpoint in %s yet%s: training from step 0", output_dir, stopped)
         return checkpoint
     leftovers = _leftovers(output_dir)
     if cfg.overwrite or not (checkpoints or leftovers):
         return None
-    elsewhere = "or choose another --output-dir"
+    if broken is not None:
+        complete = (f"pass --resume to complete it from {checkpoints[-1].name}, --overwrite to replace it" if checkpoints
+                    else "pass --overwrite to train it again")
+        raise SFTError(f"{output_dir} holds a run that is not complete: {broken}: {complete}, {elsewhere}")
     if (output_dir / FINAL_DIR).is_dir():
         raise SFTError(f"{output_dir} already holds a finished run ({FINAL_DIR}/): pass --overwrite to replace "
                        f"it, --resume with a higher --max-steps or --epochs to train it further, {elsewhere}")
@@ -291,6 +312,10 @@ def build_model(cfg: SFTConfig, tokenizer: Any, dtype: torch.dtype, args: Any, r
         # The adapter needs its base on disk to be loadable, and a resumed run the same base.
         base = Path(cfg.output_dir) / BASE_DIR
         if resume_from is not None and base.is_dir():
+            wrong = damage(base)
+            if wrong is not None:
+                raise SFTError(f"{wrong}: the run's LoRA adapters were trained on this base: delete {base} for "
+                               "--resume to build it again from --seed, or pass --overwrite to start over")
             model = load_model(str(base), dtype)
         model.name_or_path = str(base.resolve())
         base_model = copy.deepcopy(model)  # LoRA wraps `model` in place; written out by start_output
@@ -344,24 +369,20 @@ def start_output(output_dir: Path, resume_from: Path | None, built: Built, token
         return
     output_dir.mkdir(parents=True, exist_ok=True)
     for staging in output_dir.glob(STAGING_PREFIX + "*"):
-        shutil.rmtree(staging, ignore_errors=True)  # a crash's half-written saves, holding disk space
+        remove_path(staging)  # a crash's half-written saves (directories, and files), holding disk space
     if resume_from is not None:
         step = json.loads((resume_from / "trainer_state.json").read_text())["global_step"]
         kept = [r for r in read_metrics(output_dir) if r["step"] <= step]
-        (output_dir / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in kept))
+        with written_atomically(output_dir / METRICS_FILE, directory=False) as staging:
+            staging.write_text("".join(json.dumps(r) + "\n" for r in kept))
     else:
         for path in list_checkpoints(output_dir) + _leftovers(output_dir):
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
+            remove_path(path)
     base = output_dir / BASE_DIR
     if built.base is not None and not base.is_dir():
-        staging = staging_dir(base)
-        with removed_on_failure(staging, base):
+        with written_atomically(base) as staging:
             built.base.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
-        publish(staging, base)
 
 
 # --- trainer ----------------------------------------------------------------------------------
@@ -407,7 +428,7 @@ def already_trained(cfg: SFTConfig, resume_from: Path | None, planned: int) -> b
     if not cfg.resume:
         return False
     if resume_from is None:
-        return (Path(cfg.output_dir) / FINAL_DIR).is_dir()
+        return finished(Path(cfg.output_dir))
     return _checkpoint_step(resume_from) >= planned
 
 
@@ -470,10 +491,12 @@ def finish(trainer: Any, built: Built, tokenizer: Any, cfg: SFTConfig, prompts: 
         trainer.save_model(str(staging))  # every process: sharded models gather here
     trainer.accelerator.wait_for_everyone()
     if trainer.is_world_process_zero():
-        publish(staging, final)
+        with removed_on_failure(staging, final):
+            publish(staging, final)
         after = answer(built, tokenizer, prompts, cfg)
         record = [{"prompt": _prompt_text(p), "before": b, "after": a} for p, b, a in zip(prompts, before, after)]
-        (output_dir / SAMPLES_FILE).write_text(json.dumps(record, indent=1) + "\n")
+        with written_atomically(output_dir / SAMPLES_FILE, directory=False) as staging:
+            staging.write_text(json.dumps(record, indent=1) + "\n")
         for r in record:
             log.info("sample: %s\n  before: %s\n  after:  %s", _shown(r["prompt"]), _shown(r["before"]),
                      _shown(r["after"]))
@@ -549,12 +572,12 @@ def train(cfg: SFTConfig, resume_from: Path | None, tokenizer: Any, job: Job) ->
     complete = already_trained(cfg, resume_from, planned)
     if complete:
         done = f"step {_checkpoint_step(resume_from)} of {planned}" if resume_from else "no checkpoint kept"
-        if (output_dir / FINAL_DIR).is_dir():
+        if finished(output_dir):
             log.info("%s: the run is complete (%s) and its model is in %s: nothing to do (to train further, "
                      "--resume with a higher --max-steps or --epochs)", output_dir, done, output_dir / FINAL_DIR)
             return output_dir / FINAL_DIR
-        log.info("%s: the run is complete (%s) but has no %s/: writing it from %s", output_dir, done, FINAL_DIR,
-                 resume_from.name)
+        log.info("%s: the run is complete (%s) but has no intact %s/: writing it from %s", output_dir, done,
+                 FINAL_DIR, resume_from.name)
 
     built = build_model(cfg, tokenizer, dtype, args, resume_from, reference=job.reference)
     if cfg.samples and _sharded(args):
