@@ -11,9 +11,10 @@ import pytest
 from PIL import Image, ImageStat
 
 from tigon.cli import main
+from tigon.train.checkpoint import list_checkpoints
 from tigon.train.config import SFTError
 from tigon.train.data import read_file
-from tigon.webui.runs import LOG_FILE, METRICS_FILE, RunStore, checkpoints, log_tail
+from tigon.webui.runs import LOG_FILE, METRICS_FILE, RunStore, log_tail
 
 pytestmark = [
     pytest.mark.xdist_group("webui"),
@@ -130,7 +131,7 @@ def test_stop_ends_the_run_and_keeps_its_last_checkpoint(client, runs_dir, start
     _, summary, _, _ = wait_until_ended(client, name)
     run_dir = runs_dir / name
     assert summary["status"] == "stopped" and summary["step"] < 5000, summary
-    kept = checkpoints(run_dir)
+    kept = list_checkpoints(run_dir)
     assert kept and (kept[-1] / "trainer_state.json").is_file() and summary["checkpoint"] == kept[-1].name
     lines = log_tail(run_dir / LOG_FILE)
     try:
@@ -238,10 +239,10 @@ def test_the_live_chart_draws_a_run_started_from_the_page(ui, client, default_ru
     # The Runs tab's stop button follows the run it shows the same way.
     page.get_by_role("tab", name="Runs").click()
     page.locator("#runs-selected input").fill(name)
-    page.locator("#runs-selected input").press("Enter")
-    page.wait_for_function("n => document.querySelector('#runs-selected')?.closest('.column')?.innerText.includes(n)",
-                           arg=name, timeout=30_000)
-    assert page.locator("#runs-stop").is_disabled()
+    page.get_by_role("option", name=name, exact=True).click()
+    page.wait_for_function("n => document.querySelector('#runs-details')?.innerText.startsWith(n + ': ')", arg=name,
+                           timeout=30_000)
+    page.wait_for_function("() => document.querySelector('#runs-stop')?.disabled", timeout=30_000)
 
 
 def test_the_page_keeps_an_uploaded_data_file_in_the_runs_folder(ui, runs_dir, browser_page, tmp_path):

@@ -192,3 +192,25 @@ def test_runs_from_the_command_line_are_listed(tmp_path):
     assert [label for label, _ in store.model_paths()] == ["done/final", "cut/checkpoint-5"]
     with pytest.raises(WebUIError, match="run name '../x'"):
         store.info("../x")
+
+
+def test_a_damaged_final_is_no_finished_run_and_a_cut_record_no_crash(tmp_path):
+    """final/ published by tigon (with its manifest) and then cut: the run is not finished and its
+    model is not offered; the UI's own run record, cut anywhere, leaves the run listed."""
+    from tigon.train.checkpoint import publish
+
+    staging = tmp_path / "run" / ".tmp-final"
+    staging.mkdir(parents=True)
+    (staging / "model.safetensors").write_bytes(b"x" * 100)
+    publish(staging, tmp_path / "run" / "final")
+    store = RunStore(tmp_path)
+    assert store.info("run").status == FINISHED and [p for p, _ in store.model_paths()] == ["run/final"]
+    (tmp_path / "run" / "final" / "model.safetensors").write_bytes(b"x" * 50)
+    assert store.info("run").status == INCOMPLETE and store.model_paths() == []
+    store._update("run", command="tigon sft", exit_code=0)
+    record = tmp_path / "run" / "tigon-webui.json"
+    whole = record.read_bytes()
+    assert json.loads(whole)["exit_code"] == 0 and not list(record.parent.glob(".tmp-*"))
+    for cut in (0, 1, len(whole) // 2, len(whole) - 1):
+        record.write_bytes(whole[:cut])
+        assert store.names() == ["run"] and store.info("run").status == INCOMPLETE

@@ -293,7 +293,7 @@ def build_app(runs_dir: str | Path, max_running: int = 4) -> gr.Blocks:
             with gr.Row():
                 with gr.Column():
                     selected = gr.Dropdown(label="run", allow_custom_value=True, elem_id="runs-selected")
-                    details = gr.Markdown()
+                    details = gr.Markdown(elem_id="runs-details")
                     run_stop = gr.Button("Stop this run", variant="stop", size="sm", elem_id="runs-stop", interactive=False)
                     run_log = gr.Textbox(label="log", lines=8, max_lines=8, elem_classes="tigon-log")
                 with gr.Column():

@@ -27,8 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import tigon
+from tigon.train.checkpoint import list_checkpoints, written_atomically
 from tigon.train.config import METHODS, RLHFConfig, SFTConfig, add_sft_arguments
 from tigon.train.rewards import BUILTIN, builtin_names
+from tigon.train.run import finished
 
 RUN_FILE = "tigon-webui.json"  # the command, pid and exit of a run the UI started
 LOG_FILE = "tigon-webui.log"  # the process's stdout and stderr, interleaved as written
@@ -36,7 +38,6 @@ METRICS_FILE = "metrics.jsonl"  # as tigon.train.callbacks writes it
 FINAL_DIR = "final"
 UPLOADS_DIR = "uploads"
 EXPORT_PREFIX = "export-"
-_CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 # A Hugging Face hub id: NAME or OWNER/NAME (the hub itself refuses "..", as this does).
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
@@ -149,15 +150,6 @@ def read_records(run_dir: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue  # not written by tigon: show the rest
     return records
-
-
-def checkpoints(run_dir: Path) -> list[Path]:
-    """Complete step checkpoints, oldest first (tigon writes them under a hidden name and
-    renames them when complete, so one with its own name is whole)."""
-    if not run_dir.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in run_dir.iterdir() if p.is_dir() and (m := _CHECKPOINT.fullmatch(p.name))]
-    return [p for _, p in sorted(found)]
 
 
 @dataclass
@@ -420,10 +412,9 @@ class RunStore:
     def _update(self, name: str, **changes: Any) -> None:
         with self._lock:
             record = {**self._record(name), **changes}
-            path = self.run_dir(name) / RUN_FILE
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(json.dumps(record, indent=1) + "\n")
-            os.replace(tmp, path)  # a reader never sees half a file
+            # Staged and renamed, as tigon writes its checkpoints: a reader never sees half a record.
+            with written_atomically(self.run_dir(name) / RUN_FILE, directory=False) as staging:
+                staging.write_text(json.dumps(record, indent=1) + "\n")
 
     def names(self) -> list[str]:
         """Runs under the root, newest first: directories the UI started a run in, or that hold
@@ -436,7 +427,7 @@ class RunStore:
                     or not d.resolve().is_relative_to(self.root):  # a link out of the folder
                 continue
             marks = [d / RUN_FILE, d / METRICS_FILE, d / FINAL_DIR]
-            if any(p.exists() for p in marks) or checkpoints(d):
+            if any(p.exists() for p in marks) or list_checkpoints(d):
                 started = self._record(d.name).get("started_at") or d.stat().st_mtime
                 found.append((started, d.name))
         return [name for _, name in sorted(found, reverse=True)]
@@ -515,15 +506,15 @@ class RunStore:
     def _status(self, name: str, run_dir: Path, record: dict[str, Any]) -> str:
         if "exit_code" in record:
             code = record["exit_code"]
-            if code == 0:
-                return FINISHED
+            if code == 0:  # and its final/ still as it wrote it
+                return FINISHED if finished(run_dir) else INCOMPLETE
             if record.get("stop_requested") or code in (130, -signal.SIGINT):
                 return STOPPED
             return FAILED
         proc = self._procs.get(name)
         if proc is not None or (record.get("pid") and _pid_runs(record["pid"], run_dir)):
             return RUNNING
-        return FINISHED if (run_dir / FINAL_DIR).is_dir() else INCOMPLETE
+        return FINISHED if finished(run_dir) else INCOMPLETE
 
     def info(self, name: str, log_lines: int = 0) -> RunInfo:
         """Status, progress and figures of one run, from its files and its process."""
@@ -547,7 +538,7 @@ class RunStore:
             memory = f"{max(gpu):.2f} GiB GPU"
         else:
             memory = "" if host is None else f"{host:.2f} GiB host"
-        ckpts = checkpoints(run_dir)
+        ckpts = list_checkpoints(run_dir)
         command = record.get("command", [])
         return RunInfo(
             name=name, path=str(run_dir), status=status, method=record.get("method", ""),
@@ -570,10 +561,10 @@ class RunStore:
         models, steps = [], []
         for name in self.names():
             run_dir = self.run_dir(name)
-            dirs = [run_dir / FINAL_DIR] if (run_dir / FINAL_DIR).is_dir() else []
+            dirs = [run_dir / FINAL_DIR] if finished(run_dir) else []  # not a damaged final/
             dirs += sorted((p for p in run_dir.glob(EXPORT_PREFIX + "merged*") if p.is_dir()), key=lambda p: p.name)
             models += [(f"{name}/{d.name}", str(d)) for d in dirs]
-            steps += [(f"{name}/{d.name}", str(d)) for d in reversed(checkpoints(run_dir))]
+            steps += [(f"{name}/{d.name}", str(d)) for d in reversed(list_checkpoints(run_dir))]
         return models + steps
 
     def export(self, path: str, to: str, dtype: str = "auto", timeout: float | None = None) -> tuple[bool, str]:
