@@ -136,3 +136,18 @@ def test_a_bad_argument_is_one_line_not_the_usage(capsys, argv, line):
         main(argv)
     err = capsys.readouterr().err
     assert exit.value.code == 2 and err.startswith(line) and err.count("\n") == 1, err
+
+
+def test_help_and_a_bad_argument_import_neither_torch_nor_transformers():
+    """`tigon --help`, a subcommand's help and an argument error answer at once: the heavy stack
+    (torch, Triton, transformers, PEFT) is imported by a command that runs, not by its parsing."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom tigon.cli import main\n"
+            "for argv in (['--help'], ['sft', '--help'], ['serve', '--help'], ['sft', '--lr', 'abc']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "print('imported:', [m for m in ('torch', 'triton', 'transformers', 'peft') if m in sys.modules])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "imported: []", proc.stdout[-500:]

@@ -10,12 +10,12 @@ import sys
 from pathlib import Path
 from typing import Callable, NoReturn
 
-import torch
-
 E2E_TOKENS = 10 * 4 * 2048  # tokens timed per `tigon bench --e2e` shape (10 steps at 4 x 2048)
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
+    import torch
+
     from tigon import ops
 
     print(f"tigon      {__import__('tigon').__version__}")
@@ -62,6 +62,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         records = run_max_context(args.max_context or SEQS, out_dir=Path(args.out) if args.out else None)
         return 1 if any("error" in r for r in records) else 0
+    import torch
+
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     if args.host:
         from tigon.bench.host import run_host

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from tigon.patch import check_switch_names
 
 
 class SFTError(ValueError):
@@ -342,6 +341,8 @@ def resolve(cfg: SFTConfig, given: set[str] = frozenset()) -> SFTConfig:
     package = TRACKERS.get(cfg.report_to)
     if package and importlib.util.find_spec(package) is None:
         raise SFTError(f"--report-to {cfg.report_to}: the {package} package is not installed (pip install {package})")
+    from tigon.patch import check_switch_names  # the kernels' floor, imported by a run, not by --help
+
     try:
         check_switch_names(cfg.kernels_off, "--kernels-off")
     except ValueError as err:
