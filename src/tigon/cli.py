@@ -277,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     # bitsandbytes' CPU backend warns at import (PEFT imports it wherever it is installed) that an
     # optional kernel package is missing; on CPUs with AVX-512 bf16 that line opens every command.
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    # Its kernel loader then warns, with HF_HUB_OFFLINE set, that it cannot check a hub kernel's
+    # publisher: bitsandbytes' own business, and the first line a user would see.
+    logging.getLogger("kernels._internals.hf_hub").setLevel(logging.ERROR)
     run: Callable[[argparse.Namespace], int] = args.run
     # A line of its own, also when Ctrl-C arrives at chat's "you> " prompt.
     start = "\n" if args.command == "chat" else ""
