@@ -605,3 +605,10 @@ def test_progress_bar_shows_each_steps_own_figures(tmp_path, capsys):
     frames = capsys.readouterr().err.replace("\n", "\r").split("\r")
     at_step_2 = [f for f in frames if "| 2/3 [" in f]
     assert at_step_2 and any(f"loss {losses(out)[2]:.4f}" in f for f in at_step_2), at_step_2
+
+
+def test_gradient_checkpointing_prints_no_library_deprecation(tmp_path, recwarn):
+    """Newer transformers renamed gradient checkpointing; tigon (and PEFT, TRL) call the old names
+    the GPU images' transformers knows: no notice of that reaches a user."""
+    sft("--max-steps", "2", "--save-steps", "0", "--gradient-checkpointing", "--output-dir", str(tmp_path / "o"))
+    assert not [str(w.message) for w in recwarn if "deprecated" in str(w.message)]

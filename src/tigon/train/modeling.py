@@ -157,16 +157,18 @@ def quiet_transformers() -> None:
     (its unwrap_model checks for a DeepSpeed engine), and on a CPU it warns that it fell back to
     the CPU, about a run that does not use it. Nor transformers' warning, when `tigon merge`
     dequantises a QLoRA base, that the weights were cast to the dtype tigon asked for. Nor the
-    deprecation notices that PEFT and TRL trigger in newer transformers (asking a question under
-    its old name; passing a generation config and generation arguments both, as TRL's on-policy
-    trainers do every step): theirs to fix, and nothing a tigon user can act on, in the middle of
+    deprecation notices that tigon, PEFT and TRL trigger in newer transformers (gradient
+    checkpointing under its old names; passing a generation config and generation arguments both,
+    as TRL's on-policy trainers do every step): theirs to fix, and nothing a tigon user can act on, in the middle of
     the progress bar. Nor the gguf writer's account of the files it writes, at INFO where tigon
     logs its own lines (`tigon export` says what it wrote, once)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     logging.getLogger("gguf").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+    # transformers 5.2x renames gradient checkpointing to activation checkpointing; the 5.17 that
+    # GPU images carry knows the old names alone, which tigon, PEFT and TRL call.
+    warnings.filterwarnings("ignore", r"`(is_)?gradient_checkpointing(_enable|_kwargs)?` is deprecated", FutureWarning)
     for name, start in (("DeepSpeed", "Setting accelerator to CPU"),  # DeepSpeed's own logger, kept across its import
                         ("transformers.integrations.bitsandbytes", "The modules are dequantized"),
                         ("transformers.generation.utils", "Passing `generation_config` together with")):
