@@ -443,7 +443,7 @@ def test_hooks_on_the_norm_a_fused_layer_reads_still_run(model_type):
 
 def test_fused_loss_runs_with_the_patched_models_chunk_budget(monkeypatch):
     from tigon.ops import linear_cross_entropy as lce
-    from tigon.patch import forwards
+    from tigon.patch import head
 
     model = tiny_model("llama")
     tigon.patch(model)
@@ -456,8 +456,8 @@ def test_fused_loss_runs_with_the_patched_models_chunk_budget(monkeypatch):
 
     monkeypatch.setattr(lce, "chunk_rows", spy)
     run(model)
-    assert budgets == [forwards.CAUSAL_LM_LOSS_CHUNK_BYTES]
-    assert forwards.CAUSAL_LM_LOSS_CHUNK_BYTES > lce.DEFAULT_MAX_CHUNK_BYTES
+    assert budgets == [head.CAUSAL_LM_LOSS_CHUNK_BYTES]
+    assert head.CAUSAL_LM_LOSS_CHUNK_BYTES > lce.DEFAULT_MAX_CHUNK_BYTES
 
 
 def test_qkv_group_leaves_projections_with_hooks_or_without_grad_alone(monkeypatch):
@@ -546,7 +546,7 @@ def test_a_captured_causal_mask_without_padding_is_left_to_sdpa(monkeypatch):
     and any call outside a capture get transformers' own answer; unpatching restores it."""
     from transformers import masking_utils
 
-    from tigon.patch.forwards import captured_causal_mask_skip
+    from tigon.patch.head import captured_causal_mask_skip
 
     asked = []
     real = masking_utils._ignore_causal_mask_sdpa

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from tigon.patch import forwards, offload, tiled, trl_head
+from tigon.patch import forwards, head, offload, tiled, trl_head
 from tigon.patch import lora as peft_lora
 from tigon.patch.families import FAMILIES, Family, modeling_module
 from tigon.patch.handoff import LayerPlan, Relay
@@ -299,14 +299,14 @@ def _plan(
     if loss_switch is not None and causal_lm is not None:
         original = _original(causal_lm, "forward")
         fused = loss_switch == "linear_cross_entropy"
-        forward = functools.partial(forwards.causal_lm_forward, family.head, fused, original, aux_loss)
+        forward = functools.partial(head.causal_lm_forward, family.head, fused, original, aux_loss)
         plan.append(_Replacement(loss_switch, causal_lm, "forward", forward, planned=True))
         masking = sys.modules.get("transformers.masking_utils")
         if fused and masking is not None and hasattr(masking, "find_packed_sequence_indices"):
-            finder = forwards.packed_sequence_finder(_original(masking, "find_packed_sequence_indices"))
+            finder = head.packed_sequence_finder(_original(masking, "find_packed_sequence_indices"))
             plan.append(_Replacement(loss_switch, masking, "find_packed_sequence_indices", finder))
         if masking is not None and hasattr(masking, "_ignore_causal_mask_sdpa"):
-            skip = forwards.captured_causal_mask_skip(_original(masking, "_ignore_causal_mask_sdpa"))
+            skip = head.captured_causal_mask_skip(_original(masking, "_ignore_causal_mask_sdpa"))
             plan.append(_Replacement(loss_switch, masking, "_ignore_causal_mask_sdpa", skip))
     layer = find(family.layer.cls)
     if switches["add_rms_norm"] and family.layer.fuse is not None and layer is not None:
@@ -571,7 +571,7 @@ def add_hidden_output(model: torch.nn.Module) -> None:
         if not kwargs.pop(HIDDEN, False):
             return forward(*args, **kwargs)
         kwargs = {k: v for k, v in kwargs.items() if v is not None and k not in _NOT_FOR_THE_BACKBONE}
-        return forwards.run_decoder(self.base_model, *args, use_cache=False, **kwargs).last_hidden_state
+        return head.run_decoder(self.base_model, *args, use_cache=False, **kwargs).last_hidden_state
 
     _rebind(undo, causal, "forward", hidden_or_forward)
     undo.hidden_output = True
