@@ -20,6 +20,7 @@ one record per patch says what to restore.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import logging
@@ -40,6 +41,7 @@ from tigon.patch.switches import check_switch_names
 
 log = logging.getLogger("tigon")
 
+
 @dataclass(frozen=True)
 class Patched:
     """What one :func:`patch` call applied; ``str()`` is the line it logged.
@@ -51,6 +53,7 @@ class Patched:
         layers: the model's decoder layers (instance patching only).
         lora: on a PEFT model with the ``lora`` switch on, what its LoRA layers run (its line is
             logged before this one).
+        role: what the line calls the model besides its class (a run's frozen reference, say).
     """
 
     target: str
@@ -58,11 +61,13 @@ class Patched:
     applied: tuple[str, ...]
     layers: int | None = None
     lora: peft_lora.LoraSummary | None = None
+    role: str | None = None
 
     def __str__(self) -> str:
         what = ", ".join(self.applied) if self.applied else "nothing"
         layers = f" ({self.layers} layers)" if self.layers is not None else ""
-        return f"tigon: applied {what} to {self.target}{layers}"
+        role = f" ({self.role})" if self.role else ""
+        return f"tigon: applied {what} to {self.target}{layers}{role}"
 
 
 @dataclass(frozen=True)
@@ -623,6 +628,7 @@ def patch(
     tiled_mlp: bool = False,
     recompute_mlp: bool = False,
     moe_experts: bool = True,
+    role: str | None = None,
     **others: bool,
 ) -> Patched:
     """Make a Hugging Face decoder model run tigon's kernels; outputs, loss and gradients unchanged.
@@ -648,6 +654,8 @@ def patch(
             reference in one step). `moe_experts` sets a patched model's experts
             implementation to tigon's fused experts op (:mod:`tigon.patch.moe`) for the model instance
             (its config's setting, restored by :func:`unpatch`).
+        role: what the logged line calls the model besides its class, for a second model of one
+            run (``"the frozen reference"``), whose line would otherwise read as the first's again.
         others: nothing; a name here is no switch, and raises.
 
     Returns:
@@ -675,6 +683,8 @@ def patch(
         raise ValueError(
             f"target must be a model_type string or a torch.nn.Module, got {type(target).__name__}"
         )
+    if role is not None:
+        result = dataclasses.replace(result, role=role)
     log.info("%s", result)
     return result
 

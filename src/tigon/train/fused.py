@@ -11,7 +11,7 @@ import torch
 from accelerate.utils import is_peft_model
 
 from tigon.train.heads import HIDDEN, add_hidden_output
-from tigon.train.modeling import kernel_switches, patch_line_of
+from tigon.train.modeling import kernel_switches
 
 
 def checkpointing_off(config_class: type) -> dict[str, bool]:
@@ -33,11 +33,7 @@ def frozen_patcher(cfg: Any, whose: str) -> Callable[[torch.nn.Module], Any] | N
 
     switches = {**kernel_switches(cfg.kernels_off), "linear_cross_entropy": False, "cross_entropy": False}
 
-    def patch(model: torch.nn.Module) -> Any:
-        with patch_line_of(whose):
-            return tigon.patch(model, **switches)
-
-    return patch
+    return lambda model: tigon.patch(model, role=whose, **switches)
 
 
 class FusedTrainer:

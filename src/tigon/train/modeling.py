@@ -4,7 +4,6 @@ kernels. Loading failures become one-line SFTErrors."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import logging
@@ -12,7 +11,7 @@ import os
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -123,32 +122,6 @@ class _DropLine(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith(self.start)
-
-
-class _NamedModel(logging.Filter):
-    """Appends whose model a `tigon.patch` line is about."""
-
-    def __init__(self, whose: str):
-        super().__init__()
-        self.whose = whose
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if message.startswith("tigon: applied"):
-            record.msg, record.args = f"{message} ({self.whose})", ()
-        return True
-
-
-@contextlib.contextmanager
-def patch_line_of(whose: str) -> Iterator[None]:
-    """While the block runs, `tigon.patch`'s line names the model it patched (a run's frozen
-    reference or teacher), so that it does not read as the trained model's line again."""
-    logger, named = logging.getLogger("tigon"), _NamedModel(whose)
-    logger.addFilter(named)
-    try:
-        yield
-    finally:
-        logger.removeFilter(named)
 
 
 def quiet_transformers() -> None:
@@ -329,10 +302,11 @@ def kernel_switches(kernels_off: list[str]) -> dict[str, bool]:
     return switches
 
 
-def apply_kernels(model: torch.nn.Module, cfg: SFTConfig) -> str:
+def apply_kernels(model: torch.nn.Module, cfg: SFTConfig, role: str | None = None) -> str:
     """Patch `model` in place with tigon's kernels (or not, with ``--no-kernels``); logs and
-    returns the line saying what was applied. A model tigon.patch cannot handle (an unsupported
-    family) trains unpatched, with a warning: the run is still worth having."""
+    returns the line saying what was applied (naming `role`, for a run's second model). A model
+    tigon.patch cannot handle (an unsupported family) trains unpatched, with a warning: the run
+    is still worth having."""
     if not cfg.kernels:
         line = "tigon: kernels off (--no-kernels): plain PyTorch / transformers code"
         log.info("%s", line)
@@ -342,7 +316,7 @@ def apply_kernels(model: torch.nn.Module, cfg: SFTConfig) -> str:
     try:
         switches = dict(kernel_switches(cfg.kernels_off), offload_activations=cfg.offload_activations,
                         tiled_mlp=cfg.tiled_mlp, recompute_mlp=cfg.recompute_mlp)
-        return str(tigon.patch(model, **switches))  # patch logs the line itself
+        return str(tigon.patch(model, role=role, **switches))  # patch logs the line itself
     except ValueError as err:
         line = f"tigon: kernels off: {err}"
         log.warning("%s", line)

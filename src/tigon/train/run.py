@@ -40,7 +40,7 @@ from tigon.train.data import Sample, load_samples
 from tigon.train.infer import generate
 from tigon.train.modeling import (QUANT_FILE, add_lora, apply_kernels, check_bitsandbytes, count_parameters,
                                   flops_per_token, load_model, load_tokenizer, loraplus_optimizer, pick_dtype,
-                                  patch_line_of, prepare_quantized, quantization_config, quantization_record,
+                                  prepare_quantized, quantization_config, quantization_record,
                                   quiet_transformers)
 from tigon.train.stop import StopOnSignal, signal_name
 from tigon.train.template import encode, encode_all, ensure_chat_template
@@ -341,8 +341,7 @@ def build_model(cfg: SFTConfig, tokenizer: Any, dtype: torch.dtype, args: Any, r
     if quantization is None:  # a quantised model is on its device already, and moves no further
         model.to(args.device)
     if frozen is not None:
-        with patch_line_of("the frozen reference"):
-            apply_kernels(frozen, cfg)
+        apply_kernels(frozen, cfg, role="the frozen reference")
         if quantization is None:
             frozen.to(args.device)
     files = {QUANT_FILE: quantization_record(quantization)} if quantization is not None else {}
