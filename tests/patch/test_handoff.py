@@ -180,3 +180,20 @@ def test_a_layer_planned_without_a_next_norm_adds_alone(monkeypatch):
         plan.next_norm = None
     assert_same_run(run(model), want)
     assert calls == {"add_rms_norm": 0, "rms_norm": 1 + model.config.num_hidden_layers}
+
+
+def test_what_varies_per_call_is_asked_in_one_place():
+    """Compilation, capture, distribution and checkpointing are asked through tigon.patch.handoff
+    (and the capture, on the ops floor, through tigon.ops.capturing) and nowhere else in patch/:
+    a forward that asked torch itself would be a second answer to one question."""
+    from pathlib import Path
+
+    src = Path(tigon.__file__).parent
+    questions = {"is_compiling": "handoff.py", "is_current_stream_capturing": None,
+                 "distributed.is_initialized": "handoff.py", '"gradient_checkpointing"': "handoff.py"}
+    for path in sorted((src / "patch").glob("*.py")):
+        text = path.read_text()
+        for question, home in questions.items():
+            assert question not in text or path.name == home, f"{path.name} asks {question} itself"
+    askers = [p.relative_to(src).as_posix() for p in src.rglob("*.py") if "is_current_stream_capturing" in p.read_text()]
+    assert askers == ["ops/_dispatch.py"]

@@ -49,6 +49,7 @@ FUNCTIONS: dict[str, Callable] = {
 from tigon.ops._dispatch import (
     INTERPRET,
     autocast_dtype,
+    capturing,
     disabled,
     op_names,
     placement,

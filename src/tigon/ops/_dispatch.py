@@ -419,6 +419,15 @@ def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     return torch.get_autocast_dtype(device_type)
 
 
+def capturing(device: torch.device | None = None) -> bool:
+    """Whether the current CUDA stream (of `device`, if given) is capturing a CUDA graph: the one
+    place tigon asks, for the ops that keep a buffer across calls and for tigon.patch, whose
+    captured steps may skip what transformers does for a graph of any shape."""
+    if device is not None and device.type != "cuda":
+        return False
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _shape_key(args: Sequence[Any]) -> tuple:
     return tuple((tuple(a.shape), a.dtype) for a in args if isinstance(a, torch.Tensor))
 

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from tigon.ops._checks import check_choice, check_float
-from tigon.ops._dispatch import Op, tl, triton
+from tigon.ops._dispatch import Op, capturing, tl, triton
 from tigon.ops._launch import cdiv
 
 # Packed bytes per program (at least one block): 8192 weights over 4 warps, each thread 32 bytes
@@ -276,7 +276,7 @@ def dequantized(weight: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> t
         return weight
     n = weight.shape[0] * weight.shape[1]
     device = weight.device
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if capturing(device):
         return DEQUANTIZE(None, torch.empty(weight.shape, dtype=dtype, device=device), weight)
     key = (device, dtype)
     buffer = _workspaces.get(key)

@@ -37,6 +37,7 @@ from tigon.patch import lora as peft_lora
 from tigon.patch.families import FAMILIES, Family, modeling_module
 from tigon.patch.handoff import LayerPlan, Relay
 from tigon.patch.modules import forward_attr
+from tigon.patch.rope import rope_function
 from tigon.patch.switches import check_switch_names
 
 log = logging.getLogger("tigon")
@@ -280,7 +281,7 @@ def _plan(
     for rope in family.ropes if switches["rope"] else ():
         if find(rope.function) is not None:
             original = _original(module, rope.function)
-            plan.append(_Replacement("rope", module, rope.function, forwards.rope_function(rope, original)))
+            plan.append(_Replacement("rope", module, rope.function, rope_function(rope, original)))
     lora_forward = (
         peft_lora.linear_forward(tuple((cls, _original(cls, "forward")) for cls in lora_classes)) if lora_classes else None
     )

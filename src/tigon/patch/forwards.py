@@ -1,13 +1,11 @@
-"""The forwards and functions tigon puts in place of Hugging Face's inside a decoder: its norms,
-decoder layers, MLPs, attention inputs and rotary embedding (the causal LM's head and loss are
-:mod:`tigon.patch.head`'s).
+"""The forwards tigon puts in place of Hugging Face's inside a decoder: its norms, decoder layers,
+MLPs and attention inputs (the rotary function is :mod:`tigon.patch.rope`'s, the causal LM's head
+and loss :mod:`tigon.patch.head`'s).
 
 A forward reads only the attributes the HF module already has, so it can be bound to a live module
 (instance patching) or set on the class (class patching) alike. The forwards whose fusions reach
 across modules are made for a :class:`~tigon.patch.handoff.LayerPlan` (its relay, and for a decoder
-layer the norm after it) and read what crosses modules from it alone. A module-level function
-(RoPE's) is the same function for the same table entry (``lru_cache``), so every patch that needs
-one installs an identical object.
+layer the norm after it) and read what crosses modules from it alone.
 """
 
 from __future__ import annotations
@@ -24,9 +22,9 @@ from tigon.nn.activations import glu, glu_kind
 from tigon.ops import autocast_dtype
 from tigon.ops.rms_norm import NormedInput
 from tigon.patch import lora
-from tigon.patch.families import MLP, Attention, Layer, Norm, Rope
-from tigon.patch.handoff import LayerPlan, live
-from tigon.patch.modules import forward_attr, has_hooks, module_activation, plain_linear, zero3_partitioned
+from tigon.patch.families import MLP, Attention, Layer, Norm
+from tigon.patch.handoff import LayerPlan, live, recomputing, sharded
+from tigon.patch.modules import forward_attr, has_hooks, module_activation, plain_linear, readable, zero3_partitioned
 
 
 def norm_eps(norm: Norm, module: torch.nn.Module) -> float:
@@ -105,22 +103,18 @@ def _summands(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, to
     return x.to(dtype), residual.to(dtype)
 
 
-def _add_norm(norm: Norm, module: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor):
-    """``(module(residual + x), residual + x)`` in one kernel."""
-    x, residual = _summands(x, residual)
-    return F.add_rms_norm(x, residual, module.weight, norm_eps(norm, module), offset=norm.offset, casting=norm.casting)
-
-
-def _add_norm_mlp(
-    norm: Norm, module: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor, weights: tuple, activation: str,
-    recompute: bool,
+def _add_norm(
+    norm: Norm, module: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor, mlp_weights: tuple | None = None,
+    activation: str | None = None, recompute: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(mlp(module(residual + x)), residual + x)`` as one op."""
+    """``(module(residual + x), residual + x)`` in one kernel; with `mlp_weights`, the gated MLP of
+    that norm's output instead of the norm's output, as one op."""
     x, residual = _summands(x, residual)
-    return F.add_rms_norm_glu_mlp(
-        x, residual, module.weight, norm_eps(norm, module), *weights,
-        offset=norm.offset, casting=norm.casting, activation=activation, recompute=recompute,
-    )
+    eps = norm_eps(norm, module)
+    if mlp_weights is None:
+        return F.add_rms_norm(x, residual, module.weight, eps, offset=norm.offset, casting=norm.casting)
+    return F.add_rms_norm_glu_mlp(x, residual, module.weight, eps, *mlp_weights, offset=norm.offset,
+                                  casting=norm.casting, activation=activation, recompute=recompute)
 
 
 def _normed_from(norm: Norm, module: torch.nn.Module, source: torch.Tensor) -> NormedInput:
@@ -141,23 +135,12 @@ def _next_norm(
     plan: LayerPlan, layer: torch.nn.Module, residual: torch.Tensor, norm_forward: Callable[..., Any]
 ) -> torch.nn.Module | None:
     """The norm `plan` says `layer`'s output goes through next, if its add can be fused with it
-    on this call: not under gradient checkpointing (the recomputed layer must save what the first
-    pass saved), nor into a module whose hooks or ZeRO-3 partitioning a direct read would skip,
-    nor across devices, nor in a distributed run, where FSDP gathers each layer's weights only for
-    its own forward and reduces their gradients right after its own backward."""
+    on this call (:mod:`~tigon.patch.handoff`'s per-call questions): not while recomputing, nor
+    in a distributed run, nor into a norm that is not :func:`readable` or on another device."""
     norm_module = plan.next_norm
-    if norm_module is None or not live():
+    if norm_module is None or not live() or sharded() or recomputing(layer):
         return None
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return None
-    # (Reentrant checkpointing runs the first pass without grad mode: test the flags only.)
-    if getattr(layer, "gradient_checkpointing", False) and layer.training:
-        return None
-    if (
-        has_hooks(norm_module, own_forward=norm_forward)
-        or zero3_partitioned(norm_module.weight)
-        or norm_module.weight.device != residual.device
-    ):
+    if not readable(norm_module, norm_forward) or norm_module.weight.device != residual.device:
         return None
     return norm_module
 
@@ -175,18 +158,14 @@ def decoder_layer_forward(
 
     The same module calls in the same order as `original`, so outputs, hooks and gradient
     checkpointing are unchanged. Every argument but the hidden states reaches the token mixer (the
-    layer's attention, or the linear attention of a hybrid model's layer) as HF passes it, by
-    keyword; a positional one sends the call to `original`, and so does a ZeRO-3 partitioned weight
-    of the norm that the fused add reads without calling its module.
+    attention, or a hybrid layer's linear attention) by keyword as HF passes it; a positional one
+    sends the call to `original`, and so does a norm the fused add may not read.
 
-    With `mlp` (the family's gated MLP, whose modules run `patched_mlp_forward`), a plain-linear MLP
-    with nothing but that forward to run goes into the same op as the add + RMSNorm before it
-    (:func:`tigon.functional.add_rms_norm_glu_mlp`): the same kernels, less host time per layer;
-    with `recompute_mlp` that op keeps neither gate nor up for backward.
-
-    With `plan`: the closing add runs with ``plan.next_norm`` and leaves its output on the relay;
-    the input norm's output (from the relay, or from tigon's norm kernel) is lent on the relay to
-    the attention and the MLP, which may then save the norm's input instead.
+    With `mlp` (the family's gated MLP, running `patched_mlp_forward`), a plain-linear MLP joins the
+    add + RMSNorm before it in one op (:func:`tigon.functional.add_rms_norm_glu_mlp`), which with
+    `recompute_mlp` keeps neither gate nor up for backward. With `plan`: the closing add runs with
+    ``plan.next_norm``, its output left on the relay; the input norm's output is lent on the relay
+    to the attention and the MLP, which may then save the norm's input instead.
     """
     plan = plan if plan is not None else LayerPlan()
     relay = plan.relay
@@ -242,9 +221,9 @@ def decoder_layer_forward(
         handing = relay is not None and live()
         normed = relay.take_normed(hidden_states, first_norm) if handing else None
         norm_module = getattr(self, fused_norm)
-        # The fused add reads the norm's weight without calling it: a norm with hooks (or a forward
-        # of its own) runs in the original layer, as a module call.
-        if args or zero3_partitioned(norm_module.weight) or has_hooks(norm_module, own_forward=norm_forward):
+        # The fused add reads the norm's weight without calling it: a norm it may not read runs in
+        # the original layer, as a module call.
+        if args or not readable(norm_module, norm_forward):
             return inner(self, hidden_states, *args, **kwargs)
         residual = hidden_states
         # Made by tigon's kernel (the previous layer's add, or this norm's own forward) from the
@@ -257,9 +236,8 @@ def decoder_layer_forward(
         feed_forward = getattr(self, layer.feed_forward)
         weights, activation = _fusable_mlp(feed_forward)
         if weights is not None:
-            hidden_states, residual = _add_norm_mlp(
-                norm, norm_module, hidden_states, residual, weights, activation, recompute_mlp
-            )
+            hidden_states, residual = _add_norm(norm, norm_module, hidden_states, residual, weights, activation,
+                                                recompute_mlp)
             hidden_states = mlp_dropout(mlp, feed_forward, hidden_states)
         else:
             normed, residual = _add_norm(norm, norm_module, hidden_states, residual)
@@ -275,7 +253,7 @@ def decoder_layer_forward(
         return total
 
     def forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if checkpoints_in_forward and self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+        if checkpoints_in_forward and recomputing(self) and torch.is_grad_enabled():
             kwargs["use_cache"] = False  # as HF's wrapper: a replayed layer must not write the cache again
             return self._gradient_checkpointing_func(functools.partial(fused, self, **kwargs), hidden_states, *args)
         return fused(self, hidden_states, *args, **kwargs)
@@ -516,62 +494,3 @@ def attention_forward(
 
     forward.__qualname__ = f"tigon_{attention.cls}.forward"
     return forward
-
-
-def _kernel_frequencies(layout: str, t: torch.Tensor) -> torch.Tensor:
-    """cos or sin as the RoPE kernel reads them (``cat(f, f)``: R columns, see
-    :mod:`tigon.ops.rope`) from `layout` (:attr:`Rope.cos`)."""
-    if layout == "pairs":
-        t = t[..., ::2]
-    elif layout != "once":
-        return t
-    return torch.cat((t, t), dim=-1)
-
-
-def _evens_then_odds(x: torch.Tensor) -> torch.Tensor:
-    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
-
-
-@functools.lru_cache(maxsize=None)
-def rope_function(rope: Rope, original: Callable[..., tuple]) -> Callable[..., tuple]:
-    """The family's rotary-embedding function over :func:`tigon.functional.rope` (partial rotary
-    included), for each form of :class:`~tigon.patch.families.Rope`; a call it does not expect
-    (another `unsqueeze_dim`, that is another q/k layout) runs `original`."""
-
-    def rotated(q, k, cos, sin, layout=rope.cos, transposed=False):
-        if transposed:
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
-        cos, sin = _kernel_frequencies(layout, cos), _kernel_frequencies(layout, sin)
-        q_embed, k_embed = F.rope(q, k, cos, sin, interleaved=rope.interleaved)
-        if transposed:
-            q_embed, k_embed = q_embed.transpose(1, 2), k_embed.transpose(1, 2)
-        if rope.keep_dtype:
-            return q_embed.to(q.dtype), k_embed.to(k.dtype)
-        return q_embed, k_embed
-
-    if rope.form == "complex":
-
-        def apply_rotary_emb(xq, xk, freqs_cis):
-            # Each frequency once, rotating the pairs (2i, 2i + 1).
-            return rotated(xq, xk, freqs_cis.real, freqs_cis.imag, "once", rope.tokens_first)
-
-        function = apply_rotary_emb
-    elif rope.halves:
-
-        def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
-            # The pairs (2i, 2i + 1) written as two halves are the halves rotated as Llama's.
-            if unsqueeze_dim != 1 or cos.shape[-1] != q.shape[-1]:
-                return original(q, k, cos, sin, position_ids, unsqueeze_dim)
-            return F.rope(_evens_then_odds(q), _evens_then_odds(k), cos, sin)
-
-        function = apply_rotary_pos_emb_interleave
-    else:
-
-        def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-            if unsqueeze_dim != 1:
-                return original(q, k, cos, sin, unsqueeze_dim)
-            return rotated(q, k, cos, sin)
-
-        function = apply_rotary_pos_emb
-    function.__qualname__ = f"tigon_{rope.function}"
-    return function

@@ -1,39 +1,38 @@
-"""The one channel through which a patched model's forwards hand values to one another.
+"""The one channel through which a patched model's forwards hand values to one another, and the
+questions asked anew on each call.
 
-Some fusions compute, in one forward, what another forward will need: a decoder layer's closing
-residual add runs with the next layer's input norm, so that norm's output already exists when the
-norm is called; a norm made by tigon's kernel keeps its input, which the q/k/v group and the MLP
-after it may save instead of the normed tensor. :func:`tigon.patch` of a model instance gives the
-model one :class:`Relay`, and binds it into every forward that takes part; nothing else carries
-such a value (no module-level registry, no attribute on a tensor or a module), and two patched
-models never see each other's values.
-
-What is planned once is in :class:`LayerPlan`: the norm each decoder layer's output goes through
-next. What a relay holds lives for one forward at most:
+A decoder layer's closing residual add runs with the next layer's input norm, so that norm's output
+exists before the norm is called; a norm made by tigon's kernel keeps its input, which the q/k/v
+group and the MLP may save instead of the normed tensor. :func:`tigon.patch` gives each model one
+:class:`Relay`, bound into every forward that takes part, and each decoder layer a
+:class:`LayerPlan` (decided once: the norm its output goes through next). Nothing else carries such
+a value, and two patched models never see each other's. A relay holds, for one forward at most:
 
 ``normed``
-    ``(sum, norm module, that norm of the sum)``: the residual sum a fused decoder layer returns,
-    formed with the add in one kernel. Written by the decoder-layer forward; taken by the norm's
-    forward, or by the next layer's forward for its input norm. One at a time: the next write
-    replaces it.
+    ``(sum, norm module, that norm of the sum)``, from a fused layer's closing add; taken by that
+    norm's forward or the next layer's. The next write replaces it.
 ``normed_input``
-    ``(normed tensor, NormedInput)``: the tensor a fused decoder layer passes to its attention or
-    its MLP, and which tensor and weight tigon's RMSNorm made it from. Set by the decoder-layer
-    forward for the duration of that call; read by the MLP (``glu_mlp``, ``lora_gated_mlp``) and the
-    q/k/v group (``lora_linear_group``).
+    ``(normed tensor, NormedInput)`` while a fused layer calls its attention or MLP: which tensor
+    and weight tigon's RMSNorm made it from (read by ``glu_mlp``, ``lora_gated_mlp``,
+    ``lora_linear_group``).
 ``accuracy``
-    a list lent by :func:`tigon.patch.token_accuracy` for the duration of a loss: the patched
-    causal-LM forward appends ``(hits, count)`` to it, 0-dim device tensors taken from the loss
-    kernel's pass.
+    a list lent by :func:`tigon.patch.token_accuracy` for one loss, to which the causal-LM forward
+    appends ``(hits, count)`` from the loss kernel's pass.
 
-Every reader computes its value itself when the relay holds nothing for it, so a hand-off that
-does not happen (a hook that replaced a tensor, a forward that stopped early) costs time, never a
-different result.
+A reader finding nothing computes the value itself: a hand-off that does not happen costs time,
+never a different result.
 
-Under ``torch.compile`` every hand-off is off (:func:`live`, the one place that says so): writers
-do not write (nor do the work only a reader would use) and readers find nothing, so compiled code
-bakes no identity test of a tensor into its guards. Compiled models run each fusion's ops unfused
-across modules instead, with the same results.
+What varies from call to call is asked here, and nowhere else on this floor:
+
+* :func:`live`: not in torch.compile's tracing, where every hand-off is off (no identity test of a
+  tensor baked into guards; each fusion's ops run unfused across modules, with the same results).
+* :func:`recomputing`: a layer under gradient checkpointing, whose replay in backward must save
+  what its first pass saved: nothing may cross to the next layer.
+* :func:`sharded`: a distributed run, where FSDP gathers a layer's weights for its own forward only.
+* :func:`capturing`: a CUDA-graph capture (the ops that keep buffers ask :func:`tigon.ops.capturing`).
+
+Whether a module's weights may be read without calling it (hooks, ZeRO-3) is
+:func:`~tigon.patch.modules.readable`'s to say; whether a LoRA adapter is active, :mod:`~tigon.patch.lora`'s.
 """
 
 from __future__ import annotations
@@ -43,10 +42,28 @@ from typing import Any
 
 import torch
 
+from tigon import ops
+
 
 def live() -> bool:
     """Whether hand-offs happen here: everywhere but inside torch.compile's tracing."""
     return not torch.compiler.is_compiling()
+
+
+def recomputing(layer: torch.nn.Module) -> bool:
+    """Whether `layer` trains under gradient checkpointing. (Reentrant checkpointing runs the first
+    pass without grad mode: the flags are what say it.)"""
+    return bool(getattr(layer, "gradient_checkpointing", False)) and layer.training
+
+
+def sharded() -> bool:
+    """Whether this is a distributed run (FSDP or DDP process group initialised)."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph."""
+    return ops.capturing()
 
 
 class Relay:

@@ -19,7 +19,7 @@ import torch
 from tigon import functional as F
 from tigon.ops.cross_entropy import token_hits
 from tigon.patch.families import Head
-from tigon.patch.handoff import LayerPlan, live
+from tigon.patch.handoff import LayerPlan, capturing, live
 from tigon.patch.modules import plain_linear, zero3_partitioned
 
 
@@ -162,7 +162,7 @@ def captured_causal_mask_skip(original: Callable[..., bool]) -> Callable[..., bo
     signature = inspect.signature(original)
 
     def ignore_causal_mask_sdpa(*args: Any, **kwargs: Any) -> bool:
-        if live() and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if live() and capturing():
             try:
                 given = signature.bind(*args, **kwargs).arguments
             except TypeError:

@@ -36,6 +36,13 @@ def zero3_partitioned(param: torch.Tensor) -> bool:
     return hasattr(param, "ds_id")
 
 
+def readable(module: torch.nn.Module, own_forward: Callable[..., Any] | None = None) -> bool:
+    """Whether a fused op may read `module`'s weight instead of calling it: calling it would run
+    nothing but its forward (:func:`has_hooks`) and its weight is whole here (not ZeRO-3's)."""
+    weight = getattr(module, "weight", None)
+    return not has_hooks(module, own_forward) and not (weight is not None and zero3_partitioned(weight))
+
+
 def plain_linear(linear: Any) -> bool:
     """An nn.Linear whose weights a fused op may read directly: not a LoRA or quantised wrapper,
     and nothing (hooks, accelerate's offload wrapper) that calling it would run."""

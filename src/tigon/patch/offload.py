@@ -24,6 +24,8 @@ from typing import Any, Callable
 
 import torch
 
+from tigon.patch.handoff import recomputing
+
 
 class _Stored:
     """One offloaded tensor: its host copy and, once fetched, the device copy and its ready event.
@@ -142,10 +144,6 @@ class ActivationOffload:
         return tensor
 
 
-def _checkpointing(model: torch.nn.Module) -> bool:
-    return any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
-
-
 def _tokens(args: tuple, kwargs: dict) -> int | None:
     input_ids = args[0] if args else kwargs.get("input_ids")
     if input_ids is not None:
@@ -162,7 +160,7 @@ def offloaded_forward(inner: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(inner)
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         tokens = _tokens(args, kwargs)
-        if tokens and self.training and torch.is_grad_enabled() and _checkpointing(self):
+        if tokens and torch.is_grad_enabled() and any(recomputing(module) for module in self.modules()):
             with ActivationOffload(self.config.get_text_config().hidden_size, tokens):
                 return inner(self, *args, **kwargs)
         return inner(self, *args, **kwargs)
