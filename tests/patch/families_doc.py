@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tigon.patch import FAMILIES
+from tigon.patch import FAMILIES, VLM_FAMILIES, VLM_OVER_TEXT
 from tigon.patch.families import Family, Norm
 
 BEGIN, END = "<!-- families: generated from src/tigon/patch/families.py -->", "<!-- /families -->"
@@ -30,10 +30,13 @@ def table() -> str:
     """The Markdown table between the README's markers."""
     rows = ["| model_type | transformers module | norm | MLP | MoE experts | RoPE pairs | add + norm fused |",
             "|---|---|---|---|---|---|---|"]
-    for model_type, family in sorted(FAMILIES.items()):
+    for model_type, family in sorted({**FAMILIES, **VLM_FAMILIES}.items()):
         fused = family.layer.fuse or "no"
         rows.append(f"| `{model_type}` | `{family.module}` | {', '.join(dict.fromkeys(map(_norm, family.norms)))} "
                     f"| {_mlp(family)} | {'fused' if family.experts else '-'} | {_rope(family)} | {fused} |")
+    over_text = ", ".join(f"`{t}`" for t in sorted(VLM_OVER_TEXT))
+    rows += ["", f"Vision-language models whose language model is a text family's above (as their config's "
+                 f"`text_config` says), with the vision tower's LayerNorms: {over_text}."]
     return "\n".join(rows)
 
 

@@ -34,7 +34,7 @@ import torch
 
 from tigon.patch import forwards, head, offload, tiled, trl_head
 from tigon.patch import lora as peft_lora
-from tigon.patch.families import FAMILIES, Family, modeling_module
+from tigon.patch.families import FAMILIES, VLM_FAMILIES, VLM_OVER_TEXT, Family, modeling_module, vision_over_text
 from tigon.patch.handoff import LayerPlan, Relay
 from tigon.patch.modules import forward_attr
 from tigon.patch.rope import rope_function
@@ -214,25 +214,38 @@ def _release(key: tuple[int, str]) -> None:
         setattr(owner, key[1], original)
 
 
-def _family(model_type: str) -> tuple[Family, types.ModuleType]:
-    family = FAMILIES.get(model_type)
+def _family(model_type: str, text_type: str | None = None) -> tuple[Family, types.ModuleType]:
+    """The family of `model_type` and its modeling module; for a multimodal model over a text
+    family's language model (:data:`VLM_OVER_TEXT`), `text_type` names that family."""
+    if model_type in VLM_OVER_TEXT:
+        if text_type is None:
+            raise ValueError(
+                f"tigon.patch({model_type!r}): the language model of a {model_type} model is of the family its "
+                "config's text_config names; patch the model instance instead"
+            )
+        text, module = _family(text_type)
+        return vision_over_text(model_type, text), module
+    family = FAMILIES.get(model_type) or VLM_FAMILIES.get(model_type)
     if family is None:
         raise ValueError(
             f"tigon.patch does not support model_type {model_type!r}; supported: "
-            f"{', '.join(sorted(FAMILIES))}"
+            f"{', '.join(sorted((*FAMILIES, *VLM_FAMILIES, *VLM_OVER_TEXT)))}"
         )
+    return family, _modeling(model_type, modeling_module(family))
+
+
+def _modeling(model_type: str, name: str) -> types.ModuleType:
     try:
-        module = importlib.import_module(modeling_module(family))
+        return importlib.import_module(name)
     except ModuleNotFoundError as err:
-        if not err.name or not modeling_module(family).startswith(err.name):
+        if not err.name or not name.startswith(err.name):
             raise
         import transformers
 
         raise ValueError(
-            f"tigon.patch: model_type {model_type!r} needs {modeling_module(family)}, which transformers "
+            f"tigon.patch: model_type {model_type!r} needs {name}, which transformers "
             f"{transformers.__version__} does not have; nothing was patched"
         ) from None
-    return family, module
 
 
 def _wrap(plan: list[_Replacement], switch: str, owner: Any, wrap: Callable[..., Any]) -> None:
@@ -255,11 +268,14 @@ def _plan(
     `lora_classes` (PEFT's LoRA linear classes, for a model holding LoRA layers and the lora
     switch on), those of the LoRA layers too."""
     missing: list[str] = []
+    head_module = module if family.head_module is None else importlib.import_module(
+        f"transformers.models.{family.head_module}.modeling_{family.head_module}"
+    )
 
-    def find(name: str) -> Any:
-        if not hasattr(module, name):
-            missing.append(name)
-        return getattr(module, name, None)
+    def find(name: str, where: types.ModuleType = module) -> Any:
+        if not hasattr(where, name):
+            missing.append(f"{where.__name__}.{name}")
+        return getattr(where, name, None)
 
     plan: list[_Replacement] = []
     for norm in family.norms:
@@ -299,8 +315,14 @@ def _plan(
         patched_mlp = make_mlp()  # how the decoder layer knows the MLP's forward as tigon's own
         plan.append(_Replacement(mlp.switch if glu_ops else "lora", mlp_cls, "forward", make_mlp, recompute,
                                  planned=True))
+    for other in family.other_mlps:
+        cls = find(other.cls)
+        if cls is not None and switches[other.switch]:
+            plan.append(_Replacement(other.switch, cls, "forward", functools.partial(
+                forwards.mlp_forward, other, _original(cls, "forward"), True, None, lora_forward,
+                switches["recompute_mlp"]), planned=True))
     loss_switch = next((name for name in ("linear_cross_entropy", "cross_entropy") if switches[name]), None)
-    causal_lm = find(family.causal_lm)
+    causal_lm = find(family.causal_lm, head_module)
     aux_loss = find(family.head.aux_loss) if family.head.aux_loss else None
     if loss_switch is not None and causal_lm is not None:
         original = _original(causal_lm, "forward")
@@ -347,7 +369,7 @@ def _plan(
         plan.append(_Replacement("trl_log_probs", trl_utils, trl_head.NAME, log_probs, foreign=True))
     if missing:
         raise ValueError(
-            f"tigon.patch: {module.__name__} has no {', '.join(missing)} "
+            f"tigon.patch: transformers has no {', '.join(missing)} "
             "(an unsupported transformers version?); nothing was patched"
         )
     return plan
@@ -406,7 +428,8 @@ def _patch_classes(model_type: str, switches: dict[str, bool]) -> Patched:
 def _patch_instance(model: torch.nn.Module, switches: dict[str, bool]) -> Patched:
     hf_model = _find_hf_model(model)
     model_type = hf_model.config.model_type
-    family, module = _family(model_type)
+    text_config = hf_model.config.get_text_config()
+    family, module = _family(model_type, text_config.model_type if text_config is not hf_model.config else None)
     lora_classes = peft_lora.lora_classes_in(model) if switches["lora"] else ()
     plan = _plan(family, module, switches, lora_classes)
     unpatch(model)

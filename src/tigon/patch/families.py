@@ -14,6 +14,7 @@ op (:mod:`tigon.patch.moe`).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from dataclasses import dataclass
 
@@ -150,9 +151,11 @@ class Rope:
     Attributes:
         function: its name in the modeling module.
         form: its arguments: ``"cos_sin"``, ``(q, k, cos, sin, unsqueeze_dim=1)`` as Llama's
-            ``apply_rotary_pos_emb``; or ``"complex"``, ``(q, k, freqs_cis)`` with each frequency
+            ``apply_rotary_pos_emb``; ``"complex"``, ``(q, k, freqs_cis)`` with each frequency
             once, as a complex number rotating a pair (2i, 2i + 1) (Llama 4, DeepSeek-V2: entries
-            with `interleaved`).
+            with `interleaved`); or ``"vision"``, ``(q, k, cos, sin)`` with q and k as
+            ``(patches, heads, head_dim)`` and cos/sin ``(patches, head_dim)``, computed in float32
+            and rounded to q's dtype (the vision towers' 2-D rotary of Qwen-VL and GLM-4V).
         interleaved: the pairs rotated are (2i, 2i + 1) (GPT-J, GLM), not (i, i + R/2).
         cos: how cos/sin hold the R/2 frequencies: ``"cat"`` (``cat(f, f)``, Llama), ``"once"``
             (``f``, GPT-OSS) or ``"pairs"`` (``repeat_interleave(f, 2)``, Cohere).
@@ -183,12 +186,18 @@ class Head:
         multiplier: config attribute that the logits are multiplied by (Cohere, Falcon-H1).
         aux_loss: module-level router load-balancing loss added when router logits are output
             (the MoE families).
+        positions: False where the model derives the positions of a batch given none itself, as
+            the M-RoPE models do (Qwen-VL, GLM-4V: 3-D positions from the images' grids), so
+            none may be made up for it.
+
+    The config attributes are read from the text config of a multimodal model.
     """
 
     softcap: str | None = None
     scale: str | None = None
     multiplier: str | None = None
     aux_loss: str | None = None
+    positions: bool = True
 
 
 # Norm variants shared by several families.
@@ -214,6 +223,11 @@ class Family:
             same switches as `norm`.
         experts: the mixture-of-experts experts class, if transformers dispatches it through its
             experts interface (Llama 4's experts are not, and keep their code).
+        other_mlps: further gated MLP classes (a vision tower's), on the same switches as `mlp`
+            but never joined with a decoder layer's add + RMSNorm.
+        head_module: the modeling module (directory) holding `causal_lm`, where it is not
+            `module`: a multimodal model's ``*ForConditionalGeneration`` over a language model
+            of a text family (:data:`VLM_OVER_TEXT`).
     """
 
     module: str
@@ -226,6 +240,12 @@ class Family:
     head: Head
     other_norms: tuple[Norm, ...] = ()
     experts: str | None = None
+    other_mlps: tuple[MLP, ...] = ()
+    head_module: str | None = None
+
+    @property
+    def mlps(self) -> tuple[MLP, ...]:
+        return (self.mlp, *self.other_mlps) if self.mlp is not None else self.other_mlps
 
     @property
     def norms(self) -> tuple[Norm, ...]:
@@ -241,6 +261,8 @@ def _norm(prefix: str, kind: str = LLAMA_NORM) -> Norm:
 LAYER_NORM = Norm(TORCH_LAYER_NORM, eps="eps", kind="layer")
 MOE_HEAD = Head(aux_loss="load_balancing_loss_func")
 SOFTCAP_HEAD = Head(softcap="final_logit_softcapping")
+M_ROPE_HEAD = Head(positions=False)
+VISION_ROPE = Rope("apply_rotary_pos_emb_vision", form="vision", keep_dtype=True)
 # (x * w) rounded once, as Gemma's, without the +1 (OLMo 2, GPT-OSS, Helium).
 FLOAT_WEIGHT = "gemma"
 _DEFAULT = object()
@@ -258,6 +280,7 @@ def _family(
     causal_lm: str | None = None,
     other_norms: tuple[Norm, ...] = (),
     experts: bool = False,
+    other_mlps: tuple[MLP, ...] = (),
     **layer,
 ) -> Family:
     return Family(
@@ -271,6 +294,7 @@ def _family(
         head=head,
         other_norms=other_norms,
         experts=f"{prefix}Experts" if experts else None,
+        other_mlps=other_mlps,
     )
 
 
@@ -424,6 +448,69 @@ FAMILIES: dict[str, Family] = {
         mlp=MLP("NemotronMLP", None, projections=("up_proj", "down_proj")), norms=None,
     ),
 }
+
+# Vision-language models with a language model of their own classes: its decoder patched as a text
+# family's, the loss on the *ForConditionalGeneration's head, and the vision tower's LayerNorms
+# (torch's), gated MLPs and 2-D rotary.
+VLM_FAMILIES: dict[str, Family] = {
+    "qwen2_vl": _family(
+        "qwen2_vl", "Qwen2VL", mlp=MLP("Qwen2MLP"), causal_lm="Qwen2VLForConditionalGeneration",
+        rope=(Rope(), VISION_ROPE), head=M_ROPE_HEAD, other_norms=(LAYER_NORM,),
+    ),
+    "qwen2_5_vl": _family(
+        "qwen2_5_vl", "Qwen2_5_VL", mlp=MLP("Qwen2MLP"), causal_lm="Qwen2_5_VLForConditionalGeneration",
+        rope=(Rope(), VISION_ROPE), head=M_ROPE_HEAD, other_mlps=(MLP("Qwen2_5_VLMLP"),),
+    ),
+    "qwen3_vl": _family(
+        "qwen3_vl", "Qwen3VLText", causal_lm="Qwen3VLForConditionalGeneration", rope=(Rope(), VISION_ROPE),
+        head=M_ROPE_HEAD, other_norms=(LAYER_NORM,),
+    ),
+    # (Its multimodal head applies no final-logit softcap, as the text-only one does.)
+    "gemma3": _family(
+        "gemma3", "Gemma3", norm=_norm("Gemma3", GEMMA_NORM), mlp=MLP("Gemma3MLP", "geglu"),
+        norms=SANDWICH, causal_lm="Gemma3ForConditionalGeneration", other_norms=(LAYER_NORM,),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class VisionOverText:
+    """A vision-language model whose language model is a text family's model (LLaVA's a Llama,
+    Mistral 3's a Mistral, ...), named by its config's ``text_config``: that family's entry patches
+    the decoder, and this one adds the ``*ForConditionalGeneration`` head over it (the loss on
+    the language head) and the vision tower's norms.
+
+    Attributes:
+        module: the modeling module of the multimodal classes.
+        causal_lm: the ``*ForConditionalGeneration`` class.
+        vision_norms: the vision tower's norms (torch's LayerNorm for CLIP and SigLIP towers).
+    """
+
+    module: str
+    causal_lm: str
+    vision_norms: tuple[Norm, ...] = (LAYER_NORM,)
+
+
+VLM_OVER_TEXT: dict[str, VisionOverText] = {
+    "llava": VisionOverText("llava", "LlavaForConditionalGeneration"),
+    "llava_next": VisionOverText("llava_next", "LlavaNextForConditionalGeneration"),
+    "llava_onevision": VisionOverText("llava_onevision", "LlavaOnevisionForConditionalGeneration"),
+    "idefics3": VisionOverText("idefics3", "Idefics3ForConditionalGeneration"),
+    "smolvlm": VisionOverText("smolvlm", "SmolVLMForConditionalGeneration"),
+    "paligemma": VisionOverText("paligemma", "PaliGemmaForConditionalGeneration"),
+    "internvl": VisionOverText("internvl", "InternVLForConditionalGeneration"),
+    # Pixtral's tower normalises with an RMSNorm of its own module: left as it is.
+    "mistral3": VisionOverText("mistral3", "Mistral3ForConditionalGeneration", vision_norms=()),
+}
+
+
+def vision_over_text(model_type: str, text: Family) -> Family:
+    """The family of a :data:`VLM_OVER_TEXT` model of `model_type` whose language model is of family
+    `text`: `text`'s decoder, the multimodal head, the vision tower's norms besides."""
+    entry = VLM_OVER_TEXT[model_type]
+    return dataclasses.replace(
+        text, causal_lm=entry.causal_lm, head_module=entry.module, other_norms=(*text.other_norms, *entry.vision_norms)
+    )
 
 
 def modeling_module(family: Family) -> str:

@@ -182,16 +182,18 @@ def run_decoder(
     input_ids: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
+    *,
+    positions: bool = True,
     **kwargs: Any,
 ) -> Any:
     """``decoder(input_ids=..., attention_mask=..., position_ids=..., **kwargs)`` for a causal LM's
     backbone. Given no positions, no mask and no cache (whole, unpadded sequences, as in training),
-    it passes the positions HF would make, and where tigon's finder is in place it tells the finder
-    they are whole sequences, so that HF's mask code does not look for packed sequences on the
-    device (:class:`_PackedSequenceFinder`)."""
+    it passes the positions HF would make (unless `positions` is False: the model makes its own),
+    and where tigon's finder is in place it tells the finder they are whole sequences, so that HF's
+    mask code does not look for packed sequences on the device (:class:`_PackedSequenceFinder`)."""
     tokens = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
     no_cache = kwargs.get("past_key_values") is None and kwargs.get("cache") is None
-    if position_ids is None and attention_mask is None and no_cache and tokens is not None:
+    if positions and position_ids is None and attention_mask is None and no_cache and tokens is not None:
         batch, length = tokens.shape[:2]
         position_ids = torch.arange(length, device=tokens.device).expand(batch, length)
         masking = sys.modules.get("transformers.masking_utils") if live() else None
@@ -250,15 +252,16 @@ def causal_lm_forward(
         if aux_loss is not None and kwargs.get("output_router_logits") is None:
             kwargs["output_router_logits"] = self.config.output_router_logits
         # What every family's forward calls (Llama 4's base_model_prefix names a multimodal model's).
-        outputs = run_decoder(self.model, input_ids, attention_mask, position_ids, **kwargs)
+        outputs = run_decoder(self.model, input_ids, attention_mask, position_ids, positions=head.positions, **kwargs)
         hidden = outputs.last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:, :]
+        config = self.config.get_text_config()
         # Scaling the logits is scaling the hidden states: the heads these families have no bias.
         if head.scale is not None:
-            hidden = hidden / getattr(self.config, head.scale)
+            hidden = hidden / getattr(config, head.scale)
         if head.multiplier is not None:
-            hidden = hidden * getattr(self.config, head.multiplier)
+            hidden = hidden * getattr(config, head.multiplier)
         ignore_index = kwargs.get("ignore_index", -100)
         has_count = kwargs.get("num_items_in_batch") is not None
         accuracy = relay.accuracy if relay is not None and live() else None
@@ -268,7 +271,7 @@ def causal_lm_forward(
             weight = _full(self.lm_head.weight, dtensor)
             loss = F.linear_cross_entropy(
                 hidden.to(weight.dtype), weight, targets, _full(self.lm_head.bias, dtensor), ignore_index=ignore_index,
-                softcap=getattr(self.config, head.softcap) if head.softcap is not None else None,
+                softcap=getattr(config, head.softcap) if head.softcap is not None else None,
                 reduction="sum" if has_count else "mean", max_chunk_bytes=CAUSAL_LM_LOSS_CHUNK_BYTES,
                 return_argmax=accuracy is not None,
             )
@@ -278,6 +281,9 @@ def causal_lm_forward(
         fields = {key: value for key, value in outputs.items() if key != "last_hidden_state"}
         moe = aux_loss is not None or "router_logits" in fields
         output_cls = MoeCausalLMOutputWithPast if moe else CausalLMOutputWithPast
+        # A multimodal model's further outputs (image features, M-RoPE's offsets for generation)
+        # are not a training loss's to return.
+        fields = {key: value for key, value in fields.items() if key in output_cls.__dataclass_fields__}
         if aux_loss is not None and kwargs["output_router_logits"]:
             fields["aux_loss"] = aux_loss(
                 outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask

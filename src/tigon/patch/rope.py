@@ -55,6 +55,16 @@ def rope_function(rope: Rope, original: Callable[..., tuple]) -> Callable[..., t
             return rotated(xq, xk, freqs_cis.real, freqs_cis.imag, "once", rope.tokens_first)
 
         function = apply_rotary_emb
+    elif rope.form == "vision":
+
+        def apply_rotary_pos_emb_vision(q, k, cos, sin):
+            # (patches, heads, head_dim): one sequence of patches, heads after tokens.
+            if q.dim() != 3 or cos.dim() != 2:
+                return original(q, k, cos, sin)
+            q_embed, k_embed = rotated(q.unsqueeze(0), k.unsqueeze(0), cos.float(), sin.float(), transposed=True)
+            return q_embed[0], k_embed[0]
+
+        function = apply_rotary_pos_emb_vision
     elif rope.halves:
 
         def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):

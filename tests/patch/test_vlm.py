@@ -1,0 +1,97 @@
+"""Vision-language models patched: the language model through its text family's kernels, the loss
+on the multimodal head (image positions never scored), the vision tower's norms, gated MLPs and
+rotary; loss and every gradient equal to the unpatched model's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tigon
+from tests.helpers import assert_close
+from tests.patch.tiny_vlm import SPECS, tiny_vlm, vlm_batch, vlm_params
+from tigon.patch import VLM_FAMILIES, VLM_OVER_TEXT
+
+
+@pytest.fixture(autouse=True)
+def clean_patches():
+    yield
+    tigon.unpatch()
+
+
+def vlm_run(model, batch):
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    out = model(**batch)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def counting(monkeypatch) -> dict:
+    """Calls of each tigon functional op, counted."""
+    from tigon import functional
+
+    counts: dict[str, int] = {}
+    for name in ("rms_norm", "add_rms_norm", "layer_norm", "rope", "glu_mlp", "add_rms_norm_glu_mlp",
+                 "linear_cross_entropy", "linear_group"):
+        real = getattr(functional, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(functional, name, counted)
+    return counts
+
+
+def test_every_vlm_family_is_tested():
+    assert set(SPECS) == set(VLM_FAMILIES) | set(VLM_OVER_TEXT)
+
+
+@pytest.mark.parametrize("model_type", vlm_params())
+def test_patched_vlm_trains_as_the_unpatched_one(model_type, monkeypatch):
+    want_model = tiny_vlm(model_type)
+    model = copy.deepcopy(want_model)
+    batch = vlm_batch(model_type)
+    want_loss, want_grads = vlm_run(want_model, batch)
+    counts = counting(monkeypatch)
+    patched = tigon.patch(model)
+    assert "linear_cross_entropy" in patched.applied and "rms_norm" in patched.applied
+    loss, grads = vlm_run(model, batch)
+    # The loss came from tigon's fused head, the decoder's norms from its kernels.
+    assert counts.get("linear_cross_entropy") == 1
+    assert counts.get("rms_norm", 0) + counts.get("add_rms_norm", 0) + counts.get("add_rms_norm_glu_mlp", 0) > 0
+    assert_close(loss, want_loss, name="loss")
+    assert grads.keys() == want_grads.keys()
+    for name, grad in grads.items():
+        if want_grads[name] is None:
+            assert grad is None, name
+            continue
+        assert grad is not None, f"no gradient for {name}"
+        assert_close(grad, want_grads[name], name=f"grad {name}")
+    tigon.unpatch(model)
+    loss_after, _ = vlm_run(model, batch)
+    assert_close(loss_after, want_loss, name="loss after unpatch")
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl"])
+def test_vision_tower_runs_tigon_kernels(model_type, monkeypatch):
+    """The vision tower's 2-D rotary and its norms (LayerNorm for Qwen2-VL, RMSNorm and a gated
+    MLP for Qwen2.5-VL) run tigon's ops, not only the language model."""
+    model = tiny_vlm(model_type)
+    tigon.patch(model)
+    counts = counting(monkeypatch)
+    batch = vlm_batch(model_type)
+    model.model.visual(batch["pixel_values"], grid_thw=batch["image_grid_thw"])
+    assert counts.get("rope", 0) == 2  # one per vision block
+    assert counts.get("layer_norm" if model_type == "qwen2_vl" else "rms_norm", 0) >= 4
+    if model_type == "qwen2_5_vl":
+        assert counts.get("glu_mlp", 0) == 2
+
+
+def test_class_patch_of_a_vlm_over_a_text_family_says_what_to_do():
+    with pytest.raises(ValueError, match="patch the model instance"):
+        tigon.patch("llava")

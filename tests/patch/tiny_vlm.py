@@ -1,0 +1,124 @@
+"""Tiny random-weight vision-language models of every patched VLM family, built from the HF config
+classes, and a batch for each: text with one image's tokens in it, the image's pixels, the extras
+the family's forward takes (grids, sizes)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+VOCAB = 300
+IMAGE, VIDEO, START, END = 290, 291, 292, 293  # special token ids inside the tiny vocabulary
+TEXT = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=8, vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    initializer_range=0.1,
+)
+# 3-D M-RoPE over the 8 dims of a head: 1 + 1 + 2 frequencies for time, height and width.
+M_ROPE = {"rope_type": "default", "mrope_section": [1, 1, 2]}
+QWEN_VISION = dict(depth=2, hidden_size=32, num_heads=4, spatial_merge_size=2, patch_size=4, temporal_patch_size=2)
+QWEN_IDS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
+SIGLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8)
+
+# model_type -> (config keywords, image tokens per image, the pixels' layout)
+SPECS = {
+    "qwen2_vl": (dict(text_config=dict(TEXT, rope_scaling=M_ROPE), vision_config=dict(QWEN_VISION, embed_dim=32, mlp_ratio=2),
+                      **QWEN_IDS), 4, "patches"),
+    "qwen2_5_vl": (dict(text_config=dict(TEXT, rope_scaling=M_ROPE), vision_config=dict(
+        QWEN_VISION, intermediate_size=64, out_hidden_size=32, fullatt_block_indexes=[1], window_size=16), **QWEN_IDS),
+        4, "patches"),
+    "qwen3_vl": (dict(text_config=dict(TEXT, rope_scaling=dict(M_ROPE, mrope_interleaved=True)), vision_config=dict(
+        QWEN_VISION, intermediate_size=64, out_hidden_size=32, deepstack_visual_indexes=[1], num_position_embeddings=16),
+        **QWEN_IDS), 4, "patches"),
+    "gemma3": (dict(text_config=dict(TEXT, sliding_window=8, final_logit_softcapping=30.0), vision_config=SIGLIP,
+                    mm_tokens_per_image=4, image_token_index=IMAGE, boi_token_index=START, eoi_token_index=END), 4, "image"),
+    "llava": (dict(text_config=dict(TEXT, model_type="llama"), vision_config=dict(
+        SIGLIP, model_type="clip_vision_model", projection_dim=32), image_token_index=IMAGE), 16, "image"),
+    "paligemma": (dict(text_config=dict(TEXT, model_type="gemma"), vision_config=dict(SIGLIP, projection_dim=32),
+                       image_token_index=IMAGE, projection_dim=32), 16, "image"),
+    "idefics3": (dict(text_config=dict(TEXT, model_type="llama"), vision_config=SIGLIP, scale_factor=2,
+                      image_token_id=IMAGE), 4, "images"),
+    "smolvlm": (dict(text_config=dict(TEXT, model_type="llama"), vision_config=SIGLIP, scale_factor=2,
+                     image_token_id=IMAGE), 4, "images"),
+    "internvl": (dict(text_config=dict(TEXT, model_type="qwen2"), vision_config=dict(
+        SIGLIP, image_size=[32, 32], patch_size=[8, 8]), image_token_id=IMAGE), 4, "image"),
+    # (Their any-resolution tiling makes an image's token count a function of its size: these run
+    # on text alone, which still goes through the multimodal model and head tigon patches.)
+    "llava_next": (dict(text_config=dict(TEXT, model_type="llama"), vision_config=dict(
+        SIGLIP, model_type="clip_vision_model", projection_dim=32), image_token_index=IMAGE,
+        image_grid_pinpoints=[[32, 32]]), 0, "text"),
+    "llava_onevision": (dict(text_config=dict(TEXT, model_type="qwen2"), vision_config=SIGLIP, image_token_index=IMAGE,
+                             video_token_index=VIDEO, image_grid_pinpoints=[[32, 32]]), 0, "text"),
+    "mistral3": (dict(text_config=dict(TEXT, model_type="mistral"), vision_config=dict(
+        SIGLIP, model_type="pixtral", head_dim=8), image_token_index=IMAGE, spatial_merge_size=2), 4, "sized"),
+}
+
+
+def vlm_params() -> list:
+    """Every VLM family of SPECS as a pytest parameter, skipped where transformers lacks it."""
+    import importlib.util
+
+    def has(model_type: str) -> bool:
+        return importlib.util.find_spec(f"transformers.models.{model_type}.modeling_{model_type}") is not None
+
+    return [pytest.param(t, marks=pytest.mark.skipif(not has(t), reason=f"transformers has no {t}")) for t in SPECS]
+
+
+def tiny_vlm(model_type: str, seed: int = 0, dtype=torch.float32) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    config = AutoConfig.for_model(model_type, **SPECS[model_type][0])
+    config._attn_implementation = "eager"
+    for sub in (config, config.get_text_config(), getattr(config, "vision_config", None)):
+        if sub is not None:
+            sub._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # norms away from 1 (or 0), so a wrong offset or rounding shows
+        for name, param in model.named_parameters():
+            if param.dim() == 1 and "norm" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5 + 0.5)
+    return model.to(dtype)
+
+
+def vlm_batch(model_type: str, seed: int = 0, rows: int = 2, text: int = 9) -> dict:
+    """Keyword arguments of one training forward: each row is text, one image's tokens, text;
+    labels ignore the image tokens and the first text token."""
+    _, tokens, layout = SPECS[model_type]
+    gen = torch.Generator().manual_seed(seed)
+    before = torch.randint(3, IMAGE - 10, (rows, 3), generator=gen)
+    after = torch.randint(3, IMAGE - 10, (rows, text), generator=gen)
+    image = torch.full((rows, tokens), IMAGE)
+    if layout == "patches":
+        image = torch.cat((torch.full((rows, 1), START), image, torch.full((rows, 1), END)), dim=1)
+    ids = torch.cat((before, image, after), dim=1)
+    labels = ids.masked_fill((ids == IMAGE) | (ids == START) | (ids == END), -100)
+    labels[:, 0] = -100
+    batch = dict(input_ids=ids, labels=labels)
+    if layout == "patches":  # one 8 x 8 image: a 1 x 2 x 2 grid of merged 4 x 4 patches
+        batch["pixel_values"] = torch.randn(rows * 16, 3 * 2 * 4 * 4, generator=gen)
+        batch["image_grid_thw"] = torch.tensor([[1, 4, 4]] * rows)
+    elif layout == "text":
+        pass
+    elif layout == "images":
+        batch["pixel_values"] = torch.randn(rows, 1, 3, 32, 32, generator=gen)
+    else:
+        batch["pixel_values"] = torch.randn(rows, 3, 32, 32, generator=gen)
+    if layout == "sized":
+        batch["image_sizes"] = torch.tensor([[32, 32]] * rows)
+    if layout == "patches" and "mm_token_type_ids" in inspect.signature(_model_class(model_type).forward).parameters:
+        batch["mm_token_type_ids"] = (ids == IMAGE).int()  # newer transformers: which tokens are an image's
+    if model_type == "paligemma":
+        batch["token_type_ids"] = (labels != -100).long()
+    return batch
+
+
+def _model_class(model_type: str) -> type:
+    """The multimodal model class (under the *ForConditionalGeneration) of `model_type`."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    return MODEL_MAPPING[type(AutoConfig.for_model(model_type, **SPECS[model_type][0]))]
