@@ -2,7 +2,7 @@
 # One device-machine call: gpu-marked tests, op benchmarks at their headline shapes, the linear-CE
 # chunk-budget sweep and the end-to-end benchmark. Everything lands in $OUT/results.tar.gz (the
 # device tool returns at most 8 files) plus the text logs.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|moetests|ab|ops|norms|rope|sweep|e2e|small|host|serve|moe|rl|dpo|sft|profile|dpoprof|dpomem|maxctx ...]
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|moetests|ab|ops|norms|rope|sweep|e2e|small|host|serve|moe|vlm|vlmtests|rl|dpo|sft|profile|dpoprof|dpomem|maxctx ...]
 # (host: per-call host time of the small ops; small: the host-bound 1x1024 e2e with CUDA-graph replay;
 # rl: the GRPO loss against TRL's own log-prob path; dpo: tigon rlhf against TRL's DPOTrainer; dpoprof: where a `tigon rlhf --method dpo` step goes;
 # dpomem: what is live at its memory peak; DPO_ARGS: more tigon rlhf options for both)
@@ -78,6 +78,12 @@ for stage in "${stages[@]}"; do
            tail -6 "$RES/serve.txt" ;;
     moe)   timeout ${!limit_var:-300} python3 -m tigon.bench.moe_e2e --out "$RES/moe" > "$RES/moe_e2e.txt" 2>&1
            tail -9 "$RES/moe_e2e.txt" ;;
+    vlm)   timeout ${!limit_var:-420} python3 -m tigon.bench.vlm_e2e ${VLM_ARGS:-} --out "$RES/vlm" > "$RES/vlm_e2e.txt" 2>&1
+           tail -9 "$RES/vlm_e2e.txt" ;;
+    # The VLM patch tests under this machine's transformers (its class names), kernels interpreted.
+    vlmtests) TRITON_INTERPRET=1 timeout ${!limit_var:-300} python3 -m pytest -q -p no:cacheprovider -n 8 \
+             tests/patch/test_vlm.py > "$RES/vlm_tests.txt" 2>&1
+           tail -15 "$RES/vlm_tests.txt" ;;
     rl)    timeout ${!limit_var:-200} python3 -m tigon.cli bench --ops linear_policy_loss_trl --impls tigon peer \
              --out "$RES/rl" > "$RES/rl.txt" 2>&1
            grep -A8 "^op " "$RES/rl.txt" ;;
