@@ -96,6 +96,75 @@ def test_interleaved_matches_hf_glm(poison_outputs, device, head_dim, rot):
     )
 
 
+def _hf_cos_sin(family, head_dim, factor, tokens, device):
+    """cos/sin from the family's own HF rotary-embedding module, for a config with that head dim
+    and partial_rotary_factor: R = int(head_dim * factor), rounded up to even (HF's frequencies are
+    arange(0, R, 2))."""
+    import transformers
+    from transformers.models.phi.modeling_phi import PhiRotaryEmbedding
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRotaryEmbedding
+    from transformers.models.stablelm.modeling_stablelm import StableLmRotaryEmbedding
+
+    if family == "qwen3_next":
+        config = transformers.Qwen3NextConfig(head_dim=head_dim, partial_rotary_factor=factor)
+        module = Qwen3NextRotaryEmbedding(config)
+    else:  # phi, stablelm: head_dim = hidden_size / heads
+        config_class, module_class = {"phi": (transformers.PhiConfig, PhiRotaryEmbedding),
+                                      "stablelm": (transformers.StableLmConfig, StableLmRotaryEmbedding)}[family]
+        module = module_class(config_class(hidden_size=2 * head_dim, num_attention_heads=2, partial_rotary_factor=factor))
+    positions = torch.randint(0, 4096, (2, tokens), device=device)
+    return module.to(device)(torch.empty(0, device=device), positions)
+
+
+@pytest.mark.parametrize("family,head_dim,factor", [("phi", 80, 0.4), ("phi", 97, 0.25), ("stablelm", 65, 0.25)])
+def test_partial_rotary_matches_hf_phi_slicing(poison_outputs, device, family, head_dim, factor):
+    # Phi and StableLM rotate q[..., :rotary_ndims] with apply_rotary_pos_emb and concatenate the
+    # rest back (what the patched function receives), at odd head dims too (97, 65: odd pass-through).
+    from transformers.models.phi.modeling_phi import apply_rotary_pos_emb
+
+    cos, sin = _hf_cos_sin(family, head_dim, factor, 17, device)
+    rot = int(head_dim * factor)
+    assert cos.shape[-1] == rot
+
+    def by_hf(q, k):
+        q_rot, k_rot = apply_rotary_pos_emb(q[..., :rot], k[..., :rot], cos.double(), sin.double())
+        return torch.cat((q_rot, q[..., rot:]), -1), torch.cat((k_rot, k[..., rot:]), -1)
+
+    def sliced(q, k):
+        q_rot, k_rot = F.rope(q[..., :rot], k[..., :rot], cos, sin)
+        return torch.cat((q_rot, q[..., rot:]), -1), torch.cat((k_rot, k[..., rot:]), -1)
+
+    q, k = _qk(2, 3, 1, 17, head_dim, torch.float32, device)
+    compare_fwd_bwd(sliced, by_hf, (q, k), name=f"{family} D={head_dim} sliced")
+    compare_fwd_bwd(lambda q, k: F.rope(q, k, cos, sin), by_hf, (q, k), name=f"{family} D={head_dim} whole heads")
+
+
+@pytest.mark.parametrize("head_dim,factor", [(65, 0.5), (50, 0.5), (33, 0.25), (256, 0.25)])
+def test_partial_rotary_matches_hf_qwen3_next(poison_outputs, device, head_dim, factor):
+    # Qwen3-Next's apply_rotary_pos_emb rotates the first cos.shape[-1] dims itself. With
+    # int(head_dim * factor) odd (50 * 0.5 = 25) HF's frequencies give an even R = 26: both rotate 26.
+    from transformers.models.qwen3_next.modeling_qwen3_next import apply_rotary_pos_emb
+
+    cos, sin = _hf_cos_sin("qwen3_next", head_dim, factor, 13, device)
+    q, k = _qk(2, 4, 2, 13, head_dim, torch.float32, device)
+    compare_fwd_bwd(
+        lambda q, k: F.rope(q, k, cos, sin),
+        lambda q, k: apply_rotary_pos_emb(q, k, cos.double(), sin.double()),
+        (q, k), name=f"qwen3_next D={head_dim} R={cos.shape[-1]}",
+    )
+
+
+@pytest.mark.parametrize("rot", [64, 31])
+def test_odd_or_too_wide_rotary_is_refused(device, rot):
+    # Full rotary on an odd head dim would need R = head_dim + 1 columns (HF's configs refuse it:
+    # "RoPE requires an even rotary dimension"), and an odd R has no pairs: tigon names the problem.
+    cos, sin = _cos_sin(1, 5, rot + rot % 2, torch.float32, device)
+    cos, sin = cos[..., :rot], sin[..., :rot]
+    q, k = _qk(1, 2, 2, 5, 63, torch.float32, device)
+    with pytest.raises(ValueError, match=rf"R even and 2 <= R <= 63, got \(1, 5, {rot}\)"):
+        F.rope(q, k, cos, sin)
+
+
 def test_halves_of_cos_sin_need_not_match(poison_outputs, device):
     # Non-interleaved reads all R columns, as HF's formula does, forward and backward.
     q, k = _qk(2, 3, 3, 10, 64, torch.float32, device)
@@ -221,7 +290,8 @@ def test_bad_arguments_raise_value_error(call, match):
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize(
     "batch,q_heads,k_heads,tokens,head_dim,rot",
-    [(8, 32, 8, 2048, 128, 128), (2, 32, 32, 257, 80, 80), (4, 24, 8, 1, 96, 96), (2, 32, 32, 2047, 80, 32)],
+    [(8, 32, 8, 2048, 128, 128), (2, 32, 32, 257, 80, 80), (4, 24, 8, 1, 96, 96), (2, 32, 32, 2047, 80, 32),
+     (2, 16, 4, 1023, 97, 24), (2, 16, 16, 511, 65, 16)],
 )
 def test_bf16_on_gpu(interleaved, batch, q_heads, k_heads, tokens, head_dim, rot):
     device = torch.device("cuda")

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from tigon.ops._checks import check_device, check_float, check_vector
-from tigon.ops._dispatch import empty_if, tl, triton
+from tigon.ops._dispatch import autocast_dtype, empty_if, tl, triton
 from tigon.ops._launch import cdiv, launched, multiprocessor_count, vocab_block_config
 
 CHUNK_ROW_MULTIPLE = 64  # whole GEMM tiles along the chunk's rows
@@ -364,6 +364,26 @@ def head_grad_needs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     """Which of the head's tensors a library op must form a gradient for, decided when tracing."""
     grad_enabled = torch.is_grad_enabled()
     return [grad_enabled and t is not None and t.requires_grad for t in (hidden, weight, bias)]
+
+
+def autocast_head(hidden: Any, *tensors: torch.Tensor | None) -> tuple[Any, ...]:
+    """``(dtype, hidden, *tensors)``: under autocast, `dtype` is the one it would run a linear on
+    `hidden`'s device in, and `hidden` and `tensors` (the heads' hidden states, weights and biases;
+    None stays None) are cast to it as autocast casts F.linear's operands (float64 stays, as
+    autocast leaves it); the fused loss then runs with autocast off
+    (:meth:`~tigon.ops._dispatch.Op.without_autocast`), its GEMMs in the operands' dtype: the
+    logits rounded as the unfused ``F.linear`` under autocast rounds them, the loss in fp32, and
+    an fp32 weight's gradient cast back to fp32 by autograd. Without autocast, ``(None, hidden,
+    *tensors)`` as given (mixed dtypes are then refused by :func:`check_head`)."""
+    dtype = autocast_dtype(hidden) if isinstance(hidden, torch.Tensor) else None
+    if dtype is None:
+        return None, hidden, *tensors
+
+    def cast(t):
+        is_cast = isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+        return t.to(dtype) if is_cast else t
+
+    return dtype, cast(hidden), *map(cast, tensors)
 
 
 def check_head(

@@ -3,14 +3,18 @@ class weights and token scaling.
 
     x'      = softcap * tanh(x / softcap)                  (only when softcap is set; Gemma 2)
     lse     = logsumexp(x')
-    loss_i  = (1 - eps) w_t (lse - x'[t]) + eps / V * sum_j w_j (lse - x'_j) + z_loss_scale * w_t * lse^2
-            (times p_t = softmax(x')[t], detached, with token scaling)
+    ce_i    = (1 - eps) w_t (lse - x'[t]) + eps / V * sum_j w_j (lse - x'_j)
+    z_i     = z_loss_scale * lse^2
+    loss_i  = ce_i + z_i    (both times p_t = softmax(x')[t], detached, with token scaling)
             = 0 where t == ignore_index
 
-with class weights w (all 1 without them), then "mean" (divided by the sum of w_t over the rows
-whose target is not ignored: their count without weights), "sum" or "none". That is
-``torch.nn.functional.cross_entropy(x', t, weight=w, label_smoothing=eps)`` plus the z-loss, with two
-differences: the class dim is the last one (logits ``(..., V)``, target ``(...)``), and a "mean"
+with class weights w (all 1 without them), then "mean", "sum" or "none". The cross-entropy terms
+are ``torch.nn.functional.cross_entropy(x', t, weight=w, label_smoothing=eps)``'s: a "mean"
+divides their sum by the sum of w_t over the rows whose target is not ignored (their count without
+weights). The z-loss, which torch does not define, is not weighted by the class weight and a
+"mean" divides its sum by the count of those rows, weights or not: what Liger's kernel computes,
+the loss users swap this one in for. Without class weights the two divisors are one. That is
+torch's loss plus the z-loss, with two differences: the class dim is the last one (logits ``(..., V)``, target ``(...)``), and a "mean"
 over a batch whose every target is ignored is 0 with zero gradients, not NaN. The loss is fp32 for
 fp16/bf16 logits (what ``F.cross_entropy(x.float(), t)`` gives); the gradient has the logits' dtype.
 The same pass can write each row's z-loss term and its argmax (the walk over the row takes the max
@@ -66,22 +70,33 @@ def _target_weight(class_weight_ptr, target, in_vocab, HAS_WEIGHT: tl.constexpr)
 
 
 @triton.jit
+def _z_scale(scale, z_ratio_ptr, HAS_Z_RATIO: tl.constexpr):
+    # The z-loss's share of the upstream gradient: the cross-entropy's `scale`, times (sum of the
+    # targets' weights) / (their count) in a weighted mean, whose z-loss divides by the count.
+    if HAS_Z_RATIO:
+        scale *= tl.load(z_ratio_ptr)
+    return scale
+
+
+@triton.jit
 def _ce_row_grad(
-    logits_ptr, grad_ptr, class_weight_ptr, n_cols, target, valid, lse, scale, w_target, weight_total,
+    logits_ptr, grad_ptr, class_weight_ptr, n_cols, target, valid, lse, scale, z_scale, w_target, weight_total,
     label_smoothing, z_loss_scale, softcap,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # With class weights w (all 1 without them; weight_total = sum(w), V without them):
-    # d loss / d x'_j = softmax_j * ((1 - eps) w_t + eps W / V + 2 z w_t lse)
-    #                   - (1 - eps) w_t [j == t] - eps w_j / V, times d x'/d x.
+    # With class weights w (all 1 without them; weight_total = sum(w), V without them), the
+    # cross-entropy terms scaled by `scale` and the z-loss by `z_scale` (they differ only in a
+    # weighted mean, whose divisors differ):
+    # d loss / d x'_j = softmax_j * (scale ((1 - eps) w_t + eps W / V) + z_scale 2 z lse)
+    #                   - scale ((1 - eps) w_t [j == t] + eps w_j / V), times d x'/d x.
     # Each element is read and then written by the same thread, so grad_ptr may equal logits_ptr.
     cols = tl.arange(0, BLOCK)
-    softmax_scale = scale * (
-        (1.0 - label_smoothing) * w_target + label_smoothing * weight_total / n_cols
-        + 2.0 * z_loss_scale * w_target * lse
+    softmax_scale = (
+        scale * ((1.0 - label_smoothing) * w_target + label_smoothing * weight_total / n_cols)
+        + z_scale * 2.0 * z_loss_scale * lse
     )
     target_scale = scale * (1.0 - label_smoothing) * w_target
     smooth = scale * label_smoothing / n_cols
@@ -107,12 +122,13 @@ def _ce_row_grad(
 @triton.jit
 def _ce_fwd_kernel(
     logits_ptr, target_ptr, loss_ptr, lse_ptr, grad_ptr, scale_ptr,
-    class_weight_ptr, weight_total_ptr, argmax_ptr, z_loss_ptr,
+    class_weight_ptr, weight_total_ptr, z_ratio_ptr, argmax_ptr, z_loss_ptr,
     n_cols, logits_row_stride, grad_row_stride, scale_stride,
     ignore_index, label_smoothing, z_loss_scale, softcap,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
+    HAS_Z_RATIO: tl.constexpr,
     TOKEN_SCALING: tl.constexpr,
     WRITE_ARGMAX: tl.constexpr,
     WRITE_Z_LOSS: tl.constexpr,
@@ -177,8 +193,9 @@ def _ce_fwd_kernel(
         weight_total = tl.load(weight_total_ptr)
     else:
         weight_total = n_cols * 1.0
-    # torch's weighted, smoothed loss: (1 - eps) w_t (lse - x_t) + eps / V sum_j w_j (lse - x_j).
-    z_term = z_loss_scale * w_target * lse * lse
+    # torch's weighted, smoothed loss: (1 - eps) w_t (lse - x_t) + eps / V sum_j w_j (lse - x_j);
+    # the z-loss is not weighted.
+    z_term = z_loss_scale * lse * lse
     loss = (1.0 - label_smoothing) * w_target * (lse - x_target) + z_term
     if HAS_SMOOTHING:
         loss += label_smoothing * (weight_total * lse - row_sum) / n_cols
@@ -198,7 +215,7 @@ def _ce_fwd_kernel(
         scale = tl.load(scale_ptr + row * scale_stride).to(tl.float32) * token_scale
         _ce_row_grad(
             logits_ptr, grad_ptr + row * grad_row_stride, class_weight_ptr, n_cols, target, valid, lse, scale,
-            w_target, weight_total, label_smoothing, z_loss_scale, softcap,
+            _z_scale(scale, z_ratio_ptr, HAS_Z_RATIO), w_target, weight_total, label_smoothing, z_loss_scale, softcap,
             HAS_SOFTCAP=HAS_SOFTCAP, HAS_SMOOTHING=HAS_SMOOTHING, HAS_WEIGHT=HAS_WEIGHT, BLOCK=BLOCK,
         )
 
@@ -206,12 +223,13 @@ def _ce_fwd_kernel(
 @launched
 @triton.jit
 def _ce_bwd_kernel(
-    logits_ptr, target_ptr, lse_ptr, grad_ptr, scale_ptr, class_weight_ptr, weight_total_ptr,
+    logits_ptr, target_ptr, lse_ptr, grad_ptr, scale_ptr, class_weight_ptr, weight_total_ptr, z_ratio_ptr,
     n_cols, logits_row_stride, grad_row_stride, scale_stride,
     ignore_index, label_smoothing, z_loss_scale, softcap,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
+    HAS_Z_RATIO: tl.constexpr,
     TOKEN_SCALING: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -231,7 +249,8 @@ def _ce_bwd_kernel(
         weight_total = n_cols * 1.0
     _ce_row_grad(
         logits_ptr, grad_ptr + row * grad_row_stride, class_weight_ptr, n_cols, target, valid, lse, scale,
-        _target_weight(class_weight_ptr, target, in_vocab, HAS_WEIGHT), weight_total,
+        _z_scale(scale, z_ratio_ptr, HAS_Z_RATIO), _target_weight(class_weight_ptr, target, in_vocab, HAS_WEIGHT),
+        weight_total,
         label_smoothing, z_loss_scale, softcap,
         HAS_SOFTCAP=HAS_SOFTCAP, HAS_SMOOTHING=HAS_SMOOTHING, HAS_WEIGHT=HAS_WEIGHT, BLOCK=BLOCK,
     )
@@ -253,8 +272,9 @@ class LossOutput(NamedTuple):
 
     Attributes:
         loss: the loss, as the op returns it alone (z-loss included).
-        z_loss: the z-loss term of `loss`, ``z_loss_scale * lse**2`` per row (times the class
-            weight and the token scale where those apply), reduced as `loss` is; detached.
+        z_loss: the z-loss term of `loss`, ``z_loss_scale * lse**2`` per row (times the token
+            scale with token scaling; never the class weight), reduced as `loss` is (a "mean"
+            divides by the count of rows not ignored, with class weights too); detached.
         argmax: int64, shape of the target: each row's predicted class (the first index of the
             largest logit, after softcap; the first NaN's index in a row holding one, as
             torch.argmax), -1 where the target is ignored.
@@ -315,6 +335,12 @@ def mean_denominator(
         count = torch.full((), float(num_items_in_batch), dtype=dtype, device=target.device)
     count = count.to(dtype)
     return torch.where(count == 0, torch.ones_like(count), count)
+
+
+def has_two_divisors(reduction: str, class_weight: object, options: LossOptions) -> bool:
+    """Whether a loss's cross-entropy and z-loss terms have different divisors: a "mean" with
+    class weights (the sum of the targets' weights, and their count) and a z-loss."""
+    return reduction == "mean" and class_weight is not None and options.z_loss_scale > 0
 
 
 def reduce_losses(
@@ -378,37 +404,36 @@ def cross_entropy_reference(
     # rows are zeroed below, where their loss is finite.
     safe_target = torch.where(ignored | out_of_range, 0, target1d).long()
     w = None if weight is None else weight.detach().to(x2d.dtype)
-    losses = torch.nn.functional.cross_entropy(
+    ce_rows = torch.nn.functional.cross_entropy(
         x2d, safe_target, weight=w, reduction="none", label_smoothing=label_smoothing
     )
-    z_rows = torch.zeros_like(losses)
-    if z_loss_scale:
-        z_rows = z_loss_scale * torch.logsumexp(x2d, dim=-1).pow(2)
-        if w is not None:
-            z_rows = z_rows * w[safe_target]
-        losses = losses + z_rows
+    # The z-loss is not weighted, and its "mean" divides by the rows' count (Liger's convention).
+    z_rows = z_loss_scale * torch.logsumexp(x2d, dim=-1).pow(2) if z_loss_scale else torch.zeros_like(ce_rows)
     if token_scaling:
         probability = x2d.log_softmax(-1).gather(1, safe_target[:, None])[:, 0].exp().detach()
-        losses, z_rows = losses * probability, z_rows * probability
+        ce_rows, z_rows = ce_rows * probability, z_rows * probability
     # A product, not masked_fill: its gradient carries the NaN back into the row's logits.
-    nan_rows = torch.where(out_of_range, float("nan"), 1.0).to(losses.dtype)
-    losses = torch.where(ignored, 0.0, losses * nan_rows)
-    loss = reduce_losses(losses.view(target.shape), target, ignore_index, reduction, num_items_in_batch, w)
+    nan_rows = torch.where(out_of_range, float("nan"), 1.0).to(ce_rows.dtype)
+
+    def reduced(rows, weight):
+        rows = torch.where(ignored, 0.0, rows * nan_rows).view(target.shape)
+        return reduce_losses(rows, target, ignore_index, reduction, num_items_in_batch, weight)
+
+    loss = reduced(ce_rows, w) + reduced(z_rows, None)
     if not (return_z_loss or return_argmax):
         return loss
     out = LossOutput(loss)
     if return_z_loss:
-        z_rows = torch.where(ignored, 0.0, z_rows * nan_rows).detach()
-        out = out._replace(
-            z_loss=reduce_losses(z_rows.view(target.shape), target, ignore_index, reduction, num_items_in_batch, w)
-        )
+        out = out._replace(z_loss=reduced(z_rows.detach(), None))
     if return_argmax:
         argmax = torch.where(ignored, -1, x2d.detach().argmax(-1)).view(target.shape)
         out = out._replace(argmax=argmax, accuracy=token_accuracy(argmax, target, ignore_index))
     return out
 
 
-def _kernel_options(options: LossOptions, n_cols: int, writes_grad: bool, class_weight: ClassWeight | None) -> dict:
+def _kernel_options(
+    options: LossOptions, n_cols: int, writes_grad: bool, class_weight: ClassWeight | None, z_ratio: torch.Tensor | None
+) -> dict:
     block, num_warps = vocab_block_config(n_cols, writes_grad)
     return dict(
         ignore_index=options.ignore_index,
@@ -418,6 +443,7 @@ def _kernel_options(options: LossOptions, n_cols: int, writes_grad: bool, class_
         HAS_SOFTCAP=options.softcap is not None,
         HAS_SMOOTHING=options.label_smoothing > 0,
         HAS_WEIGHT=class_weight is not None,
+        HAS_Z_RATIO=z_ratio is not None,
         TOKEN_SCALING=bool(options.token_scaling),
         BLOCK=block,
         num_warps=num_warps,
@@ -435,25 +461,27 @@ def cross_entropy_rows(
     class_weight: ClassWeight | None = None,
     argmax: torch.Tensor | None = None,
     z_loss: torch.Tensor | None = None,
+    z_ratio: torch.Tensor | None = None,
 ) -> None:
     """Write each row's fp32 loss and lse into `loss` and `lse`; with `grad`, also the gradient of
     ``sum(scale * loss)`` in the same pass. `scale` is 0-dim or one value per row; `grad` may be
     `logits2d` itself (its rows are then overwritten: only for a buffer nobody else reads). With
     `argmax` (int64, one per row) and `z_loss` (fp32, one per row), also each row's argmax and
-    z-loss term, in the same pass."""
+    z-loss term, in the same pass. `z_ratio` (0-dim fp32) multiplies the z-loss term's `scale`
+    (a weighted mean's divisor over the z-loss's: see :func:`has_two_divisors`)."""
     n_rows, n_cols = logits2d.shape
     write_grad = grad is not None
     _ce_fwd_kernel[(n_rows,)](
         logits2d, target1d, loss, lse,
         grad if write_grad else logits2d, scale if write_grad else lse,
-        *_weight_pointers(class_weight, lse),
+        *_weight_pointers(class_weight, lse), z_ratio if z_ratio is not None else lse,
         argmax if argmax is not None else target1d, z_loss if z_loss is not None else lse,
         n_cols, logits2d.stride(0), grad.stride(0) if write_grad else 0,
         _scale_stride(scale) if write_grad else 0,
         WRITE_ARGMAX=argmax is not None,
         WRITE_Z_LOSS=z_loss is not None,
         WRITE_GRAD=write_grad,
-        **_kernel_options(options, n_cols, write_grad, class_weight),
+        **_kernel_options(options, n_cols, write_grad, class_weight, z_ratio if write_grad else None),
     )
 
 
@@ -466,16 +494,17 @@ def _scale_stride(scale: torch.Tensor) -> int:
     return scale.stride(0) if scale.dim() else 0
 
 
-def cross_entropy_backward(logits, target, lse, scale, options, class_weight=None):
+def cross_entropy_backward(logits, target, lse, scale, options, class_weight=None, z_ratio=None):
     """The logits' gradient, of the logits' shape, by the backward kernel; `scale` is 0-dim or one
-    value per row (the loss's gradient)."""
+    value per row (the loss's gradient), `z_ratio` as in :func:`cross_entropy_rows`."""
     logits2d, target1d = rows_view(logits), target.reshape(-1)
     n_rows, n_cols = logits2d.shape
     grad = torch.empty((n_rows, n_cols), dtype=logits2d.dtype, device=logits2d.device)
     _ce_bwd_kernel[(n_rows,)](
         logits2d, target1d, lse, grad, scale, *_weight_pointers(class_weight, lse),
+        z_ratio if z_ratio is not None else lse,
         n_cols, logits2d.stride(0), grad.stride(0), _scale_stride(scale),
-        **_kernel_options(options, n_cols, True, class_weight),
+        **_kernel_options(options, n_cols, True, class_weight, z_ratio),
     )
     return grad.view(logits.shape)
 
@@ -508,13 +537,17 @@ def _ce_reduce_kernel(
     HAS_WEIGHT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One program writes (loss, z-loss, divisor) to out_ptr[0:3]: the sums of the rows' losses
-    and z-loss terms over the divisor. For "mean" the divisor is the count of rows whose target is
-    not ignored (with class weights, the sum of their targets' weights), or 1 where that is 0; for
-    "sum" it is 1. One launch for what is otherwise six small torch ops and two sums."""
+    """One program writes (loss, z-loss, divisor, z-loss divisor) to out_ptr[0:4]: the sum of the
+    rows' cross-entropy terms over the divisor plus the sum of their z-loss terms over the z-loss
+    divisor (`loss`), and the latter alone. For "mean" the divisor is the count of rows whose target
+    is not ignored (with class weights, the sum of their targets' weights), the z-loss divisor
+    their count, each 1 where it is 0; for "sum" both are 1. With class weights and a z-loss the
+    rows' z-loss terms must be given (`loss` holds both terms). One launch for what is otherwise
+    six small torch ops and two sums."""
     loss_acc = tl.zeros((BLOCK,), dtype=tl.float32)
     z_loss_acc = tl.zeros((BLOCK,), dtype=tl.float32)
     count_acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    rows_acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for start in range(0, n_rows, BLOCK):
         rows = start + tl.arange(0, BLOCK)
         in_rows = rows < n_rows
@@ -528,21 +561,33 @@ def _ce_reduce_kernel(
                 # A target outside the classes weighs 0 here: its row's loss is NaN, and so the mean.
                 in_vocab = counted & (target >= 0) & (target < n_classes)
                 count_acc += tl.load(class_weight_ptr + target, mask=in_vocab, other=0.0)
-            else:
-                count_acc += counted.to(tl.float32)
+            rows_acc += counted.to(tl.float32)
     divisor = 1.0
+    z_divisor = 1.0
     if MEAN:
-        count = tl.sum(count_acc, axis=0)
-        divisor = tl.where(count == 0.0, 1.0, count)
-    tl.store(out_ptr, tl.sum(loss_acc, axis=0) / divisor)
-    tl.store(out_ptr + 1, tl.sum(z_loss_acc, axis=0) / divisor)
+        rows = tl.sum(rows_acc, axis=0)
+        z_divisor = tl.where(rows == 0.0, 1.0, rows)
+        divisor = z_divisor
+        if HAS_WEIGHT:
+            count = tl.sum(count_acc, axis=0)
+            divisor = tl.where(count == 0.0, 1.0, count)
+    z_loss = tl.sum(z_loss_acc, axis=0)
+    loss = tl.sum(loss_acc, axis=0)
+    if MEAN and HAS_WEIGHT and HAS_Z_LOSS:
+        loss = (loss - z_loss) / divisor + z_loss / z_divisor
+    else:
+        loss = loss / divisor
+    tl.store(out_ptr, loss)
+    tl.store(out_ptr + 1, z_loss / z_divisor)
     tl.store(out_ptr + 2, divisor)
+    tl.store(out_ptr + 3, z_divisor)
 
 
 def reduce_rows(loss, z_loss, target, reduction, ignore_index, class_weight):
-    """(loss, z-loss, divisor), 0-dim fp32 each, of the per-row `loss` and `z_loss` (or None) by
-    :data:`_ce_reduce_kernel`, for reduction "mean" or "sum"."""
-    out = torch.empty(3, dtype=torch.float32, device=loss.device)
+    """(loss, z-loss, divisor, z-loss divisor), 0-dim fp32 each, of the per-row `loss` and `z_loss`
+    (or None; needed with class weights and a z-loss) by :data:`_ce_reduce_kernel`, for reduction
+    "mean" or "sum"."""
+    out = torch.empty(4, dtype=torch.float32, device=loss.device)
     n_rows = loss.numel()
     _ce_reduce_kernel[(1,)](
         loss, z_loss if z_loss is not None else loss, target.reshape(-1),
@@ -577,14 +622,20 @@ class _CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, class_weight, options, reduction, wanted):
-        loss, lse, z_loss, argmax = _row_losses(logits, target, options, class_weight, *wanted)
+        want_z_loss, want_argmax = wanted
+        two_divisors = has_two_divisors(reduction, class_weight, options)
+        loss, lse, z_loss, argmax = _row_losses(logits, target, options, class_weight, want_z_loss or two_divisors,
+                                                want_argmax)
         ctx.save_for_backward(logits, target, lse)
         ctx.config = (options, reduction, class_weight, wanted)
+        ctx.z_ratio = None
         if reduction != "none":
-            loss, reduced_z_loss, ctx.denominator = reduce_rows(
+            loss, reduced_z_loss, ctx.denominator, z_denominator = reduce_rows(
                 loss, z_loss, target, reduction, options.ignore_index, class_weight
             )
-            z_loss = reduced_z_loss if z_loss is not None else None
+            if two_divisors:
+                ctx.z_ratio = ctx.denominator / z_denominator
+            z_loss = reduced_z_loss if want_z_loss else None
         ctx.mark_non_differentiable(*(t for t in (z_loss, argmax) if t is not None))
         return loss, z_loss, argmax
 
@@ -598,7 +649,8 @@ class _CrossEntropyFunction(torch.autograd.Function):
             scale = grad_output.reshape(-1)
         else:
             scale = grad_output / ctx.denominator if reduction == "mean" else grad_output
-        return cross_entropy_backward(logits, target, lse, scale, options, class_weight), None, None, None, None, None
+        grad = cross_entropy_backward(logits, target, lse, scale, options, class_weight, ctx.z_ratio)
+        return grad, None, None, None, None, None
 
 
 def check_loss_options(options: LossOptions, reduction: str) -> None:
@@ -768,8 +820,10 @@ def cross_entropy(
         reduction: ``"mean"`` over the non-ignored rows (with `weight`: divided by the sum of
             their targets' weights), ``"sum"``, or ``"none"`` (shape of `target`).
         label_smoothing: eps in [0, 1], as in ``torch.nn.functional.cross_entropy``.
-        z_loss_scale: adds ``z_loss_scale * logsumexp(logits)**2`` to each non-ignored row's loss
-            (times the target's class weight with `weight`).
+        z_loss_scale: adds ``z_loss_scale * logsumexp(logits)**2`` to each non-ignored row's loss.
+            torch defines no z-loss; as in Liger's kernel it is not weighted by `weight`, and a
+            "mean" divides its sum by the count of non-ignored rows even where the cross-entropy
+            divides by their weights.
         softcap: if set, the logits become ``softcap * tanh(logits / softcap)`` first (Gemma 2).
         weight: ``(V,)`` float class weights, exactly as ``torch.nn.functional.cross_entropy``'s
             `weight` (label smoothing included); constants: no gradient reaches them.

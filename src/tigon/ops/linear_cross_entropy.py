@@ -36,13 +36,13 @@ import torch
 
 from tigon.ops._checks import check_device, check_target, rows_view
 from tigon.ops._chunked_head import (
-    backprop_head, check_chunk_bytes, check_head, chunk_rows, head_grad_needs, head_grads_fake, head_grads_out,
-    logits_chunks, register_forward_grads_autograd, scale_in_place,
+    autocast_head, backprop_head, check_chunk_bytes, check_head, chunk_rows, head_grad_needs, head_grads_fake,
+    head_grads_out, logits_chunks, register_forward_grads_autograd, scale_in_place,
 )
 from tigon.ops._dispatch import Op, backward_fallback, debug_enabled, library_op
 from tigon.ops.cross_entropy import (
     LossOptions, LossOutput, check_class_weight, check_flags, check_loss_options, check_target_range, class_weights,
-    cross_entropy_reference, cross_entropy_rows, loss_output, mean_denominator,
+    cross_entropy_reference, cross_entropy_rows, has_two_divisors, loss_output, mean_denominator,
 )
 
 # The logits chunk's budget: 512 rows at V = 128256 in bf16 (125 MiB), the op's extra memory. A
@@ -78,13 +78,14 @@ def linear_cross_entropy_reference(
 
 def _chunked_loss_and_grads(
     hidden2d, weight, bias, target1d, options, chunk, scale, need_hidden, need_weight, need_bias,
-    class_weight=None, argmax=None, z_loss=None, fp32_weight_grad=False,
+    class_weight=None, argmax=None, z_loss=None, fp32_weight_grad=False, z_ratio=None,
 ):
     """Per-row fp32 losses and, for the tensors that need them, the gradients of
     ``sum(scale * losses)`` (`scale` is 0-dim or one value per row; None when no gradient is
-    needed). With `argmax` / `z_loss` (one per row), also each row's argmax and z-loss term, in
-    the same pass. `fp32_weight_grad`: the chunks' weight gradients are summed in fp32 and
-    rounded to the weight's dtype once, at the end."""
+    needed; the z-loss terms' scale times `z_ratio` if given). With `argmax` / `z_loss` (one per
+    row), also each row's argmax and z-loss term, in the same pass. `fp32_weight_grad`: the
+    chunks' weight gradients are summed in fp32 and rounded to the weight's dtype once, at the
+    end."""
     n_rows = hidden2d.shape[0]
     vocab = weight.shape[0]
     device = hidden2d.device
@@ -106,6 +107,7 @@ def _chunked_loss_and_grads(
             class_weight=class_weight,
             argmax=None if argmax is None else argmax[start:end],
             z_loss=None if z_loss is None else z_loss[start:end],
+            z_ratio=z_ratio,
         )
         # `logits` now holds d loss / d logits for this chunk. With fp32_weight_grad each chunk's
         # share is written, rounded once (cuBLAS sums it in fp32), and added to the fp32 sum.
@@ -168,11 +170,16 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         ctx.config = (options, reduction, chunk, class_weight, wanted, fp32_weight_grad)
         ctx.num_items_in_batch = num_items_in_batch
         ctx.grads = None
+        ctx.z_ratio = None
         want_z_loss, want_argmax = wanted
-        z_loss = torch.empty(target1d.shape[0] if want_z_loss else 0, dtype=torch.float32, device=hidden.device)
+        # A weighted mean divides the z-loss by the rows' count, not their weights (see
+        # tigon.ops.cross_entropy), unless num_items_in_batch is both divisors.
+        two_divisors = has_two_divisors(reduction, class_weight, options) and num_items_in_batch is None
+        z_rows = want_z_loss or two_divisors
+        z_loss = torch.empty(target1d.shape[0] if z_rows else 0, dtype=torch.float32, device=hidden.device)
         argmax = torch.empty(target1d.shape[0] if want_argmax else 0, dtype=torch.int64, device=hidden.device)
         extras = dict(
-            class_weight=class_weight, argmax=argmax if want_argmax else None, z_loss=z_loss if want_z_loss else None,
+            class_weight=class_weight, argmax=argmax if want_argmax else None, z_loss=z_loss if z_rows else None,
             fp32_weight_grad=fp32_weight_grad,
         )
         argmax = argmax.view(target.shape) if want_argmax else argmax
@@ -191,14 +198,22 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             )
         else:
             ctx.inverse_denominator = torch.ones((), dtype=torch.float32, device=hidden.device)
+        z_inverse_denominator = ctx.inverse_denominator
+        if two_divisors:
+            z_inverse_denominator = 1.0 / mean_denominator(target1d, options.ignore_index, None, torch.float32)
+            ctx.z_ratio = z_inverse_denominator / ctx.inverse_denominator
         losses, *grads = _chunked_loss_and_grads(
             hidden2d, weight, bias, target1d, options, chunk,
-            ctx.inverse_denominator if any(needs) else None, *needs, **extras,
+            ctx.inverse_denominator if any(needs) else None, *needs, z_ratio=ctx.z_ratio, **extras,
         )
         ctx.grads = grads if any(needs) else None
-        z_loss = z_loss.sum() * ctx.inverse_denominator if want_z_loss else z_loss
+        loss = losses.sum() * ctx.inverse_denominator
+        if two_divisors:
+            z_sum = z_loss.sum()
+            loss = loss + z_sum * (z_inverse_denominator - ctx.inverse_denominator)
+        z_loss = z_loss.sum() * z_inverse_denominator if want_z_loss else z_loss
         ctx.mark_non_differentiable(z_loss, argmax)
-        return losses.sum() * ctx.inverse_denominator, z_loss, argmax
+        return loss, z_loss, argmax
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -218,6 +233,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             grads = _chunked_loss_and_grads(
                 rows_view(hidden), weight, bias, target.reshape(-1), options, chunk, scale,
                 *ctx.needs_input_grad[:3], class_weight=class_weight, fp32_weight_grad=fp32_weight_grad,
+                z_ratio=None if reduction == "none" else ctx.z_ratio,
             )[1:]
         grad_hidden, grad_weight, grad_bias = grads
         if grad_hidden is not None:
@@ -363,7 +379,8 @@ def linear_cross_entropy(
 
     Args:
         hidden: ``(..., H)`` float16/bfloat16/float32 (float64 runs the reference).
-        weight: ``(V, H)`` (the LM head), dtype of `hidden`.
+        weight: ``(V, H)`` (the LM head), dtype of `hidden`; under autocast any float dtype: `hidden`,
+            `weight` and `bias` are cast to autocast's dtype as ``F.linear``'s operands would be.
         target: ``(...)`` int64/int32 class indices (shape of `hidden` without its last dim). A
             target outside ``[0, V)`` that is not `ignore_index` gives its row a NaN loss and
             gradient, checked on the device (``TIGON_DEBUG=1`` raises a ValueError naming it).
@@ -375,8 +392,9 @@ def linear_cross_entropy(
         max_chunk_bytes: the most bytes one chunk of logits may take (at least one row);
             default ``DEFAULT_MAX_CHUNK_BYTES``. Larger is faster and uses more memory.
         class_weight: ``(V,)`` float class weights, as `weight` of
-            :func:`tigon.functional.cross_entropy` (torch's `weight`): named apart because
-            `weight` here is the LM head. With `num_items_in_batch` that count is the divisor.
+            :func:`tigon.functional.cross_entropy` (torch's `weight`; the z-loss is not weighted
+            and its mean divides by the count of rows): named apart because `weight` here is the
+            LM head. With `num_items_in_batch` that count is the divisor of both terms.
         token_scaling, return_z_loss, return_argmax: as in
             :func:`tigon.functional.cross_entropy`; the argmax is taken over each chunk's logits
             in the pass that computes its loss: the logits still never exist as a whole.
@@ -395,11 +413,12 @@ def linear_cross_entropy(
     if max_chunk_bytes is None:
         max_chunk_bytes = DEFAULT_MAX_CHUNK_BYTES
     options = LossOptions(ignore_index, label_smoothing, z_loss_scale, softcap, token_scaling)
+    autocast, hidden, weight, bias = autocast_head(hidden, weight, bias)
     _check(hidden, weight, target, bias, options, reduction, num_items_in_batch, max_chunk_bytes, class_weight)
     check_flags(return_z_loss=return_z_loss, return_argmax=return_argmax, fp32_weight_grad=fp32_weight_grad)
     if debug_enabled():
         check_target_range(target, weight.shape[0], ignore_index)
-    return LINEAR_CROSS_ENTROPY(
-        None, hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss_scale, softcap,
+    return LINEAR_CROSS_ENTROPY.without_autocast(
+        autocast, None, hidden, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss_scale, softcap,
         num_items_in_batch, max_chunk_bytes, class_weight, token_scaling, return_z_loss, return_argmax, fp32_weight_grad,
     )

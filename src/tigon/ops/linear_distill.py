@@ -42,8 +42,8 @@ from tigon.ops._checks import (
     KERNEL_DTYPES, check_choice, check_device, check_divisor, check_ignore_index, check_target, is_number, rows_view,
 )
 from tigon.ops._chunked_head import (
-    as_device_scalar, backprop_head, check_chunk_bytes, check_head, chunk_rows, head_grad_needs, head_grads_fake,
-    head_grads_out, head_logits, register_forward_grads_autograd, scaled_forward_grads,
+    as_device_scalar, autocast_head, backprop_head, check_chunk_bytes, check_head, chunk_rows, head_grad_needs,
+    head_grads_fake, head_grads_out, head_logits, register_forward_grads_autograd, scaled_forward_grads,
 )
 from tigon.ops._dispatch import Op, backward_fallback, library_op, tl, triton
 from tigon.ops._launch import launched, next_power_of_2
@@ -523,7 +523,9 @@ def linear_distill_loss(
 
     Args:
         student_hidden: ``(..., H_s)`` float16/bfloat16/float32 (float64 runs the reference).
-        student_weight, student_bias: the student's head, ``(V, H_s)`` and optional ``(V,)``.
+        student_weight, student_bias: the student's head, ``(V, H_s)`` and optional ``(V,)``, in
+            the student's dtype; under autocast any float dtype: both heads' operands are cast to
+            autocast's dtype as ``F.linear``'s would be (an fp32 head under the HF Trainer's bf16).
         teacher_hidden: ``(..., H_t)``, the same tokens (H_t may differ from H_s).
         teacher_weight, teacher_bias: the teacher's head, ``(V, H_t)`` and optional ``(V,)``, in
             the teacher's dtype. The teacher gets no gradient.
@@ -556,6 +558,9 @@ def linear_distill_loss(
     if loss == "jsd" and beta in (0, 1):  # the limits TRL and Liger take at the ends
         resolved = "forward_kl" if beta == 0 else "reverse_kl"
     options = DistillOptions(resolved, beta, temperature, hard_weight, ignore_index)
+    autocast, student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias = autocast_head(
+        student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias
+    )
     unsupported = _check(
         student_hidden, student_weight, teacher_hidden, teacher_weight, target, student_bias, teacher_bias,
         options._replace(loss=loss), beta_given, num_items_in_batch, max_chunk_bytes,
@@ -566,7 +571,7 @@ def linear_distill_loss(
     scale = _mean_scale(target, ignore_index, n_tokens, num_items_in_batch, device,
                         torch.promote_types(student_hidden.dtype, torch.float32))
     teacher = (teacher_hidden.detach(), teacher_weight.detach(), None if teacher_bias is None else teacher_bias.detach())
-    return LINEAR_DISTILL_LOSS(
-        unsupported, student_hidden, student_weight, teacher[0], teacher[1], target, student_bias, teacher[2], scale,
+    return LINEAR_DISTILL_LOSS.without_autocast(
+        autocast, unsupported, student_hidden, student_weight, teacher[0], teacher[1], target, student_bias, teacher[2], scale,
         options, max_chunk_bytes,
     )

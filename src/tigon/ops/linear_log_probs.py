@@ -37,8 +37,8 @@ import torch
 
 from tigon.ops._checks import check_ignore_index, check_target, rows_view
 from tigon.ops._chunked_head import (
-    LOG_PROB_CHUNK_BYTES, check_chunk_bytes, check_head, chunk_rows, chunked_grads, chunked_log_probs, head_grad_needs,
-    head_grads_fake, head_grads_out,
+    LOG_PROB_CHUNK_BYTES, autocast_head, check_chunk_bytes, check_head, chunk_rows, chunked_grads, chunked_log_probs,
+    head_grad_needs, head_grads_fake, head_grads_out,
 )
 from tigon.ops._dispatch import Op, backward_fallback, empty_if, library_op
 
@@ -344,7 +344,8 @@ def linear_log_probs(
 
     Args:
         hidden: ``(..., H)`` float16/bfloat16/float32 (float64 runs the reference).
-        weight: ``(V, H)`` (the LM head), dtype of `hidden`.
+        weight: ``(V, H)`` (the LM head), dtype of `hidden`; under autocast any float dtype: `hidden`,
+            `weight` and `bias` are cast to autocast's dtype as ``F.linear``'s operands would be.
         target: ``(...)`` int64/int32 token ids, aligned with `hidden` (position i scores
             target i: shift labels first). A target outside ``[0, V)`` gives NaN (no host sync
             to check it).
@@ -369,7 +370,8 @@ def linear_log_probs(
     if max_chunk_bytes is None:
         max_chunk_bytes = DEFAULT_MAX_CHUNK_BYTES
     options = LogProbOptions(ignore_index, temperature, return_entropy, return_stats)
+    autocast, hidden, weight, bias = autocast_head(hidden, weight, bias)
     _check(hidden, weight, target, bias, options, max_chunk_bytes)
-    return LINEAR_LOG_PROBS(
-        None, hidden, weight, target, bias, ignore_index, temperature, return_entropy, return_stats, max_chunk_bytes
+    return LINEAR_LOG_PROBS.without_autocast(
+        autocast, None, hidden, weight, target, bias, ignore_index, temperature, return_entropy, return_stats, max_chunk_bytes
     )

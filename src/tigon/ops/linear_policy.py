@@ -53,6 +53,7 @@ from typing import NamedTuple
 import torch
 
 from tigon.ops._checks import check_choice, check_device, check_divisor, check_float, check_target, is_number, rows_view
+from tigon.ops._chunked_head import autocast_head
 from tigon.ops._chunked_head import (
     LOG_PROB_CHUNK_BYTES, as_device_scalar, backprop_head, check_chunk_bytes, check_head, chunk_rows, chunked_grads,
     chunked_log_probs, head_grad_needs, head_grads_fake, head_grads_out, log_prob_grad_rows, log_prob_rows,
@@ -542,6 +543,7 @@ def linear_policy_loss(
     )
     given = dict(ref_log_probs=ref_log_probs is not None, max_completion_length=max_completion_length,
                  num_items_in_batch=num_items_in_batch)
+    autocast, hidden, weight, bias = autocast_head(hidden, weight, bias)
     _check(hidden, weight, target, bias, advantages, mask, options, given, max_chunk_bytes)
     shape, device = target.shape, hidden.device
     dtype = torch.promote_types(hidden.dtype, torch.float32)  # of the per-token math (fp64 for fp64)
@@ -557,7 +559,7 @@ def linear_policy_loss(
         _token_weights(loss_type, scored, max_completion_length or shape[1], num_items_in_batch, dtype).reshape(-1),
         advantages.expand(shape).reshape(-1), old, ref,
     )
-    return LINEAR_POLICY_LOSS(
-        None, hidden, weight, torch.where(scored, target, UNSCORED), bias, tokens, options, per_sequence_advantages,
-        max_chunk_bytes,
+    return LINEAR_POLICY_LOSS.without_autocast(
+        autocast, None, hidden, weight, torch.where(scored, target, UNSCORED), bias, tokens, options,
+        per_sequence_advantages, max_chunk_bytes,
     )

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from tigon.ops._checks import (
     check_choice, check_device, check_float, check_ignore_index, check_target, is_number, rows_view,
 )
+from tigon.ops._chunked_head import autocast_head
 from tigon.ops._chunked_head import (
     as_device_scalar, backprop_head, check_chunk_bytes, check_head, chunk_rows, chunked_log_probs, head_grad_needs,
     head_grads_fake, head_grads_out, head_logits, log_prob_grad_rows, log_prob_rows, logits_chunks,
@@ -715,6 +716,9 @@ def linear_preference_loss(
         DEFAULT_GAMMA if gamma is None else gamma,
         desirable_weight, undesirable_weight, ignore_index,
     )
+    autocast, hidden, weight, bias, ref_hidden, ref_weight, ref_bias = autocast_head(
+        hidden, weight, bias, ref_hidden, ref_weight, ref_bias
+    )
     args = (hidden, weight, target, bias, ref_hidden, ref_weight, ref_bias, ref_log_probs, labels, kl_baseline, options)
     _check(*args, max_chunk_bytes, {"gamma": gamma is not None})
-    return LINEAR_PREFERENCE_LOSS(None, *args, max_chunk_bytes)
+    return LINEAR_PREFERENCE_LOSS.without_autocast(autocast, None, *args, max_chunk_bytes)
