@@ -51,11 +51,12 @@ def test_every_vlm_family_is_tested():
     assert set(SPECS) == set(VLM_FAMILIES) | set(VLM_OVER_TEXT)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("model_type", vlm_params())
-def test_patched_vlm_trains_as_the_unpatched_one(model_type, monkeypatch):
-    want_model = tiny_vlm(model_type)
+def test_patched_vlm_trains_as_the_unpatched_one(model_type, device, monkeypatch):
+    want_model = tiny_vlm(model_type).to(device)
     model = copy.deepcopy(want_model)
-    batch = vlm_batch(model_type)
+    batch = {key: value.to(device) for key, value in vlm_batch(model_type).items()}
     want_loss, want_grads = vlm_run(want_model, batch)
     counts = counting(monkeypatch)
     patched = tigon.patch(model)
