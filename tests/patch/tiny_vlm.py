@@ -32,6 +32,9 @@ SPECS = {
     "qwen3_vl": (dict(text_config=dict(TEXT, rope_scaling=dict(M_ROPE, mrope_interleaved=True)), vision_config=dict(
         QWEN_VISION, intermediate_size=64, out_hidden_size=32, deepstack_visual_indexes=[1], num_position_embeddings=16),
         **QWEN_IDS), 4, "patches"),
+    "glm4v": (dict(text_config=dict(TEXT, head_dim=16, rope_parameters=dict(M_ROPE, partial_rotary_factor=0.5)), vision_config=dict(
+        QWEN_VISION, intermediate_size=64, out_hidden_size=32, image_size=16), image_token_id=IMAGE, video_token_id=VIDEO,
+        image_start_token_id=START, image_end_token_id=END), 4, "patches"),
     "gemma3": (dict(text_config=dict(TEXT, sliding_window=8, final_logit_softcapping=30.0), vision_config=SIGLIP,
                     mm_tokens_per_image=4, image_token_index=IMAGE, boi_token_index=START, eoi_token_index=END), 4, "image"),
     "llava": (dict(text_config=dict(TEXT, model_type="llama"), vision_config=dict(

@@ -465,6 +465,13 @@ VLM_FAMILIES: dict[str, Family] = {
         "qwen3_vl", "Qwen3VLText", causal_lm="Qwen3VLForConditionalGeneration", rope=(Rope(), VISION_ROPE),
         head=M_ROPE_HEAD, other_norms=(LAYER_NORM,),
     ),
+    "glm4v": _family(
+        "glm4v", "Glm4vText", norm=Norm("Glm4vRMSNorm"), causal_lm="Glm4vForConditionalGeneration",
+        mlp=MLP("Glm4vTextMLP", act="activation_fn", projections=("gate_up_proj", "down_proj")),
+        rope=(Rope(interleaved=True, cos="pairs"), VISION_ROPE), head=M_ROPE_HEAD, other_norms=(LAYER_NORM,),
+        other_mlps=(MLP("Glm4VisionMlp"),),
+        norms=("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"),
+    ),
     # (Its multimodal head applies no final-logit softcap, as the text-only one does.)
     "gemma3": _family(
         "gemma3", "Gemma3", norm=_norm("Gemma3", GEMMA_NORM), mlp=MLP("Gemma3MLP", "geglu"),
