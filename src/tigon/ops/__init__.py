@@ -22,6 +22,7 @@ OP_MODULES: dict[str, tuple[str, ...]] = {
     "rms_norm": ("rms_norm", "add_rms_norm"),
     "layer_norm": ("layer_norm",),
     "rope": ("rope",),
+    "mrope": ("mrope", "vision_rope"),
     "glu": ("swiglu", "geglu"),
     "composite.glu_mlp": ("glu_mlp",),
     "cross_entropy": ("cross_entropy",),
@@ -67,6 +68,7 @@ from tigon.ops.glu import geglu_reference, swiglu_reference
 from tigon.ops.layer_norm import layer_norm_reference
 from tigon.ops.linear_cross_entropy import linear_cross_entropy_reference
 from tigon.ops.rms_norm import NormedInput, add_rms_norm_reference, rms_norm_reference
+from tigon.ops.mrope import mrope_reference, vision_rope_reference
 from tigon.ops.rope import rope_reference
 
 __all__ = [
@@ -76,6 +78,6 @@ __all__ = [
     "add_rms_norm_glu_mlp_reference", "add_rms_norm_reference", "cross_entropy_reference", "dequantize_reference",
     "dora_norm_reference", "dora_scale_reference", "geglu_reference",
     "glu_mlp_reference", "layer_norm_reference", "linear_cross_entropy_reference", "linear_group_reference",
-    "lora_gated_mlp_reference", "lora_linear_group_reference", "lora_linear_reference", "rms_norm_reference",
-    "rope_reference", "swiglu_reference",
+    "lora_gated_mlp_reference", "lora_linear_group_reference", "lora_linear_reference", "mrope_reference",
+    "rms_norm_reference", "rope_reference", "swiglu_reference", "vision_rope_reference",
 ]
