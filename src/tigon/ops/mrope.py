@@ -224,7 +224,7 @@ def _rotate(q, k, cos, sin, section, interleaved, dtype, backward):
     return q_out, k_out
 
 
-def _tables_reference(q, k, cos, sin, section, interleaved, dtype):
+def _tables_reference(q, k, cos, sin, section, interleaved, dtype, op=None):
     """What the kernel path computes, with its arguments, in PyTorch (the backward's fallback)."""
     compute = torch.promote_types(torch.promote_types(q.dtype, cos.dtype), torch.float32)
     out = mrope_reference(q.to(compute), k.to(compute), cos.to(compute), sin.to(compute), section, interleaved)
@@ -236,7 +236,7 @@ def _reference_point(ctx, saved):
     section, interleaved, dtype, shapes, op = ctx.config
     # The rotation is linear: its gradient is the same at any point, zeros will do.
     at = [torch.zeros(shape, dtype=dtype, device=cos.device) for shape in shapes]
-    return op, _tables_reference, (*at, cos, sin, section, interleaved, dtype)
+    return op, _tables_reference, (*at, cos, sin, section, interleaved, dtype, op)
 
 
 class _MRopeFunction(torch.autograd.Function):
@@ -353,18 +353,18 @@ def _check_pair(q, k, dims: int, layout: str) -> None:
     check_device("k", k, q.device)
 
 
-def _check_tables(cos, sin, q, lead: tuple[int | str, ...], head_dim: int) -> None:
-    """cos/sin are float tables of shape (*lead, R) with R even, 2 <= R <= head_dim (a str in
-    `lead` names a size that may also be 1), same shape and dtype, on q's device."""
+def _check_tables(cos, sin, q, lead: tuple[int, ...], head_dim: int, batch_dim: int | None = None) -> None:
+    """cos/sin are float tables of shape (*lead, R) with R even, 2 <= R <= head_dim (dim
+    `batch_dim` may also be 1), same shape and dtype, on q's device."""
     for name, t in (("cos", cos), ("sin", sin)):
         check_float(name, t)
         check_device(name, t, q.device)
         rot = t.shape[-1] if t.dim() else 0
         fits = t.dim() == len(lead) + 1 and all(
-            size == want or (isinstance(want, str) and size in (1, int(want))) for size, want in zip(t.shape, lead)
+            size == want or (dim == batch_dim and size == 1) for dim, (size, want) in enumerate(zip(t.shape, lead))
         )
         if not fits or rot % 2 or not 2 <= rot <= head_dim:
-            shape = ", ".join(f"{want} or 1" if isinstance(want, str) else str(want) for want in lead)
+            shape = ", ".join(f"{want} or 1" if dim == batch_dim else str(want) for dim, want in enumerate(lead))
             raise ValueError(f"{name} must have shape ({shape}, R) with R even and 2 <= R <= {head_dim}, got {tuple(t.shape)}")
     if sin.shape != cos.shape:
         raise ValueError(f"sin must have the shape of cos {tuple(cos.shape)}, got {tuple(sin.shape)}")
@@ -383,7 +383,7 @@ def _check_mrope(q, k, cos, sin, mrope_section, interleaved) -> tuple[str | None
     batch, _, n_tokens, head_dim = q.shape
     if (k.shape[0], k.shape[2], k.shape[3]) != (batch, n_tokens, head_dim):
         raise ValueError(f"k must have shape ({batch}, kv_heads, {n_tokens}, {head_dim}) to match q, got {tuple(k.shape)}")
-    _check_tables(cos, sin, q, (3, str(batch), n_tokens), head_dim)
+    _check_tables(cos, sin, q, (3, batch, n_tokens), head_dim, batch_dim=1)
     if not isinstance(interleaved, bool):
         raise ValueError(f"interleaved must be True or False, got {interleaved!r}")
     section = tuple(mrope_section) if isinstance(mrope_section, (list, tuple)) else ()
