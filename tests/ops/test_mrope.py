@@ -56,7 +56,7 @@ def _qk(batch, q_heads, k_heads, tokens, head_dim, dtype, device):
 
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize(
-    "head_dim,rot,section", [(16, 16, (2, 3, 3)), (32, 32, (4, 6, 6)), (24, 16, (4, 2, 2)), (40, 40, (10, 5, 5))]
+    "head_dim,rot,section", [(16, 16, (3, 4, 1)), (32, 32, (4, 6, 6)), (24, 16, (4, 2, 2)), (40, 40, (8, 5, 7))]
 )
 @pytest.mark.parametrize(
     "dtype,batch,tokens,q_heads,k_heads",
@@ -107,7 +107,7 @@ def test_matches_transformers_rotary_embedding_and_apply(poison_outputs, device,
     import transformers
 
     module, rotary_cls, config_cls, interleaved = FAMILIES[family]
-    section = [6, 5, 5]  # unequal, so a wrong axis shows
+    section = [6, 6, 4]  # unequal, so a wrong axis or bound shows
     config = getattr(transformers, config_cls)(
         hidden_size=96, num_attention_heads=3, head_dim=32, num_key_value_heads=1,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section},

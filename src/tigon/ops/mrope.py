@@ -180,35 +180,22 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
 
 def _launch(q, k, cos, sin, q_out, k_out, section, interleaved, backward):
     """Rotate q into q_out and k into k_out in one launch; a None pair gets no heads (its slot
-    then holds the other pair, never read)."""
-    x = q if q is not None else k
-    batch, _, n_tokens, head_dim = x.shape
+    then holds the other pair's tensors, never read)."""
+    pairs = [(x, out) for x, out in ((q, q_out), (k, k_out)) if x is not None]
     n_q_heads = q.shape[1] if q is not None else 0
-    n_heads = n_q_heads + (k.shape[1] if k is not None else 0)
-    q, q_out = (q, q_out) if q is not None else (k, k_out)
-    k, k_out = (k, k_out) if k is not None else (q, q_out)
+    n_heads = sum(x.shape[1] for x, _ in pairs)
+    (q, q_out), (k, k_out) = pairs[0], pairs[-1]
+    batch, _, n_tokens, head_dim = q.shape
     half = cos.shape[-1] // 2
     block_half, block_pass, block_heads, block_tokens, n_token_blocks, num_warps = _launch_config(
         half, head_dim, n_tokens, n_heads
     )
+    # (batch, head, token) strides of q, k, q_out, k_out, then (axis, batch, token) of cos, sin
+    strides = [t.stride(dim) for t in (q, k, q_out, k_out) for dim in range(3)] + [*_table_strides(cos), *_table_strides(sin)]
     _mrope_kernel[(batch * n_token_blocks,)](
-        q, k, cos, sin, q_out, k_out,
-        n_tokens, n_token_blocks, n_q_heads, n_heads,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        q_out.stride(0), q_out.stride(1), q_out.stride(2),
-        k_out.stride(0), k_out.stride(1), k_out.stride(2),
-        *_table_strides(cos), *_table_strides(sin),
-        *section,
-        INTERLEAVED=interleaved,
-        BACKWARD=backward,
-        HALF=half,
-        HEAD_DIM=head_dim,
-        BLOCK_TOKENS=block_tokens,
-        BLOCK_HEADS=block_heads,
-        BLOCK_HALF=block_half,
-        BLOCK_PASS=block_pass,
-        num_warps=num_warps,
+        q, k, cos, sin, q_out, k_out, n_tokens, n_token_blocks, n_q_heads, n_heads, *strides, *section,
+        INTERLEAVED=interleaved, BACKWARD=backward, HALF=half, HEAD_DIM=head_dim, BLOCK_TOKENS=block_tokens,
+        BLOCK_HEADS=block_heads, BLOCK_HALF=block_half, BLOCK_PASS=block_pass, num_warps=num_warps,
     )
 
 

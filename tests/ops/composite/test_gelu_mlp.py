@@ -115,7 +115,7 @@ def test_gelu_mlp_nan_in_nan_out(device):
 @pytest.mark.parametrize(
     "call,match",
     [
-        (lambda: F.gelu_mlp(torch.randn(2, 8), torch.randn(6, 7), torch.randn(8, 6)), r"fc1_weight must have shape \(intermediate, 8\)"),
+        (lambda: F.gelu_mlp(torch.randn(2, 8), torch.randn(6, 7), torch.randn(8, 6)), r"fc1_weight must have shape \(6, 8\)"),
         (lambda: F.gelu_mlp(torch.randn(2, 8), torch.randn(6, 8), torch.randn(8, 5)), r"fc2_weight must have shape \(8, 6\)"),
         (lambda: F.gelu_mlp(torch.randn(2, 8), torch.randn(6, 8), torch.randn(8, 6), torch.randn(5)), r"fc1_bias must have shape \(6,\)"),
         (lambda: F.gelu_mlp(torch.randn(2, 8), torch.randn(6, 8), torch.randn(8, 6), None, torch.randn(6)), r"fc2_bias must have shape \(8,\)"),

@@ -14,19 +14,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as torch_f
 
-from tigon.ops._checks import KERNEL_DTYPES, check_device, check_float
+from tigon.ops._checks import KERNEL_DTYPES, check_device, check_float, check_input
 from tigon.ops._dispatch import Op, autocast_dtype, backward_fallback, empty_if, library_op
 from tigon.ops.gelu import APPROXIMATIONS, check_approximate, gelu_backward, gelu_forward, gelu_reference
 
 
-def gelu_mlp_reference(
-    x: torch.Tensor,
-    fc1_weight: torch.Tensor,
-    fc2_weight: torch.Tensor,
-    fc1_bias: torch.Tensor | None = None,
-    fc2_bias: torch.Tensor | None = None,
-    approximate: str = "none",
-) -> torch.Tensor:
+def gelu_mlp_reference(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor,
+                       fc1_bias: torch.Tensor | None = None, fc2_bias: torch.Tensor | None = None,
+                       approximate: str = "none") -> torch.Tensor:
     """The MLP as transformers' vision MLPs compute it (``fc2(act(fc1(x)))``)."""
     return torch_f.linear(gelu_reference(torch_f.linear(x, fc1_weight, fc1_bias), approximate), fc2_weight, fc2_bias)
 
@@ -144,29 +139,24 @@ GELU_MLP = Op("gelu_mlp", _GeluMLPFunction.apply, gelu_mlp_reference, compiled=_
 
 
 def _check(x, fc1_weight, fc2_weight, fc1_bias, fc2_bias) -> str | None:
-    check_float("x", x)
-    if x.dim() == 0:
-        raise ValueError("x must have at least one dimension (the hidden one), got a scalar")
-    hidden = x.shape[-1]
-    check_float("fc1_weight", fc1_weight)
-    if fc1_weight.dim() != 2 or fc1_weight.shape[1] != hidden:
-        raise ValueError(
-            f"fc1_weight must have shape (intermediate, {hidden}) to match x's last dim, got {tuple(fc1_weight.shape)}"
-        )
-    intermediate = fc1_weight.shape[0]
-    out_features = fc2_weight.shape[0] if isinstance(fc2_weight, torch.Tensor) and fc2_weight.dim() == 2 else None
-    for name, t, shape in (
-        ("fc2_weight", fc2_weight, (out_features or hidden, intermediate)),
-        ("fc1_bias", fc1_bias, (intermediate,)),
-        ("fc2_bias", fc2_bias, (out_features or hidden,)),
-    ):
-        if t is None and name.endswith("bias"):
-            continue
-        check_float(name, t)
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-        check_device(name, t, x.device)
-    check_device("fc1_weight", fc1_weight, x.device)
+    """Validate gelu_mlp's tensors; return why the kernel path cannot take them, if it cannot."""
+    check_input(x)
+    for name, weight in (("fc1_weight", fc1_weight), ("fc2_weight", fc2_weight)):
+        check_float(name, weight)
+        check_device(name, weight, x.device)
+    intermediate = fc1_weight.shape[0] if fc1_weight.dim() == 2 else "intermediate"
+    # each weight's expected shape, "out" standing for a size the weight itself sets
+    expected = {"fc1_weight": (intermediate, x.shape[-1]), "fc2_weight": (fc2_weight.shape[0], intermediate)}
+    for name, weight in (("fc1_weight", fc1_weight), ("fc2_weight", fc2_weight)):
+        if weight.dim() != 2 or tuple(weight.shape) != expected[name]:
+            want = ", ".join(map(str, expected[name] if weight.dim() == 2 else ("out", intermediate)))
+            raise ValueError(f"{name} must have shape ({want}) (nn.Linear's layout, chained from x), got {tuple(weight.shape)}")
+    for name, bias, length in (("fc1_bias", fc1_bias, intermediate), ("fc2_bias", fc2_bias, fc2_weight.shape[0])):
+        if bias is not None:
+            check_float(name, bias)
+            check_device(name, bias, x.device)
+            if tuple(bias.shape) != (length,):
+                raise ValueError(f"{name} must have shape ({length},) to match its weight, got {tuple(bias.shape)}")
     dtypes = {x.dtype, fc1_weight.dtype, fc2_weight.dtype}
     if not dtypes <= set(KERNEL_DTYPES):
         return f"dtypes {sorted(map(str, dtypes))} run on the reference"
