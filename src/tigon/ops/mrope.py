@@ -43,9 +43,17 @@ from tigon.ops._dispatch import Op, backward_fallback, library_op, tl, triton
 from tigon.ops._launch import cdiv, launched, next_power_of_2
 from tigon.ops.rope import rope_reference
 
-# Elements of a (tokens, heads, pairs) half-tile one program holds per loop step, and per warp.
-TILE_ELEMENTS = 8192
-ELEMENTS_PER_WARP = 2048
+# Elements of a (tokens, heads, pairs) half-tile one program holds per loop step, and per warp:
+# rope's choice, the fastest of its sweep on the H200 (scripts/tune_rope.py); not yet swept here.
+TILE_ELEMENTS = 4096
+ELEMENTS_PER_WARP = 4096
+
+
+@triton.jit
+def _load_either(q_at, k_at, q_mask, k_mask):
+    """The element at q_at where q_mask holds, at k_at where k_mask does (never both), 0 elsewhere,
+    in the input dtype."""
+    return tl.load(q_at, mask=q_mask, other=0.0) + tl.load(k_at, mask=k_mask, other=0.0)
 
 
 @launched
@@ -100,23 +108,31 @@ def _mrope_kernel(
     cols = pairs[None, None, :]
     for head_start in range(0, n_heads, BLOCK_HEADS):
         heads = head_start + tl.arange(0, BLOCK_HEADS).to(tl.int64)
-        is_q = (heads < n_q_heads)[None, :]
-        k_heads = heads - n_q_heads
-        # (tokens, heads) row starts: q's heads first, then k's
-        src = tl.where(is_q, q_rows + heads[None, :] * q_head_stride, k_rows + k_heads[None, :] * k_head_stride)
-        dst = tl.where(is_q, q_out_rows + heads[None, :] * q_out_head_stride, k_out_rows + k_heads[None, :] * k_out_head_stride)
         row_mask = (token_mask[:, None] & (heads < n_heads)[None, :])[:, :, None]
-        mask = row_mask & (cols < HALF)
-        src = src[:, :, None]
-        dst = dst[:, :, None]
-        x1 = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(src + cols + HALF, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dst + cols, x1 * cos1 - x2 * sin_first, mask=mask)
-        tl.store(dst + cols + HALF, x2 * cos2 + x1 * sin_second, mask=mask)
+        is_q = (heads < n_q_heads)[None, :, None]
+        # q's heads first, then k's: two predicated accesses per element, never a select of
+        # pointers (which costs the loads their vectorization)
+        q_mask = row_mask & is_q
+        k_mask = row_mask & ~is_q
+        q_src = q_rows[:, :, None] + heads[None, :, None] * q_head_stride
+        k_src = k_rows[:, :, None] + (heads - n_q_heads)[None, :, None] * k_head_stride
+        q_dst = q_out_rows[:, :, None] + heads[None, :, None] * q_out_head_stride
+        k_dst = k_out_rows[:, :, None] + (heads - n_q_heads)[None, :, None] * k_out_head_stride
+        half_mask = cols < HALF
+        x1 = _load_either(q_src + cols, k_src + cols, q_mask & half_mask, k_mask & half_mask).to(tl.float32)
+        x2 = _load_either(q_src + cols + HALF, k_src + cols + HALF, q_mask & half_mask, k_mask & half_mask).to(tl.float32)
+        y1 = x1 * cos1 - x2 * sin_first
+        y2 = x2 * cos2 + x1 * sin_second
+        tl.store(q_dst + cols, y1, mask=q_mask & half_mask)
+        tl.store(k_dst + cols, y1, mask=k_mask & half_mask)
+        tl.store(q_dst + cols + HALF, y2, mask=q_mask & half_mask)
+        tl.store(k_dst + cols + HALF, y2, mask=k_mask & half_mask)
         if BLOCK_PASS > 0:
-            passed_cols = 2 * HALF + tl.arange(0, BLOCK_PASS)[None, None, :]
-            pass_mask = row_mask & (passed_cols < HEAD_DIM)
-            tl.store(dst + passed_cols, tl.load(src + passed_cols, mask=pass_mask, other=0.0), mask=pass_mask)
+            passed = 2 * HALF + tl.arange(0, BLOCK_PASS)[None, None, :]
+            pass_mask = passed < HEAD_DIM
+            kept = _load_either(q_src + passed, k_src + passed, q_mask & pass_mask, k_mask & pass_mask)
+            tl.store(q_dst + passed, kept, mask=q_mask & pass_mask)
+            tl.store(k_dst + passed, kept, mask=k_mask & pass_mask)
 
 
 def _axis_columns(rot: int, mrope_section: Sequence[int], interleaved: bool, device: torch.device) -> torch.Tensor:
