@@ -53,6 +53,15 @@ OPCHECK_CASES = {
     "rope": lambda: (_t(2, 3, 5, 16, grad=True).transpose(1, 2).contiguous().transpose(1, 2), _t(2, 1, 5, 16, grad=True),
                      _t(5, 12), _t(5, 12), False),
     "rope_backward": lambda: (_t(2, 3, 5, 16), None, _t(1, 5, 16), _t(1, 5, 16), True, torch.float32),
+    "mrope": lambda: (_t(2, 3, 5, 16, grad=True).transpose(1, 2).contiguous().transpose(1, 2), _t(2, 1, 5, 16, grad=True),
+                      _t(3, 2, 5, 12), _t(3, 2, 5, 12), [2, 1, 3], True, torch.float32),
+    "mrope_backward": lambda: (_t(2, 3, 5, 16), None, _t(3, 1, 5, 16), _t(3, 1, 5, 16), [4, 2, 2], False, torch.float32),
+    "gelu": lambda: (_t(4, 37, grad=True), "quick_gelu"),
+    "gelu_backward": lambda: (_t(4, 37), _t(4, 37), "gelu"),
+    "gelu_mlp": lambda: (_t(2, 3, 16, grad=True), _t(24, 16, grad=True), _t(12, 24, grad=True), _t(24, grad=True), None,
+                         "gelu_tanh"),
+    "gelu_mlp_backward": lambda: (_t(5, 12), _t(5, 16), _t(5, 24), _t(24, 16), _t(12, 24), "quick_gelu",
+                                  [True, True, False, True, True]),
     "glu": lambda: (_t(4, 37, grad=True), _t(4, 37, grad=True), "gelu_tanh", 0.7, 1.3),
     "glu_backward": lambda: (_t(4, 37), _t(4, 37), _t(4, 37), "silu", -1.5, 0.5),
     "glu_mlp": lambda: (_t(2, 3, 16, grad=True), _t(24, 16, grad=True), _t(24, 16, grad=True), _t(16, 24, grad=True),
@@ -402,3 +411,35 @@ def test_compiled_training_step_of_a_patched_llama_runs_tigons_kernels(lora):
     for (name, ours), theirs in zip(compiled_model.named_parameters(), model.parameters()):
         if theirs.requires_grad:
             torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-3, atol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_vision_ops_compile_to_their_library_ops(dynamic):
+    """M-RoPE, the vision rotary, GELU and the GELU MLP trace into their library ops with no
+    graph break, run their kernels, and give eager's values and gradients."""
+    tensors = (_t(2, 5, 3, 16).transpose(1, 2).requires_grad_(), _t(2, 1, 5, 16, grad=True), _t(7, 2, 16, grad=True),
+               _t(7, 2, 16, grad=True), _t(3, 7, 16, grad=True), _weight(24, 16), _weight(16, 24), _weight(24))
+    tables, vision = (_t(3, 1, 5, 16), _t(3, 1, 5, 16)), (_t(7, 16), _t(7, 16))
+
+    def step(q, k, vq, vk, x, w1, w2, b1):
+        q, k = F.mrope(q, k, *tables, [2, 3, 3], interleaved=True)
+        vq, vk = F.vision_rope(vq, vk, *vision)
+        h = F.gelu_mlp(x, w1, w2, b1, approximate="sigmoid") + F.gelu(x, "tanh")
+        return (q.sum(1) * k.sum(1)).sum() + (vq * vk).sum() + h.square().sum()
+
+    eager = [t.detach().clone().requires_grad_() for t in tensors]
+    want = step(*eager)
+    want.backward()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    graphs = []
+    compiled = torch.compile(step, backend=_recording_backend(graphs), fullgraph=True, dynamic=dynamic)
+    with kernel_launches() as launches:
+        got = compiled(*tensors)
+        got.backward()
+    assert not torch._dynamo.utils.counters["graph_break"]
+    assert _tigon_ops(graphs) == {"mrope", "gelu", "gelu_mlp"}  # vision_rope runs mrope's library op
+    assert launches["_mrope_kernel"] == 4 and launches["_gelu_bwd_kernel"] == 2, launches
+    assert_close(got, want.detach(), name="loss")
+    for i, (ours, theirs) in enumerate(zip(tensors, eager)):
+        assert_close(ours.grad, theirs.grad, name=f"grad {i}")

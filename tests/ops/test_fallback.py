@@ -35,6 +35,10 @@ def _flat_lora(fn):
     return call
 
 
+MROPE_TABLES = (torch.randn(3, 2, 5, 12), torch.randn(3, 2, 5, 12))
+VISION_TABLES = (torch.randn(7, 16), torch.randn(7, 16))
+
+
 def _target(*shape, vocab=37):
     target = torch.randint(0, vocab, shape)
     target.view(-1)[1] = -100
@@ -79,6 +83,13 @@ CASES = {
     "layer_norm": (F.layer_norm, ops.layer_norm_reference, lambda: (_t(5, 33), _t(33), _t(33))),
     "rope": (F.rope, ops.rope_reference,
              lambda: (_t(2, 3, 5, 16), _t(2, 1, 5, 16), torch.randn(2, 5, 12), torch.randn(2, 5, 12))),
+    "mrope": (lambda q, k: F.mrope(q, k, *MROPE_TABLES, [2, 1, 3], interleaved=True),
+              lambda q, k: ops.mrope_reference(q, k, *MROPE_TABLES, [2, 1, 3], True),
+              lambda: (_t(2, 3, 5, 16), _t(2, 1, 5, 16))),
+    "vision_rope": (lambda q, k: F.vision_rope(q, k, *VISION_TABLES), lambda q, k: ops.vision_rope_reference(q, k, *VISION_TABLES),
+                    lambda: (_t(7, 2, 16), _t(7, 2, 16))),
+    "gelu": (lambda x: F.gelu(x, "sigmoid"), lambda x: ops.gelu_reference(x, "sigmoid"), lambda: (_t(4, 37),)),
+    "gelu_mlp": (F.gelu_mlp, ops.gelu_mlp_reference, lambda: (_t(2, 3, 16), _t(24, 16), _t(12, 24), _t(24))),
     "swiglu": (F.swiglu, ops.swiglu_reference, lambda: (_t(4, 37), _t(4, 37))),
     "geglu": (lambda g, u: F.geglu(g, u, "none"), lambda g, u: ops.geglu_reference(g, u, "none"),
               lambda: (_t(4, 37), _t(4, 37))),

@@ -22,8 +22,11 @@ OP_MODULES: dict[str, tuple[str, ...]] = {
     "rms_norm": ("rms_norm", "add_rms_norm"),
     "layer_norm": ("layer_norm",),
     "rope": ("rope",),
+    "mrope": ("mrope", "vision_rope"),
     "glu": ("swiglu", "geglu"),
     "composite.glu_mlp": ("glu_mlp",),
+    "gelu": ("gelu",),
+    "composite.gelu_mlp": ("gelu_mlp",),
     "cross_entropy": ("cross_entropy",),
     "linear_cross_entropy": ("linear_cross_entropy",),
     "linear_log_probs": ("linear_log_probs",),
@@ -56,6 +59,7 @@ from tigon.ops._dispatch import (
     reset,
     why_not_triton,
 )
+from tigon.ops.composite.gelu_mlp import gelu_mlp_reference
 from tigon.ops.composite.glu_mlp import glu_mlp_reference
 from tigon.ops.composite.linear_group import linear_group_reference
 from tigon.ops.composite.lora import LoraProjection, lora_linear_group_reference, lora_linear_reference
@@ -64,10 +68,12 @@ from tigon.ops.composite.norm_mlp import add_rms_norm_glu_mlp_reference
 from tigon.ops.cross_entropy import LossOptions, LossOutput, check_flags, check_loss_options, cross_entropy_reference
 from tigon.ops.dequantize import QuantizedWeight, dequantize_reference
 from tigon.ops.dora import dora_norm_reference, dora_scale_reference
+from tigon.ops.gelu import gelu_reference
 from tigon.ops.glu import geglu_reference, swiglu_reference
 from tigon.ops.layer_norm import layer_norm_reference
 from tigon.ops.linear_cross_entropy import linear_cross_entropy_reference
 from tigon.ops.rms_norm import NormedInput, add_rms_norm_reference, rms_norm_reference
+from tigon.ops.mrope import mrope_reference, vision_rope_reference
 from tigon.ops.rope import rope_reference
 
 __all__ = [
@@ -75,8 +81,8 @@ __all__ = [
     "check_flags", "check_loss_options",
     "disabled", "op_names", "placement", "reset", "why_not_triton",
     "add_rms_norm_glu_mlp_reference", "add_rms_norm_reference", "cross_entropy_reference", "dequantize_reference",
-    "dora_norm_reference", "dora_scale_reference", "geglu_reference",
+    "dora_norm_reference", "dora_scale_reference", "geglu_reference", "gelu_mlp_reference", "gelu_reference",
     "glu_mlp_reference", "layer_norm_reference", "linear_cross_entropy_reference", "linear_group_reference",
-    "lora_gated_mlp_reference", "lora_linear_group_reference", "lora_linear_reference", "rms_norm_reference",
-    "rope_reference", "swiglu_reference",
+    "lora_gated_mlp_reference", "lora_linear_group_reference", "lora_linear_reference", "mrope_reference",
+    "rms_norm_reference", "rope_reference", "swiglu_reference", "vision_rope_reference",
 ]

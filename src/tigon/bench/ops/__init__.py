@@ -8,3 +8,4 @@ from tigon.bench.ops import norms  # noqa: F401
 from tigon.bench.ops import preference  # noqa: F401
 from tigon.bench.ops import rl  # noqa: F401
 from tigon.bench.ops import rope  # noqa: F401
+from tigon.bench.ops import vision  # noqa: F401
