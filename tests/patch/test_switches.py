@@ -10,8 +10,9 @@ import torch
 
 import tigon
 from tests.patch.tiny import batch, tiny_config, tiny_model
+from tests.patch.tiny_vlm import tiny_vlm, vlm_batch
 from tigon import functional
-from tigon.patch import FAMILIES, switches
+from tigon.patch import FAMILIES, VLM_FAMILIES, switches
 
 
 @pytest.fixture(autouse=True)
@@ -99,11 +100,14 @@ CASES = {
     "tiled_mlp": ("llama", {}),
     "recompute_mlp": ("llama", {}),
     "moe_experts": ("qwen3_moe", {}),
+    "gelu_mlp": ("qwen2_vl", {}),  # its vision tower's MLPs
 }
 
 
 def _model(kind: str) -> torch.nn.Module:
     """One decoder layer: every replacement still runs (its closing add goes with the final norm)."""
+    if kind in VLM_FAMILIES:
+        return tiny_vlm(kind)
     model = tiny_model(kind if kind in FAMILIES else "llama", num_hidden_layers=1)
     if kind == "lora":
         from peft import LoraConfig, get_peft_model
@@ -148,11 +152,12 @@ def test_every_switch_changes_what_runs(name, monkeypatch):
     model = _model(kind).train()
     # Chunks of the width, 64 tokens: tiled_mlp needs more than one.
     ids, mask, labels = batch(seed=2, rows=1, cols=70 if name == "tiled_mlp" else 9, pad_tail=2)
+    inputs = vlm_batch(kind) if kind in VLM_FAMILIES else dict(input_ids=ids, attention_mask=mask, labels=labels)
 
     def what_runs(on: bool) -> set[str]:
         tigon.patch(model, **others, **{name: on})
         ran.clear()
-        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        model(**inputs).loss.backward()
         return set(ran)
 
     gone = what_runs(True) - what_runs(False)

@@ -36,7 +36,7 @@ def counting(monkeypatch) -> dict:
 
     counts: dict[str, int] = {}
     for name in ("rms_norm", "add_rms_norm", "layer_norm", "rope", "glu_mlp", "add_rms_norm_glu_mlp",
-                 "linear_cross_entropy", "linear_group"):
+                 "linear_cross_entropy", "linear_group", "gelu_mlp"):
         real = getattr(functional, name)
 
         def counted(*args, _real=real, _name=name, **kwargs):
@@ -89,8 +89,19 @@ def test_vision_tower_runs_tigon_kernels(model_type, monkeypatch):
     model.model.visual(batch["pixel_values"], grid_thw=batch["image_grid_thw"])
     assert counts.get("rope", 0) == 2  # one per vision block
     assert counts.get("layer_norm" if model_type == "qwen2_vl" else "rms_norm", 0) >= 4
-    if model_type == "qwen2_5_vl":
-        assert counts.get("glu_mlp", 0) == 2
+    assert counts.get("glu_mlp" if model_type == "qwen2_5_vl" else "gelu_mlp", 0) == 2
+
+
+@pytest.mark.parametrize("model_type", ["gemma3", "llava", "idefics3", "internvl", "qwen3_vl"])
+def test_vision_tower_gelu_mlps_run_one_op(model_type, monkeypatch):
+    """The towers' MLPs that are not gated (SigLIP's tanh GELU, CLIP's QuickGELU, ...) run as one
+    gelu_mlp per block, from the tower's own modeling module where it has one."""
+    model = tiny_vlm(model_type)
+    tigon.patch(model)
+    counts = counting(monkeypatch)
+    vlm_run(model, vlm_batch(model_type))
+    blocks = 2 + (model_type == "gemma3")  # (SigLIP's attention-pooling head has an MLP too)
+    assert counts.get("gelu_mlp", 0) == blocks
 
 
 def test_class_patch_of_a_vlm_over_a_text_family_says_what_to_do():

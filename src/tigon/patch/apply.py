@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from tigon.patch import forwards, head, offload, tiled, trl_head
+from tigon.patch import forwards, head, offload, tiled, trl_head, vision
 from tigon.patch import lora as peft_lora
 from tigon.patch.families import FAMILIES, VLM_FAMILIES, VLM_OVER_TEXT, Family, modeling_module, vision_over_text
 from tigon.patch.handoff import LayerPlan, Relay
@@ -268,9 +268,7 @@ def _plan(
     `lora_classes` (PEFT's LoRA linear classes, for a model holding LoRA layers and the lora
     switch on), those of the LoRA layers too."""
     missing: list[str] = []
-    head_module = module if family.head_module is None else importlib.import_module(
-        f"transformers.models.{family.head_module}.modeling_{family.head_module}"
-    )
+    head_module = module if family.head_module is None else _modeling(family.head_module, modeling_module(family.head_module))
 
     def find(name: str, where: types.ModuleType = module) -> Any:
         if not hasattr(where, name):
@@ -316,11 +314,18 @@ def _plan(
         plan.append(_Replacement(mlp.switch if glu_ops else "lora", mlp_cls, "forward", make_mlp, recompute,
                                  planned=True))
     for other in family.other_mlps:
-        cls = find(other.cls)
-        if cls is not None and switches[other.switch]:
+        if not switches[other.switch]:
+            continue
+        cls = find(other.cls, module if other.module is None else _modeling(other.module, modeling_module(other)))
+        if cls is None:
+            continue
+        original = _original(cls, "forward")
+        if other.gated:
             plan.append(_Replacement(other.switch, cls, "forward", functools.partial(
-                forwards.mlp_forward, other, _original(cls, "forward"), True, None, lora_forward,
-                switches["recompute_mlp"]), planned=True))
+                forwards.mlp_forward, other, original, True, None, lora_forward, switches["recompute_mlp"]),
+                planned=True))
+        else:
+            plan.append(_Replacement(other.switch, cls, "forward", vision.gelu_mlp_forward(other, original)))
     loss_switch = next((name for name in ("linear_cross_entropy", "cross_entropy") if switches[name]), None)
     causal_lm = find(family.causal_lm, head_module)
     aux_loss = find(family.head.aux_loss) if family.head.aux_loss else None
@@ -652,6 +657,7 @@ def patch(
     tiled_mlp: bool = False,
     recompute_mlp: bool = False,
     moe_experts: bool = True,
+    gelu_mlp: bool = True,
     role: str | None = None,
     **others: bool,
 ) -> Patched:
@@ -677,7 +683,9 @@ def patch(
             without gradient checkpointing whose memory is tight (``tigon rlhf``'s policy and
             reference in one step). `moe_experts` sets a patched model's experts
             implementation to tigon's fused experts op (:mod:`tigon.patch.moe`) for the model instance
-            (its config's setting, restored by :func:`unpatch`).
+            (its config's setting, restored by :func:`unpatch`). `gelu_mlp` runs a vision tower's
+            GELU MLPs (``fc2(gelu(fc1(x)))``, ViT, SigLIP and CLIP blocks) as one op
+            (:mod:`tigon.patch.vision`).
         role: what the logged line calls the model besides its class, for a second model of one
             run (``"the frozen reference"``), whose line would otherwise read as the first's again.
         others: nothing; a name here is no switch, and raises.
@@ -697,7 +705,7 @@ def patch(
         rms_norm=rms_norm, rope=rope, swiglu=swiglu, geglu=geglu, layer_norm=layer_norm,
         add_rms_norm=add_rms_norm, qkv_group=qkv_group, linear_cross_entropy=linear_cross_entropy,
         cross_entropy=cross_entropy, trl_log_probs=trl_log_probs, lora=lora, offload_activations=offload_activations,
-        tiled_mlp=tiled_mlp, recompute_mlp=recompute_mlp, moe_experts=moe_experts,
+        tiled_mlp=tiled_mlp, recompute_mlp=recompute_mlp, moe_experts=moe_experts, gelu_mlp=gelu_mlp,
     ))
     if isinstance(target, str):
         result = _patch_classes(target, switches)

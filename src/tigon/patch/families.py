@@ -116,6 +116,10 @@ class MLP:
         multipliers: attributes of the scalars the gate's pre-activation and the output are
             multiplied by, ``down(up * act(gate * m_gate)) * m_down`` (Falcon-H1).
         dropout: attribute of the dropout probability applied to the output in training (Seed-OSS).
+        module: the modeling module (directory under ``transformers.models``) holding `cls` where it
+            is not the family's: a vision tower of a model type of its own (SigLIP, CLIP).
+
+    A vision tower's MLP that is not gated, ``fc2(gelu(fc1(x)))``, has the switch ``"gelu_mlp"``.
     """
 
     cls: str
@@ -124,10 +128,11 @@ class MLP:
     projections: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
     multipliers: tuple[str, str] | None = None
     dropout: str | None = None
+    module: str | None = None
 
     @property
     def gated(self) -> bool:
-        return self.switch is not None
+        return self.switch in ("swiglu", "geglu")
 
     @property
     def packed(self) -> bool:
@@ -223,8 +228,8 @@ class Family:
             same switches as `norm`.
         experts: the mixture-of-experts experts class, if transformers dispatches it through its
             experts interface (Llama 4's experts are not, and keep their code).
-        other_mlps: further gated MLP classes (a vision tower's), on the same switches as `mlp`
-            but never joined with a decoder layer's add + RMSNorm.
+        other_mlps: further MLP classes (a vision tower's), gated ones on the same switches as
+            `mlp` but never joined with a decoder layer's add + RMSNorm, GELU ones on ``gelu_mlp``.
         head_module: the modeling module (directory) holding `causal_lm`, where it is not
             `module`: a multimodal model's ``*ForConditionalGeneration`` over a language model
             of a text family (:data:`VLM_OVER_TEXT`).
@@ -262,6 +267,14 @@ LAYER_NORM = Norm(TORCH_LAYER_NORM, eps="eps", kind="layer")
 MOE_HEAD = Head(aux_loss="load_balancing_loss_func")
 SOFTCAP_HEAD = Head(softcap="final_logit_softcapping")
 M_ROPE_HEAD = Head(positions=False)
+
+
+def _gelu_mlp(cls: str, act: str = "activation_fn", fc: tuple[str, str] = ("fc1", "fc2"), module: str | None = None) -> MLP:
+    return MLP(cls, "gelu_mlp", act=act, projections=fc, module=module)
+
+
+SIGLIP_MLP = _gelu_mlp("SiglipMLP", module="siglip")
+CLIP_MLP = _gelu_mlp("CLIPMLP", module="clip")
 VISION_ROPE = Rope("apply_rotary_pos_emb_vision", form="vision", keep_dtype=True)
 # (x * w) rounded once, as Gemma's, without the +1 (OLMo 2, GPT-OSS, Helium).
 FLOAT_WEIGHT = "gemma"
@@ -456,6 +469,7 @@ VLM_FAMILIES: dict[str, Family] = {
     "qwen2_vl": _family(
         "qwen2_vl", "Qwen2VL", mlp=MLP("Qwen2MLP"), causal_lm="Qwen2VLForConditionalGeneration",
         rope=(Rope(), VISION_ROPE), head=M_ROPE_HEAD, other_norms=(LAYER_NORM,),
+        other_mlps=(_gelu_mlp("VisionMlp", act="act"),),
     ),
     "qwen2_5_vl": _family(
         "qwen2_5_vl", "Qwen2_5_VL", mlp=MLP("Qwen2MLP"), causal_lm="Qwen2_5_VLForConditionalGeneration",
@@ -464,6 +478,7 @@ VLM_FAMILIES: dict[str, Family] = {
     "qwen3_vl": _family(
         "qwen3_vl", "Qwen3VLText", causal_lm="Qwen3VLForConditionalGeneration", rope=(Rope(), VISION_ROPE),
         head=M_ROPE_HEAD, other_norms=(LAYER_NORM,),
+        other_mlps=(_gelu_mlp("Qwen3VLVisionMLP", act="act_fn", fc=("linear_fc1", "linear_fc2")),),
     ),
     "glm4v": _family(
         "glm4v", "Glm4vText", norm=Norm("Glm4vRMSNorm"), causal_lm="Glm4vForConditionalGeneration",
@@ -475,7 +490,7 @@ VLM_FAMILIES: dict[str, Family] = {
     # (Its multimodal head applies no final-logit softcap, as the text-only one does.)
     "gemma3": _family(
         "gemma3", "Gemma3", norm=_norm("Gemma3", GEMMA_NORM), mlp=MLP("Gemma3MLP", "geglu"),
-        norms=SANDWICH, causal_lm="Gemma3ForConditionalGeneration", other_norms=(LAYER_NORM,),
+        norms=SANDWICH, causal_lm="Gemma3ForConditionalGeneration", other_norms=(LAYER_NORM,), other_mlps=(SIGLIP_MLP,),
     ),
 }
 
@@ -491,21 +506,23 @@ class VisionOverText:
         module: the modeling module of the multimodal classes.
         causal_lm: the ``*ForConditionalGeneration`` class.
         vision_norms: the vision tower's norms (torch's LayerNorm for CLIP and SigLIP towers).
+        vision_mlps: the vision tower's MLPs (in `module` unless they name theirs).
     """
 
     module: str
     causal_lm: str
     vision_norms: tuple[Norm, ...] = (LAYER_NORM,)
+    vision_mlps: tuple[MLP, ...] = ()
 
 
 VLM_OVER_TEXT: dict[str, VisionOverText] = {
-    "llava": VisionOverText("llava", "LlavaForConditionalGeneration"),
-    "llava_next": VisionOverText("llava_next", "LlavaNextForConditionalGeneration"),
-    "llava_onevision": VisionOverText("llava_onevision", "LlavaOnevisionForConditionalGeneration"),
-    "idefics3": VisionOverText("idefics3", "Idefics3ForConditionalGeneration"),
-    "smolvlm": VisionOverText("smolvlm", "SmolVLMForConditionalGeneration"),
-    "paligemma": VisionOverText("paligemma", "PaliGemmaForConditionalGeneration"),
-    "internvl": VisionOverText("internvl", "InternVLForConditionalGeneration"),
+    "llava": VisionOverText("llava", "LlavaForConditionalGeneration", vision_mlps=(CLIP_MLP,)),
+    "llava_next": VisionOverText("llava_next", "LlavaNextForConditionalGeneration", vision_mlps=(CLIP_MLP,)),
+    "llava_onevision": VisionOverText("llava_onevision", "LlavaOnevisionForConditionalGeneration", vision_mlps=(SIGLIP_MLP,)),
+    "idefics3": VisionOverText("idefics3", "Idefics3ForConditionalGeneration", vision_mlps=(_gelu_mlp("Idefics3VisionMLP"),)),
+    "smolvlm": VisionOverText("smolvlm", "SmolVLMForConditionalGeneration", vision_mlps=(_gelu_mlp("SmolVLMVisionMLP"),)),
+    "paligemma": VisionOverText("paligemma", "PaliGemmaForConditionalGeneration", vision_mlps=(SIGLIP_MLP,)),
+    "internvl": VisionOverText("internvl", "InternVLForConditionalGeneration", vision_mlps=(_gelu_mlp("InternVLVisionMLP"),)),
     # Pixtral's tower normalises with an RMSNorm of its own module: left as it is.
     "mistral3": VisionOverText("mistral3", "Mistral3ForConditionalGeneration", vision_norms=()),
 }
@@ -515,14 +532,17 @@ def vision_over_text(model_type: str, text: Family) -> Family:
     """The family of a :data:`VLM_OVER_TEXT` model of `model_type` whose language model is of family
     `text`: `text`'s decoder, the multimodal head, the vision tower's norms besides."""
     entry = VLM_OVER_TEXT[model_type]
+    mlps = tuple(mlp if mlp.module else dataclasses.replace(mlp, module=entry.module) for mlp in entry.vision_mlps)
     return dataclasses.replace(
-        text, causal_lm=entry.causal_lm, head_module=entry.module, other_norms=(*text.other_norms, *entry.vision_norms)
+        text, causal_lm=entry.causal_lm, head_module=entry.module, other_norms=(*text.other_norms, *entry.vision_norms),
+        other_mlps=(*text.other_mlps, *mlps),
     )
 
 
-def modeling_module(family: Family) -> str:
-    """The import path of `family`'s modeling module."""
-    return f"transformers.models.{family.module}.modeling_{family.module}"
+def modeling_module(family: Family | MLP | str) -> str:
+    """The import path of `family`'s modeling module (or an MLP's own, or the one of a directory)."""
+    name = family if isinstance(family, str) else family.module
+    return f"transformers.models.{name}.modeling_{name}"
 
 
 def available(model_type: str) -> bool:

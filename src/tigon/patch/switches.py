@@ -64,6 +64,8 @@ TABLE: tuple[Switch, ...] = (
            "(two more GEMMs per layer)"),
     Switch("moe_experts", True, "a patched model's mixture-of-experts experts on the fused experts op (grouped GEMMs)",
            ("moe_experts",)),
+    Switch("gelu_mlp", True, "a vision tower's GELU MLPs (fc1, GELU, fc2) as one op keeping fc1's output, not the "
+           "activation", ("gelu_mlp", "gelu")),
 )
 
 SWITCHES: tuple[str, ...] = tuple(switch.name for switch in TABLE)
