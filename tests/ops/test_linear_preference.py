@@ -506,39 +506,6 @@ def test_dpo_loss_types_over_chunking_plans(poison_outputs, device, method, plan
     )
 
 
-def _averaged_per_token(h, w, b, target):
-    """Per-token log-probs scaled so that a sequence's sum is its per-token mean."""
-    return _per_token(h, w, b, target) / (target != IGNORE).sum(-1, keepdim=True).clamp(min=1)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_kto_on_average_log_probs_matches_trl(poison_outputs, device, dtype):
-    # TRL's KTO sums the per-token log-probs its model returns: given them divided by each
-    # sequence's length, it scores the per-token means, as average_log_probs does.
-    kto_trainer = pytest.importorskip("trl.trainer.kto_trainer")
-    h, w, b, ref_h, target, labels = _inputs("kto", 257, dtype, device)
-    ref_logps, n = _sequence_stats(ref_h, w.detach(), b.detach(), target)
-    kw = dict(beta=0.3, desirable_weight=1.3, undesirable_weight=0.7)
-
-    def trl_loss(h, w, b):
-        batch, model = _trl_batch(target, _averaged_per_token(h, w, b, target))
-        batch.update(label=labels, ref_logps=ref_logps / n)
-        trainer = SimpleNamespace(
-            model=SimpleNamespace(training=True), accelerator=_accelerator(h.device), aux_loss_enabled=False,
-            calculate_KL=False, precompute_ref_logps=True, loss_type="kto", _compute_kl_logps=lambda model, batch: None,
-            _metrics={"train": defaultdict(list)}, _total_train_tokens=0, _tp_size=1, **kw,
-        )
-        return kto_trainer.KTOTrainer._compute_loss(trainer, model, batch, return_outputs=False)
-
-    compare_fwd_bwd(
-        lambda h, w, b: F.linear_preference_loss(
-            h, w, target, b, method="kto", ref_log_probs=ref_logps.float(), labels=labels, kl_baseline=0.0,
-            average_log_probs=True, **kw
-        )[0],
-        trl_loss, (h, w, b), name="TRL kto averaged",
-    )
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_cpo_on_average_log_probs_matches_trl(poison_outputs, device, dtype):
     # TRL's CPOTrainer averages the log-probs it hands cpo_loss (get_batch_logps' average_log_prob).
@@ -609,15 +576,19 @@ def test_nll_target_metric_and_reference_path(device):
     assert_close(metrics["chosen_nll"], want, name="chosen_nll")
 
 
-def test_matches_trl_kto_trainer(poison_outputs, device):
+@pytest.mark.parametrize("average,dtype", [(False, torch.float32), (True, torch.float32), (True, torch.float16)])
+def test_matches_trl_kto_trainer(poison_outputs, device, average, dtype):
+    # TRL's KTO sums the per-token log-probs its model returns: given them divided by each
+    # sequence's length, it scores the per-token means, as average_log_probs does.
     kto_trainer = pytest.importorskip("trl.trainer.kto_trainer")
-    h, w, b, ref_h, target, labels = _inputs("kto", 257, torch.float32, device)
-    ref_logps, _ = _sequence_stats(ref_h, w.detach(), b.detach(), target)
+    h, w, b, ref_h, target, labels = _inputs("kto", 257, dtype, device)
+    ref_logps, n = _sequence_stats(ref_h, w.detach(), b.detach(), target)
+    per_sequence = n if average else torch.ones_like(n)
     kw = dict(beta=0.3, desirable_weight=1.3, undesirable_weight=0.7)
 
     def trl_loss(h, w, b):
-        batch, model = _trl_batch(target, _per_token(h, w, b, target))
-        batch.update(label=labels, ref_logps=ref_logps)
+        batch, model = _trl_batch(target, _per_token(h, w, b, target) / per_sequence[:, None])
+        batch.update(label=labels, ref_logps=ref_logps / per_sequence)
         trainer = SimpleNamespace(
             model=SimpleNamespace(training=True), accelerator=_accelerator(h.device), aux_loss_enabled=False,
             calculate_KL=False, precompute_ref_logps=True, loss_type="kto", _compute_kl_logps=lambda model, batch: None,
@@ -628,9 +599,10 @@ def test_matches_trl_kto_trainer(poison_outputs, device):
     # TRL without KL completions uses z0 = 0
     compare_fwd_bwd(
         lambda h, w, b: F.linear_preference_loss(
-            h, w, target, b, method="kto", ref_log_probs=ref_logps.float(), labels=labels, kl_baseline=0.0, **kw
+            h, w, target, b, method="kto", ref_log_probs=ref_logps.float(), labels=labels, kl_baseline=0.0,
+            average_log_probs=average, **kw
         )[0],
-        trl_loss, (h, w, b), name="TRL kto",
+        trl_loss, (h, w, b), name=f"TRL kto average={average}",
     )
 
 

@@ -746,10 +746,9 @@ def _loss_op(hidden, weight, bias, target, ref_hidden, ref_weight, ref_bias, ref
         _sequence_counts(target, ignore_index), labels, kl, options, plan, target.shape[-1],
         (need_hidden, need_weight, need_bias), None if nll_target is None else nll_target.reshape(-1),
     )
-    empty = hidden.new_empty(0, dtype=torch.float32)
     return (
         total, logps, kl_used.clone(),  # a copy: the baseline used may be the one given, an input
-        empty if scored is None else scored, empty if nll_logps is None else nll_logps,
+        *(hidden.new_empty(0, dtype=torch.float32) if t is None else t for t in (scored, nll_logps)),
         *head_grads_out(hidden, grads),
     )
 
