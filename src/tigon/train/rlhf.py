@@ -249,7 +249,10 @@ class TigonKTOTrainer(_FusedPreference, TigonTrainer, KTOTrainer):
                 ref = inputs["ref_KL_logps"]
             else:
                 ref = self._log_prob_sums(self._reference_states(self._reference_model(), kl_ids, kl_mask), kl_target)
-            kl = (policy - ref).mean()
+            ratios = policy - ref
+            if self.loss_options.get("average_log_probs"):  # the baseline on the answers' own scale
+                ratios = ratios / (kl_target != -100).sum(-1).clamp(min=1)
+            kl = ratios.mean()
             if self.accelerator.num_processes > 1:
                 kl = self.accelerator.reduce(kl, "mean")
             kl = kl.clamp(min=0)
