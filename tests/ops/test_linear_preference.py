@@ -675,7 +675,7 @@ def test_matches_trl_orpo_odds_ratio_loss(poison_outputs, device):
         (dict(method="discopop", ref_log_probs=torch.zeros(4), tau=0.0), "tau must be a positive float"),
         (dict(method="ipo", ref_log_probs=torch.zeros(4), average_log_probs=True), "per-token means already"),
         (dict(method="dpo", ref_log_probs=torch.zeros(4), average_log_probs=1), "average_log_probs must be a bool"),
-        (dict(method="orpo", nll_target=torch.zeros(2, 2, dtype=torch.long)), r"target must have shape \(2, 3\)"),
+        (dict(method="orpo", nll_target=torch.zeros(2, 2, dtype=torch.long)), r"nll_target must hold token ids \(int64 or int32\) of shape \(2, 3\)"),
         (dict(method="cpo", nll_weight=0.0, nll_target=torch.zeros(2, 3, dtype=torch.long)), "nll_weight 0"),
         (dict(method="kto", ref_log_probs=torch.zeros(4), labels=torch.ones(4, dtype=torch.bool),
               nll_target=torch.zeros(2, 3, dtype=torch.long)), "nll_target is for the paired methods"),

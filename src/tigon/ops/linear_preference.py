@@ -64,7 +64,7 @@ import torch
 import torch.nn.functional as F
 
 from tigon.ops._checks import (
-    check_choice, check_device, check_float, check_ignore_index, check_target, is_number, rows_view,
+    TARGET_DTYPES, check_choice, check_device, check_float, check_ignore_index, check_target, is_number, rows_view,
 )
 from tigon.ops._chunked_head import (
     as_device_scalar, backprop_head, check_chunk_bytes, check_head, chunk_rows, chunked_log_probs, head_grad_needs,
@@ -421,7 +421,8 @@ def _policy_pass(hidden2d, weight, bias, target1d, ref_logps, counts, labels, kl
     n_seq = counts.shape[0]
     n_units = n_seq if options.method == "kto" else n_seq // 2
     separate_nll = nll_target1d is not None
-    nll_counts = counts if not separate_nll else _sequence_counts(nll_target1d.view(n_seq, seq_len), options.ignore_index)
+    nll_counts = (_sequence_counts(nll_target1d.view(n_seq, seq_len), options.ignore_index) if separate_nll
+                  else counts)
     nll_tokens = _nll_tokens(options, nll_counts, labels)
     # The NLL's coefficient per token of its own target (the sums' coefficients carry it otherwise).
     nll_scale = -options.nll_weight / nll_tokens if separate_nll else None
@@ -860,7 +861,12 @@ def _check(
     if nll_target is not None:
         if method == "kto":
             raise ValueError("nll_target is for the paired methods, not 'kto'")
-        check_target(nll_target, (n_seq // 2, hidden.shape[1]), hidden.device, "hidden's chosen half")
+        shape = (n_seq // 2, hidden.shape[1])
+        is_ids = isinstance(nll_target, torch.Tensor) and nll_target.dtype in TARGET_DTYPES
+        if not is_ids or nll_target.shape != shape:
+            raise ValueError(f"nll_target must hold token ids (int64 or int32) of shape {shape}, one row per chosen "
+                             f"sequence, got {nll_target!r:.80}")
+        check_device("nll_target", nll_target, hidden.device)
         if not options.nll_weight:
             raise ValueError(f"nll_target is the NLL term's target, which nll_weight 0 leaves out of method {method!r}")
     check_ignore_index(options.ignore_index)
