@@ -80,8 +80,8 @@ OPCHECK_CASES = {
     "linear_log_probs_backward": lambda: (_t(2, 5, 16), _t(37, 16), _t(37), _target(2, 5), _t(2, 5) + 4, _t(2, 5),
                                           _t(2, 5), _t(2, 5), None, -100, 0.7, 600, True, True, True),
     "linear_preference_loss": lambda: (_t(4, 6, 16, grad=True), _t(37, 16, grad=True), None, _target(4, 6),
-                                       _t(4, 6, 16), _t(37, 16), None, None, None, None,
-                                       "dpo", 0.1, 0.1, 0.5, 0.5, 1.0, 1.0, -100, 1800, True, True, False),
+                                       _t(4, 6, 16), _t(37, 16), None, None, None, None, _target(4, 6),
+                                       "dpo", 0.1, 0.1, 0.5, 0.5, 1.0, 1.0, 0.05, -100, True, 1800, True, True, False),
     "linear_policy_loss": lambda: (_t(3, 5, 16, grad=True), _t(37, 16, grad=True), _t(37, grad=True),
                                    torch.randint(0, 37, (3, 5)), torch.rand(15) > 0.2, torch.rand(15) / 15, _t(15),
                                    _t(15) - 4, _t(15) - 4, "grpo", "token", 0.04, 0.2, 0.28, 0.9, False, 600,
@@ -212,7 +212,8 @@ def _fused_case(name):
     if name == "linear_preference_loss":  # KTO's baseline estimated: the two-pass plan
         labels, ref = torch.tensor([True, False, True, True]), _t(4) - 20
         return (lambda h, w, b: F.linear_preference_loss(h, w, target, b, method="kto", labels=labels,
-                                                         ref_log_probs=ref, nll_weight=0.5)), (h, w, b)
+                                                         ref_log_probs=ref, nll_weight=0.5,
+                                                         average_log_probs=True)), (h, w, b)
     if name == "linear_policy_loss":
         old, ref, mask, advantages = _t(4, 6) - 4, _t(4, 6) - 4, torch.rand(4, 6) > 0.2, _t(4)
         return (lambda h, w, b: F.linear_policy_loss(h, w, target.clamp(min=0), old, advantages, ref_log_probs=ref,

@@ -142,7 +142,7 @@ def _paper_rewards(name, h, w, b, target, ref_hidden, beta):
 
 def _ours(name, target, labels, ref_hidden, budget, **kw):
     method = _method(name)
-    extra = dict(ref_hidden=ref_hidden) if method in ("dpo", "robust", "hinge", "ipo", "kto") else {}
+    extra = dict(ref_hidden=ref_hidden) if method in preference.REFERENCE_METHODS else {}
     if method == "kto":
         extra["labels"] = labels
 
@@ -183,7 +183,14 @@ def test_reference_path_matches_paper_formula(device, name):
     )
 
 
-@pytest.mark.parametrize("name", ["dpo", "simpo", "cpo", "kto"])
+def _logits_means(h, w, b, target, chosen):
+    """The mean logit over the scored tokens of the `chosen` sequences and of the others (float64)."""
+    row = TF.linear(h.detach().double(), w.detach().double(), b.detach().double()).mean(-1)
+    valid = target != IGNORE
+    return tuple((row * (valid & side[:, None])).sum() / (valid & side[:, None]).sum() for side in (chosen, ~chosen))
+
+
+@pytest.mark.parametrize("name", ["dpo", "simpo", "cpo", "kto", "orpo"])
 def test_metrics(poison_outputs, device, name):
     method = _method(name)
     h, w, b, ref_h, target, labels = _inputs(method, 257, torch.float32, device)
@@ -205,12 +212,19 @@ def test_metrics(poison_outputs, device, name):
         assert_close(metrics["margin"], (rewards[labels].mean() - rewards[~labels].mean()).float(), name="margin")
         assert_close(metrics["chosen_nll"], _nll(s[labels], n[labels]).float(), name="chosen_nll")
         assert_close(metrics["kl"], torch.tensor(0.05), name="kl")
+        want_chosen, want_rejected = _logits_means(h, w, b, target, labels)
+        assert_close(metrics["chosen_logits_mean"], want_chosen.float(), name="chosen_logits_mean")
+        assert_close(metrics["rejected_logits_mean"], want_rejected.float(), name="rejected_logits_mean")
         return
+    chosen_logits, rejected_logits = _logits_means(h, w, b, target, torch.arange(2 * B, device=device) < B)
     want = {
         "chosen_rewards": rewards[:B], "rejected_rewards": rewards[B:], "margin": rewards[:B] - rewards[B:],
         "accuracy": (rewards[:B] > rewards[B:]).double(), "chosen_logps": s[:B], "rejected_logps": s[B:],
-        "chosen_nll": _nll(s[:B], n[:B]),
+        "chosen_nll": _nll(s[:B], n[:B]), "chosen_logits_mean": chosen_logits, "rejected_logits_mean": rejected_logits,
     }
+    if method == "orpo":  # Hong et al. 2024 eq. 7, P the per-token mean likelihood
+        pw, pl = torch.exp(s[:B] / n[:B]), torch.exp(s[B:] / n[B:])
+        want["log_odds_ratio"] = torch.log((pw / (1 - pw)) / (pl / (1 - pl)))
     assert set(metrics) == set(want)
     for key, value in want.items():
         assert_close(metrics[key], value.float(), name=key)
@@ -432,15 +446,29 @@ def _per_token(h, w, b, target):
     return linear_log_probs_reference(h, w, target, b, IGNORE)
 
 
-@pytest.mark.parametrize("loss_type,method,kw", [
+TRL_DPO_LOSS_TYPES = [
     ("sigmoid", "dpo", dict(beta=0.3)),
     ("hinge", "hinge", dict(beta=0.15)),
     ("ipo", "ipo", dict(beta=0.4)),
     ("robust", "robust", dict(beta=0.3, label_smoothing=0.2)),
-])
-def test_matches_trl_dpo_trainer(poison_outputs, device, loss_type, method, kw):
+    ("apo_zero", "apo_zero", dict(beta=0.3)),
+    ("apo_down", "apo_down", dict(beta=0.3)),
+    ("sppo_hard", "sppo_hard", dict(beta=0.4)),
+    ("nca_pair", "nca_pair", dict(beta=0.3)),
+    ("bco_pair", "bco_pair", dict(beta=0.3)),
+    ("exo_pair", "exo_pair", dict(beta=0.3, label_smoothing=0.05)),
+    ("discopop", "discopop", dict(beta=0.3, tau=0.2)),
+    # TRL's per-token-mean DPO is its sigmoid_norm loss type
+    ("sigmoid_norm", "dpo", dict(beta=0.3, average_log_probs=True)),
+]
+
+
+@pytest.mark.parametrize("loss_type,method,kw,dtype", [
+    (*case, torch.float32) for case in TRL_DPO_LOSS_TYPES
+] + [(*case, torch.float16) for case in TRL_DPO_LOSS_TYPES if case[0] in ("apo_down", "exo_pair", "discopop")])
+def test_matches_trl_dpo_trainer(poison_outputs, device, loss_type, method, kw, dtype):
     dpo_trainer = pytest.importorskip("trl.trainer.dpo_trainer")
-    h, w, b, ref_h, target, _ = _inputs(method, 257, torch.float32, device)
+    h, w, b, ref_h, target, _ = _inputs(method, 257, dtype, device)
     ref_logps, _ = _sequence_stats(ref_h, w.detach(), b.detach(), target)
 
     def trl_loss(h, w, b):
@@ -450,6 +478,7 @@ def test_matches_trl_dpo_trainer(poison_outputs, device, loss_type, method, kw):
             model=SimpleNamespace(training=True), accelerator=_accelerator(h.device), aux_loss_enabled=False,
             ld_alpha=None, precompute_ref_logps=True, f_divergence_type="reverse_kl", loss_types=[loss_type],
             loss_weights=[1.0], beta=kw["beta"], label_smoothing=kw.get("label_smoothing", 0.0), use_weighting=False,
+            args=SimpleNamespace(discopop_tau=kw.get("tau", 0.05)),
             _metrics={"train": defaultdict(list)}, _total_train_tokens=0, _tp_size=1,
         )
         return dpo_trainer.DPOTrainer._compute_loss(trainer, model, batch, return_outputs=False)
@@ -460,15 +489,106 @@ def test_matches_trl_dpo_trainer(poison_outputs, device, loss_type, method, kw):
     )
 
 
-def test_matches_trl_kto_trainer(poison_outputs, device):
+@pytest.mark.parametrize("method,plan", [
+    ("apo_down", "two passes"), ("discopop", "one pair per chunk"), ("nca_pair", "two pairs per chunk"),
+])
+def test_dpo_loss_types_over_chunking_plans(poison_outputs, device, method, plan):
+    # Against the same loss over all pairs in one chunk (that one against TRL above).
+    h, w, b, ref_h, target, _ = _inputs(method, 257, torch.float32, device)
+    budget = {"one pair per chunk": _budget(1, 257, torch.float32, method),
+              "two pairs per chunk": _budget(2, 257, torch.float32, method), "two passes": (2 * T - 1) * 257 * 4}[plan]
+    compare_fwd_bwd(
+        _ours(method, target, None, ref_h, budget, beta=0.3),
+        lambda h, w, b: preference.linear_preference_loss_reference(
+            h, w, target, b, ref_h.double(), w.detach(), b.detach(), None, None, None, None,
+            preference.PreferenceOptions(method, 0.3))[0],
+        (h, w, b), name=f"{method} {plan}",
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cpo_on_average_log_probs_matches_trl(poison_outputs, device, dtype):
+    # TRL's CPOTrainer averages the log-probs it hands cpo_loss (get_batch_logps' average_log_prob).
+    cpo = pytest.importorskip("trl.experimental.cpo")
+    h, w, b, _, target, _ = _inputs("cpo", 257, dtype, device)
+
+    def trl_loss(h, w, b):
+        s, n = _sequence_stats(h, w, b, target)
+        trainer = SimpleNamespace(alpha=0.0, beta=0.2, loss_type="sigmoid", simpo_gamma=0.5, label_smoothing=0.1,
+                                  accelerator=_accelerator(h.device))
+        losses, _, _ = cpo.CPOTrainer.cpo_loss(trainer, s[:B] / n[:B], s[B:] / n[B:])
+        return losses.mean()
+
+    compare_fwd_bwd(
+        lambda h, w, b: F.linear_preference_loss(h, w, target, b, method="cpo", beta=0.2, label_smoothing=0.1,
+                                                 nll_weight=0.0, average_log_probs=True)[0],
+        trl_loss, (h, w, b), name="TRL cpo_loss averaged",
+    )
+
+
+def _nll_target(target, device):
+    """ORPO's NLL target for the chosen sequences: prompt and answer (TRL's labels: every token
+    but padding), the answer's tokens those of `target` but for two that differ, and a padded
+    tail, so that rows hold both targets, either one or neither."""
+    chosen = target[:B]
+    nll = torch.where(chosen != IGNORE, chosen, torch.randint(0, 257, chosen.shape, device=device))
+    nll[0, -1] = (chosen[0, -1] + 1) % 257
+    nll[1, -2:] = torch.randint(0, 257, (2,), device=device)
+    nll[2, -1] = IGNORE
+    return nll
+
+
+@pytest.mark.parametrize("dtype,plan", [
+    (torch.float32, "all pairs"), (torch.float32, "one pair per chunk"), (torch.float32, "two passes"),
+    (torch.float16, "all pairs"),
+])
+def test_orpo_nll_on_its_own_target_matches_trl(poison_outputs, device, dtype, plan):
+    # TRL's ORPOTrainer: the odds ratio of the answers' mean log-probs (odds_ratio_loss) minus, and
+    # the chosen sequences' cross-entropy over their whole labels, prompt included.
+    orpo = pytest.importorskip("trl.experimental.orpo")
+    h, w, b, _, target, _ = _inputs("orpo", 257, dtype, device)
+    nll_target = _nll_target(target, device)
+    budget = {"all pairs": None, "one pair per chunk": _budget(1, 257, dtype, "orpo"),
+              "two passes": (2 * T - 1) * 257 * dtype.itemsize}[plan]
+
+    def trl_loss(h, w, b):
+        s, n = _sequence_stats(h, w, b, target)
+        trainer = SimpleNamespace(beta=0.25, accelerator=_accelerator(h.device))
+        losses = orpo.ORPOTrainer.odds_ratio_loss(trainer, s[:B] / n[:B], s[B:] / n[B:])[0]
+        logits = TF.linear(h[:B], w, b)
+        nll = TF.cross_entropy(logits.reshape(-1, 257), nll_target.reshape(-1), ignore_index=IGNORE)
+        return nll - losses.mean()
+
+    compare_fwd_bwd(
+        lambda h, w, b: F.linear_preference_loss(h, w, target, b, method="orpo", beta=0.25, nll_target=nll_target,
+                                                 max_chunk_bytes=budget)[0],
+        trl_loss, (h, w, b), name=f"TRL orpo nll_target {plan}",
+    )
+
+
+def test_nll_target_metric_and_reference_path(device):
+    h, w, b, _, target, _ = _inputs("orpo", 257, torch.float64, device)
+    nll_target = _nll_target(target, device)
+    with torch.no_grad():
+        _, metrics = F.linear_preference_loss(h, w, target, b, method="orpo", nll_target=nll_target)
+        logits = TF.linear(h[:B], w, b)
+        want = TF.cross_entropy(logits.reshape(-1, 257), nll_target.reshape(-1), ignore_index=IGNORE)
+    assert_close(metrics["chosen_nll"], want, name="chosen_nll")
+
+
+@pytest.mark.parametrize("average,dtype", [(False, torch.float32), (True, torch.float32), (True, torch.float16)])
+def test_matches_trl_kto_trainer(poison_outputs, device, average, dtype):
+    # TRL's KTO sums the per-token log-probs its model returns: given them divided by each
+    # sequence's length, it scores the per-token means, as average_log_probs does.
     kto_trainer = pytest.importorskip("trl.trainer.kto_trainer")
-    h, w, b, ref_h, target, labels = _inputs("kto", 257, torch.float32, device)
-    ref_logps, _ = _sequence_stats(ref_h, w.detach(), b.detach(), target)
+    h, w, b, ref_h, target, labels = _inputs("kto", 257, dtype, device)
+    ref_logps, n = _sequence_stats(ref_h, w.detach(), b.detach(), target)
+    per_sequence = n if average else torch.ones_like(n)
     kw = dict(beta=0.3, desirable_weight=1.3, undesirable_weight=0.7)
 
     def trl_loss(h, w, b):
-        batch, model = _trl_batch(target, _per_token(h, w, b, target))
-        batch.update(label=labels, ref_logps=ref_logps)
+        batch, model = _trl_batch(target, _per_token(h, w, b, target) / per_sequence[:, None])
+        batch.update(label=labels, ref_logps=ref_logps / per_sequence)
         trainer = SimpleNamespace(
             model=SimpleNamespace(training=True), accelerator=_accelerator(h.device), aux_loss_enabled=False,
             calculate_KL=False, precompute_ref_logps=True, loss_type="kto", _compute_kl_logps=lambda model, batch: None,
@@ -479,9 +599,10 @@ def test_matches_trl_kto_trainer(poison_outputs, device):
     # TRL without KL completions uses z0 = 0
     compare_fwd_bwd(
         lambda h, w, b: F.linear_preference_loss(
-            h, w, target, b, method="kto", ref_log_probs=ref_logps.float(), labels=labels, kl_baseline=0.0, **kw
+            h, w, target, b, method="kto", ref_log_probs=ref_logps.float(), labels=labels, kl_baseline=0.0,
+            average_log_probs=average, **kw
         )[0],
-        trl_loss, (h, w, b), name="TRL kto",
+        trl_loss, (h, w, b), name=f"TRL kto average={average}",
     )
 
 
@@ -549,6 +670,15 @@ def test_matches_trl_orpo_odds_ratio_loss(poison_outputs, device):
         (dict(h=torch.randn(3, 3, 8), t=torch.zeros(3, 3, dtype=torch.long), method="cpo"), "2B sequences"),
         (dict(h=torch.randn(12, 8), t=torch.zeros(12, dtype=torch.long), method="cpo"), r"hidden must have shape \(sequences, tokens"),
         (dict(w=torch.randn(10, 8).half(), method="cpo"), "weight must have the dtype of hidden"),
+        (dict(method="exo_pair", ref_log_probs=torch.zeros(4)), r"in \(0, 1\) for method 'exo_pair'"),
+        (dict(method="dpo", ref_log_probs=torch.zeros(4), tau=0.1), "tau is DiscoPOP's temperature"),
+        (dict(method="discopop", ref_log_probs=torch.zeros(4), tau=0.0), "tau must be a positive float"),
+        (dict(method="ipo", ref_log_probs=torch.zeros(4), average_log_probs=True), "per-token means already"),
+        (dict(method="dpo", ref_log_probs=torch.zeros(4), average_log_probs=1), "average_log_probs must be a bool"),
+        (dict(method="orpo", nll_target=torch.zeros(2, 2, dtype=torch.long)), r"nll_target must hold token ids \(int64 or int32\) of shape \(2, 3\)"),
+        (dict(method="cpo", nll_weight=0.0, nll_target=torch.zeros(2, 3, dtype=torch.long)), "nll_weight 0"),
+        (dict(method="kto", ref_log_probs=torch.zeros(4), labels=torch.ones(4, dtype=torch.bool),
+              nll_target=torch.zeros(2, 3, dtype=torch.long)), "nll_target is for the paired methods"),
     ],
 )
 def test_bad_arguments_raise_value_error(kwargs, match):
@@ -589,6 +719,34 @@ def test_bf16_on_gpu(method, two_pass):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("method,kw", [
+    ("apo_zero", {}), ("sppo_hard", {}), ("exo_pair", dict(label_smoothing=0.01)), ("discopop", {}),
+    ("dpo", dict(average_log_probs=True)), ("cpo", dict(average_log_probs=True)), ("orpo", dict(nll_target=True)),
+])
+def test_variants_bf16_on_gpu(method, kw):
+    # Against the reference in float64 on logits rounded to bf16 as F.linear rounds them.
+    h, w, b, ref_h, target = _gpu_inputs(4, 500, 1024, 32064, bias=True)
+    kw = dict(kw)
+    nll_target = None
+    if kw.pop("nll_target", False):
+        nll_target = torch.where(target[:2] != IGNORE, target[:2], torch.randint_like(target[:2], 32064))
+    options = preference.PreferenceOptions(method, 0.1, nll_weight=1.0 if method == "orpo" else 0.0, **kw)
+    reference = method in preference.REFERENCE_METHODS
+    full_nll = None if nll_target is None else torch.cat([nll_target, torch.full_like(nll_target, IGNORE)])
+
+    def oracle(h, w, b):
+        ref = (ref_h, w.detach().bfloat16(), b.detach().bfloat16()) if reference else (None, None, None)
+        return preference.linear_preference_loss_reference(
+            h.bfloat16(), w.bfloat16(), target, b.bfloat16(), *ref, None, None, None, full_nll, options)[0]
+
+    compare_fwd_bwd(
+        lambda h, w, b: F.linear_preference_loss(h, w, target, b, method=method, beta=0.1, nll_target=nll_target,
+                                                 **(dict(ref_hidden=ref_h) if reference else {}), **kw)[0],
+        oracle, (h, w, b), torch.bfloat16, name=f"bf16 {method} {kw}",
+    )
+
+
+@pytest.mark.gpu
 def test_peak_memory_on_gpu():
     # The bound: policy + reference 2 x (4 x 2048) tokens, H 4096, V 128256, trainable head:
     # at most 2.3 GB beyond the gradients.
@@ -624,8 +782,9 @@ def test_no_host_sync_on_gpu(method):
         torch.cuda.set_sync_debug_mode(0)
 
 
-@pytest.mark.parametrize("method", preference.METHODS)
-def test_closed_form_coefficients_are_the_objectives_gradient(method):
+@pytest.mark.parametrize("method,average", [(m, False) for m in preference.METHODS]
+                         + [(m, True) for m in preference.AVERAGED_METHODS])
+def test_closed_form_coefficients_are_the_objectives_gradient(method, average):
     # The kernels scale each sequence's rows by d loss / d (its log-prob sum), written in closed form.
     n = 6 if method == "kto" else 12
     counts = torch.randint(0, 4, (n,), dtype=torch.float64)  # empty sequences included
@@ -634,7 +793,7 @@ def test_closed_form_coefficients_are_the_objectives_gradient(method):
     labels = torch.rand(n) > 0.5 if method == "kto" else None
     kl = torch.tensor(0.2, dtype=torch.float64) if method == "kto" else None
     eps = 0.2 if method in preference.SMOOTHED_METHODS else 0.0
-    options = preference.PreferenceOptions(method, 0.3, eps, 0.7, 0.4, 1.3, 0.6)
+    options = preference.PreferenceOptions(method, 0.3, eps, 0.7, 0.4, 1.3, 0.6, 0.2, average_log_probs=average)
     context = (ref, counts, labels, kl, n if method == "kto" else n // 2, preference._nll_tokens(options, counts, labels))
     leaf = logps.clone().requires_grad_()
     (want,) = torch.autograd.grad(preference._objective(options, leaf, *context), leaf)

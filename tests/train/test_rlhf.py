@@ -8,6 +8,7 @@ check is everything around the op (hidden states, targets, reference, metrics, t
 
 import json
 import logging
+import math
 import os
 import random
 import signal
@@ -125,26 +126,62 @@ def test_builtin_default_runs_dpo_after_an_sft_stage(tmp_path, monkeypatch, capl
 def test_dpo_and_ipo_equal_trls_dpo_trainer(tiny_run, tmp_path, method, steps):
     """The fused path computes TRL's DPO (and IPO) loss: same model, data (TRL tokenizing it
     itself), order and seed, equal losses, reward margins and accuracies at every step."""
-    from datasets import Dataset
-    from transformers import set_seed
-
     root, tokenizer = tiny_run
     values, argv = settings(root, method=method, max_steps=steps)
     assert main(["rlhf", *argv, "--output-dir", str(tmp_path / "tigon")]) == 0
+    theirs = _trl_dpo_history(root, tokenizer, tmp_path, values)
+    assert_same_losses(records(tmp_path / "tigon"), theirs, steps)
+    assert [r["rewards/accuracies"] for r in records(tmp_path / "tigon")] == [r["rewards/accuracies"] for r in theirs]
+
+
+def _trl_dpo_history(root, tokenizer, tmp_path, values, **trl_args):
+    """TRL's DPOTrainer's logged steps on the pairs, tokenizing them itself, with tigon's arguments
+    for `values` and then `trl_args`."""
+    from datasets import Dataset
+    from transformers import set_seed
+
     cfg, args = trl_arguments(tmp_path / "trl", values)
+    for key, value in trl_args.items():
+        setattr(args, key, value)
     rows = [json.loads(line) for line in (root / "pairs.jsonl").read_text().splitlines()]
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}],
                                "chosen": [{"role": "assistant", "content": r["chosen"]}],
                                "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in rows])
     set_seed(cfg.seed)
     trainer = trl.DPOTrainer(model=plain_model(root), args=args, train_dataset=data, processing_class=tokenizer)
-    items = preference.load_preferences(cfg.dataset, cfg.seed, method)
+    items = preference.load_preferences(cfg.dataset, cfg.seed, cfg.method)
     assert [preference.encode(tokenizer, item, cfg.max_length)[0] for item in items] == \
         [{k: row[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for row in trainer.train_dataset]
     trainer.train()
-    theirs = [r for r in trainer.state.log_history if "loss" in r]
-    assert_same_losses(records(tmp_path / "tigon"), theirs, steps)
-    assert [r["rewards/accuracies"] for r in records(tmp_path / "tigon")] == [r["rewards/accuracies"] for r in theirs]
+    return [r for r in trainer.state.log_history if "loss" in r]
+
+
+@pytest.mark.parametrize("loss_type, options, trl_loss_type", [
+    ("apo_zero", {}, "apo_zero"),
+    ("apo_down", {}, "apo_down"),
+    ("sppo_hard", {}, "sppo_hard"),
+    ("nca_pair", {}, "nca_pair"),
+    ("bco_pair", {}, "bco_pair"),
+    ("exo_pair", {"label_smoothing": 0.01}, "exo_pair"),
+    ("discopop", {"discopop_tau": 0.2}, "discopop"),
+    ("sigmoid", {"average_log_probs": True}, "sigmoid_norm"),  # TRL's per-token-mean DPO
+])
+def test_dpo_loss_types_equal_trls_dpo_trainer(tiny_run, tmp_path, loss_type, options, trl_loss_type):
+    """`tigon rlhf --method dpo --loss-type X` trains as TRL's DPOTrainer with loss_type X: equal
+    losses, reward margins and mean chosen / rejected logits at every step."""
+    root, tokenizer = tiny_run
+    values, argv = settings(root, method="dpo", loss_type=loss_type, max_steps=3, **options)
+    assert main(["rlhf", *argv, "--output-dir", str(tmp_path / "tigon")]) == 0
+    theirs = _trl_dpo_history(root, tokenizer, tmp_path, values, loss_type=[trl_loss_type],
+                              discopop_tau=options.get("discopop_tau", 0.05))
+    ours = records(tmp_path / "tigon")
+    if trl_loss_type == "sigmoid_norm":  # whose rewards TRL still logs from the sums, tigon from the means
+        assert [a["loss"] for a in ours] == pytest.approx([b["loss"] for b in theirs], rel=1e-5, abs=1e-6)
+    else:
+        assert_same_losses(ours, theirs, 3)
+    for a, b in zip(ours, theirs):
+        for key in ("logits/chosen", "logits/rejected"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key)
 
 
 def test_kto_equals_trls_kto_trainer(tiny_run, tmp_path):
@@ -248,6 +285,35 @@ def test_orpos_odds_ratio_term_equals_trls(tiny_run, tmp_path):
     assert ours["loss"] - ours["nll_loss"] == pytest.approx(theirs["loss"] - theirs["nll_loss"], rel=1e-5)
     # A margin is a difference of two rewards near -2: fp32 rounding of each is ~2e-7.
     assert ours["rewards/margins"] == pytest.approx(theirs["rewards/margins"], rel=1e-5, abs=1e-6)
+
+
+def test_orpo_with_its_nll_on_the_prompt_equals_trls(tiny_run, tmp_path):
+    """--nll-on-prompt: ORPO's NLL over prompt and answer, as TRL's ORPOTrainer takes it: the whole
+    loss, the NLL and the log odds metrics equal."""
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    root, tokenizer = tiny_run
+    values, argv = settings(root, method="orpo", max_steps=2, beta=0.3, nll_on_prompt=True)
+    assert main(["rlhf", *argv, "--output-dir", str(tmp_path / "tigon")]) == 0
+    ours = records(tmp_path / "tigon")
+    theirs = _trl_experimental(root, tokenizer, tmp_path, values, ORPOTrainer, ORPOConfig)
+    assert len(ours) == len(theirs) == 2
+    for a, b in zip(ours, theirs):
+        for key in ("loss", "nll_loss", "log_odds_ratio", "log_odds_chosen"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
+
+
+def test_builtin_model_trains_with_a_dpo_loss_type(tmp_path, monkeypatch):
+    monkeypatch.setattr(builtin, "SFT_STAGE_STEPS", 2)
+    monkeypatch.setattr(builtin, "DEMO_SFT", tmp_path / "no-demo" / "final")
+    out = tmp_path / "run"
+    assert main(["rlhf", "--loss-type", "discopop", "--max-steps", "2", "--batch-size", "4", "--save-steps", "0",
+                 "--samples", "0", "--no-kernels", "--output-dir", str(out)]) == 0
+    steps = records(out)
+    assert [r["step"] for r in steps] == [1, 2]
+    # DiscoPOP at z = 0 (the policy is its reference): (1 - 1/2) log 2 + 1/2
+    assert steps[0]["loss"] == pytest.approx(0.5 * math.log(2) + 0.5, abs=1e-4)
+    assert {"logits/chosen", "logits/rejected", "rewards/margins"} <= set(steps[0])
 
 
 def test_the_frozen_references_patch_line_says_whose_it_is(tiny_run, tmp_path, caplog):
@@ -401,6 +467,13 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes_exactly(tiny_run, uninterrupted,
     (["--max-prompt-length", "200", "--max-length", "100"], "--max-prompt-length must be in [1, --max-length 100)"),
     (["--tuner", "lora", "--lora-dropout", "0.1"], "--lora-dropout: preference training switches dropout off"),
     (["--beta", "0"], "--beta must be > 0, got 0.0"),
+    (["--loss-type", "dapo"], "--loss-type dapo is not a dpo loss type; --method dpo takes sigmoid, hinge"),
+    (["--method", "kto", "--loss-type", "apo_zero"], "--loss-type: only for --method grpo / dpo, not kto"),
+    (["--loss-type", "apo_zero", "--label-smoothing", "0.1"], "--label-smoothing: only for --loss-type sigmoid"),
+    (["--loss-type", "exo_pair"], "--loss-type exo_pair needs --label-smoothing > 0"),
+    (["--discopop-tau", "0.1"], "--discopop-tau: only for --loss-type discopop, not sigmoid"),
+    (["--method", "ipo", "--average-log-probs"], "--average-log-probs: only for --method dpo / kto / cpo, not ipo"),
+    (["--nll-on-prompt"], "--nll-on-prompt: --method dpo adds no NLL (--nll-weight 0)"),
     (["--model", "./no/such/model"], "model not found: ./no/such/model"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, argv, message):
@@ -465,6 +538,14 @@ def test_cuda_graphs_batches_have_one_shape_and_score_the_same(tiny_run, method)
     narrow = rlhf.PreferenceCollator(tokenizer.pad_token_id, kto, {"": 8})
     with pytest.raises(ValueError, match="^input_ids: a row of [0-9]+ tokens does not fit the collator's width 8$"):
         narrow(rows[:cfg.batch_size])
+
+
+def test_an_unknown_loss_type_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["rlhf", "--loss-type", "nope"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("tigon rlhf: error: argument --loss-type: invalid choice: 'nope'")
 
 
 def test_packing_is_no_rlhf_option():

@@ -376,6 +376,12 @@ PREFERENCE_METHODS = ("dpo", "ipo", "kto", "orpo", "simpo", "cpo")
 METHODS = (*PREFERENCE_METHODS, "grpo", "gkd")
 REFERENCE_METHODS = ("dpo", "ipo", "kto")  # the others score the policy alone
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "gspo")  # linear_policy_loss's (gspo: grpo at sequence level)
+# dpo's: TRL's DPOTrainer loss types (sigmoid: DPO itself), each linear_preference_loss's method of that name
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "robust", "apo_zero", "apo_down", "sppo_hard", "nca_pair", "bco_pair",
+                  "exo_pair", "discopop")
+_LOSS_TYPES = {"grpo": LOSS_TYPES, "dpo": DPO_LOSS_TYPES}
+_DEFAULT_LOSS_TYPE = {"grpo": "dapo", "dpo": "sigmoid"}
+_SMOOTHED_LOSS_TYPES = ("sigmoid", "robust", "exo_pair")  # dpo's loss types that take --label-smoothing
 DISTILL_LOSSES = ("forward_kl", "reverse_kl", "jsd", "tvd")  # linear_distill_loss's
 # beta: SimPO's scales average log-probs, not sums (its paper's range); GRPO's weighs the KL to
 # the reference (TRL's default: none); GKD's interpolates its JSD (TRL's GKDConfig default).
@@ -388,10 +394,12 @@ _ONLINE = ("grpo", "gkd")
 _METHOD_KEYS = {"simpo_gamma": ("simpo",), "desirable_weight": ("kto",), "undesirable_weight": ("kto",),
                 "label_smoothing": _SMOOTHED, "precompute_ref_log_probs": REFERENCE_METHODS,
                 "nll_weight": PREFERENCE_METHODS, "max_prompt_length": PREFERENCE_METHODS,
-                "reward_funcs": ("grpo",), "num_generations": ("grpo",), "loss_type": ("grpo",), "epsilon": ("grpo",),
+                "reward_funcs": ("grpo",), "num_generations": ("grpo",), "loss_type": ("grpo", "dpo"), "epsilon": ("grpo",),
                 "epsilon_high": ("grpo",), "format_regex": ("grpo",), "use_vllm": ("grpo",),
                 "max_completion_length": _ONLINE, "temperature": _ONLINE,
-                "teacher": ("gkd",), "lmbda": ("gkd",), "seq_kd": ("gkd",)}
+                "teacher": ("gkd",), "lmbda": ("gkd",), "seq_kd": ("gkd",),
+                "average_log_probs": ("dpo", "kto", "cpo"), "discopop_tau": ("dpo",),
+                "nll_on_prompt": ("dpo", "ipo", "simpo", "cpo", "orpo")}
 
 
 @dataclass
@@ -446,8 +454,14 @@ class RLHFConfig(SFTConfig):
                                              "for the built-in model)")
     temperature: float | None = _opt(None, "grpo, gkd: sampling temperature (grpo's loss divides the logits by it "
                                      "too) (default 1.0 grpo, 0.9 gkd)")
-    loss_type: str = _opt("dapo", "grpo: the loss's normalisation (TRL's loss_type; gspo: grpo with a sequence-level "
-                          "importance ratio)", choices=list(LOSS_TYPES))
+    loss_type: str | None = _opt(None, "grpo: the loss's normalisation (TRL's loss_type; gspo: grpo with a "
+                                 "sequence-level importance ratio) (default dapo); dpo: TRL's DPO loss type "
+                                 "(default sigmoid, DPO itself)", choices=[*LOSS_TYPES, *DPO_LOSS_TYPES])
+    average_log_probs: bool = _opt(False, "dpo, kto, cpo: score each answer by its per-token mean log-prob "
+                                   "instead of the sum (TRL's average_log_prob)")
+    discopop_tau: float = _opt(0.05, "dpo --loss-type discopop: the temperature of DiscoPOP's blend")
+    nll_on_prompt: bool = _opt(False, "the chosen answers' NLL (--nll-weight) covers their prompts' tokens too, as "
+                               "TRL's ORPOTrainer's does (default: the answers' alone)")
     epsilon: float = _opt(0.2, "grpo: the clip range of the importance ratio, [1 - epsilon, 1 + epsilon-high]")
     epsilon_high: float | None = _opt(None, "grpo: the clip range's upper side (default: --epsilon; DAPO uses 0.28)")
     format_regex: str = _opt(r"^[^\n]*\S[^\n]*\.$", "grpo: what builtin:format rewards: a completion matching this "
@@ -489,6 +503,7 @@ def resolve_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> RLHFConfig:
         max_completion_length=(cfg.max_completion_length if cfg.max_completion_length is not None
                                else 16 if builtin else 256),
         temperature=cfg.temperature if cfg.temperature is not None else _DEFAULT_TEMPERATURE.get(method, 1.0),
+        loss_type=cfg.loss_type if cfg.loss_type is not None else _DEFAULT_LOSS_TYPE.get(method),
     )
     if cfg.cuda_graphs and method in _ONLINE:
         raise SFTError(f"--cuda-graphs: --method {method} generates completions in every step, of lengths no "
@@ -497,6 +512,7 @@ def resolve_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> RLHFConfig:
     for key, methods in _METHOD_KEYS.items():
         if key in given and method not in methods and getattr(cfg, key) != getattr(RLHFConfig, key, None):
             raise SFTError(f"--{key.replace('_', '-')}: only for --method {' / '.join(methods)}, not {method}")
+    _check_loss_type(cfg, given)
     if method == "grpo":
         _check_grpo(cfg)
     elif method == "gkd":
@@ -507,6 +523,8 @@ def resolve_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> RLHFConfig:
         raise SFTError(f"--label-smoothing must be in [0, 0.5), got {cfg.label_smoothing}")
     if cfg.nll_weight < 0:
         raise SFTError(f"--nll-weight must be >= 0, got {cfg.nll_weight}")
+    if cfg.nll_on_prompt and not cfg.nll_weight:
+        raise SFTError(f"--nll-on-prompt: --method {method} adds no NLL (--nll-weight 0); give --nll-weight > 0")
     for key in ("desirable_weight", "undesirable_weight"):
         if not getattr(cfg, key) > 0:
             raise SFTError(f"--{key.replace('_', '-')} must be > 0, got {getattr(cfg, key)}")
@@ -520,6 +538,24 @@ def resolve_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> RLHFConfig:
         raise SFTError("--lora-dropout: preference training switches dropout off, so that the policy and its "
                        "reference score an answer alike")
     return cfg
+
+
+def _check_loss_type(cfg: RLHFConfig, given: set[str]) -> None:
+    """--loss-type belongs to the method, and the settings that go with one loss type to it."""
+    method, loss_type = cfg.method, cfg.loss_type
+    if method in _LOSS_TYPES and loss_type not in _LOSS_TYPES[method]:
+        raise SFTError(f"--loss-type {loss_type} is not a {method} loss type; --method {method} takes "
+                       f"{', '.join(_LOSS_TYPES[method])}")
+    if method != "dpo":
+        return
+    if cfg.label_smoothing and loss_type not in _SMOOTHED_LOSS_TYPES:
+        raise SFTError(f"--label-smoothing: only for --loss-type {' / '.join(_SMOOTHED_LOSS_TYPES)}, not {loss_type}")
+    if loss_type == "exo_pair" and not cfg.label_smoothing > 0:
+        raise SFTError("--loss-type exo_pair needs --label-smoothing > 0 (EXO's epsilon; its paper uses 1e-3)")
+    if "discopop_tau" in given and loss_type != "discopop":
+        raise SFTError(f"--discopop-tau: only for --loss-type discopop, not {loss_type}")
+    if not cfg.discopop_tau > 0:
+        raise SFTError(f"--discopop-tau must be > 0, got {cfg.discopop_tau}")
 
 
 def _check_online(cfg: RLHFConfig) -> None:

@@ -57,9 +57,10 @@ BUNDLED_PREFERENCES = Path(__file__).parent / "data" / "preferences.jsonl"
 
 # The paired methods' metrics, TRL's names; the progress bar shows those with a label.
 PAIRED_METRICS = {MARGIN: "margin", ACCURACY: "acc", "rewards/chosen": "", "rewards/rejected": "",
-                  "logps/chosen": "", "logps/rejected": "", "nll_loss": ""}
+                  "logps/chosen": "", "logps/rejected": "", "nll_loss": "", "logits/chosen": "", "logits/rejected": "",
+                  "log_odds_ratio": "", "log_odds_chosen": ""}  # the last two: orpo's
 KTO_METRICS = {MARGIN: "margin", "kl": "kl", "rewards/chosen": "", "rewards/rejected": "", "logps/chosen": "",
-               "logps/rejected": "", "nll_loss": ""}
+               "logps/rejected": "", "nll_loss": "", "logits/chosen": "", "logits/rejected": ""}
 # TRL's DPOConfig spells the two methods it runs of ours so; the others are scored by tigon alone.
 _TRL_LOSS_TYPE = {"ipo": "ipo"}
 
@@ -71,19 +72,23 @@ def _targets(input_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Te
     return input_ids.masked_fill(completion_mask == 0, -100)[:, 1:]
 
 
+def _up_to_answer_end(completion_mask: torch.Tensor) -> torch.Tensor:
+    """1 on every token up to each row's last answer token (prompt and answer), 0 on the padding
+    after it: TRL's ORPO labels, whether or not the batch kept its attention mask."""
+    return completion_mask.flip(1).cummax(1).values.flip(1)
+
+
 class _FusedPreference(FusedTrainer):
     """What both preference trainers share: the hidden states of the policy and of its reference,
     and KTO's reward margin from its chosen and rejected rewards."""
 
     _adapter_layers: list[BaseTunerLayer] | None = None  # the PEFT policy's adapter layers, found once
 
-    def __init__(self, *, loss: dict[str, Any], **kwargs: Any):
-        self.loss_options = loss  # linear_preference_loss's method and constants
+    def __init__(self, *, method: str, loss: dict[str, Any], nll_on_prompt: bool = False, **kwargs: Any):
+        self.method = method  # tigon rlhf's --method
+        self.loss_options = loss  # linear_preference_loss's method (dpo's: its --loss-type) and constants
+        self.nll_on_prompt = nll_on_prompt  # the chosen NLL over prompt and answer (TRL's ORPO)
         super().__init__(**kwargs)
-
-    @property
-    def method(self) -> str:
-        return self.loss_options["method"]
 
     def _reference_model(self) -> torch.nn.Module:
         return self.ref_model if self.ref_model is not None else self.model
@@ -124,6 +129,10 @@ class _FusedPreference(FusedTrainer):
     def _log_prob_sums(self, states: dict[str, torch.Tensor | None], target: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return TF.linear_log_probs(states["ref_hidden"], states["ref_weight"], target, states["ref_bias"]).sum(-1)
+
+    def _add_logits_means(self, mode: str, m: dict[str, torch.Tensor]) -> None:
+        self._add(mode, "logits/chosen", m["chosen_logits_mean"], 1)
+        self._add(mode, "logits/rejected", m["rejected_logits_mean"], 1)
 
     def _averages(self, mode: str) -> dict[str, float]:
         values = super()._averages(mode)
@@ -168,12 +177,19 @@ class TigonDPOTrainer(_FusedPreference, TigonTrainer, DPOTrainer):
                 reference["ref_log_probs"] = torch.cat([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]])
             else:
                 reference = self._reference_states(self._reference_model(), input_ids, attention_mask)
+        if self.nll_on_prompt:
+            pairs = target.shape[0] // 2
+            reference["nll_target"] = _targets(input_ids[:pairs], _up_to_answer_end(inputs["completion_mask"][:pairs]))
         loss, m = TF.linear_preference_loss(hidden, weight, target, bias, **self.loss_options, **reference)
         pairs = target.shape[0] // 2
         for key, values in (("rewards/chosen", m["chosen_rewards"]), ("rewards/rejected", m["rejected_rewards"]),
                             (MARGIN, m["margin"]), (ACCURACY, m["accuracy"]), ("logps/chosen", m["chosen_logps"]),
                             ("logps/rejected", m["rejected_logps"])):
             self._add(mode, key, values.sum(), pairs)
+        if "log_odds_ratio" in m:  # TRL's ORPO names: the mean log sig(log odds) and the mean log odds
+            self._add(mode, "log_odds_ratio", torch.nn.functional.logsigmoid(m["log_odds_ratio"]).sum(), pairs)
+            self._add(mode, "log_odds_chosen", m["log_odds_ratio"].sum(), pairs)
+        self._add_logits_means(mode, m)
         self._add(mode, "nll_loss", m["chosen_nll"], 1)
         return self._returned(loss, return_outputs)
 
@@ -233,7 +249,10 @@ class TigonKTOTrainer(_FusedPreference, TigonTrainer, KTOTrainer):
                 ref = inputs["ref_KL_logps"]
             else:
                 ref = self._log_prob_sums(self._reference_states(self._reference_model(), kl_ids, kl_mask), kl_target)
-            kl = (policy - ref).mean()
+            ratios = policy - ref
+            if self.loss_options.get("average_log_probs"):  # the baseline on the answers' own scale
+                ratios = ratios / (kl_target != -100).sum(-1).clamp(min=1)
+            kl = ratios.mean()
             if self.accelerator.num_processes > 1:
                 kl = self.accelerator.reduce(kl, "mean")
             kl = kl.clamp(min=0)
@@ -246,6 +265,7 @@ class TigonKTOTrainer(_FusedPreference, TigonTrainer, KTOTrainer):
             self._add(mode, f"{name}/chosen", (values * desirable).sum(), desirable.sum())
             self._add(mode, f"{name}/rejected", (values * (1 - desirable)).sum(), (1 - desirable).sum())
         self._add(mode, "kl", m["kl"], 1)
+        self._add_logits_means(mode, m)
         self._add(mode, "nll_loss", m["chosen_nll"], 1)
         return self._returned(loss, return_outputs)
 
@@ -295,10 +315,15 @@ class PreferenceCollator:
 # --- the run ------------------------------------------------------------------------------------
 
 def loss_options(cfg: RLHFConfig) -> dict[str, Any]:
-    """`linear_preference_loss`'s keywords for the run's method."""
-    options: dict[str, Any] = {"method": cfg.method, "beta": cfg.beta, "nll_weight": cfg.nll_weight}
-    if cfg.method in ("dpo", "simpo", "cpo"):
+    """`linear_preference_loss`'s keywords for the run's method (dpo's: its loss type's)."""
+    method = cfg.loss_type if cfg.method == "dpo" and cfg.loss_type != "sigmoid" else cfg.method
+    options: dict[str, Any] = {"method": method, "beta": cfg.beta, "nll_weight": cfg.nll_weight}
+    if cfg.label_smoothing:
         options["label_smoothing"] = cfg.label_smoothing
+    if cfg.average_log_probs:
+        options["average_log_probs"] = True
+    if method == "discopop":
+        options["tau"] = cfg.discopop_tau
     if cfg.method == "simpo":
         options["gamma"] = cfg.simpo_gamma
     if cfg.method == "kto":
@@ -395,7 +420,8 @@ def _run(cfg: RLHFConfig) -> Path:
         return cls(model=built.model, ref_model=built.reference, args=args, train_dataset=train_data,
                    eval_dataset=eval_data, processing_class=tokenizer,
                    data_collator=PreferenceCollator(tokenizer.pad_token_id, kto, widths), save_limit=cfg.save_limit,
-                   loss=loss_options(cfg), cuda_graphs=cfg.cuda_graphs)
+                   method=cfg.method, loss=loss_options(cfg), nll_on_prompt=cfg.nll_on_prompt,
+                   cuda_graphs=cfg.cuda_graphs)
 
     def flops(model: torch.nn.Module, seq_len: float) -> float:
         # Per trained token: the policy's training step, plus the forwards without gradient that

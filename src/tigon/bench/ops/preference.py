@@ -1,7 +1,10 @@
 """Benchmark cases for linear_log_probs and linear_preference_loss (DPO): the issue-21 shapes first,
 tigon against the materialised logits in eager and torch.compile, and for DPO the best-known
 peer's fused loss (Liger-Kernel's LigerFusedLinearDPOLoss, when it is installed). Frozen-head
-(LoRA) variants and chunk-budget sweeps (tigon only) follow."""
+(LoRA) variants and chunk-budget sweeps (tigon only) follow, then one case per DPO loss type
+(``linear_preference_loss_<type>``, at plain DPO's shapes, against Liger's same loss type where
+its version has it): ``tigon bench --ops linear_preference_loss linear_preference_loss_apo_zero``
+times a variant beside plain DPO in one run."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import torch.nn.functional as TF
 
 import tigon.functional as F
 from tigon.bench.registry import BenchOp, register
+from tigon.ops.linear_preference import DPO_LOSS_TYPES, PreferenceOptions, unit_losses
 
 VOCAB, HIDDEN = 128256, 4096
 BETA = 0.1
@@ -59,32 +63,53 @@ def _preference_inputs(trainable_head):
     return make
 
 
-def _tigon_dpo(h, w, y, ref_h, *budget):
+# The constants a loss type needs beyond beta (EXO's epsilon must be > 0; its paper's value).
+_LOSS_TYPE_OPTIONS = {"exo_pair": {"label_smoothing": 1e-3}}
+
+
+def _tigon_dpo(h, w, y, ref_h, *budget, method="dpo"):
     return F.linear_preference_loss(
-        h, w, y, method="dpo", beta=BETA, ref_hidden=ref_h, max_chunk_bytes=budget[0] if budget else None
+        h, w, y, method=method, beta=BETA, ref_hidden=ref_h, max_chunk_bytes=budget[0] if budget else None,
+        **_LOSS_TYPE_OPTIONS.get(method, {}),
     )[0]
 
 
-def _eager_dpo(h, w, y, ref_h, *budget):
+def _eager_dpo(h, w, y, ref_h, *budget, method="dpo"):
     def sequence_log_probs(x):
         logp = torch.log_softmax(TF.linear(x, w).float(), dim=-1).gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
         return torch.where(y != IGNORE, logp, 0.0).sum(-1)
 
     with torch.no_grad():
         ref = sequence_log_probs(ref_h)
-    chosen, rejected = (sequence_log_probs(h) - ref).chunk(2)
-    return -TF.logsigmoid(BETA * (chosen - rejected)).mean()
+    if method == "dpo":
+        chosen, rejected = (sequence_log_probs(h) - ref).chunk(2)
+        return -TF.logsigmoid(BETA * (chosen - rejected)).mean()
+    # The loss type's formula (tigon's, plain torch ops) on the materialised logits' sums.
+    options = PreferenceOptions(method, BETA, **_LOSS_TYPE_OPTIONS.get(method, {}))
+    counts = (y != IGNORE).sum(-1).float()
+    return unit_losses(options, sequence_log_probs(h), ref, counts, None, None).mean()
 
 
-def _liger_dpo():
-    from liger_kernel.chunked_loss import LigerFusedLinearDPOLoss
+def _liger_dpo(method="dpo"):
+    def load():
+        from liger_kernel.chunked_loss import LigerFusedLinearDPOLoss
 
-    loss = LigerFusedLinearDPOLoss(ignore_index=IGNORE, beta=BETA, compute_nll_loss=False, use_ref_model=True)
+        extra = {}
+        if method != "dpo":
+            extra = dict(loss_type=method, **_LOSS_TYPE_OPTIONS.get(method, {}))
+            try:
+                LigerFusedLinearDPOLoss(**extra)
+            except (TypeError, ValueError) as err:  # an older Liger, or one without this loss type
+                raise ImportError(f"this Liger-Kernel's LigerFusedLinearDPOLoss has no loss_type {method!r}: {err}")
+        loss = LigerFusedLinearDPOLoss(ignore_index=IGNORE, beta=BETA, compute_nll_loss=False, use_ref_model=True,
+                                       **extra)
 
-    def run(h, w, y, ref_h, *budget):
-        return loss(w, h, y, ref_input=ref_h, ref_weight=w.detach())[0]
+        def run(h, w, y, ref_h, *budget):
+            return loss(w, h, y, ref_input=ref_h, ref_weight=w.detach())[0]
 
-    return run
+        return run
+
+    return load
 
 
 def _preference_flops(size):
@@ -139,7 +164,7 @@ for name, trainable in (("linear_preference_loss", True), ("linear_preference_lo
         sizes=PREFERENCE_SIZES if trainable else PREFERENCE_SIZES[:1],
         cpu_sizes=[(2, 16, 64, 1031)],
         size_names="pairs x tokens x hidden x vocab",
-        peer=_liger_dpo,
+        peer=_liger_dpo(),
     ))
 
 register(BenchOp(
@@ -153,3 +178,17 @@ register(BenchOp(
     cpu_sizes=[(2, 16, 64, 1031, 1)],
     size_names="pairs x tokens x hidden x vocab x chunk budget MiB",
 ))
+
+for loss_type in DPO_LOSS_TYPES:
+    register(BenchOp(
+        name=f"linear_preference_loss_{loss_type}",
+        make_inputs=_preference_inputs(True),
+        tigon=lambda h, w, y, ref_h, method=loss_type: _tigon_dpo(h, w, y, ref_h, method=method),
+        eager=lambda h, w, y, ref_h, method=loss_type: _eager_dpo(h, w, y, ref_h, method=method),
+        bytes_moved=_preference_bytes,
+        flops=_preference_flops,
+        sizes=PREFERENCE_SIZES[:1],
+        cpu_sizes=[(2, 16, 64, 1031)],
+        size_names="pairs x tokens x hidden x vocab",
+        peer=_liger_dpo(loss_type),
+    ))
