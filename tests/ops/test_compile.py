@@ -206,8 +206,11 @@ def _fused_case(name):
                                                          ref_log_probs=ref, nll_weight=0.5)), (h, w, b)
     if name == "linear_policy_loss":
         old, ref, mask, advantages = _t(4, 6) - 4, _t(4, 6) - 4, torch.rand(4, 6) > 0.2, _t(4)
-        return (lambda h, w, b: F.linear_policy_loss(h, w, target.clamp(min=0), old, advantages, ref_log_probs=ref,
-                                                     beta=0.04, loss_type="gspo", mask=mask, bias=b)), (h, w, b)
+        sampling = old + torch.rand(4, 6)  # the sampler's: a sequence-level weight, capped and clipped below
+        return (lambda h, w, b: F.linear_policy_loss(
+            h, w, target.clamp(min=0), old, advantages, ref_log_probs=ref, beta=0.04, loss_type="luspo", delta=1.3,
+            mask=mask, bias=b, sampling_log_probs=sampling, importance_sampling_mode="sequence_truncate",
+            importance_sampling_clip_min=0.5)), (h, w, b)
     if name == "linear_distill_loss":
         teacher_h, teacher_w = _t(4, 6, 12), _t(37, 12)
         return (lambda h, w, b: F.linear_distill_loss(h, w, teacher_h, teacher_w, target, loss="tvd", temperature=2.0,
