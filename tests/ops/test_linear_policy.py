@@ -370,6 +370,7 @@ VARIANTS = {
     "vespo gamma": dict(loss_type="vespo", vespo_gamma=(1.5, 2.5, 2.0, 1.0), kl_bias_correction=True, beta=0.04),
     "delta": dict(loss_type="dapo", delta=1.3, epsilon_high=0.28, beta=0.04),
     "delta luspo": dict(loss_type="luspo", importance_level="token", delta=1.3, beta=0.04),
+    "delta inside the clip": dict(loss_type="bnpo", delta=1.1, epsilon_high=0.28),  # the cap binds for A > 0 too
     "token_truncate": dict(loss_type="grpo", beta=0.04, importance_sampling_mode="token_truncate"),
     "token_mask": dict(loss_type="dapo", importance_sampling_mode="token_mask", importance_sampling_clip_min=0.5),
     "sequence_truncate": dict(loss_type="bnpo", importance_sampling_mode="sequence_truncate",
@@ -541,7 +542,7 @@ def test_sampling_weight_on_policy_compares_the_sampler_with_the_policy(poison_o
         (dict(ref_log_probs=torch.zeros(4, 3, dtype=torch.long)), "ref_log_probs must be a floating-point tensor"),
         (dict(mask=torch.ones(4, 2)), r"mask must be a tensor of shape \(4, 3\)"),
         (dict(loss_type="sapo", delta=1.5), "delta caps the ratio of the clipped losses"),
-        (dict(delta=0.0), "delta must be a positive float"),
+        (dict(delta=1.0), "delta must be a float > 1"),
         (dict(loss_type="sapo", sapo_temperature_neg=0.0), "sapo_temperature_neg must be a positive float"),
         (dict(loss_type="vespo", vespo_gamma=(2.0, 0.0, 3.0, 2.0)), "vespo's lambda_pos must be a positive float"),
         (dict(vespo_gamma=(-1.0, 3.0, 3.0, 2.0)), "vespo's k_pos must be a non-negative float"),

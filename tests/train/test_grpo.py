@@ -298,7 +298,7 @@ def words(prompts, completions, **kwargs):
     (["--temperature", "0"], "--temperature must be > 0, got 0.0"),
     (["--beta", "-1"], "--beta must be >= 0, got -1.0"),
     (["--loss-type", "sapo", "--delta", "1.5"], "--delta caps the clipped ratio, which --loss-type sapo has not"),
-    (["--delta", "0"], "--delta must be > 0 (INTELLECT-2 takes it above 1 + --epsilon-high), got 0.0"),
+    (["--delta", "1"], "--delta must be > 1 (INTELLECT-2 takes it above 1 + --epsilon-high), got 1.0"),
     (["--loss-type", "sapo", "--sapo-temperature-neg", "0"], "--sapo-temperature-neg must be > 0, got 0.0"),
     (["--vespo-k-pos", "-1"], "--vespo-k-pos must be >= 0, got -1.0"),
     (["--vllm-importance-sampling-clip-min", "4"], "--vllm-importance-sampling-clip-min (4.0) must not exceed "

@@ -196,7 +196,8 @@ def _clipped(options, rho, advantages):
     """Where the clip is active (the min takes the clipped term, whose gradient is 0), as TRL
     counts it: the high side on the ratio after two-sided clipping's cap."""
     low = (rho < 1.0 - options.epsilon_low) & (advantages < 0)
-    high = (rho.clamp(max=options.delta) > 1.0 + options.epsilon_high) & (advantages > 0)
+    capped = rho if options.delta == math.inf else rho.clamp(max=options.delta)
+    high = (capped > 1.0 + options.epsilon_high) & (advantages > 0)
     return low, high
 
 
@@ -238,13 +239,11 @@ def _coefficients(options, logp, scored, weights, advantages, old, ref, sampling
         gate = torch.sigmoid(_sapo_temperature(options, advantages) * (rho - 1.0))
         d_rho = -4.0 * advantages * gate * (1.0 - gate)
     else:
-        # -min(r A, c A) with r = min(rho, delta), c = clip(rho): the gradient of the smaller term,
-        # each term's where its clamp passes it (the two agree where they tie inside the range).
-        capped = rho.clamp(max=options.delta)
-        clipped = rho.clamp(1.0 - options.epsilon_low, 1.0 + options.epsilon_high)
-        passes = torch.where(capped * advantages <= clipped * advantages, rho <= options.delta,
-                             (rho >= 1.0 - options.epsilon_low) & (rho <= 1.0 + options.epsilon_high))
-        d_rho = torch.where(passes, -advantages, 0.0)
+        # -min(min(rho, delta) A, clip(rho) A) is constant in rho where the clip binds, and (delta
+        # > 1) where the cap does: past delta (for A > 0 past the clip already, or the cap itself).
+        low, high = _clipped(options, rho, advantages)
+        held = low | high if options.delta == math.inf else low | high | (rho > options.delta)
+        d_rho = torch.where(held, 0.0, -advantages)
     if weight is not None and loss_type != "vespo":
         d_rho, own = (None if d is None else d * weight for d in (d_rho, own))
     if options.beta:
@@ -564,8 +563,8 @@ def _check_variant(options, given) -> None:
             raise ValueError(
                 f"delta caps the ratio of the clipped losses ({', '.join(CLIPPED)}), not {options.loss_type!r}"
             )
-        if not is_number(delta) or not delta > 0:
-            raise ValueError(f"delta must be a positive float, got {delta!r}")
+        if not is_number(delta) or not delta > 1:
+            raise ValueError(f"delta must be a float > 1 (INTELLECT-2 takes it above 1 + epsilon_high), got {delta!r}")
     for name, value in zip(("sapo_temperature_pos", "sapo_temperature_neg"), options.sapo_temperatures):
         if not is_number(value) or not value > 0:
             raise ValueError(f"{name} must be a positive float, got {value!r}")
@@ -697,8 +696,9 @@ def linear_policy_loss(
             global batch (TRL's normaliser); default this batch's scored tokens.
         kl_bias_correction: multiply the KL term by the ratio (TRL's use_bias_correction_kl,
             True by default there; off here as in the GRPO paper).
-        delta: two-sided clipping (INTELLECT-2): the unclipped ratio is capped at delta, which
-            binds for negative advantages; > 1 + epsilon_high. Clipped losses only.
+        delta: two-sided clipping (INTELLECT-2): the unclipped ratio is capped at delta (> 1;
+            the paper takes it above 1 + epsilon_high), which binds for negative advantages.
+            Clipped losses only.
         sapo_temperature_pos, sapo_temperature_neg: SAPO's gate temperatures (TRL's defaults).
         vespo_gamma: VESPO's ``(k_pos, lambda_pos, k_neg, lambda_neg)`` (TRL's defaults).
         sampling_log_probs: ``(B, T)`` the sampling engine's log-probs (vLLM's) when it is not

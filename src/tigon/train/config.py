@@ -577,8 +577,8 @@ def _check_grpo_variant(cfg: RLHFConfig) -> None:
     if cfg.delta is not None:
         if cfg.loss_type in ("cispo", "sapo", "vespo"):
             raise SFTError(f"--delta caps the clipped ratio, which --loss-type {cfg.loss_type} has not")
-        if not cfg.delta > 0:
-            raise SFTError(f"--delta must be > 0 (INTELLECT-2 takes it above 1 + --epsilon-high), got {cfg.delta}")
+        if not cfg.delta > 1:
+            raise SFTError(f"--delta must be > 1 (INTELLECT-2 takes it above 1 + --epsilon-high), got {cfg.delta}")
     for key in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
         if not getattr(cfg, key) > 0:
             raise SFTError(f"--{key.replace('_', '-')} must be > 0, got {getattr(cfg, key)}")
