@@ -459,7 +459,8 @@ class RLHFConfig(SFTConfig):
     epsilon_high: float | None = _opt(None, "grpo: the clip range's upper side (default: --epsilon; DAPO uses 0.28); "
                                       "cispo: the cap on the ratio itself (ScaleRL uses 5)")
     delta: float | None = _opt(None, "grpo: two-sided clipping (INTELLECT-2): the ratio is also capped at this, "
-                               "which binds for negative advantages (the clipped losses; above 1 + --epsilon-high)")
+                               "which binds for negative advantages (the clipped losses; > 1, INTELLECT-2 takes it above "
+                               "1 + --epsilon-high) (default: none)")
     sapo_temperature_pos: float = _opt(1.0, "grpo, sapo: the gate's temperature for positive advantages")
     sapo_temperature_neg: float = _opt(1.05, "grpo, sapo: the gate's temperature for the other advantages")
     vespo_k_pos: float = _opt(2.0, "grpo, vespo: the gamma weight's power for advantages >= 0")
