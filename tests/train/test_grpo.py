@@ -125,7 +125,8 @@ def test_vllm_importance_sampling_equals_trls(tiny_grpo, tmp_path, loss_type, mo
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("loss_type, beta, old", [("grpo", 0.04, True), ("dapo", 0.0, True), ("gspo", 0.04, True)])
+@pytest.mark.parametrize("loss_type, beta, old", [("grpo", 0.04, True), ("dapo", 0.0, True), ("gspo", 0.04, True),
+                                                  ("sapo", 0.04, True), ("vespo", 0.04, True), ("luspo", 0.0, True)])
 def test_gpu_fused_kernels_equal_trls_compute_loss(tiny_grpo, tmp_path, monkeypatch, loss_type, beta, old):
     """The same on the GPU with `linear_policy_loss`'s Triton kernels (fp32; TF32-level tolerance)."""
     monkeypatch.delenv("TIGON_DISABLE")

@@ -43,20 +43,21 @@ and only its gradient remains.
 
 How it runs. The loss is a sum over tokens of terms whose derivative c_i = dloss/dlogp_i is known
 once logp_i is (token level), or once the whole completion's logps are (sequence level: rho
-depends on all of them; so do VESPO's w_s and a per-completion sampler weight, whatever the
-level). Per chunk of rows: one GEMM for the logits, a Triton pass for each row's logp, lse and
-entropy (linear_log_probs' kernels), c_i in closed form (a few torch ops over the chunk's
-tokens), a second Triton pass that turns the logits into ``c_i (onehot - softmax) / T``
-in place, and the gradient GEMMs dH = G @ W and dW += G.T @ H: three GEMMs, no recompute, the
-gradients formed in forward and scaled by the upstream gradient in backward. Token-level chunks
-are any rows (`max_chunk_bytes`, default 224 MiB). Sequence-level chunks hold whole completions,
-so that the one pass (three GEMMs) still works: a completion's logits cost more memory than the
-token-level chunk (263 MB for 1024 tokens at V = 128256 in bf16) but far less than a fourth GEMM
-over the batch costs time, so the default budget grows to one completion (up to 1.5 GiB). Past
-that, or past an explicit budget, the head runs two passes: logps first, then the gradients with
-the known c_i, one GEMM more. A frozen head (LoRA) never needs whole completions: forward forms
-each row's unit gradient ``(onehot - p) / T @ W`` while its logits are at hand and scales it by
-c_i at the end (two GEMMs, any level).
+depends on all of them; so do VESPO's w_s and, without `old_log_probs`, a per-completion sampler
+weight, whatever the level; with them v is formed once, before the chunks). Per chunk of rows: one
+GEMM for the logits, a Triton pass for each row's logp, lse and entropy (linear_log_probs'
+kernels), c_i in closed form (a few torch ops over the chunk's tokens), a second Triton pass that
+turns the logits into ``c_i (onehot - softmax) / T`` in place, and the gradient GEMMs dH = G @ W
+and dW += G.T @ H: three GEMMs, no recompute, the gradients formed in forward and scaled by the
+upstream gradient in backward. Token-level chunks are any rows (`max_chunk_bytes`, default 224
+MiB). Sequence-level chunks hold whole completions, so that the one pass (three GEMMs) still
+works: a completion's logits cost more memory than the token-level chunk (263 MB for 1024 tokens
+at V = 128256 in bf16) but far less than a fourth GEMM over the batch costs time, so the default
+budget grows to one completion (up to 1.5 GiB). Past that, or past an explicit budget, the head
+runs two passes: logps first, then the gradients with the known c_i, one GEMM more. A frozen head
+(LoRA) never needs whole completions: forward forms each row's unit gradient
+``(onehot - p) / T @ W`` while its logits are at hand and scales it by c_i at the end (two GEMMs,
+any level).
 
 Extra memory: the logits chunk plus O(B T) fp32 scalars. Unscored tokens add nothing, whatever
 old, ref or the advantage hold there (the kernels never read their logits), but their rows still
@@ -120,12 +121,14 @@ class PolicyTokens(NamedTuple):
     advantages: torch.Tensor
     old: torch.Tensor | None
     ref: torch.Tensor | None
-    sampling: torch.Tensor | None  # the sampling engine's log-probs (vLLM's)
+    sampling: torch.Tensor | None  # the sampling engine's log-probs (vLLM's), without `old`
+    sampling_weight: torch.Tensor | None  # with `old`: the sampler's weight v, formed up front
 
 
 def whole_completions(options: PolicyOptions, tokens: PolicyTokens) -> bool:
     """Whether a token's d loss / d logp needs its whole completion's logps: a sequence-level
-    ratio, VESPO's sequence weight, or a sequence-level sampling weight computed from them."""
+    ratio, VESPO's sequence weight, or a sequence-level sampler weight that compares the sampler
+    with the current policy (no `old`)."""
     sequence_weight = tokens.sampling is not None and options.sampling_mode.startswith("sequence")
     return options.level == "sequence" or options.loss_type == "vespo" or sequence_weight
 
@@ -144,29 +147,33 @@ def _by_sign(positive, like, if_true, if_false):
 
 class _Ratios(NamedTuple):
     rho: torch.Tensor  # the policy's importance ratio: per token, or per group at sequence level
-    sampling: torch.Tensor | None  # the sampler's truncated (or masked) weight, detached
+    sampling: torch.Tensor | None  # the sampler's truncated (or masked) weight v, detached
     phi: torch.Tensor | None  # VESPO's gamma weight, detached
 
 
-def _ratios(options, logp, scored, advantages, old, sampling) -> _Ratios:
+def _sampling_weight(options, scored, old, sampling):
+    """The sampler's weight v of (G, L) tensors, whole completions for the sequence modes (one
+    column then): exp(old - sampler) truncated to, or zeroed outside, [C_min, C_max]."""
+    # TRL: a token the sampler left without a log-prob (NaN) is not corrected (its weight is 1).
+    gap = torch.nan_to_num(torch.where(scored, old - sampling, 0.0), nan=0.0)
+    if options.sampling_mode.startswith("sequence"):
+        gap = gap.sum(-1, keepdim=True)
+    weight = torch.exp(gap)
+    low, high = options.sampling_clip
+    if options.sampling_mode.endswith("truncate"):
+        return weight.clamp(low, high)
+    return torch.where((weight < low) | (weight > high), 0.0, weight)
+
+
+def _ratios(options, logp, scored, advantages, old, sampling, weight) -> _Ratios:
     """The ratios of grouped (G, L) tensors. Without `old`, old = logp detached: rho is 1 with
     rho's gradient, and the sampler's weight compares the sampler with the current policy."""
     base = logp.detach() if old is None else old
     log_ratio = torch.where(scored, logp - base, 0.0)
     if options.level == "sequence":
         log_ratio = log_ratio.sum(-1, keepdim=True) / scored.sum(-1, keepdim=True).clamp(min=1)
-    weight = None
     if sampling is not None:
-        # TRL: a token the sampler left without a log-prob (NaN) is not corrected (its weight is 1).
-        gap = torch.nan_to_num(torch.where(scored, base - sampling, 0.0), nan=0.0)
-        if options.sampling_mode.startswith("sequence"):
-            gap = gap.sum(-1, keepdim=True)
-        weight = torch.exp(gap)
-        low, high = options.sampling_clip
-        if options.sampling_mode.endswith("truncate"):
-            weight = weight.clamp(low, high)
-        else:
-            weight = torch.where((weight < low) | (weight > high), 0.0, weight)
+        weight = _sampling_weight(options, scored, base, sampling)
     phi = None
     if options.loss_type == "vespo":
         # VESPO's w: the completion's whole ratio (a product over its tokens, not GSPO's geometric
@@ -201,10 +208,10 @@ def _clipped(options, rho, advantages):
     return low, high
 
 
-def _objective(options, logp, scored, weights, advantages, old, ref, sampling):
+def _objective(options, logp, scored, weights, advantages, old, ref, sampling, given_weight):
     """The loss from grouped (G, L) tensors, written as its formula (autograd differentiates it on
     the reference path)."""
-    rho, weight, phi = _ratios(options, logp, scored, advantages, old, sampling)
+    rho, weight, phi = _ratios(options, logp, scored, advantages, old, sampling, given_weight)
     loss_type = options.loss_type
     if loss_type == "cispo":
         policy = -rho.detach().clamp(max=options.epsilon_high) * advantages * logp
@@ -224,11 +231,11 @@ def _objective(options, logp, scored, weights, advantages, old, ref, sampling):
     return torch.where(scored, weights * policy, 0.0).sum()
 
 
-def _coefficients(options, logp, scored, weights, advantages, old, ref, sampling):
+def _coefficients(options, logp, scored, weights, advantages, old, ref, sampling, given_weight):
     """d loss / d logp for grouped (G, L) tensors, in closed form: through rho (at sequence level
     each token of a group moves it by rho / n_group), and through the token's own logp (CISPO's
     and VESPO's detached weights times logp, the KL term)."""
-    rho, weight, phi = _ratios(options, logp, scored, advantages, old, sampling)
+    rho, weight, phi = _ratios(options, logp, scored, advantages, old, sampling, given_weight)
     loss_type = options.loss_type
     d_rho = own = None
     if loss_type == "cispo":
@@ -404,7 +411,8 @@ def policy_metrics(
     total = counts.sum().clamp(min=1)
     advantages = tokens.advantages.view(scored.shape)
     rho, _, phi = _ratios(options, logp.view(scored.shape), scored, advantages,
-                          *(None if t is None else t.view(scored.shape) for t in (tokens.old, tokens.sampling)))
+                          *(None if t is None else t.view(scored.shape)
+                            for t in (tokens.old, tokens.sampling, tokens.sampling_weight)))
     if per_sequence_advantages:  # TRL's flags and weights are then one per completion
         advantages = advantages[:, :1]
         phi = None if phi is None else phi[:, :1]
@@ -474,7 +482,8 @@ def _reference(hidden, weight, target, bias, tokens, options, per_sequence_advan
 # Inside torch.compile: the policy's pass (the loss and its gradients, formed in forward) as a
 # library op; the per-token inputs and the metrics are torch ops around it. The options travel as
 # PolicyOptions' fields in order (its pairs and quadruple as float lists).
-def _loss_fake(hidden, weight, bias, target, scored, weights, advantages, old, ref, sampling, *options_and_rest):
+def _loss_fake(hidden, weight, bias, target, scored, weights, advantages, old, ref, sampling, sampling_weight,
+               *options_and_rest):
     n_tokens = scored.shape[0]
     return (
         hidden.new_empty((), dtype=torch.float32), hidden.new_empty((n_tokens,), dtype=torch.float32),
@@ -486,19 +495,19 @@ def _loss_fake(hidden, weight, bias, target, scored, weights, advantages, old, r
 @library_op(
     "linear_policy_loss",
     "(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, Tensor scored, Tensor weights, Tensor advantages, "
-    "Tensor? old, Tensor? ref, Tensor? sampling, str loss_type, str level, float beta, float epsilon_low, "
-    "float epsilon_high, float temperature, bool kl_bias_correction, float delta, float[] sapo_temperatures, "
-    "float[] vespo, str sampling_mode, float[] sampling_clip, int? max_chunk_bytes, bool need_hidden, "
-    "bool need_weight, bool need_bias) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "Tensor? old, Tensor? ref, Tensor? sampling, Tensor? sampling_weight, str loss_type, str level, float beta, "
+    "float epsilon_low, float epsilon_high, float temperature, bool kl_bias_correction, float delta, "
+    "float[] sapo_temperatures, float[] vespo, str sampling_mode, float[] sampling_clip, int? max_chunk_bytes, "
+    "bool need_hidden, bool need_weight, bool need_bias) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     _loss_fake,
 )
-def _loss_op(hidden, weight, bias, target, scored, weights, advantages, old, ref, sampling, loss_type, level, beta,
-             epsilon_low, epsilon_high, temperature, kl_bias_correction, delta, sapo_temperatures, vespo, sampling_mode,
-             sampling_clip, max_chunk_bytes, need_hidden, need_weight, need_bias):
+def _loss_op(hidden, weight, bias, target, scored, weights, advantages, old, ref, sampling, sampling_weight, loss_type,
+             level, beta, epsilon_low, epsilon_high, temperature, kl_bias_correction, delta, sapo_temperatures, vespo,
+             sampling_mode, sampling_clip, max_chunk_bytes, need_hidden, need_weight, need_bias):
     """(loss, flat logp, flat entropy, the gradients of hidden, weight and bias or empty)."""
     options = PolicyOptions(loss_type, level, beta, epsilon_low, epsilon_high, temperature, kl_bias_correction, delta,
                             tuple(sapo_temperatures), tuple(vespo), sampling_mode, tuple(sampling_clip))
-    tokens = PolicyTokens(scored, weights, advantages, old, ref, sampling)
+    tokens = PolicyTokens(scored, weights, advantages, old, ref, sampling, sampling_weight)
     plan = _plan(hidden, weight, target, whole_completions(options, tokens), need_weight or need_bias, max_chunk_bytes)
     loss, logp, entropy, grads = _loss_and_pass(
         hidden, weight, bias, target, tokens, options, plan, (need_hidden, need_weight, need_bias)
@@ -739,10 +748,13 @@ def linear_policy_loss(
     dtype = torch.promote_types(hidden.dtype, torch.float32)  # of the per-token math (fp64 for fp64)
     old = None if old_log_probs is None else _per_token("old_log_probs", old_log_probs, shape, device, dtype)
     ref = None if ref_log_probs is None else _per_token("ref_log_probs", ref_log_probs, shape, device, dtype)
-    sampling = None
+    scored = torch.ones(shape, dtype=torch.bool, device=device) if mask is None else mask != 0
+    sampling = sampler_weight = None
     if sampling_log_probs is not None:
         sampling = _per_token("sampling_log_probs", sampling_log_probs, shape, device, dtype)
-    scored = torch.ones(shape, dtype=torch.bool, device=device) if mask is None else mask != 0
+        if old is not None:  # a constant: formed once, not per chunk (nor over whole completions)
+            sampler_weight = _sampling_weight(options, scored, old.view(shape), sampling.view(shape))
+            sampling, sampler_weight = None, sampler_weight.expand(shape).reshape(-1)
     advantages = advantages.detach().to(dtype)
     per_sequence_advantages = advantages.dim() == 1
     if per_sequence_advantages:
@@ -750,7 +762,7 @@ def linear_policy_loss(
     tokens = PolicyTokens(
         scored.reshape(-1),
         _token_weights(loss_type, scored, max_completion_length or shape[1], num_items_in_batch, dtype).reshape(-1),
-        advantages.expand(shape).reshape(-1), old, ref, sampling,
+        advantages.expand(shape).reshape(-1), old, ref, sampling, sampler_weight,
     )
     return LINEAR_POLICY_LOSS(
         None, hidden, weight, torch.where(scored, target, UNSCORED), bias, tokens, options, per_sequence_advantages,
