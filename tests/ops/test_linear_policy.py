@@ -640,3 +640,18 @@ def test_variants_bf16_on_gpu(name, frozen):
     compare_fwd_bwd(_ours_variant(kw, target, mask, adv, old, ref, sampling),
                     lambda h, w, b: trl(h.bfloat16(), w.bfloat16(), b.bfloat16()), (h, w, b), torch.bfloat16,
                     name=f"bf16 {name} frozen={frozen}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw,on_policy", [
+    (dict(loss_type="vespo", importance_sampling_mode="token_mask"), False),
+    (dict(loss_type="dapo", delta=1.3, importance_sampling_mode="sequence_truncate"), True),
+    (dict(loss_type="cispo", epsilon_high=5.0), False), (dict(loss_type="sapo"), False), (dict(loss_type="luspo"), False),
+])
+def test_variants_no_host_sync_on_gpu(kw, on_policy):
+    h, w, b, target, mask, adv = _gpu_inputs(8, 500, 1024, 32064, bias=True)
+    old = torch.full(target.shape, -10.0, device="cuda")
+    sampling = old - 0.2 * torch.randn_like(old) if "importance_sampling_mode" in kw else None
+    run_without_host_sync(lambda: (F.linear_policy_loss(
+        h, w, target, None if on_policy else old, adv, mask=mask, bias=b, sampling_log_probs=sampling, **kw,
+    )[0] * 0.5).backward())
