@@ -84,8 +84,9 @@ OPCHECK_CASES = {
                                        "dpo", 0.1, 0.1, 0.5, 0.5, 1.0, 1.0, 0.05, -100, True, 1800, True, True, False),
     "linear_policy_loss": lambda: (_t(3, 5, 16, grad=True), _t(37, 16, grad=True), _t(37, grad=True),
                                    torch.randint(0, 37, (3, 5)), torch.rand(15) > 0.2, torch.rand(15) / 15, _t(15),
-                                   _t(15) - 4, _t(15) - 4, "grpo", "token", 0.04, 0.2, 0.28, 0.9, False, 600,
-                                   True, True, True),
+                                   _t(15) - 4, _t(15) - 4, None, torch.rand(15) + 0.5, "grpo", "token", 0.04, 0.2,
+                                   0.28, 0.9, False, 1.5, [1.0, 1.05], [2.0, 3.0, 3.0, 2.0], "token_truncate",
+                                   [0.0, 3.0], 600, True, True, True),
     "linear_distill_loss": lambda: (_t(2, 5, 16, grad=True), _t(37, 16, grad=True), None, _t(2, 5, 12), _t(37, 12),
                                     _t(37), _target(2, 5), torch.tensor(1 / 9), "jsd", 0.3, 2.0, 0.25, -100, 1200,
                                     True, True, False),
@@ -216,8 +217,11 @@ def _fused_case(name):
                                                          average_log_probs=True)), (h, w, b)
     if name == "linear_policy_loss":
         old, ref, mask, advantages = _t(4, 6) - 4, _t(4, 6) - 4, torch.rand(4, 6) > 0.2, _t(4)
-        return (lambda h, w, b: F.linear_policy_loss(h, w, target.clamp(min=0), old, advantages, ref_log_probs=ref,
-                                                     beta=0.04, loss_type="gspo", mask=mask, bias=b)), (h, w, b)
+        sampling = old + torch.rand(4, 6)  # the sampler's: a sequence-level weight, capped and clipped below
+        return (lambda h, w, b: F.linear_policy_loss(
+            h, w, target.clamp(min=0), old, advantages, ref_log_probs=ref, beta=0.04, loss_type="luspo", delta=1.3,
+            mask=mask, bias=b, sampling_log_probs=sampling, importance_sampling_mode="sequence_truncate",
+            importance_sampling_clip_min=0.5)), (h, w, b)
     if name == "linear_distill_loss":
         teacher_h, teacher_w = _t(4, 6, 12), _t(37, 12)
         return (lambda h, w, b: F.linear_distill_loss(h, w, teacher_h, teacher_w, target, loss="tvd", temperature=2.0,

@@ -7,8 +7,10 @@ import torch
 import torch.nn.functional as TF
 
 import tigon.functional as F
-from tests.helpers import assert_close, compare_fwd_bwd, count_gemms, peak_bytes_beyond_grads, run_without_host_sync
-from tigon.bench.ops.rl import trl_grpo_inputs, trl_grpo_trainer
+from tests.helpers import (
+    REL_TOL, assert_close, compare_fwd_bwd, count_gemms, peak_bytes_beyond_grads, run_without_host_sync,
+)
+from tigon.bench.ops.rl import trl_grpo_inputs, trl_grpo_trainer, trl_sampling_ratio
 
 B, T, H = 5, 6, 19  # 5 completions padded to 6 tokens, an odd hidden size
 LENGTHS = [6, 4, 5, 2, 6]
@@ -349,6 +351,175 @@ def test_matches_trl_grpo_trainer(poison_outputs, device, loss_type, level, beta
         assert_close(metrics[key], torch.tensor(logged[key][0], dtype=torch.float32), name=f"metric {key}")
 
 
+# The variants of issue 42 against TRL's own _compute_loss on the same log-probs (the stand-in
+# above). TRL forms the vLLM importance-sampling ratio in _generate_and_score_completions, which
+# does not run standalone: trl_sampling_ratio writes it from that definition, and TRL's
+# _compute_loss applies it.
+
+VARIANTS = {
+    "cispo": dict(loss_type="cispo", epsilon_high=1.3, beta=0.04),
+    "cispo sequence": dict(loss_type="cispo", importance_level="sequence", epsilon_high=1.3),
+    "sapo": dict(loss_type="sapo", beta=0.04, kl_bias_correction=True),
+    # TRL picks SAPO's temperature by torch.where on Python floats, in fp32: 1.05 there is 1.05 to 8
+    # digits, so the float64 comparison takes temperatures that fp32 holds exactly.
+    "sapo sequence": dict(loss_type="sapo", importance_level="sequence", sapo_temperature_pos=0.75,
+                          sapo_temperature_neg=1.5),
+    "luspo": dict(loss_type="luspo", beta=0.02),
+    "luspo token": dict(loss_type="luspo", importance_level="token"),
+    "vespo": dict(loss_type="vespo", beta=0.04),
+    "vespo gamma": dict(loss_type="vespo", vespo_gamma=(1.5, 2.5, 2.0, 1.0), kl_bias_correction=True, beta=0.04),
+    "delta": dict(loss_type="dapo", delta=1.3, epsilon_high=0.28, beta=0.04),
+    "delta luspo": dict(loss_type="luspo", importance_level="token", delta=1.3, beta=0.04),
+    "delta inside the clip": dict(loss_type="bnpo", delta=1.1, epsilon_high=0.28),  # the cap binds for A > 0 too
+    "token_truncate": dict(loss_type="grpo", beta=0.04, importance_sampling_mode="token_truncate"),
+    "token_mask": dict(loss_type="dapo", importance_sampling_mode="token_mask", importance_sampling_clip_min=0.5),
+    "sequence_truncate": dict(loss_type="bnpo", importance_sampling_mode="sequence_truncate",
+                              importance_sampling_clip_min=0.6),
+    "sequence_mask": dict(loss_type="cispo", epsilon_high=1.3, importance_sampling_mode="sequence_mask",
+                          importance_sampling_clip_min=0.5),
+    "sequence_mask gspo": dict(loss_type="gspo", beta=0.04, importance_sampling_mode="sequence_mask"),
+    "token_mask sapo": dict(loss_type="sapo", importance_sampling_mode="token_mask", importance_sampling_clip_min=0.5),
+    "token_truncate vespo": dict(loss_type="vespo", importance_sampling_mode="token_truncate",
+                                 importance_sampling_clip_min=0.5),
+    "token_mask vespo": dict(loss_type="vespo", importance_sampling_mode="token_mask",
+                             importance_sampling_clip_max=2.0),
+}
+
+
+def _level(kw):
+    return kw.get("importance_level") or ("sequence" if kw["loss_type"] in ("gspo", "luspo") else "token")
+
+
+def _variant_inputs(kw, h, w, b, target, mask):
+    """(old, ref or None, the sampler's log-probs or None): sampler log-probs off the old ones by
+    enough that the weight's bounds bind, one of them NaN (vLLM gave none: TRL leaves it uncorrected)."""
+    old, ref = _old_and_ref(h, w, b, target, mask, _level(kw))
+    sampling = None
+    if "importance_sampling_mode" in kw:
+        # log(old / sampler) per token: beyond log 3 and below log 0.5 along every completion
+        gaps = torch.tensor([-1.5, -0.3, 0.2, 1.4, 0.0, -0.8], device=old.device)
+        position = torch.arange(B, device=old.device)[:, None] + torch.arange(T, device=old.device)
+        sampling = old - gaps[position % 6] - 0.1 * torch.rand_like(old)
+        sampling[0, 1] = float("nan")
+    return old, ref if kw.get("beta") else None, sampling
+
+
+def _trl_variant(kw, target, mask, adv, old, ref, sampling, trainers):
+    grpo_trainer = pytest.importorskip("trl.trainer.grpo_trainer")
+    mode = kw.get("importance_sampling_mode")
+
+    def fn(h, w, b):
+        logps, entropies = _log_probs(h, w, b, target)
+        trainers.append(trl_grpo_trainer(
+            lambda: (logps, entropies), loss_type="grpo" if kw["loss_type"] == "gspo" else kw["loss_type"],
+            importance_level=_level(kw), beta=kw.get("beta", 0.0), epsilon_high=kw.get("epsilon_high", 0.2),
+            kl_bias_correction=kw.get("kl_bias_correction", False), max_completion_length=T, delta=kw.get("delta"),
+            sapo_temperatures=(kw.get("sapo_temperature_pos", 1.0), kw.get("sapo_temperature_neg", 1.05)),
+            vespo_gamma=kw.get("vespo_gamma", (2.0, 3.0, 3.0, 2.0)), sampling_correction=mode is not None,
+        ))
+        ratio = None if mode is None else trl_sampling_ratio(
+            old.double(), sampling.double(), mask, mode, kw.get("importance_sampling_clip_min"),
+            kw.get("importance_sampling_clip_max", 3.0),
+        )
+        inputs = trl_grpo_inputs(target, mask, adv.double(), old.double(), None if ref is None else ref.double(), ratio)
+        return grpo_trainer.GRPOTrainer._compute_loss(trainers[-1], None, inputs)
+
+    return fn
+
+
+def _ours_variant(kw, target, mask, adv, old, ref, sampling, budget=None):
+    return _ours(target, mask, old, adv, ref, budget, sampling_log_probs=sampling, **kw)
+
+
+@pytest.mark.parametrize(
+    "name,dtype,vocab",
+    [(name, torch.float32, 1031) for name in VARIANTS]
+    + [(name, torch.float16, 257) for name in ("cispo", "sapo", "luspo", "vespo", "delta", "token_truncate",
+                                               "sequence_mask")]
+    + [(name, torch.float64, 257) for name in ("cispo sequence", "sapo sequence", "luspo", "vespo gamma", "delta luspo",
+                                               "sequence_truncate", "token_mask vespo")],
+)
+def test_variants_match_trl_grpo_trainer(poison_outputs, device, name, dtype, vocab):
+    # float64 runs the PyTorch reference (the fallback); fp32/fp16 the kernels.
+    kw = VARIANTS[name]
+    h, w, b, target, mask, adv = _inputs(dtype, device, vocab)
+    old, ref, sampling = _variant_inputs(kw, h, w, b, target, mask)
+    trainers = []
+    tol = 4e-3 if dtype == torch.float16 else None  # as test_matches_paper_formula's fp16 bound
+    compare_fwd_bwd(_ours_variant(kw, target, mask, adv, old, ref, sampling), _trl_variant(
+        kw, target, mask, adv, old, ref, sampling, trainers), (h, w, b), name=f"TRL {name}", tol=tol)
+    with torch.no_grad():
+        _, metrics = F.linear_policy_loss(h, w, target, old, adv, ref_log_probs=ref, mask=mask, bias=b,
+                                          sampling_log_probs=sampling, **kw)
+    logged = trainers[0]._metrics["train"]
+    assert set(metrics) == set(logged)
+    for key in logged:
+        value = metrics[key]
+        # TRL averages its clip flags in fp32
+        assert_close(value, torch.tensor(logged[key][0], dtype=value.dtype), max(dtype, torch.float32, key=REL_TOL.get),
+                     name=f"metric {key}")
+
+
+@pytest.mark.parametrize("name,bound", [
+    ("cispo", "the cap"), ("delta", "the cap"), ("delta luspo", "the cap"), ("token_truncate", "the sampler's weight"),
+    ("token_mask", "the sampler's weight"), ("sequence_truncate", "the sampler's weight"),
+    ("sequence_mask", "the sampler's weight"), ("token_truncate vespo", "the sampler's weight"),
+])
+def test_variant_bounds_bind(device, name, bound):
+    # The comparisons above prove something only where the cap or the weight's bounds change the
+    # loss and its gradient: without them both differ.
+    kw = dict(VARIANTS[name])
+    h, w, b, target, mask, adv = _inputs(torch.float32, device)
+    old, ref, sampling = _variant_inputs(kw, h, w, b, target, mask)
+    loose = dict(kw)
+    if bound == "the cap":
+        loose.pop("delta", None)
+        loose["epsilon_high"] = 1e6 if kw["loss_type"] == "cispo" else kw.get("epsilon_high", 0.2)
+    else:
+        loose.update(importance_sampling_mode=kw["importance_sampling_mode"].split("_")[0] + "_truncate",
+                     importance_sampling_clip_min=None, importance_sampling_clip_max=None)
+    grads = []
+    for options in (kw, loose):
+        h.grad = None
+        F.linear_policy_loss(h, w, target, old, adv, ref_log_probs=ref, mask=mask, bias=b, sampling_log_probs=sampling,
+                             **options)[0].backward()
+        grads.append(h.grad.clone())
+    assert not torch.allclose(*grads, rtol=1e-3), f"{bound} of {name} changes no gradient"
+
+
+@pytest.mark.parametrize("name,plan", [
+    ("vespo", "one completion per chunk"), ("vespo", "two passes"), ("vespo gamma", "two passes, frozen head"),
+    ("sequence_mask", "two completions per chunk"), ("sequence_truncate", "two passes"),
+    ("sequence_mask gspo", "two passes, frozen head"), ("token_mask", "token chunks of 4 rows"),
+    ("luspo", "two passes"), ("cispo sequence", "frozen head"),
+])
+def test_variant_chunking_plans(poison_outputs, device, name, plan):
+    # VESPO's weight and a per-completion sampler weight need whole completions, as a
+    # sequence-level ratio does: chunks of whole completions, or two passes.
+    kw = VARIANTS[name]
+    h, w, b, target, mask, adv = _inputs(torch.float32, device)
+    old, ref, sampling = _variant_inputs(kw, h, w, b, target, mask)
+    rows = {"token chunks of 4 rows": 4, "one completion per chunk": T, "two completions per chunk": 2 * T}
+    budget = rows.get(plan, T - 1) * 257 * 4
+    if "frozen" in plan:
+        w.requires_grad_(False)
+        b.requires_grad_(False)
+    compare_fwd_bwd(_ours_variant(kw, target, mask, adv, old, ref, sampling, budget),
+                    _trl_variant(kw, target, mask, adv, old, ref, sampling, []), (h, w, b), name=plan)
+
+
+def test_sampling_weight_on_policy_compares_the_sampler_with_the_policy(poison_outputs, device):
+    # Without old_log_probs the sampler's weight is exp(logp - sampler), logp detached: as if the
+    # trainer's own log-probs had been passed as the old ones.
+    h, w, b, target, mask, adv = _inputs(torch.float32, device)
+    with torch.no_grad():
+        own, _ = _log_probs(h, w, b, target)
+    sampling = own.float() - 0.6 * torch.randn(B, T, device=device)
+    kw = dict(loss_type="grpo", importance_sampling_mode="sequence_truncate", importance_sampling_clip_min=0.5)
+    compare_fwd_bwd(_ours_variant(kw, target, mask, adv, None, None, sampling),
+                    _ours_variant(kw, target, mask, adv, own, None, sampling), (h, w, b), name="on-policy sampler")
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [
@@ -362,7 +533,7 @@ def test_matches_trl_grpo_trainer(poison_outputs, device, loss_type, level, beta
         (dict(temperature=0.0), "temperature must be a positive float"),
         (dict(max_completion_length=8), "max_completion_length is Dr. GRPO's divisor"),
         (dict(loss_type="dr_grpo", max_completion_length=0), "max_completion_length must be a positive int"),
-        (dict(num_items_in_batch=10), "num_items_in_batch is DAPO's divisor"),
+        (dict(num_items_in_batch=10), "num_items_in_batch is the divisor of DAPO, CISPO and VESPO"),
         (dict(loss_type="dapo", num_items_in_batch=[3]), "num_items_in_batch must be"),
         (dict(kl_bias_correction=1), "kl_bias_correction must be a bool"),
         (dict(max_chunk_bytes=0), "max_chunk_bytes must be a positive int"),
@@ -370,6 +541,18 @@ def test_matches_trl_grpo_trainer(poison_outputs, device, loss_type, level, beta
         (dict(old=torch.zeros(4, 2)), r"old_log_probs must have shape \(4, 3\)"),
         (dict(ref_log_probs=torch.zeros(4, 3, dtype=torch.long)), "ref_log_probs must be a floating-point tensor"),
         (dict(mask=torch.ones(4, 2)), r"mask must be a tensor of shape \(4, 3\)"),
+        (dict(loss_type="sapo", delta=1.5), "delta caps the ratio of the clipped losses"),
+        (dict(delta=1.0), "delta must be a float > 1"),
+        (dict(loss_type="sapo", sapo_temperature_neg=0.0), "sapo_temperature_neg must be a positive float"),
+        (dict(loss_type="vespo", vespo_gamma=(2.0, 0.0, 3.0, 2.0)), "vespo's lambda_pos must be a positive float"),
+        (dict(vespo_gamma=(-1.0, 3.0, 3.0, 2.0)), "vespo's k_pos must be a non-negative float"),
+        (dict(vespo_gamma=(1.0, 3.0)), "vespo_gamma must be"),
+        (dict(importance_sampling_mode="token"), "importance_sampling_mode must be one of"),
+        (dict(loss_type="vespo", sampling_log_probs=torch.zeros(4, 3)), "VESPO folds the sampler's"),
+        (dict(importance_sampling_clip_min=-1.0), "importance_sampling_clip_min must be a non-negative float"),
+        (dict(importance_sampling_clip_min=4.0), r"importance_sampling_clip_min \(4.0\) must not exceed"),
+        (dict(sampling_log_probs=torch.zeros(4, 2)), r"sampling_log_probs must have shape \(4, 3\)"),
+        (dict(loss_type="luspo", num_items_in_batch=10), "num_items_in_batch is the divisor"),
         (dict(h=torch.randn(12, 8), t=torch.zeros(12, dtype=torch.long)), r"hidden must have shape \(completions"),
         (dict(h=torch.randn(0, 3, 8), t=torch.zeros(0, 3, dtype=torch.long), adv=torch.zeros(0)), "at least one completion"),
     ],
@@ -438,3 +621,37 @@ def test_no_host_sync_on_gpu(level):
     ref = torch.full(target.shape, -10.5, device="cuda")
     kw = dict(ref_log_probs=ref, beta=0.04, mask=mask, bias=b, importance_level=level)
     run_without_host_sync(lambda: (F.linear_policy_loss(h, w, target, old, adv, **kw)[0] * 0.5).backward())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["cispo", "sapo", "luspo", "vespo gamma", "delta", "token_truncate", "sequence_mask",
+                                  "token_mask vespo"])
+@pytest.mark.parametrize("frozen", [False, True])
+def test_variants_bf16_on_gpu(name, frozen):
+    # Against TRL's _compute_loss on the bf16 logits (float64 from there on).
+    kw = VARIANTS[name]
+    h, w, b, target, mask, adv = _gpu_inputs(8, 500, 1024, 32064, bias=True, trainable=not frozen)
+    with torch.no_grad():
+        logp, _ = _log_probs(h, w, b, target)
+    old = (logp - 0.3 * torch.randn_like(logp)).float()
+    ref = (logp + 0.2 * torch.randn_like(logp)).float() if kw.get("beta") else None
+    sampling = (old - 0.6 * torch.randn_like(old)) if "importance_sampling_mode" in kw else None
+    trl = _trl_variant(kw, target, mask, adv, old, ref, sampling, [])
+    compare_fwd_bwd(_ours_variant(kw, target, mask, adv, old, ref, sampling),
+                    lambda h, w, b: trl(h.bfloat16(), w.bfloat16(), b.bfloat16()), (h, w, b), torch.bfloat16,
+                    name=f"bf16 {name} frozen={frozen}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw,on_policy", [
+    (dict(loss_type="vespo", importance_sampling_mode="token_mask"), False),
+    (dict(loss_type="dapo", delta=1.3, importance_sampling_mode="sequence_truncate"), True),
+    (dict(loss_type="cispo", epsilon_high=5.0), False), (dict(loss_type="sapo"), False), (dict(loss_type="luspo"), False),
+])
+def test_variants_no_host_sync_on_gpu(kw, on_policy):
+    h, w, b, target, mask, adv = _gpu_inputs(8, 500, 1024, 32064, bias=True)
+    old = torch.full(target.shape, -10.0, device="cuda")
+    sampling = old - 0.2 * torch.randn_like(old) if "importance_sampling_mode" in kw else None
+    run_without_host_sync(lambda: (F.linear_policy_loss(
+        h, w, target, None if on_policy else old, adv, mask=mask, bias=b, sampling_log_probs=sampling, **kw,
+    )[0] * 0.5).backward())

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.train.fused_helpers import argv_of, one_thread_and_references, plain_model, save_tiny
+from tigon.bench.ops.rl import trl_sampling_ratio
 from tigon.cli import main
 from tigon.train import builtin, grpo, rewards, tiny
 from tigon.train.config import RLHFConfig, resolve_rlhf
@@ -90,31 +91,58 @@ def rollout(trainer, completions=4, prompt_len=5, completion_len=7, old=True, re
     return inputs
 
 
-@pytest.mark.parametrize("loss_type, beta, old", [("grpo", 0.04, True), ("dapo", 0.0, True), ("dr_grpo", 0.1, False),
-                                                  ("bnpo", 0.04, True), ("gspo", 0.04, True)])
-def test_fused_loss_and_gradients_equal_trls_compute_loss(tiny_grpo, tmp_path, loss_type, beta, old):
+@pytest.mark.parametrize("loss_type, beta, old, extra", [
+    ("grpo", 0.04, True, {}), ("dapo", 0.0, True, {}), ("dr_grpo", 0.1, False, {}), ("bnpo", 0.04, True, {}),
+    ("gspo", 0.04, True, {}), ("cispo", 0.04, True, dict(epsilon_high=1.2)), ("sapo", 0.04, True, {}),
+    ("luspo", 0.04, True, {}), ("vespo", 0.04, True, dict(vespo_k_neg=2.0)), ("dapo", 0.04, True, dict(delta=1.2)),
+])
+def test_fused_loss_and_gradients_equal_trls_compute_loss(tiny_grpo, tmp_path, loss_type, beta, old, extra):
     """One rollout, two losses: TRL 1.16's `GRPOTrainer._compute_loss` (its logits, unpatched model)
     and tigon's (hidden states and head into `linear_policy_loss`): equal loss, gradient of every
     parameter, and KL / clip-fraction metrics, with accumulation over 2 steps and a clip range
     that some ratios leave."""
-    compare_compute_loss(tiny_grpo, tmp_path, loss_type, beta, old, 1e-4)
+    compare_compute_loss(tiny_grpo, tmp_path, loss_type, beta, old, 1e-4, **extra)
+
+
+@pytest.mark.parametrize("loss_type, mode, low", [("dapo", "token_truncate", None), ("grpo", "sequence_mask", 0.5),
+                                                  ("vespo", "token_mask", 0.5), ("gspo", "sequence_truncate", 0.5)])
+def test_vllm_importance_sampling_equals_trls(tiny_grpo, tmp_path, loss_type, mode, low):
+    """--use-vllm: tigon hands vLLM's sampling log-probs to the fused loss, which forms TRL's
+    importance-sampling weight itself; TRL's loss reads the ratio its generation step formed."""
+    def vllm(trainer, inputs):
+        trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+        trainer.vllm_importance_sampling_mode = mode
+        trainer.vllm_importance_sampling_clip_min = low
+        old, mask = inputs["old_per_token_logps"], inputs["completion_mask"]
+        g = torch.Generator().manual_seed(1)
+        sampling = old + 0.8 * torch.randn(old.shape, generator=g).to(old.device)
+        sampling[0, 0] = float("nan")
+        inputs["sampling_per_token_logps"] = sampling
+        inputs["importance_sampling_ratio"] = trl_sampling_ratio(old, sampling, mask, mode, low)
+        assert ((inputs["importance_sampling_ratio"] - 1).abs() > 0.1).any()
+
+    compare_compute_loss(tiny_grpo, tmp_path, loss_type, 0.04, True, 1e-4, prepare=vllm)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("loss_type, beta, old", [("grpo", 0.04, True), ("dapo", 0.0, True), ("gspo", 0.04, True)])
+@pytest.mark.parametrize("loss_type, beta, old", [("grpo", 0.04, True), ("dapo", 0.0, True), ("gspo", 0.04, True),
+                                                  ("sapo", 0.04, True), ("vespo", 0.04, True), ("luspo", 0.0, True)])
 def test_gpu_fused_kernels_equal_trls_compute_loss(tiny_grpo, tmp_path, monkeypatch, loss_type, beta, old):
     """The same on the GPU with `linear_policy_loss`'s Triton kernels (fp32; TF32-level tolerance)."""
     monkeypatch.delenv("TIGON_DISABLE")
     compare_compute_loss(tiny_grpo, tmp_path, loss_type, beta, old, 2e-3)
 
 
-def compare_compute_loss(tiny_grpo, tmp_path, loss_type, beta, old, rtol):
+def compare_compute_loss(tiny_grpo, tmp_path, loss_type, beta, old, rtol, prepare=None, **extra):
     root, tokenizer = tiny_grpo
-    trainer = trainer_for(root, tokenizer, tmp_path, loss_type=loss_type, beta=beta, epsilon=0.1, epsilon_high=0.15,
-                          grad_accum=2)
+    extra = {"epsilon_high": 0.15, **extra}
+    trainer = trainer_for(root, tokenizer, tmp_path, loss_type=loss_type, beta=beta, epsilon=0.1, grad_accum=2,
+                          **extra)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 2
     inputs = rollout(trainer, old=old, ref=beta > 0)
+    if prepare is not None:
+        prepare(trainer, inputs)
 
     def loss_and_grads(compute):
         trainer.model.zero_grad()
@@ -130,7 +158,9 @@ def compare_compute_loss(tiny_grpo, tmp_path, loss_type, beta, old, rtol):
     for name, grad in their_grads.items():
         torch.testing.assert_close(our_grads[name], grad, rtol=rtol, atol=1e-6, msg=name)
     our_metrics = trainer._averages("train")
-    for key in ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+    for key in ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio",
+                "vespo/phi_seq_mean"):
+        assert (key in our_metrics) == (key in their_metrics), key
         if key in their_metrics:
             assert our_metrics[key] == pytest.approx(their_metrics[key], rel=rtol, abs=1e-6), key
     assert ("kl" in our_metrics) == (beta > 0)
@@ -202,6 +232,31 @@ def test_builtin_default_runs_grpo_after_an_sft_stage(tmp_path, monkeypatch, cap
     assert (out / "final" / "model.safetensors").is_file()
 
 
+@pytest.fixture(scope="module")
+def builtin_sft(tmp_path_factory):
+    """The built-in model after a 2-step sft stage, as `make demo` leaves it, for the runs below."""
+    out = tmp_path_factory.mktemp("builtin-sft")
+    assert main(["sft", "--output-dir", str(out), "--max-steps", "2", "--samples", "0", "--no-kernels"]) == 0
+    return out / "final"
+
+
+@pytest.mark.parametrize("argv, logged", [
+    (["--loss-type", "cispo", "--epsilon-high", "5"], "cispo_clip_ratio"), (["--loss-type", "sapo"], "entropy"),
+    (["--loss-type", "luspo", "--beta", "0.02"], "clip_ratio/region_mean"),
+    (["--loss-type", "vespo"], "vespo/phi_seq_mean"),
+    (["--loss-type", "dr_grpo", "--delta", "1.5"], "clip_ratio/region_mean"),
+])
+def test_builtin_model_trains_with_each_new_loss_type(tmp_path, monkeypatch, builtin_sft, argv, logged):
+    monkeypatch.setattr(builtin, "DEMO_SFT", builtin_sft)
+    out = tmp_path / "run"
+    assert main(["rlhf", "--output-dir", str(out), "--method", "grpo", "--max-steps", "2", "--batch-size", "8",
+                 "--num-generations", "4", "--max-completion-length", "4", "--samples", "0", "--no-kernels",
+                 *argv]) == 0
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(logged in r and r["loss"] == r["loss"] for r in steps)
+
+
 REWARD_FILE = '''
 def fine(prompts, completions, **kwargs):
     return [1.0] * len(completions)
@@ -243,6 +298,14 @@ def words(prompts, completions, **kwargs):
                                                       "multiple of --num-generations (4)"),
     (["--temperature", "0"], "--temperature must be > 0, got 0.0"),
     (["--beta", "-1"], "--beta must be >= 0, got -1.0"),
+    (["--loss-type", "sapo", "--delta", "1.5"], "--delta caps the clipped ratio, which --loss-type sapo has not"),
+    (["--delta", "1"], "--delta must be > 1 (INTELLECT-2 takes it above 1 + --epsilon-high), got 1.0"),
+    (["--loss-type", "sapo", "--sapo-temperature-neg", "0"], "--sapo-temperature-neg must be > 0, got 0.0"),
+    (["--vespo-k-pos", "-1"], "--vespo-k-pos must be >= 0, got -1.0"),
+    (["--vllm-importance-sampling-clip-min", "4"], "--vllm-importance-sampling-clip-min (4.0) must not exceed "
+                                                    "--vllm-importance-sampling-clip-max (3.0)"),
+    (["--loss-type", "vespo", "--vllm-importance-sampling-mode", "sequence_mask"],
+     "--vllm-importance-sampling-mode sequence_mask: vespo folds the correction into its per-token weights"),
 ])
 def test_bad_grpo_input_is_one_line_and_writes_nothing(tmp_path, capsys, argv, message):
     (tmp_path / "r.py").write_text(REWARD_FILE)
@@ -256,9 +319,18 @@ def test_bad_grpo_input_is_one_line_and_writes_nothing(tmp_path, capsys, argv, m
     assert not (tmp_path / "out").exists()
 
 
+def test_unknown_loss_type_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["rlhf", "--method", "grpo", "--output-dir", str(tmp_path / "out"), "--loss-type", "ppo"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("tigon rlhf: error: argument --loss-type: invalid choice: 'ppo' (choose from 'grpo', "), err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--num-generations", "4"], "--num-generations: only for --method grpo, not dpo"),
     (["--reward-funcs", "builtin:format"], "--reward-funcs: only for --method grpo, not dpo"),
+    (["--delta", "1.5"], "--delta: only for --method grpo, not dpo"),
 ])
 def test_grpo_flags_are_refused_for_other_methods(tmp_path, capsys, argv, message):
     assert main(["rlhf", "--output-dir", str(tmp_path / "out"), *argv]) == 2

@@ -375,13 +375,19 @@ def _check_lora_options(cfg: SFTConfig) -> None:
 PREFERENCE_METHODS = ("dpo", "ipo", "kto", "orpo", "simpo", "cpo")
 METHODS = (*PREFERENCE_METHODS, "grpo", "gkd")
 REFERENCE_METHODS = ("dpo", "ipo", "kto")  # the others score the policy alone
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "gspo")  # linear_policy_loss's (gspo: grpo at sequence level)
+# linear_policy_loss's (gspo: grpo at sequence level)
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "gspo", "cispo", "sapo", "luspo", "vespo")
 # dpo's: TRL's DPOTrainer loss types (sigmoid: DPO itself), each linear_preference_loss's method of that name
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "robust", "apo_zero", "apo_down", "sppo_hard", "nca_pair", "bco_pair",
                   "exo_pair", "discopop")
 _LOSS_TYPES = {"grpo": LOSS_TYPES, "dpo": DPO_LOSS_TYPES}
 _DEFAULT_LOSS_TYPE = {"grpo": "dapo", "dpo": "sigmoid"}
 _SMOOTHED_LOSS_TYPES = ("sigmoid", "robust", "exo_pair")  # dpo's loss types that take --label-smoothing
+# TRL's vllm_importance_sampling_mode, and none (no correction)
+VLLM_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")
+_GRPO_VARIANT_KEYS = ("delta", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
+                      "vespo_k_neg", "vespo_lambda_neg", "vllm_importance_sampling_mode",
+                      "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max")
 DISTILL_LOSSES = ("forward_kl", "reverse_kl", "jsd", "tvd")  # linear_distill_loss's
 # beta: SimPO's scales average log-probs, not sums (its paper's range); GRPO's weighs the KL to
 # the reference (TRL's default: none); GKD's interpolates its JSD (TRL's GKDConfig default).
@@ -396,6 +402,7 @@ _METHOD_KEYS = {"simpo_gamma": ("simpo",), "desirable_weight": ("kto",), "undesi
                 "nll_weight": PREFERENCE_METHODS, "max_prompt_length": PREFERENCE_METHODS,
                 "reward_funcs": ("grpo",), "num_generations": ("grpo",), "loss_type": ("grpo", "dpo"), "epsilon": ("grpo",),
                 "epsilon_high": ("grpo",), "format_regex": ("grpo",), "use_vllm": ("grpo",),
+                **{key: ("grpo",) for key in _GRPO_VARIANT_KEYS},
                 "max_completion_length": _ONLINE, "temperature": _ONLINE,
                 "teacher": ("gkd",), "lmbda": ("gkd",), "seq_kd": ("gkd",),
                 "average_log_probs": ("dpo", "kto", "cpo"), "discopop_tau": ("dpo",),
@@ -454,8 +461,8 @@ class RLHFConfig(SFTConfig):
                                              "for the built-in model)")
     temperature: float | None = _opt(None, "grpo, gkd: sampling temperature (grpo's loss divides the logits by it "
                                      "too) (default 1.0 grpo, 0.9 gkd)")
-    loss_type: str | None = _opt(None, "grpo: the loss's normalisation (TRL's loss_type; gspo: grpo with a "
-                                 "sequence-level importance ratio) (default dapo); dpo: TRL's DPO loss type "
+    loss_type: str | None = _opt(None, "grpo: the loss and its normalisation (TRL's loss_type; gspo: grpo with a "
+                                 "sequence-level importance ratio; luspo: at sequence level) (default dapo); dpo: TRL's DPO loss type "
                                  "(default sigmoid, DPO itself)", choices=[*LOSS_TYPES, *DPO_LOSS_TYPES])
     average_log_probs: bool = _opt(False, "dpo, kto, cpo: score each answer by its per-token mean log-prob "
                                    "instead of the sum (TRL's average_log_prob)")
@@ -463,7 +470,24 @@ class RLHFConfig(SFTConfig):
     nll_on_prompt: bool = _opt(False, "the chosen answers' NLL (--nll-weight) covers their prompts' tokens too, as "
                                "TRL's ORPOTrainer's does (default: the answers' alone)")
     epsilon: float = _opt(0.2, "grpo: the clip range of the importance ratio, [1 - epsilon, 1 + epsilon-high]")
-    epsilon_high: float | None = _opt(None, "grpo: the clip range's upper side (default: --epsilon; DAPO uses 0.28)")
+    epsilon_high: float | None = _opt(None, "grpo: the clip range's upper side (default: --epsilon; DAPO uses 0.28); "
+                                      "cispo: the cap on the ratio itself (ScaleRL uses 5)")
+    delta: float | None = _opt(None, "grpo: two-sided clipping (INTELLECT-2): the ratio is also capped at this, "
+                               "which binds for negative advantages (the clipped losses; > 1, INTELLECT-2 takes it above "
+                               "1 + --epsilon-high) (default: none)")
+    sapo_temperature_pos: float = _opt(1.0, "grpo, sapo: the gate's temperature for positive advantages")
+    sapo_temperature_neg: float = _opt(1.05, "grpo, sapo: the gate's temperature for the other advantages")
+    vespo_k_pos: float = _opt(2.0, "grpo, vespo: the gamma weight's power for advantages >= 0")
+    vespo_lambda_pos: float = _opt(3.0, "grpo, vespo: the gamma weight's decay for advantages >= 0")
+    vespo_k_neg: float = _opt(3.0, "grpo, vespo: the gamma weight's power for negative advantages")
+    vespo_lambda_neg: float = _opt(2.0, "grpo, vespo: the gamma weight's decay for negative advantages")
+    vllm_importance_sampling_mode: str | None = _opt(
+        None, "grpo --use-vllm: the importance-sampling correction of vLLM's sampling log-probs against the "
+        "trainer's, per token or per completion, truncated to or masked outside [clip-min, clip-max] (TRL's; "
+        "default sequence_mask, token_truncate for vespo)", choices=list(VLLM_IS_MODES))
+    vllm_importance_sampling_clip_min: float | None = _opt(None, "grpo --use-vllm: the correction's lower bound "
+                                                           "(default none)")
+    vllm_importance_sampling_clip_max: float | None = _opt(3.0, "grpo --use-vllm: the correction's upper bound")
     format_regex: str = _opt(r"^[^\n]*\S[^\n]*\.$", "grpo: what builtin:format rewards: a completion matching this "
                              "regex whole (default: one line ending in a period)", metavar="REGEX")
     use_vllm: bool = _opt(False, "grpo: sample with vLLM (colocated; needs vllm installed) instead of transformers' "
@@ -579,9 +603,34 @@ def _check_grpo(cfg: RLHFConfig) -> None:
         value = getattr(cfg, name)
         if value is not None and value < 0:
             raise SFTError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+    _check_grpo_variant(cfg)
     if cfg.use_vllm and importlib.util.find_spec("vllm") is None:
         raise SFTError("--use-vllm: vLLM is not installed (pip install vllm), or leave the flag out to sample "
                        "with transformers")
+
+
+def _check_grpo_variant(cfg: RLHFConfig) -> None:
+    """Two-sided clipping's, SAPO's, VESPO's and the vLLM correction's constants."""
+    if cfg.delta is not None:
+        if cfg.loss_type in ("cispo", "sapo", "vespo"):
+            raise SFTError(f"--delta caps the clipped ratio, which --loss-type {cfg.loss_type} has not")
+        if not cfg.delta > 1:
+            raise SFTError(f"--delta must be > 1 (INTELLECT-2 takes it above 1 + --epsilon-high), got {cfg.delta}")
+    for key in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
+        if not getattr(cfg, key) > 0:
+            raise SFTError(f"--{key.replace('_', '-')} must be > 0, got {getattr(cfg, key)}")
+    for key in ("vespo_k_pos", "vespo_k_neg", "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max"):
+        value = getattr(cfg, key)
+        if value is not None and not value >= 0:
+            raise SFTError(f"--{key.replace('_', '-')} must be >= 0, got {value}")
+    low, high = cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max
+    if low is not None and high is not None and low > high:
+        raise SFTError(f"--vllm-importance-sampling-clip-min ({low}) must not exceed "
+                       f"--vllm-importance-sampling-clip-max ({high})")
+    mode = cfg.vllm_importance_sampling_mode or ""
+    if cfg.loss_type == "vespo" and mode.startswith("sequence"):
+        raise SFTError(f"--vllm-importance-sampling-mode {mode}: vespo folds the correction into its per-token "
+                       "weights: token_truncate, token_mask or none")
 
 
 def _check_gkd(cfg: RLHFConfig) -> None:

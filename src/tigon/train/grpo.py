@@ -8,11 +8,12 @@ rewards and their group-normalised advantages, the reference model (beta > 0: th
 the adapter switched off, or a frozen copy loaded from the model's path), the old policy's
 log-probs when a generation is reused, metrics and logging. Those per-token log-probs (reference,
 old policy) go through TRL's fused LM head, which `tigon.patch` (switch ``trl_log_probs``) runs on
-`linear_log_probs`. The loss is TRL 1.16's `_compute_loss` for loss types grpo, dapo, dr_grpo and
-bnpo (and gspo: grpo with a sequence-level importance ratio), with TRL's normalisations, its
-division by the gradient-accumulation steps and its bias-corrected KL (`use_bias_correction_kl`);
-vLLM's importance-sampling correction, a non-negative per-token weight, is folded into the
-advantages (``min(rA, clip(r)A) w == min(r wA, clip(r) wA)`` for ``w >= 0``).
+`linear_log_probs`. The loss is TRL 1.16's `_compute_loss` for loss types grpo, dapo, dr_grpo,
+bnpo, cispo, sapo, luspo and vespo (and gspo: grpo with a sequence-level importance ratio), with
+TRL's normalisations, its division by the gradient-accumulation steps, its bias-corrected KL
+(`use_bias_correction_kl`) and two-sided clipping (`delta`). With --use-vllm, the fused loss takes
+vLLM's sampling log-probs and forms TRL's truncated (or masked) importance-sampling weight itself,
+against the old policy's log-probs (which TRL then always computes).
 
 Data: prompts, with whatever other columns the reward functions read (`answer` for
 builtin:exact_answer). With no --dataset, the bundled task: 40 "What is 7 plus 5?"-style sums and
@@ -53,7 +54,7 @@ _RESERVED = ("prompts", "completions", "completion_ids", "trainer_state", "log_e
 # metrics.jsonl records.
 METRICS = {"reward": "reward", "reward_std": "", "frac_reward_zero_std": "", "completions/mean_length": "len",
            "completions/clipped_ratio": "", "kl": "kl", "entropy": "", "clip_ratio/region_mean": "",
-           "clip_ratio/low_mean": "", "clip_ratio/high_mean": ""}
+           "clip_ratio/low_mean": "", "clip_ratio/high_mean": "", "cispo_clip_ratio": "", "vespo/phi_seq_mean": ""}
 
 
 # --- data ---------------------------------------------------------------------------------------
@@ -171,28 +172,35 @@ class TigonGRPOTrainer(FusedTrainer, TigonTrainer, GRPOTrainer):
         weight, bias = self._head(model)
         # Position i predicts token i + 1: the completion's tokens come from the positions before them.
         hidden = self._hidden(model, input_ids, attention_mask)[:, prompt_ids.shape[1] - 1:].to(weight.dtype)
-        advantages = inputs["advantages"]
-        ratio = inputs.get("importance_sampling_ratio")  # vLLM's sampling correction, (B, T) or (B, 1)
-        if ratio is not None:
-            advantages = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages) * ratio
-            advantages = advantages.expand(completion_ids.shape)
         loss_type = self._policy_loss_type()
         options: dict[str, Any] = {}
-        if loss_type == "dapo":  # TRL's normaliser: the generation batch's tokens, per accumulation window
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            options.update(
+                sampling_log_probs=inputs["sampling_per_token_logps"],
+                importance_sampling_mode=self.vllm_importance_sampling_mode,
+                importance_sampling_clip_min=self.vllm_importance_sampling_clip_min,
+                importance_sampling_clip_max=self.vllm_importance_sampling_clip_max,
+            )
+        if loss_type in ("dapo", "cispo", "vespo"):  # TRL's normaliser: the generation batch's tokens, per window
             items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
                 items = items * self.current_gradient_accumulation_steps / self.args.steps_per_generation
             options["num_items_in_batch"] = items
         elif loss_type == "dr_grpo":
             options["max_completion_length"] = self.max_completion_length
+        if loss_type not in ("cispo", "sapo", "vespo"):  # the clipped losses
+            options["delta"] = self.args.delta
+        args = self.args
         loss, metrics = TF.linear_policy_loss(
-            hidden, weight, completion_ids, inputs.get("old_per_token_logps"), advantages,
+            hidden, weight, completion_ids, inputs.get("old_per_token_logps"), inputs["advantages"],
             ref_log_probs=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None, beta=self.beta,
             epsilon=self.epsilon_low, epsilon_high=self.epsilon_high, loss_type=loss_type,
             importance_level=self.importance_sampling_level, temperature=self.temperature, mask=mask, bias=bias,
-            kl_bias_correction=self.args.use_bias_correction_kl, **options,
+            kl_bias_correction=args.use_bias_correction_kl, sapo_temperature_pos=args.sapo_temperature_pos,
+            sapo_temperature_neg=args.sapo_temperature_neg,
+            vespo_gamma=(args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg, args.vespo_lambda_neg), **options,
         )
-        if loss_type != "dapo" and mode == "train":  # TRL divides these by the accumulation steps itself
+        if loss_type not in ("dapo", "cispo", "vespo") and mode == "train":  # TRL divides these by the steps itself
             loss = loss / self.current_gradient_accumulation_steps
         for key, value in metrics.items():
             self._add(mode, key, value, 1)
@@ -201,13 +209,26 @@ class TigonGRPOTrainer(FusedTrainer, TigonTrainer, GRPOTrainer):
 
 # --- the run ------------------------------------------------------------------------------------
 
+def _vllm_correction(cfg: RLHFConfig) -> dict[str, Any]:
+    """TRL's vllm_importance_sampling_* arguments for `cfg` (its default mode, token_truncate for vespo)."""
+    mode = cfg.vllm_importance_sampling_mode or ("token_truncate" if cfg.loss_type == "vespo" else "sequence_mask")
+    return dict(vllm_importance_sampling_correction=mode != "none",
+                vllm_importance_sampling_mode="sequence_mask" if mode == "none" else mode,
+                vllm_importance_sampling_clip_min=cfg.vllm_importance_sampling_clip_min,
+                vllm_importance_sampling_clip_max=cfg.vllm_importance_sampling_clip_max)
+
+
 def trl_arguments(cfg: RLHFConfig, dtype: torch.dtype, has_eval: bool) -> Any:
     """TRL's GRPOConfig for `cfg`: tigon's Trainer arguments and GRPO's own."""
     gspo = cfg.loss_type == "gspo"
     extra: dict[str, Any] = dict(
         num_generations=cfg.num_generations, max_completion_length=cfg.max_completion_length,
         temperature=cfg.temperature, beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
-        loss_type="grpo" if gspo else cfg.loss_type, importance_sampling_level="sequence" if gspo else "token",
+        loss_type="grpo" if gspo else cfg.loss_type,
+        importance_sampling_level="sequence" if cfg.loss_type in ("gspo", "luspo") else "token",
+        delta=cfg.delta, sapo_temperature_pos=cfg.sapo_temperature_pos, sapo_temperature_neg=cfg.sapo_temperature_neg,
+        vespo_k_pos=cfg.vespo_k_pos, vespo_lambda_pos=cfg.vespo_lambda_pos, vespo_k_neg=cfg.vespo_k_neg,
+        vespo_lambda_neg=cfg.vespo_lambda_neg, **_vllm_correction(cfg),
         use_vllm=cfg.use_vllm, vllm_mode="colocate", disable_dropout=True, log_completions=False,
         **checkpointing_off(GRPOConfig),
     )

@@ -2,7 +2,9 @@
 shapes first: tigon against the materialised logits in eager and torch.compile, and as the peer
 column Liger-Kernel's fused losses or TRL's own paths (one case each, same inputs):
 
-    linear_policy_loss*      Liger's LigerFusedLinearGRPOLoss
+    linear_policy_loss*      Liger's LigerFusedLinearGRPOLoss (plain GRPO, GSPO, and of the
+                             variants linear_policy_loss_<variant> (POLICY_VARIANTS: cispo, sapo,
+                             luspo, vespo, two_sided, vllm_is) the two it has, cispo and sapo)
     linear_policy_loss_trl   TRL 1.16's GRPO log-prob path: its fused LM head
                              (ChunkedLogProbFunction over the scored tokens, as add_fused_lm_head
                              runs it) and GRPOTrainer._compute_loss
@@ -47,25 +49,38 @@ def trl_grpo_trainer(
     epsilon_high: float = EPSILON,
     kl_bias_correction: bool = False,
     max_completion_length: int = 1024,
+    delta: float | None = None,
+    sapo_temperatures: tuple[float, float] = (1.0, 1.05),
+    vespo_gamma: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0),
+    sampling_correction: bool = False,
 ) -> SimpleNamespace:
     """A stand-in for TRL's GRPOTrainer with what its ``_compute_loss`` reads, whose policy
     log-probs and entropies come from ``per_token()``: ``GRPOTrainer._compute_loss(stand_in, None,
     inputs)`` then runs TRL's own loss code (no accumulation, one process, metrics in
-    ``stand_in._metrics["train"]``)."""
+    ``stand_in._metrics["train"]``). With `sampling_correction`, TRL's vLLM importance-sampling
+    correction weighs the loss by ``inputs["importance_sampling_ratio"]``."""
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    k_pos, lambda_pos, k_neg, lambda_neg = vespo_gamma
     return SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *args, **kwargs: (*per_token(), None),
         aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
         importance_sampling_level=importance_level, beta=beta, loss_type=loss_type,
-        epsilon_low=epsilon_low, epsilon_high=epsilon_high,
-        args=SimpleNamespace(use_bias_correction_kl=kl_bias_correction, delta=None, steps_per_generation=1),
-        use_vllm=False, vllm_importance_sampling_correction=False, model=SimpleNamespace(training=True),
+        epsilon_low=epsilon_low, epsilon_high=epsilon_high, get_gamma_weights=GRPOTrainer.get_gamma_weights,
+        args=SimpleNamespace(use_bias_correction_kl=kl_bias_correction, delta=delta, steps_per_generation=1,
+                             sapo_temperature_pos=sapo_temperatures[0], sapo_temperature_neg=sapo_temperatures[1],
+                             vespo_k_pos=k_pos, vespo_lambda_pos=lambda_pos, vespo_k_neg=k_neg,
+                             vespo_lambda_neg=lambda_neg),
+        use_vllm=sampling_correction, vllm_importance_sampling_correction=sampling_correction,
+        model=SimpleNamespace(training=True),
         current_gradient_accumulation_steps=1, max_completion_length=max_completion_length,
         _entropy_bonus_enabled=False, _metrics={"train": defaultdict(list)},
         accelerator=SimpleNamespace(gather=lambda x: x, reduce=lambda x, reduction: x, num_processes=1),
     )
 
 
-def trl_grpo_inputs(target, mask, advantages, old_log_probs=None, ref_log_probs=None) -> dict:
+def trl_grpo_inputs(target, mask, advantages, old_log_probs=None, ref_log_probs=None,
+                    importance_sampling_ratio=None) -> dict:
     """The batch dict GRPOTrainer._compute_loss takes, for completions `target` under `mask`
     (a one-token prompt: the stand-in's log-probs ignore the ids)."""
     n_seq, device = target.shape[0], target.device
@@ -79,10 +94,25 @@ def trl_grpo_inputs(target, mask, advantages, old_log_probs=None, ref_log_probs=
         inputs["old_per_token_logps"] = old_log_probs
     if ref_log_probs is not None:
         inputs["ref_per_token_logps"] = ref_log_probs
+    if importance_sampling_ratio is not None:
+        inputs["importance_sampling_ratio"] = importance_sampling_ratio
     return inputs
 
 
-def _policy_inputs(trainable_head):
+def trl_sampling_ratio(old, sampling, mask, mode, low=None, high=3.0) -> torch.Tensor:
+    """TRL 1.16's vLLM importance-sampling ratio, written from its definition (TRL forms it in
+    GRPOTrainer._generate_and_score_completions, which needs vLLM): exp(old - sampler) per token
+    (``token_*`` modes) or of the completion's sum (``sequence_*``), NaN gaps as 0, clamped to
+    [low, high] (``*_truncate``) or zeroed outside it (``*_mask``); None is no bound."""
+    gap = torch.nan_to_num((old - sampling) * mask, nan=0.0)
+    ratio = torch.exp(gap.sum(-1, keepdim=True) if mode.startswith("sequence") else gap)
+    if mode.endswith("truncate"):
+        return ratio.clamp(min=low, max=high)
+    outside = (ratio < (-math.inf if low is None else low)) | (ratio > (math.inf if high is None else high))
+    return ratio.masked_fill(outside, 0.0)
+
+
+def _policy_inputs(trainable_head, sampling=False):
     def make(size, dtype, device):
         n_seq, seq_len, hidden, vocab = size[:4]
         h = torch.randn(n_seq, seq_len, hidden, dtype=dtype, device=device, requires_grad=True)
@@ -94,41 +124,90 @@ def _policy_inputs(trainable_head):
         ref = old + 0.2 * torch.randn_like(old)
         adv = torch.randn(n_seq, device=device)
         args = (h, w, y, mask, old, ref, adv)
+        if sampling:
+            args += (old + 0.3 * torch.randn_like(old),)
         return args if len(size) == 4 else args + (size[4] * 2**20,)
     return make
 
 
-def _tigon_policy(level):
-    def run(h, w, y, mask, old, ref, adv, *budget):
+# The GRPO variants timed beside plain GRPO (linear_policy_loss_<name>): each one's
+# linear_policy_loss keywords. vllm_is: rollouts from another engine, its log-probs 0.3 nats off the
+# old policy's (the eighth input), with TRL's token-level truncated correction.
+POLICY_VARIANTS = {
+    "cispo": dict(loss_type="cispo", epsilon_high=5.0),  # ScaleRL's cap
+    "sapo": dict(loss_type="sapo"),
+    "luspo": dict(loss_type="luspo", importance_level="sequence"),
+    "vespo": dict(loss_type="vespo"),
+    "two_sided": dict(loss_type="grpo", delta=1.5),
+    "vllm_is": dict(loss_type="grpo", importance_sampling_mode="token_truncate"),
+}
+
+
+def _policy_options(level, variant):
+    """linear_policy_loss's keywords for a case (plain GRPO at `level`, or a variant)."""
+    return {"loss_type": "grpo", "importance_level": level, **POLICY_VARIANTS.get(variant, {})}
+
+
+def _tigon_policy(level, variant=None):
+    options = _policy_options(level, variant)
+
+    def run(h, w, y, mask, old, ref, adv, *extra):
+        sampling = extra[0] if "importance_sampling_mode" in options else None
         return F.linear_policy_loss(
-            h, w, y, old, adv, ref_log_probs=ref, beta=BETA, epsilon=EPSILON, mask=mask, importance_level=level,
-            max_chunk_bytes=budget[0] if budget else None,
+            h, w, y, old, adv, ref_log_probs=ref, beta=BETA, epsilon=EPSILON, mask=mask, sampling_log_probs=sampling,
+            max_chunk_bytes=extra[0] if extra and sampling is None else None, **options,
         )
     return run
 
 
-def _eager_policy(level):
-    def run(h, w, y, mask, old, ref, adv, *budget):
+def _eager_policy(level, variant=None):
+    """The loss on the materialised logits in plain PyTorch, as the papers write it (TRL's forms)."""
+    options = _policy_options(level, variant)
+    loss_type = options["loss_type"]
+
+    def run(h, w, y, mask, old, ref, adv, *extra):
         logp = torch.log_softmax(TF.linear(h, w).float(), dim=-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
         m = mask.float()
         n = m.sum(-1, keepdim=True).clamp(min=1)
         log_ratio = logp - old
-        if level == "sequence":
+        if options["importance_level"] == "sequence":
             log_ratio = (log_ratio * m).sum(-1, keepdim=True) / n
         ratio, a = torch.exp(log_ratio), adv.unsqueeze(1)
+        if loss_type == "cispo":
+            policy = -ratio.detach().clamp(max=options["epsilon_high"]) * a * logp
+        elif loss_type == "sapo":
+            tau = torch.where(a > 0, 1.0, 1.05)
+            policy = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * a
+        elif loss_type == "vespo":  # TRL's defaults: k 2 / 3, lambda 3 / 2 for A >= 0 / A < 0
+            log_w = (((logp.detach() - old).clamp(-20, 20)) * m).sum(-1, keepdim=True).clamp(math.log(1e-8), 20)
+            k, lam = torch.where(a >= 0, 2.0, 3.0), torch.where(a >= 0, 3.0, 2.0)
+            policy = -torch.exp(lam + k * log_w - lam * log_w.exp()) * a * logp
+        else:
+            capped = ratio.clamp(max=options.get("delta", math.inf))
+            policy = -torch.minimum(capped * a, ratio.clamp(1 - EPSILON, 1 + EPSILON) * a)
+        if "importance_sampling_mode" in options:
+            policy = policy * torch.exp((old - extra[0]) * m).clamp(max=3.0)
         gap = ref - logp
-        per_token = -torch.minimum(ratio * a, ratio.clamp(1 - EPSILON, 1 + EPSILON) * a) + BETA * (gap.exp() - gap - 1)
-        return ((per_token * m).sum(-1, keepdim=True) / n).mean()
+        per_token = (policy + BETA * (gap.exp() - gap - 1)) * m
+        if loss_type in ("cispo", "vespo"):
+            return per_token.sum() / m.sum().clamp(min=1)
+        if loss_type == "luspo":
+            return per_token.sum(-1).mean()
+        return (per_token.sum(-1, keepdim=True) / n).mean()
     return run
 
 
-def _liger_policy(level):
+def _liger_policy(level, variant=None):
+    """Liger's LigerFusedLinearGRPOLoss (its loss types: grpo, bnpo, dr_grpo, dapo and, in newer
+    releases, cispo and sapo)."""
+    options = _policy_options(level, variant)
+
     def make():
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
         loss = LigerFusedLinearGRPOLoss(
-            beta=BETA, use_ref_model=True, loss_type="grpo", epsilon_low=EPSILON, epsilon_high=EPSILON,
-            importance_sampling_level=level,
+            beta=BETA, use_ref_model=True, loss_type=options["loss_type"], epsilon_low=EPSILON,
+            epsilon_high=options.get("epsilon_high", EPSILON), importance_sampling_level=level,
         )
 
         def run(h, w, y, mask, old, ref, adv, *budget):
@@ -245,12 +324,12 @@ DISTILL_SIZES = [(8192, HIDDEN, TEACHER_HIDDEN, VOCAB), (4096, HIDDEN, TEACHER_H
 DISTILL_CPU_SIZES = [(48, 32, 48, 1031)]
 
 
-def _policy_case(name, level="token", trainable=True, peer=_liger_policy("token"), sizes=POLICY_SIZES):
+def _policy_case(name, level="token", trainable=True, peer=_liger_policy("token"), sizes=POLICY_SIZES, variant=None):
     register(BenchOp(
         name=name,
-        make_inputs=_policy_inputs(trainable),
-        tigon=_tigon_policy(level),
-        eager=_eager_policy(level),
+        make_inputs=_policy_inputs(trainable, sampling=variant == "vllm_is"),
+        tigon=_tigon_policy(level, variant),
+        eager=_eager_policy(level, variant),
         bytes_moved=_policy_bytes,
         flops=_policy_flops if trainable else lambda size: 2 / 3 * _policy_flops(size),
         sizes=sizes,
@@ -280,6 +359,9 @@ _policy_case("linear_policy_loss_frozen", trainable=False, sizes=POLICY_SIZES[:1
 _policy_case("linear_policy_loss_gspo", level="sequence", peer=_liger_policy("sequence"), sizes=POLICY_SIZES[:1])
 _policy_case("linear_policy_loss_trl", peer=_trl_policy(_trl_fused_log_probs), sizes=POLICY_SIZES[:2])
 _policy_case("linear_policy_loss_trl_logits", peer=_trl_policy(_trl_logits_log_probs), sizes=POLICY_SIZES[1:2])
+for _variant in POLICY_VARIANTS:  # Liger has two of them
+    _policy_case(f"linear_policy_loss_{_variant}", sizes=POLICY_SIZES[:1], variant=_variant,
+                 peer=_liger_policy("token", _variant) if _variant in ("cispo", "sapo") else None)
 _distill_case("linear_distill_loss", _liger_jsd)
 _distill_case("linear_distill_loss_liger_chunked", _liger_chunked_jsd, DISTILL_SIZES[:1])
 _distill_case("linear_distill_loss_trl", _trl_jsd, DISTILL_SIZES[:1])
