@@ -141,6 +141,8 @@ def _content(value: Any, what: str) -> str:
     if isinstance(value, list):
         parts = []
         for part in value:
+            if isinstance(part, dict) and part.get("type") in ("image", "image_url", "video", "video_url"):
+                raise RowError(f"{what} has an {part['type']} part: {TEXT_ONLY}")
             if not isinstance(part, dict) or part.get("type") != "text":
                 raise RowError(f"{what} has a non-text part; only text content is supported")
             parts.append(_text(part.get("text"), f"{what} text part", required=False))
@@ -177,7 +179,15 @@ def turn_list(value: Any, key: str, role_key: str = "role", content_key: str = "
     return messages
 
 
+# Why a row with images stops a text-only run (tigon.train.vision_run trains vision-language models).
+TEXT_ONLY = ("a text-only model cannot train on images or video: give a vision-language model (--model whose "
+             "config has a vision_config), or --modality vision for the built-in one")
+
+
 def _messages(row: dict, key: str, role_key: str, content_key: str, roles: dict[str, str]) -> tuple:
+    for media in ("images", "videos"):
+        if row.get(media) not in (None, "", [], "[]"):
+            raise RowError(f"has {media}: {TEXT_ONLY}")
     return _check_chat(turn_list(row[key], key, role_key, content_key, roles))
 
 
