@@ -274,7 +274,7 @@ def test_builtin_vision_default_learns_the_shapes(tmp_path, monkeypatch, caplog)
     monkeypatch.setattr(vision_run, "BUILTIN_ROWS", 240)
     caplog.set_level(logging.INFO, logger="tigon.train")
     out = tmp_path / "out"
-    assert main(["sft", "--modality", "vision", "--epochs", "6", "--samples", "12", "--max-new-tokens", "4",
+    assert main(["sft", "--modality", "vision", "--epochs", "12", "--samples", "12", "--max-new-tokens", "4",
                  "--save-steps", "0", "--output-dir", str(out)]) == 0
     samples = json.loads((out / "samples.json").read_text())
     assert len(samples) == 12

@@ -294,7 +294,7 @@ def check_cuda_graphs(cfg: SFTConfig) -> None:
                        "the host): give one or the other")
 
 
-_BUILTIN_VISION = {"epochs": 12.0, "lr": 3e-3}
+_BUILTIN_VISION = {"epochs": 16.0, "lr": 5e-3}
 
 
 def resolve(cfg: SFTConfig, given: set[str] = frozenset()) -> SFTConfig:

@@ -1,7 +1,7 @@
 """The built-in vision-language default (`tigon sft --modality vision`): a tiny Qwen2-VL made from
 a config (random weights), its processor assembled offline (a byte-level BPE tokenizer trained on
 the task's text, with Qwen-VL's vision tokens, and Qwen-VL's image processor), and a synthetic
-task drawn on the spot: a coloured shape on a plain background, and questions about its shape and
+task drawn on the spot: a coloured shape on a plain background, and the question of its shape and
 colour. Small enough to learn on a CPU in about two minutes, with nothing to download."""
 
 from __future__ import annotations
@@ -18,13 +18,7 @@ from tigon.train.vision_data import VisionSample
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (50, 80, 220), "yellow": (230, 200, 40)}
 SHAPES = ("circle", "square", "triangle")
 IMAGE_SIDE = 56  # pixels: Qwen-VL's 14-pixel patches, merged 2 x 2, make 4 image tokens
-# The questions, and each one's answer for a shape and colour.
-QUESTIONS = {
-    "What shape is this?": lambda shape, colour: f"a {shape}",
-    "What colour is the shape?": lambda shape, colour: colour,
-    "Describe the image.": lambda shape, colour: f"a {colour} {shape}",
-}
-SHOWN_QUESTION = "Describe the image."  # asked of the held-out images before and after training
+QUESTION = "What shape and colour is this?"  # answered "a red circle"
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
@@ -41,7 +35,8 @@ def draw(shape: str, colour: str, rng: random.Random) -> bytes:
 
     image = Image.new("RGB", (IMAGE_SIDE, IMAGE_SIDE), tuple(rng.randint(225, 255) for _ in range(3)))
     pen = ImageDraw.Draw(image)
-    size = rng.randint(IMAGE_SIDE // 2, IMAGE_SIDE - 10)
+    # Large, so that each of the 4 x 4 patches sees an edge or a corner of it; placed at random.
+    size = rng.randint(IMAGE_SIDE * 5 // 7, IMAGE_SIDE - 6)
     x, y = rng.randint(2, IMAGE_SIDE - size - 2), rng.randint(2, IMAGE_SIDE - size - 2)
     fill = COLOURS[colour]
     if shape == "circle":
@@ -55,17 +50,16 @@ def draw(shape: str, colour: str, rng: random.Random) -> bytes:
     return out.getvalue()
 
 
-def shapes_task(n: int, seed: int, questions: tuple[str, ...] = tuple(QUESTIONS)) -> list[VisionSample]:
-    """`n` rows of the synthetic task: an image, one of `questions`, its answer; every shape and
-    colour equally often. `where` names the shape and colour drawn."""
+def shapes_task(n: int, seed: int) -> list[VisionSample]:
+    """`n` rows of the synthetic task: an image, the question, its answer; every shape and colour
+    equally often. `where` names the shape and colour drawn."""
     rng = random.Random(seed)
     kinds = [(s, c) for s in SHAPES for c in COLOURS]
     samples = []
     for i in range(n):
         shape, colour = kinds[i % len(kinds)]
-        question = questions[rng.randrange(len(questions))]
-        messages = ({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]},
-                    {"role": "assistant", "content": [{"type": "text", "text": QUESTIONS[question](shape, colour)}]})
+        messages = ({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]},
+                    {"role": "assistant", "content": [{"type": "text", "text": f"a {colour} {shape}"}]})
         samples.append(VisionSample(f"shapes task row {i + 1} (a {colour} {shape})", messages,
                                     (draw(shape, colour, rng),)))
     rng.shuffle(samples)
@@ -86,8 +80,8 @@ def build_processor(max_pixels: int = IMAGE_SIDE * IMAGE_SIDE) -> Any:
     from tigon.train import tiny
     from tigon.train.vision import image_only
 
-    texts = [Sample("", messages=({"role": "user", "content": q}, {"role": "assistant", "content": answer(s, c)}))
-             for q, answer in QUESTIONS.items() for s in SHAPES for c in COLOURS]
+    texts = [Sample("", messages=({"role": "user", "content": QUESTION}, {"role": "assistant", "content": f"a {c} {s}"}))
+             for s in SHAPES for c in COLOURS]
     tokenizer = tiny.build_tokenizer(texts)
     tokenizer.add_tokens(list(VISION_TOKENS), special_tokens=True)
     tokenizer.padding_side = "right"

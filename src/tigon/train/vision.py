@@ -84,7 +84,7 @@ def load_processor(model_id: str, config: Any) -> Any:
 
     from tigon.train.modeling import _not_found, source_kwargs
 
-    kwargs = source_kwargs(model_id)
+    kwargs = source_kwargs(model_id, marks=("processor_config.json", "preprocessor_config.json", "tokenizer_config.json"))
     try:
         processor = AutoProcessor.from_pretrained(model_id, **kwargs)
     except (ImportError, OSError, ValueError) as err:

@@ -70,7 +70,7 @@ def _data(cfg: SFTConfig) -> tuple[list[VisionSample], list[VisionSample]]:
         samples = load_vision_samples(cfg.dataset, cfg.seed, cfg.max_pixels)
     else:
         samples = tiny_vlm.shapes_task(BUILTIN_ROWS, cfg.seed)
-        log.info("data: the synthetic shapes task: %d rows (a %s, %s shape; questions on its shape and colour)",
+        log.info("data: the synthetic shapes task: %d rows (a %s, %s shape; what shape and colour is it?)",
                  len(samples), "/".join(tiny_vlm.COLOURS), "/".join(tiny_vlm.SHAPES))
     if cfg.eval_dataset:
         return samples, load_vision_samples(cfg.eval_dataset, cfg.seed, cfg.max_pixels)
@@ -159,7 +159,7 @@ def run_vision(cfg: SFTConfig) -> Path:
     def prompts() -> list[Any]:
         if cfg.dataset:
             return pick_vision_prompts(samples, cfg.samples)
-        held_out = tiny_vlm.shapes_task(HELD_OUT_ROWS, cfg.seed + 1, questions=(tiny_vlm.SHOWN_QUESTION,))
+        held_out = tiny_vlm.shapes_task(HELD_OUT_ROWS, cfg.seed + 1)
         return pick_vision_prompts(held_out, cfg.samples, label=tiny_vlm.drawn)
 
     job = Job("sft", train_data, train_data.num_tokens(), len(train_data),
