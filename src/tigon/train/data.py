@@ -157,10 +157,12 @@ def _check_chat(messages: list[dict[str, str]]) -> tuple[dict[str, str], ...]:
 
 
 def turn_list(value: Any, key: str, role_key: str = "role", content_key: str = "content",
-              roles: dict[str, str] | None = None) -> list[dict[str, str]]:
+              roles: dict[str, str] | None = None, content: Callable[[Any, str], Any] | None = None
+              ) -> list[dict[str, str]]:
     """`value` (a list, or a CSV cell holding one as JSON) as role/content messages; `key` names
-    it in errors."""
+    it in errors. `content(value, what)` converts each message's content (default: to text)."""
     roles = roles or {r: r for r in ROLES}
+    content = content or _content
     turns = _json_cell(value, key)
     if not isinstance(turns, list) or not turns:
         raise RowError(f"{key} must be a non-empty list of messages")
@@ -175,7 +177,7 @@ def turn_list(value: Any, key: str, role_key: str = "role", content_key: str = "
         role = roles.get(turn[rk]) if isinstance(turn[rk], str) else None
         if role is None:
             raise RowError(f"{key}[{i}] has {rk} {turn[rk]!r}; expected one of {', '.join(sorted(roles))}")
-        messages.append({"role": role, "content": _content(turn[ck], f"{key}[{i}].{ck}")})
+        messages.append({"role": role, "content": content(turn[ck], f"{key}[{i}].{ck}")})
     return messages
 
 

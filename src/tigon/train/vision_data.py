@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tigon.train.config import SFTError
-from tigon.train.data import _SHAREGPT_ROLES, ROLES, RowError, _json_cell, read_file, split_spec
+from tigon.train.data import _SHAREGPT_ROLES, ROLES, RowError, _json_cell, read_file, split_spec, turn_list
 
 log = logging.getLogger("tigon.train")
 
@@ -105,26 +105,22 @@ def _parts(content: Any, what: str, sources: list[Any]) -> tuple[list[dict[str, 
 
 
 def _chat(row: dict, key: str, role_key: str, content_key: str, roles: dict[str, str]) -> VisionSample:
-    turns = _json_cell(row[key], key)
-    if not isinstance(turns, list) or not turns:
-        raise RowError(f"{key} must be a non-empty list of messages")
-    messages, part_sources, videos = [], [], 0
-    for i, turn in enumerate(turns):
-        if not isinstance(turn, dict):
-            raise RowError(f"{key}[{i}] must be an object, got {type(turn).__name__}")
-        rk, ck = (role_key, content_key) if role_key in turn else ("role", "content")
-        if rk not in turn or ck not in turn:
-            raise RowError(f"{key}[{i}] needs {role_key!r} and {content_key!r}")
-        role = roles.get(turn[rk]) if isinstance(turn[rk], str) else None
-        if role is None:
-            raise RowError(f"{key}[{i}] has {rk} {turn[rk]!r}; expected one of {', '.join(sorted(roles))}")
-        parts, n = _parts(turn[ck], f"{key}[{i}].{ck}", part_sources)
+    part_sources: list[Any] = []
+    videos = 0
+
+    def parts(content: Any, what: str) -> list[dict[str, Any]]:
+        nonlocal videos
+        converted, n = _parts(content, what, part_sources)
         videos += n
-        messages.append({"role": role, "content": parts})
+        return converted
+
+    messages = turn_list(row[key], key, role_key, content_key, roles, content=parts)
     if not any(m["role"] == "assistant" and _text_of(m).strip() for m in messages):
         raise RowError("no assistant message with content: nothing to learn from")
-    listed = _json_cell(row.get("images"), "images")
-    listed = [] if listed is None else [listed] if isinstance(listed, (str, bytes, dict)) else listed
+    listed = row.get("images")
+    if isinstance(listed, str) and listed.lstrip().startswith("["):  # a CSV cell holding a JSON list
+        listed = _json_cell(listed, "images")
+    listed = [] if listed in (None, "") else [listed] if isinstance(listed, (str, bytes, dict)) else listed
     if not isinstance(listed, list):
         raise RowError(f"images must be a list of images, got {type(listed).__name__}")
     videos += len(_json_cell(row.get("videos"), "videos") or [])
