@@ -140,10 +140,40 @@ def _save_llava(path: Path) -> Path:
     return path
 
 
+def _save_gemma3(path: Path) -> Path:
+    """A tiny random Gemma 3 (SigLIP vision tower) with its processor; its tokenizer names the
+    image tokens as Gemma 3's does (extra special tokens in tokenizer_config.json)."""
+    tokenizer = tiny.build_tokenizer([Sample("", text="a red circle: what shape, what colour? describe the image")])
+    tokens = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
+    tokenizer.add_tokens(list(tokens.values()), special_tokens=True)
+    tokenizer.save_pretrained(path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "extra_special_tokens": tokens}))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    template = tiny_vlm.CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<start_of_image>")
+    image_processor = (getattr(transformers, "Gemma3ImageProcessorPil", None) or transformers.Gemma3ImageProcessor)(
+        size={"height": 28, "width": 28})
+    processor = transformers.Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer,
+                                             chat_template=template, image_seq_length=4)
+    ids = {name: tokenizer.convert_tokens_to_ids(tokens[key]) for name, key in
+           (("boi_token_index", "boi_token"), ("eoi_token_index", "eoi_token"), ("image_token_index", "image_token"))}
+    config = transformers.Gemma3Config(
+        vision_config=transformers.SiglipVisionConfig(image_size=28, patch_size=7, hidden_size=32, num_hidden_layers=1,
+                                                      num_attention_heads=2, intermediate_size=64),
+        text_config=transformers.Gemma3TextConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                                  num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                                  head_dim=16, pad_token_id=tokenizer.pad_token_id),
+        mm_tokens_per_image=4, **ids)
+    tiny.random_model(config, 0, auto=transformers.AutoModelForImageTextToText).save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("vlms")
-    return {"qwen2_vl": _save_qwen2_vl(root / "qwen2_vl"), "llava": _save_llava(root / "llava")}
+    return {"qwen2_vl": _save_qwen2_vl(root / "qwen2_vl"), "llava": _save_llava(root / "llava"),
+            "gemma3": _save_gemma3(root / "gemma3")}
 
 
 @pytest.fixture
@@ -165,7 +195,7 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "gemma3"])
 @pytest.mark.parametrize("tuner", ["lora", "full"])
 def test_sft_trains_a_saved_vlm_and_its_output_loads(models, shapes_file, tmp_path, family, tuner, caplog):
     out = tmp_path / "out"
