@@ -117,6 +117,27 @@ def _save_qwen2_vl(path: Path) -> Path:
     return path
 
 
+def _save_qwen2_5_vl(path: Path) -> Path:
+    """A tiny random Qwen2.5-VL (windowed vision attention, 2-D vision rotary), with the built-in
+    model's tokenizer and Qwen-VL's image processor."""
+    from tigon.train.vision import image_only
+
+    built = tiny_vlm.build_processor()
+    processor = image_only(transformers.Qwen2_5_VLProcessor)(image_processor=built.image_processor,
+                                                             tokenizer=built.tokenizer, chat_template=built.chat_template)
+    qwen2 = tiny_vlm.build_model(built, seed=0).config
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=qwen2.text_config.to_dict(),
+        vision_config={"depth": 2, "hidden_size": 48, "intermediate_size": 64, "num_heads": 4, "out_hidden_size": 64,
+                       "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
+                       "fullatt_block_indexes": [1]},
+        **{k: getattr(qwen2, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                          "vision_end_token_id")})
+    tiny.random_model(config, 0, auto=transformers.AutoModelForImageTextToText).save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
+
+
 def _save_llava(path: Path) -> Path:
     """A tiny random LLaVA (CLIP vision tower, Llama language model) with its processor."""
     tokenizer = tiny.build_tokenizer([Sample("", text="a red circle: what shape, what colour? describe the image")])
@@ -172,7 +193,8 @@ def _save_gemma3(path: Path) -> Path:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("vlms")
-    return {"qwen2_vl": _save_qwen2_vl(root / "qwen2_vl"), "llava": _save_llava(root / "llava"),
+    return {"qwen2_vl": _save_qwen2_vl(root / "qwen2_vl"), "qwen2_5_vl": _save_qwen2_5_vl(root / "qwen2_5_vl"),
+            "llava": _save_llava(root / "llava"),
             "gemma3": _save_gemma3(root / "gemma3")}
 
 
@@ -195,7 +217,7 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "llava", "gemma3"])
 @pytest.mark.parametrize("tuner", ["lora", "full"])
 def test_sft_trains_a_saved_vlm_and_its_output_loads(models, shapes_file, tmp_path, family, tuner, caplog):
     out = tmp_path / "out"
@@ -315,7 +337,7 @@ def test_builtin_vision_default_learns_the_shapes(tmp_path, monkeypatch, caplog)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "llava", "gemma3"])
 def test_gpu_bf16_vlm_trains_with_kernels_as_without(models, shapes_file, tmp_path, family):
     """On the GPU, in bf16, LoRA on a tiny VLM takes the same steps with tigon.patch (where it takes
     the family; else unpatched, with its warning) as without (bf16 tolerance)."""
