@@ -126,12 +126,27 @@ class SFTConfig:
                              "for Python; every batch is padded to --max-length (one shape); needs a CUDA GPU")
     report_to: str = _opt("none", "experiment tracking through the Trainer's integration (tensorboard: event files "
                           "in OUTPUT_DIR/runs)", choices=["none", *TRACKERS])
+    # Vision-language models (tigon.train.vision_run).
+    modality: str | None = _opt(None, "vision: train a vision-language model on image + text rows; without --model, "
+                                "the built-in tiny Qwen2-VL on a synthetic shapes task (default: vision for a --model "
+                                "whose config has a vision_config, else text)", choices=["text", "vision"])
+    max_pixels: int | None = _opt(None, "scale larger images down to this many pixels (and Qwen-VL's dynamic "
+                                  "resolution up to it) (default: the processor's)")
+    min_pixels: int | None = _opt(None, "Qwen-VL: scale smaller images up to this many pixels (default: the "
+                                  "processor's)")
+    image_size: int | None = _opt(None, "scale images down to at most this many pixels on their longer side "
+                                  "(default: as they are)")
+    freeze_vision: bool | None = _opt(None, "keep the vision encoder's weights as they are (default: on with --tuner "
+                                      "lora, off with full; off: LoRA adapts its linears too)")
+    freeze_projector: bool | None = _opt(None, "keep the projector (vision to language) as it is (default: on with "
+                                         "--tuner lora, off with full)")
 
 
     # Fields of this class that its command does not take (no option, unknown in a config file).
     LEFT_OUT: ClassVar[tuple[str, ...]] = ()
 
 
+VISION_KEYS = ("modality", "max_pixels", "min_pixels", "image_size", "freeze_vision", "freeze_projector")
 _LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "lora_variant", "use_rslora",
               "loraplus_lr_ratio", "init_lora_weights")
 
@@ -279,20 +294,28 @@ def check_cuda_graphs(cfg: SFTConfig) -> None:
                        "the host): give one or the other")
 
 
+_BUILTIN_VISION = {"epochs": 16.0, "lr": 5e-3}
+
+
 def resolve(cfg: SFTConfig, given: set[str] = frozenset()) -> SFTConfig:
     """Fill the run-dependent defaults and reject bad or incompatible settings, one line each."""
     builtin = cfg.model is None
     # A quantised base cannot be trained itself: --quant means QLoRA, for the built-in model too.
     tuner = cfg.tuner or ("full" if builtin and cfg.quant is None else "lora")
+    # The built-in vision-language model's shapes task: fewer epochs of more rows (see vision_run).
+    own = _BUILTIN_VISION if builtin and cfg.modality == "vision" else {}
     cfg = dataclasses.replace(
         cfg,
         tuner=tuner,
         lora_alpha=cfg.lora_alpha if cfg.lora_alpha is not None else 2.0 * cfg.lora_rank,
         max_length=cfg.max_length if cfg.max_length is not None else (128 if builtin else 2048),
-        epochs=cfg.epochs if cfg.epochs is not None else (30.0 if builtin else 1.0),
-        lr=cfg.lr if cfg.lr is not None else (3e-3 if builtin else 2e-4 if tuner == "lora" else 2e-5),
+        epochs=cfg.epochs if cfg.epochs is not None else own.get("epochs", 30.0 if builtin else 1.0),
+        lr=cfg.lr if cfg.lr is not None else own.get("lr", 3e-3 if builtin else 2e-4 if tuner == "lora" else 2e-5),
         batch_size=cfg.batch_size if cfg.batch_size is not None else (16 if builtin else 4),
     )
+    for name in ("max_pixels", "min_pixels", "image_size"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) <= 0:
+            raise SFTError(f"--{name.replace('_', '-')} must be > 0, got {getattr(cfg, name)}")
     positive = {"lora_rank": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "max_length": cfg.max_length,
                 "lr": cfg.lr, "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum,
                 "logging_steps": cfg.logging_steps}
@@ -414,7 +437,7 @@ class RLHFConfig(SFTConfig):
     """Every `tigon rlhf` setting: sft's (less --packing), with preference training's defaults, and
     the method with its constants. ``None`` means "the default for this run and method"."""
 
-    LEFT_OUT: ClassVar[tuple[str, ...]] = ("packing",)
+    LEFT_OUT: ClassVar[tuple[str, ...]] = ("packing", *VISION_KEYS)
 
     dataset: list[str] | None = _opt(
         None, "preference files (.jsonl .json .csv .parquet): prompt/chosen/rejected, messages + rejected_response "

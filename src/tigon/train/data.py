@@ -141,6 +141,8 @@ def _content(value: Any, what: str) -> str:
     if isinstance(value, list):
         parts = []
         for part in value:
+            if isinstance(part, dict) and part.get("type") in ("image", "image_url", "video", "video_url"):
+                raise RowError(f"{what} has an {part['type']} part: {TEXT_ONLY}")
             if not isinstance(part, dict) or part.get("type") != "text":
                 raise RowError(f"{what} has a non-text part; only text content is supported")
             parts.append(_text(part.get("text"), f"{what} text part", required=False))
@@ -155,10 +157,12 @@ def _check_chat(messages: list[dict[str, str]]) -> tuple[dict[str, str], ...]:
 
 
 def turn_list(value: Any, key: str, role_key: str = "role", content_key: str = "content",
-              roles: dict[str, str] | None = None) -> list[dict[str, str]]:
+              roles: dict[str, str] | None = None, content: Callable[[Any, str], Any] | None = None
+              ) -> list[dict[str, str]]:
     """`value` (a list, or a CSV cell holding one as JSON) as role/content messages; `key` names
-    it in errors."""
+    it in errors. `content(value, what)` converts each message's content (default: to text)."""
     roles = roles or {r: r for r in ROLES}
+    content = content or _content
     turns = _json_cell(value, key)
     if not isinstance(turns, list) or not turns:
         raise RowError(f"{key} must be a non-empty list of messages")
@@ -173,11 +177,19 @@ def turn_list(value: Any, key: str, role_key: str = "role", content_key: str = "
         role = roles.get(turn[rk]) if isinstance(turn[rk], str) else None
         if role is None:
             raise RowError(f"{key}[{i}] has {rk} {turn[rk]!r}; expected one of {', '.join(sorted(roles))}")
-        messages.append({"role": role, "content": _content(turn[ck], f"{key}[{i}].{ck}")})
+        messages.append({"role": role, "content": content(turn[ck], f"{key}[{i}].{ck}")})
     return messages
 
 
+# Why a row with images stops a text-only run (tigon.train.vision_run trains vision-language models).
+TEXT_ONLY = ("a text-only model cannot train on images or video: give a vision-language model (--model whose "
+             "config has a vision_config), or --modality vision for the built-in one")
+
+
 def _messages(row: dict, key: str, role_key: str, content_key: str, roles: dict[str, str]) -> tuple:
+    for media in ("images", "videos"):
+        if row.get(media) not in (None, "", [], "[]"):
+            raise RowError(f"has {media}: {TEXT_ONLY}")
     return _check_chat(turn_list(row[key], key, role_key, content_key, roles))
 
 

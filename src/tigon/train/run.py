@@ -463,7 +463,8 @@ def fit(trainer: Any, resume_from: Path | None) -> None:
 # --- final model and samples ------------------------------------------------------------------
 
 def _prompt_text(prompt: Prompt) -> str:
-    return prompt if isinstance(prompt, str) else prompt[-1]["content"]
+    # A chat's last message; another kind of prompt (one with images) says itself what it is.
+    return prompt[-1]["content"] if isinstance(prompt, list) else str(prompt)
 
 
 def _shown(text: str) -> str:
@@ -471,12 +472,14 @@ def _shown(text: str) -> str:
     return repr(text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 1] + "…")
 
 
-def answer(built: Built, tokenizer: Any, prompts: list[Prompt], cfg: SFTConfig) -> list[str]:
+def answer(built: Built, tokenizer: Any, prompts: list[Prompt], cfg: SFTConfig, job: Job | None = None) -> list[str]:
+    if job is not None and job.answer is not None:
+        return [job.answer(built.model, p) for p in prompts]
     return [generate(built.model, tokenizer, p, cfg.max_new_tokens) for p in prompts]
 
 
 def finish(trainer: Any, built: Built, tokenizer: Any, cfg: SFTConfig, prompts: list[Prompt],
-           before: list[str]) -> Path:
+           before: list[str], job: Job | None = None) -> Path:
     """The final stage: final/ (written atomically, gathered from every process), the samples'
     answers after training next to those before, and where to go from here."""
     output_dir = Path(cfg.output_dir)
@@ -492,7 +495,7 @@ def finish(trainer: Any, built: Built, tokenizer: Any, cfg: SFTConfig, prompts: 
     if trainer.is_world_process_zero():
         with removed_on_failure(staging, final):
             publish(staging, final)
-        after = answer(built, tokenizer, prompts, cfg)
+        after = answer(built, tokenizer, prompts, cfg, job)
         record = [{"prompt": _prompt_text(p), "before": b, "after": a} for p, b, a in zip(prompts, before, after)]
         with written_atomically(output_dir / SAMPLES_FILE, directory=False) as staging:
             staging.write_text(json.dumps(record, indent=1) + "\n")
@@ -559,6 +562,10 @@ class Job:
     metrics: dict[str, str] = field(default_factory=dict)  # log keys the Reporter records: their bar labels
     flops: Callable[[torch.nn.Module, float], float] = flops_per_token  # per trained token, of a sequence length
     samples: int | None = None  # the Trainer's samples per epoch, when not one per row (GRPO: its completions)
+    # The model stage, for models `build_model` does not make (vision-language ones), and how the
+    # model answers a prompt (default: a chat's reply, `generate`).
+    build: Callable[[torch.dtype, Any, Path | None], Built] | None = None
+    answer: Callable[[torch.nn.Module, Any], str] | None = None
 
 
 def train(cfg: SFTConfig, resume_from: Path | None, tokenizer: Any, job: Job) -> Path:
@@ -578,13 +585,14 @@ def train(cfg: SFTConfig, resume_from: Path | None, tokenizer: Any, job: Job) ->
         log.info("%s: the run is complete (%s) but has no intact %s/: writing it from %s", output_dir, done,
                  FINAL_DIR, resume_from.name)
 
-    built = build_model(cfg, tokenizer, dtype, args, resume_from, reference=job.reference)
+    built = (job.build(dtype, args, resume_from) if job.build is not None
+             else build_model(cfg, tokenizer, dtype, args, resume_from, reference=job.reference))
     if cfg.samples and _sharded(args):
         log.info("samples: skipped under FSDP/DeepSpeed (a sharded model generates only with every rank); "
                  "try the saved model with `tigon chat`")
     main_only = args.process_index == 0 and not _sharded(args)
     prompts = job.prompts() if main_only else []
-    before = answer(built, tokenizer, prompts, cfg)
+    before = answer(built, tokenizer, prompts, cfg, job)
     for prompt, reply in zip(prompts, before):
         log.info("before training: %s -> %s", _shown(_prompt_text(prompt)), _shown(reply))
 
@@ -600,10 +608,15 @@ def train(cfg: SFTConfig, resume_from: Path | None, tokenizer: Any, job: Job) ->
         trainer._load_from_checkpoint(str(resume_from))
     else:
         fit(trainer, resume_from)
-    return finish(trainer, built, tokenizer, cfg, prompts, before)
+    return finish(trainer, built, tokenizer, cfg, prompts, before, job)
 
 
 def _run(cfg: SFTConfig) -> Path:
+    from tigon.train.vision_run import check_text_run, run_vision, wants_vision
+
+    if wants_vision(cfg):
+        return run_vision(cfg)
+    check_text_run(cfg)
     resume_from = start(cfg)
     samples, eval_samples = load_data(cfg)
     tokenizer = tokenizer_for(cfg, samples, resume_from)

@@ -43,16 +43,19 @@ def build_tokenizer(samples: list[Sample]) -> Any:
 
 
 def random_model(config: Any, seed: int, *, device: torch.device | str = "cpu",
-                 dtype: torch.dtype | None = None) -> torch.nn.Module:
+                 dtype: torch.dtype | None = None, auto: Any = None) -> torch.nn.Module:
     """The causal LM of `config` (any family's config) with weights drawn from `seed`, made
     directly on `device` in `dtype`: the one factory behind the built-in model, the benchmarks'
-    models and the tests' tiny models. The caller's random state is left as it was."""
+    models and the tests' tiny models. `auto` is the Auto class to build it with (default
+    AutoModelForCausalLM; AutoModelForImageTextToText for a vision-language config). The caller's
+    random state is left as it was."""
     from transformers import AutoModelForCausalLM
 
+    auto = auto or AutoModelForCausalLM
     devices = [torch.device(device)] if torch.device(device).type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.device(device):
         torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(config, dtype=dtype) if dtype else AutoModelForCausalLM.from_config(config)
+        return auto.from_config(config, dtype=dtype) if dtype else auto.from_config(config)
 
 
 def build_model(tokenizer: Any, seed: int, **sizes: Any) -> torch.nn.Module:
