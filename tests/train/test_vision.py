@@ -221,12 +221,13 @@ def _metrics(out: Path) -> list[dict]:
 @pytest.mark.parametrize("tuner", ["lora", "full"])
 def test_sft_trains_a_saved_vlm_and_its_output_loads(models, shapes_file, tmp_path, family, tuner, caplog):
     out = tmp_path / "out"
-    caplog.set_level(logging.INFO, logger="tigon.train")
+    caplog.set_level(logging.INFO, logger="tigon")
     assert main(["sft", "--model", str(models[family]), "--dataset", str(shapes_file), "--tuner", tuner,
                  "--max-steps", "3", "--batch-size", "4", "--lr", "1e-3", "--samples", "1", "--max-new-tokens", "3",
                  "--save-steps", "0", "--output-dir", str(out)]) == 0
     losses = [r["loss"] for r in _metrics(out) if "loss" in r]
     assert len(losses) == 3 and all(loss == loss and loss > 0 for loss in losses)
+    assert "linear_cross_entropy" in caplog.text and "kernels off" not in caplog.text  # tigon's kernels ran
     final = out / "final"
     assert (final / ("adapter_config.json" if tuner == "lora" else "model.safetensors")).is_file()
     assert load_processor(str(final), model_config(str(models[family]))).chat_template
