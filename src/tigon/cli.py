@@ -138,6 +138,15 @@ def _load_for_generation(args: argparse.Namespace):
 def _cmd_infer(args: argparse.Namespace) -> int:
     model, tokenizer = _load_for_generation(args)
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    from tigon.train.modeling import is_classifier
+
+    if is_classifier(model):  # a sequence classifier (or reward model) labels each text as it is
+        from tigon.train.classify import classify
+
+        for prompt, (label, value) in zip(prompts, classify(model, tokenizer, prompts)):
+            line = f"{label}\t{value:.4f}"
+            print(line if len(prompts) == 1 else f"> {prompt}\n{line}\n")
+        return 0
     system = [{"role": "system", "content": args.system}] if args.system else []
     for prompt in prompts:
         chat = prompt if args.raw else system + [{"role": "user", "content": prompt}]
@@ -207,7 +216,8 @@ def _add_train_commands(sub: argparse._SubParsersAction) -> None:
     merge.add_argument("--debug", **debug)
     merge.set_defaults(run=_cmd_merge)
 
-    for name, helptext in (("infer", "answer prompts (--prompt, or one per line on stdin)"),
+    for name, helptext in (("infer", "answer prompts (--prompt, or one per line on stdin); a classifier prints each "
+                                     "text's label and its probability (a reward model: its score)"),
                            ("chat", "talk to a model or adapter on the terminal")):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("model", help="model directory, hub id, or LoRA adapter directory")

@@ -124,6 +124,10 @@ class SFTConfig:
     cuda_graphs: bool = _opt(False, "capture each micro-step's forward and backward, and the optimizer's update, "
                              "as CUDA graphs and replay them, so a small batch does not leave the GPU waiting "
                              "for Python; every batch is padded to --max-length (one shape); needs a CUDA GPU")
+    task: str = _opt("causal_lm", "what to train: causal_lm (next tokens), or classification (a sequence "
+                     "classifier on rows {text, label})", choices=["causal_lm", "classification"])
+    labels: list[str] | None = _opt(None, "classification: the labels, in id order; a row with another is refused "
+                                    "(default: the data's, sorted)", metavar="A,B")
     report_to: str = _opt("none", "experiment tracking through the Trainer's integration (tensorboard: event files "
                           "in OUTPUT_DIR/runs)", choices=["none", *TRACKERS])
 
@@ -161,7 +165,7 @@ def add_sft_arguments(parser: argparse.ArgumentParser, cls: type[SFTConfig] = SF
             kwargs.setdefault("metavar", {int: "N", float: "X"}.get(kind, "STR"))
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, **kwargs)
-        elif name == "kernels_off":
+        elif name in _COMMA_LISTS:
             parser.add_argument(flag, type=_comma_list, default=argparse.SUPPRESS, **kwargs)
         else:
             parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, **kwargs)
@@ -188,6 +192,9 @@ def _shown_default(f: dataclasses.Field) -> str:
     return str(value)
 
 
+_COMMA_LISTS = ("kernels_off", "labels")
+
+
 def _comma_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
@@ -202,7 +209,7 @@ def _coerce(f: dataclasses.Field, value: Any, source: str) -> Any:
         return None
     if name == "resume" and isinstance(value, bool):
         return "latest" if value else None
-    if name == "kernels_off":
+    if name in _COMMA_LISTS:
         return _comma_list(value) if isinstance(value, str) else [str(v) for v in value]
     if f.metadata.get("nargs") == "+":
         values = [value] if isinstance(value, str) else value
@@ -399,7 +406,7 @@ class RLHFConfig(SFTConfig):
     """Every `tigon rlhf` setting: sft's (less --packing), with preference training's defaults, and
     the method with its constants. ``None`` means "the default for this run and method"."""
 
-    LEFT_OUT: ClassVar[tuple[str, ...]] = ("packing",)
+    LEFT_OUT: ClassVar[tuple[str, ...]] = ("packing", "task", "labels")
 
     dataset: list[str] | None = _opt(
         None, "preference files (.jsonl .json .csv .parquet): prompt/chosen/rejected, messages + rejected_response "

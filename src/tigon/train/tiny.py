@@ -43,21 +43,24 @@ def build_tokenizer(samples: list[Sample]) -> Any:
 
 
 def random_model(config: Any, seed: int, *, device: torch.device | str = "cpu",
-                 dtype: torch.dtype | None = None) -> torch.nn.Module:
+                 dtype: torch.dtype | None = None, classifier: bool = False) -> torch.nn.Module:
     """The causal LM of `config` (any family's config) with weights drawn from `seed`, made
     directly on `device` in `dtype`: the one factory behind the built-in model, the benchmarks'
-    models and the tests' tiny models. The caller's random state is left as it was."""
-    from transformers import AutoModelForCausalLM
+    models and the tests' tiny models. With `classifier`, the family's sequence classifier
+    (``config.num_labels`` outputs) instead. The caller's random state is left as it was."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    auto = AutoModelForSequenceClassification if classifier else AutoModelForCausalLM
     devices = [torch.device(device)] if torch.device(device).type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.device(device):
         torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(config, dtype=dtype) if dtype else AutoModelForCausalLM.from_config(config)
+        return auto.from_config(config, dtype=dtype) if dtype else auto.from_config(config)
 
 
-def build_model(tokenizer: Any, seed: int, **sizes: Any) -> torch.nn.Module:
+def build_model(tokenizer: Any, seed: int, classifier: dict[str, Any] | None = None, **sizes: Any) -> torch.nn.Module:
     """A ~1M-parameter Llama (4 layers, hidden 128, grouped-query attention) with seeded weights.
-    `sizes` override LlamaConfig fields, e.g. to build a benchmark-sized model from nothing."""
+    `sizes` override LlamaConfig fields, e.g. to build a benchmark-sized model from nothing.
+    With `classifier` (its config keywords: labels) a sequence classifier of that backbone."""
     from transformers import LlamaConfig
 
     config = LlamaConfig(**{
@@ -65,6 +68,6 @@ def build_model(tokenizer: Any, seed: int, **sizes: Any) -> torch.nn.Module:
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
         "tie_word_embeddings": True, "pad_token_id": tokenizer.pad_token_id,
         "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-        "attn_implementation": "sdpa", **sizes,
+        "attn_implementation": "sdpa", **(classifier or {}), **sizes,
     })
-    return random_model(config, seed)
+    return random_model(config, seed, classifier=classifier is not None)
