@@ -380,7 +380,7 @@ def _check_lora_options(cfg: SFTConfig) -> None:
 # --- tigon rlhf ---------------------------------------------------------------------------------
 
 PREFERENCE_METHODS = ("dpo", "ipo", "kto", "orpo", "simpo", "cpo")
-METHODS = (*PREFERENCE_METHODS, "grpo", "gkd")
+METHODS = (*PREFERENCE_METHODS, "grpo", "gkd", "rm")
 REFERENCE_METHODS = ("dpo", "ipo", "kto")  # the others score the policy alone
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "gspo")  # linear_policy_loss's (gspo: grpo at sequence level)
 DISTILL_LOSSES = ("forward_kl", "reverse_kl", "jsd", "tvd")  # linear_distill_loss's
@@ -394,7 +394,8 @@ _ONLINE = ("grpo", "gkd")
 # Which method each method-specific setting belongs to.
 _METHOD_KEYS = {"simpo_gamma": ("simpo",), "desirable_weight": ("kto",), "undesirable_weight": ("kto",),
                 "label_smoothing": _SMOOTHED, "precompute_ref_log_probs": REFERENCE_METHODS,
-                "nll_weight": PREFERENCE_METHODS, "max_prompt_length": PREFERENCE_METHODS,
+                "nll_weight": PREFERENCE_METHODS, "max_prompt_length": (*PREFERENCE_METHODS, "rm"),
+                "center_rewards": ("rm",), "reward_model": ("grpo",),
                 "reward_funcs": ("grpo",), "num_generations": ("grpo",), "loss_type": ("grpo",), "epsilon": ("grpo",),
                 "epsilon_high": ("grpo",), "format_regex": ("grpo",), "use_vllm": ("grpo",),
                 "max_completion_length": _ONLINE, "temperature": _ONLINE,
@@ -423,8 +424,9 @@ class RLHFConfig(SFTConfig):
     batch_size: int | None = _opt(None, "pairs (kto: answers) per device per step (default 4; 16 built-in)")
     output_dir: str = _opt("tigon-rlhf-out", "where checkpoints, metrics.jsonl and loss.png go", metavar="DIR")
 
-    method: str = _opt("dpo", "the objective: a preference method, grpo (online RL from reward functions) or gkd "
-                       "(on-policy distillation from --teacher)", choices=list(METHODS))
+    method: str = _opt("dpo", "the objective: a preference method, grpo (online RL from reward functions), gkd "
+                       "(on-policy distillation from --teacher) or rm (a Bradley-Terry reward model from the pairs)",
+                       choices=list(METHODS))
     beta: float | None = _opt(None, "the method's beta: how far from the reference (dpo, ipo, kto), the reward "
                               "scale (simpo, cpo), the odds-ratio weight (orpo), the KL weight (grpo), the JSD's "
                               "interpolation, 0 forward KL to 1 reverse KL (gkd) (default 0.1; 2 simpo, 0 grpo, "
@@ -467,11 +469,16 @@ class RLHFConfig(SFTConfig):
                         "on the dataset's answers")
     seq_kd: bool = _opt(False, "gkd: the off-policy steps train on the teacher's samples instead of the dataset's "
                         "answers")
+    center_rewards: float = _opt(0.0, "rm: weight of the mean squared sum of each pair's rewards added to the loss, "
+                                 "which keeps them centred on 0 (TRL's center_rewards_coefficient; 0: none)")
+    reward_model: str | None = _opt(None, "grpo: a reward model (tigon rlhf --method rm's final/) whose score of "
+                                    "each prompt + completion is a reward beside --reward-funcs", metavar="PATH")
 
 
 # The built-in model's defaults per method where they differ from the preference methods' (one
 # epoch of GRPO over the bundled prompts is many steps: --max-steps ends the run instead).
-_BUILTIN = {"grpo": {"lr": 1e-4, "batch_size": 32, "max_steps": 80}, "gkd": {"lr": 3e-3, "epochs": 10.0}}
+_BUILTIN = {"grpo": {"lr": 1e-4, "batch_size": 32, "max_steps": 80}, "gkd": {"lr": 3e-3, "epochs": 10.0},
+            "rm": {"lr": 1e-3, "epochs": 3.0}}
 
 
 def resolve_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> RLHFConfig:
@@ -497,6 +504,8 @@ def resolve_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> RLHFConfig:
                                else 16 if builtin else 256),
         temperature=cfg.temperature if cfg.temperature is not None else _DEFAULT_TEMPERATURE.get(method, 1.0),
     )
+    if method == "rm" and builtin and cfg.dataset is None and not cfg.eval_dataset and "eval_split" not in given:
+        cfg = dataclasses.replace(cfg, eval_split=0.1)  # the embedded default shows its accuracy rise
     if cfg.cuda_graphs and method in _ONLINE:
         raise SFTError(f"--cuda-graphs: --method {method} generates completions in every step, of lengths no "
                        f"captured graph can fix; it takes the offline methods ({', '.join(PREFERENCE_METHODS)})")
@@ -506,6 +515,9 @@ def resolve_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> RLHFConfig:
             raise SFTError(f"--{key.replace('_', '-')}: only for --method {' / '.join(methods)}, not {method}")
     if method == "grpo":
         _check_grpo(cfg)
+    elif method == "rm":
+        if cfg.center_rewards < 0:
+            raise SFTError(f"--center-rewards must be >= 0, got {cfg.center_rewards}")
     elif method == "gkd":
         _check_gkd(cfg)
     elif not cfg.beta > 0:

@@ -4,6 +4,7 @@ kernels. Loading failures become one-line SFTErrors."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -202,8 +203,18 @@ def is_classifier(model_or_config: Any) -> bool:
 def classifier_options(labels: list[str]) -> dict[str, Any]:
     """The config keywords of a sequence classifier of `labels` (in id order): one output per
     label, or one score for a single label (a reward model)."""
-    return {"num_labels": len(labels), "id2label": dict(enumerate(labels)),
-            "label2id": {name: i for i, name in enumerate(labels)}}
+    return {"id2label": dict(enumerate(labels)), "label2id": {name: i for i, name in enumerate(labels)}}
+
+
+@contextlib.contextmanager
+def _logger_level(name: str, level: int) -> Any:
+    logger = logging.getLogger(name)
+    before = logger.level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
 
 
 def load_model(model_id: str, dtype: torch.dtype, quantization: Any = None,
@@ -217,9 +228,13 @@ def load_model(model_id: str, dtype: torch.dtype, quantization: Any = None,
     quiet_transformers()
     kwargs = source_kwargs(model_id)
     auto = AutoModelForCausalLM
+    quiet = contextlib.nullcontext()
     if classifier is not None:
         auto = AutoModelForSequenceClassification
-        kwargs.update(classifier)
+        # A head of other labels (or none, on a causal LM) is made anew: transformers' report of
+        # each weight it made or replaced would fill the screen with what is meant to happen.
+        kwargs.update(classifier, num_labels=len(classifier["id2label"]), ignore_mismatched_sizes=True)
+        quiet = _logger_level("transformers.modeling_utils", logging.ERROR)
     else:
         try:
             if is_classifier(AutoConfig.from_pretrained(model_id, **kwargs)):
@@ -232,7 +247,8 @@ def load_model(model_id: str, dtype: torch.dtype, quantization: Any = None,
             device = torch.device("cuda", torch.cuda.current_device())
         kwargs.update(quantization_config=quantization, device_map={"": str(device)})
     try:
-        return auto.from_pretrained(model_id, dtype=dtype, attn_implementation="sdpa", **kwargs)
+        with quiet:
+            return auto.from_pretrained(model_id, dtype=dtype, attn_implementation="sdpa", **kwargs)
     except (OSError, ValueError) as err:
         raise _not_found(model_id, err) from None
 
