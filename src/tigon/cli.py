@@ -62,6 +62,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         records = run_max_context(args.max_context or SEQS, out_dir=Path(args.out) if args.out else None)
         return 1 if any("error" in r for r in records) else 0
+    if args.reward:
+        from tigon.bench.reward import run_reward
+
+        records = run_reward(out_dir=Path(args.out) if args.out else None)
+        return 1 if any("error" in r for r in records) else 0
     import torch
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
@@ -267,6 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-context", nargs="*", type=int, metavar="TOKENS",
                        help="long-context LoRA: peak memory and s/step by length (default 65536 ... 524288), "
                             "with and without offload + tiled MLP; more knobs: python -m tigon.bench.max_context --help")
+    bench.add_argument("--reward", action="store_true",
+                       help="reward-model training (tigon rlhf --method rm), 1B Llama shape, LoRA r=16, 8 pairs x 2 x "
+                            "1024 tokens: tigon against TRL's RewardTrainer, eager and compiled; more knobs: "
+                            "python -m tigon.bench.reward --help")
     bench.set_defaults(run=_cmd_bench)
     _add_train_commands(sub)
     from tigon.serve.cli import add_serve_commands

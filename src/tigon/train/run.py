@@ -39,8 +39,8 @@ from tigon.train.config import Interrupted, SFTConfig, SFTError, resolve
 from tigon.train.data import Sample, load_samples
 from tigon.train.infer import generate
 from tigon.train.modeling import (LABELS_FILE, QUANT_FILE, add_lora, apply_kernels, check_bitsandbytes, count_parameters,
-                                  flops_per_token, load_model, load_tokenizer, loraplus_optimizer, pick_dtype,
-                                  prepare_quantized, quantization_config, quantization_record,
+                                  flops_per_token, is_classifier, load_model, load_tokenizer, loraplus_optimizer,
+                                  pick_dtype, prepare_quantized, quantization_config, quantization_record,
                                   quiet_transformers)
 from tigon.train.stop import StopOnSignal, signal_name
 from tigon.train.template import encode, encode_all, ensure_chat_template
@@ -505,7 +505,8 @@ def finish(trainer: Any, built: Built, tokenizer: Any, cfg: SFTConfig, prompts: 
             log.info("sample: %s\n  before: %s\n  after:  %s", _shown(r["prompt"]), _shown(r["before"]),
                      _shown(r["after"]))
         what = "LoRA adapter" if cfg.tuner == "lora" else "model"
-        log.info("%s: %s  (tigon chat %s%s)", what, final, final,
+        use = "tigon infer {} --prompt TEXT" if is_classifier(built.model) else "tigon chat {}"
+        log.info("%s: %s  (%s%s)", what, final, use.format(final),
                  f"; tigon merge {final} --output {output_dir / 'merged'}" if cfg.tuner == "lora" else "")
     return final
 
