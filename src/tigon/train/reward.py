@@ -38,6 +38,7 @@ from tigon.train.config import RLHFConfig, SFTError
 from tigon.train.fused import checkpointing_off
 from tigon.train.modeling import classifier_options, is_classifier, load_tokenizer
 from tigon.train.rewards import Reward, text_of
+from tigon.train.template import ensure_chat_template
 from tigon.train.trainer import TigonTrainer
 
 log = logging.getLogger("tigon.train")
@@ -127,20 +128,16 @@ def run(cfg: RLHFConfig) -> Path:
     """`tigon rlhf --method rm` for a resolved `cfg`; returns the final model's (or adapter's) directory."""
     from datasets import Dataset
 
-    from tigon.train.rlhf import BUNDLED_PREFERENCES
-    from tigon.train.run import Job, split_off, start, train
+    from tigon.train.rlhf import load_split
+    from tigon.train.run import Job, start, train
 
     resume_from = start(cfg)
-    pairs = preference.load_preferences(cfg.dataset or [str(BUNDLED_PREFERENCES)], cfg.seed, cfg.method)
-    eval_pairs: list[Any] = []
-    if cfg.eval_dataset:
-        eval_pairs = preference.load_preferences(cfg.eval_dataset, cfg.seed, cfg.method)
-    elif cfg.eval_split:
-        pairs, eval_pairs = split_off(pairs, cfg.eval_split, cfg.seed)
+    pairs, eval_pairs = load_split(cfg)
     if cfg.model is None:
         tokenizer = builtin_tokenizer()
     else:
         tokenizer = load_tokenizer(cfg.model)
+        ensure_chat_template(tokenizer)
         if tokenizer.pad_token is None:  # a sequence's end is found past its last token that is not padding
             tokenizer.pad_token = tokenizer.eos_token
     train_rows = reward_rows(tokenizer, pairs, cfg, "training data")
