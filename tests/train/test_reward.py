@@ -221,3 +221,46 @@ def test_grpo_refuses_a_reward_model_that_is_not_one(tmp_path, capsys, tokenizer
     err = capsys.readouterr().err
     assert "not a reward model (a sequence classifier with one output" in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_reward_step_patched_equals_trls_unpatched(tokenizer, tmp_path, monkeypatch):
+    """On the GPU in bf16 with LoRA: tigon's reward step on the patched model (Triton kernels)
+    against TRL's RewardTrainer.compute_loss on an unpatched copy; loss and LoRA / head gradients
+    within bf16 rounding."""
+    import copy
+
+    from datasets import Dataset
+    from peft import get_peft_model
+
+    from tigon.train.modeling import lora_config
+
+    monkeypatch.setenv("TIGON_DISABLE", "")
+    torch.manual_seed(0)
+    base = tiny_classifier(tokenizer, [reward.REWARD_LABEL], width=256).to("cuda", torch.bfloat16)
+    cfg, rows, batch = reward_batch(tokenizer, tmp_path, n=8)
+    lora = lora_config(resolve_rlhf(RLHFConfig(method="rm", model="m", output_dir=str(tmp_path / "o"))), "SEQ_CLS")
+    theirs_model = get_peft_model(copy.deepcopy(base), copy.deepcopy(lora))
+    ours_model = get_peft_model(base, lora)
+    ours_model.load_state_dict(theirs_model.state_dict())
+    for model in (theirs_model, ours_model):  # B starts at zero: give the adapters something to carry
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(param, std=0.02, generator=torch.Generator("cuda").manual_seed(hash(name) % 2**31))
+    tigon.patch(ours_model)
+    args = reward.trl_arguments(resolve_rlhf(RLHFConfig(method="rm", output_dir=str(tmp_path / "o"))),
+                                torch.bfloat16, False)
+    batch = {k: v.to("cuda") if isinstance(v, torch.Tensor) else v for k, v in batch.items() if k != "num_tokens"}
+    results = []
+    for model, loss_of in ((theirs_model, trl.RewardTrainer.compute_loss), (ours_model, None)):
+        trainer = reward.TigonRewardTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
+                                            processing_class=tokenizer,
+                                            data_collator=reward.RewardCollator(tokenizer.pad_token_id))
+        loss = (loss_of or type(trainer).compute_loss)(trainer, model, dict(batch))
+        loss.backward()
+        results.append((loss.detach().float(), grads(model)))
+    (theirs, want), (ours, got) = results
+    torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-2)
+    for name in want:
+        scale = want[name].float().abs().max().clamp(min=1e-6)
+        assert (got[name].float() - want[name].float()).abs().max() / scale < 0.05, name

@@ -220,8 +220,9 @@ class TigonClassifierTrainer(ScoringTrainer, TigonTrainer):
 def resolve_classification(cfg: SFTConfig, given: set[str] = frozenset()) -> SFTConfig:
     """`resolve` for --task classification: the embedded default holds out a tenth of its rows
     (to show its evaluation) and trains 3 epochs; packing is refused (one text is one row)."""
-    if cfg.packing:
-        raise SFTError("--packing with --task classification: each text is one row, scored at its last token")
+    for flag, on in (("--packing", cfg.packing), ("--cuda-graphs", cfg.cuda_graphs)):
+        if on:  # one text is one row, scored at its last token; batches are padded to their longest
+            raise SFTError(f"{flag}: not for --task classification")
     if cfg.model is None and cfg.dataset is None:
         cfg = dataclasses.replace(cfg, eval_split=cfg.eval_split if "eval_split" in given else 0.1,
                                   epochs=cfg.epochs if cfg.epochs is not None else 3.0)

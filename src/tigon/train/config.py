@@ -516,6 +516,9 @@ def resolve_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> RLHFConfig:
     if method == "grpo":
         _check_grpo(cfg)
     elif method == "rm":
+        if cfg.cuda_graphs:
+            raise SFTError("--cuda-graphs: not for --method rm (its batches are padded to their longest pair, not to "
+                           "one shape)")
         if cfg.center_rewards < 0:
             raise SFTError(f"--center-rewards must be >= 0, got {cfg.center_rewards}")
     elif method == "gkd":
