@@ -117,3 +117,11 @@ def test_eval_rows_with_an_unknown_label_are_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"tigon sft: error: {g} line 1: label 'w' (evaluation data) is not among the training "
                           "data's labels x, y")
+
+
+def test_builtin_default_holds_out_a_tenth_and_evaluates(tmp_path):
+    out = tmp_path / "out"
+    assert main(["sft", "--task", "classification", "--max-steps", "3", "--output-dir", str(out)]) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval_f1" in r for r in records)
+    assert json.loads((out / "final" / "config.json").read_text())["id2label"]["3"] == "weather"

@@ -264,3 +264,20 @@ def test_gpu_bf16_reward_step_patched_equals_trls_unpatched(tokenizer, tmp_path,
     for name in want:
         scale = want[name].float().abs().max().clamp(min=1e-6)
         assert (got[name].float() - want[name].float()).abs().max() / scale < 0.05, name
+
+
+def test_builtin_default_trains_a_reward_model_after_an_sft_stage(tmp_path, monkeypatch, caplog):
+    """`tigon rlhf --method rm` alone: the built-in model after its sft stage (shortened here) with a
+    one-output head, on the bundled pairs with a tenth held out, evaluated at the end."""
+    from tigon.train import builtin
+
+    monkeypatch.setattr(builtin, "SFT_STAGE_STEPS", 2)
+    out = tmp_path / "out"
+    with caplog.at_level("INFO", logger="tigon.train"):
+        assert main(["rlhf", "--method", "rm", "--max-steps", "3", "--output-dir", str(out)]) == 0
+    assert "reward model: the built-in model, fine-tuned first" in caplog.text
+    evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "eval_loss" in line]
+    assert len(evals) == 1 and 0 <= evals[0]["eval_rewards/accuracies"] <= 1
+    config = json.loads((out / "final" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForSequenceClassification"] and config["id2label"] == {"0": "reward"}
+    assert config["pad_token_id"] is not None
