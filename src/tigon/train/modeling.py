@@ -207,14 +207,17 @@ def classifier_options(labels: list[str]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _logger_level(name: str, level: int) -> Any:
+def _only_errors(name: str) -> Any:
+    """The logger `name` passing on errors alone, by a filter: a level set on transformers' loader
+    makes it check a tensor-parallel plan and warn about that instead."""
     logger = logging.getLogger(name)
-    before = logger.level
-    logger.setLevel(level)
+    errors = logging.Filter()
+    errors.filter = lambda record: record.levelno >= logging.ERROR
+    logger.addFilter(errors)
     try:
         yield
     finally:
-        logger.setLevel(before)
+        logger.removeFilter(errors)
 
 
 def load_model(model_id: str, dtype: torch.dtype, quantization: Any = None,
@@ -234,7 +237,7 @@ def load_model(model_id: str, dtype: torch.dtype, quantization: Any = None,
         # A head of other labels (or none, on a causal LM) is made anew: transformers' report of
         # each weight it made or replaced would fill the screen with what is meant to happen.
         kwargs.update(classifier, num_labels=len(classifier["id2label"]), ignore_mismatched_sizes=True)
-        quiet = _logger_level("transformers.modeling_utils", logging.ERROR)
+        quiet = _only_errors("transformers.modeling_utils")
     else:
         try:
             if is_classifier(AutoConfig.from_pretrained(model_id, **kwargs)):
