@@ -96,7 +96,8 @@ def test_macro_f1_is_the_mean_of_each_labels_f1():
     ([{"text": "a", "label": "x"}, {"text": "b", "label": "x"}], [], "the data has one label ('x')"),
     ([{"text": "a", "label": "x"}, {"text": "b", "label": "y"}], ["--labels", "x,x"],
      "--labels x,x: give two or more distinct labels"),
-    ([{"text": "a", "label": "x"}, {"text": "b", "label": "y"}], ["--packing"], "--packing: not for --task classification"),
+    ([{"text": "a", "label": "x"}, {"text": "b", "label": "y"}], ["--packing"],
+     "--packing: not for --task classification"),
     ([{"text": "a", "label": "x"}, {"text": "b", "label": "y"}], ["--task", "causal_lm", "--labels", "x,y"],
      "--labels: only for --task classification"),
 ])

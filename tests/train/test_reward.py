@@ -246,7 +246,8 @@ def test_gpu_bf16_reward_step_patched_equals_trls_unpatched(tokenizer, tmp_path,
     for model in (theirs_model, ours_model):  # B starts at zero: give the adapters something to carry
         for name, param in model.named_parameters():
             if "lora_B" in name:
-                torch.nn.init.normal_(param, std=0.02, generator=torch.Generator("cuda").manual_seed(hash(name) % 2**31))
+                seeded = torch.Generator("cuda").manual_seed(hash(name) % 2**31)
+                torch.nn.init.normal_(param, std=0.02, generator=seeded)
     tigon.patch(ours_model)
     args = reward.trl_arguments(resolve_rlhf(RLHFConfig(method="rm", output_dir=str(tmp_path / "o"))),
                                 torch.bfloat16, False)

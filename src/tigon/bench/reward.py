@@ -112,7 +112,8 @@ def run_case(impl: str, *, pairs: int, seq: int, steps: int, warmup: int, lora_r
     clock = _Clock(warmup, device)
     with tempfile.TemporaryDirectory() as out:
         args = RewardConfig(output_dir=out, per_device_train_batch_size=pairs, max_steps=total, learning_rate=1e-4,
-                            bf16=True, use_cpu=device.type == "cpu", logging_steps=total, save_strategy="no", report_to="none",
+                            bf16=True, use_cpu=device.type == "cpu", logging_steps=total, save_strategy="no",
+                            report_to="none",
                             **checkpointing_off(RewardConfig), max_length=None, disable_tqdm=True, seed=seed,
                             data_seed=seed, torch_compile=impl == "compile",
                             dataloader_pin_memory=device.type == "cuda",

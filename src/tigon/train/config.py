@@ -472,7 +472,8 @@ class RLHFConfig(SFTConfig):
     center_rewards: float = _opt(0.0, "rm: weight of the mean squared sum of each pair's rewards added to the loss, "
                                  "which keeps them centred on 0 (TRL's center_rewards_coefficient; 0: none)")
     reward_model: str | None = _opt(None, "grpo: a reward model (tigon rlhf --method rm's final/) whose score of "
-                                    "each prompt + completion is a reward beside --reward-funcs", metavar="PATH")
+                                    "each prompt + completion is a reward beside --reward-funcs (default: none)",
+                                    metavar="PATH")
 
 
 # The built-in model's defaults per method where they differ from the preference methods' (one

@@ -38,10 +38,10 @@ from tigon.train.checkpoint import (STAGING_PREFIX, damage, list_checkpoints, pu
 from tigon.train.config import Interrupted, SFTConfig, SFTError, resolve
 from tigon.train.data import Sample, load_samples
 from tigon.train.infer import generate
-from tigon.train.modeling import (LABELS_FILE, QUANT_FILE, add_lora, apply_kernels, check_bitsandbytes, count_parameters,
-                                  flops_per_token, is_classifier, load_model, load_tokenizer, loraplus_optimizer,
-                                  pick_dtype, prepare_quantized, quantization_config, quantization_record,
-                                  quiet_transformers)
+from tigon.train.modeling import (LABELS_FILE, QUANT_FILE, add_lora, apply_kernels, check_bitsandbytes,
+                                  count_parameters, flops_per_token, is_classifier, load_model, load_tokenizer,
+                                  loraplus_optimizer, pick_dtype, prepare_quantized, quantization_config,
+                                  quantization_record, quiet_transformers)
 from tigon.train.stop import StopOnSignal, signal_name
 from tigon.train.template import encode, encode_all, ensure_chat_template
 from tigon.train.trainer import TOKEN_ACCURACY, TigonTrainer
