@@ -282,3 +282,11 @@ def test_builtin_default_trains_a_reward_model_after_an_sft_stage(tmp_path, monk
     config = json.loads((out / "final" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForSequenceClassification"] and config["id2label"] == {"0": "reward"}
     assert config["pad_token_id"] is not None
+
+
+def test_cuda_graphs_is_refused_for_rm(monkeypatch):
+    from tigon.train.config import SFTError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the method is what is refused
+    with pytest.raises(SFTError, match="^--cuda-graphs: not for --method rm"):
+        resolve_rlhf(RLHFConfig(cuda_graphs=True, method="rm"))
