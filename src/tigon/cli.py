@@ -62,6 +62,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         records = run_max_context(args.max_context or SEQS, out_dir=Path(args.out) if args.out else None)
         return 1 if any("error" in r for r in records) else 0
+    if args.reward:
+        from tigon.bench.reward import run_reward
+
+        records = run_reward(out_dir=Path(args.out) if args.out else None)
+        return 1 if any("error" in r for r in records) else 0
     import torch
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
@@ -138,6 +143,15 @@ def _load_for_generation(args: argparse.Namespace):
 def _cmd_infer(args: argparse.Namespace) -> int:
     model, tokenizer = _load_for_generation(args)
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    from tigon.train.modeling import is_classifier
+
+    if is_classifier(model):  # a sequence classifier (or reward model) labels each text as it is
+        from tigon.train.classify import classify
+
+        for prompt, (label, value) in zip(prompts, classify(model, tokenizer, prompts)):
+            line = f"{label}\t{value:.4f}"
+            print(line if len(prompts) == 1 else f"> {prompt}\n{line}\n")
+        return 0
     system = [{"role": "system", "content": args.system}] if args.system else []
     for prompt in prompts:
         chat = prompt if args.raw else system + [{"role": "user", "content": prompt}]
@@ -207,7 +221,8 @@ def _add_train_commands(sub: argparse._SubParsersAction) -> None:
     merge.add_argument("--debug", **debug)
     merge.set_defaults(run=_cmd_merge)
 
-    for name, helptext in (("infer", "answer prompts (--prompt, or one per line on stdin)"),
+    for name, helptext in (("infer", "answer prompts (--prompt, or one per line on stdin); a classifier prints each "
+                                     "text's label and its probability (a reward model: its score)"),
                            ("chat", "talk to a model or adapter on the terminal")):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("model", help="model directory, hub id, or LoRA adapter directory")
@@ -257,6 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-context", nargs="*", type=int, metavar="TOKENS",
                        help="long-context LoRA: peak memory and s/step by length (default 65536 ... 524288), "
                             "with and without offload + tiled MLP; more knobs: python -m tigon.bench.max_context --help")
+    bench.add_argument("--reward", action="store_true",
+                       help="reward-model training (tigon rlhf --method rm), 1B Llama shape, LoRA r=16, 8 pairs x 2 x "
+                            "1024 tokens: tigon against TRL's RewardTrainer, eager and compiled; more knobs: "
+                            "python -m tigon.bench.reward --help")
     bench.set_defaults(run=_cmd_bench)
     _add_train_commands(sub)
     from tigon.serve.cli import add_serve_commands

@@ -124,6 +124,10 @@ class SFTConfig:
     cuda_graphs: bool = _opt(False, "capture each micro-step's forward and backward, and the optimizer's update, "
                              "as CUDA graphs and replay them, so a small batch does not leave the GPU waiting "
                              "for Python; every batch is padded to --max-length (one shape); needs a CUDA GPU")
+    task: str = _opt("causal_lm", "what to train: causal_lm (next tokens), or classification (a sequence "
+                     "classifier on rows {text, label})", choices=["causal_lm", "classification"])
+    labels: list[str] | None = _opt(None, "classification: the labels, in id order; a row with another is refused "
+                                    "(default: the data's, sorted)", metavar="A,B")
     report_to: str = _opt("none", "experiment tracking through the Trainer's integration (tensorboard: event files "
                           "in OUTPUT_DIR/runs)", choices=["none", *TRACKERS])
     # Vision-language models (tigon.train.vision_run).
@@ -176,7 +180,7 @@ def add_sft_arguments(parser: argparse.ArgumentParser, cls: type[SFTConfig] = SF
             kwargs.setdefault("metavar", {int: "N", float: "X"}.get(kind, "STR"))
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, **kwargs)
-        elif name == "kernels_off":
+        elif name in _COMMA_LISTS:
             parser.add_argument(flag, type=_comma_list, default=argparse.SUPPRESS, **kwargs)
         else:
             parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, **kwargs)
@@ -203,6 +207,9 @@ def _shown_default(f: dataclasses.Field) -> str:
     return str(value)
 
 
+_COMMA_LISTS = ("kernels_off", "labels")
+
+
 def _comma_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
@@ -217,7 +224,7 @@ def _coerce(f: dataclasses.Field, value: Any, source: str) -> Any:
         return None
     if name == "resume" and isinstance(value, bool):
         return "latest" if value else None
-    if name == "kernels_off":
+    if name in _COMMA_LISTS:
         return _comma_list(value) if isinstance(value, str) else [str(v) for v in value]
     if f.metadata.get("nargs") == "+":
         values = [value] if isinstance(value, str) else value
@@ -396,7 +403,7 @@ def _check_lora_options(cfg: SFTConfig) -> None:
 # --- tigon rlhf ---------------------------------------------------------------------------------
 
 PREFERENCE_METHODS = ("dpo", "ipo", "kto", "orpo", "simpo", "cpo")
-METHODS = (*PREFERENCE_METHODS, "grpo", "gkd")
+METHODS = (*PREFERENCE_METHODS, "grpo", "gkd", "rm")
 REFERENCE_METHODS = ("dpo", "ipo", "kto")  # the others score the policy alone
 # linear_policy_loss's (gspo: grpo at sequence level)
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "gspo", "cispo", "sapo", "luspo", "vespo")
@@ -422,7 +429,8 @@ _ONLINE = ("grpo", "gkd")
 # Which method each method-specific setting belongs to.
 _METHOD_KEYS = {"simpo_gamma": ("simpo",), "desirable_weight": ("kto",), "undesirable_weight": ("kto",),
                 "label_smoothing": _SMOOTHED, "precompute_ref_log_probs": REFERENCE_METHODS,
-                "nll_weight": PREFERENCE_METHODS, "max_prompt_length": PREFERENCE_METHODS,
+                "nll_weight": PREFERENCE_METHODS, "max_prompt_length": (*PREFERENCE_METHODS, "rm"),
+                "center_rewards": ("rm",), "reward_model": ("grpo",),
                 "reward_funcs": ("grpo",), "num_generations": ("grpo",), "loss_type": ("grpo", "dpo"), "epsilon": ("grpo",),
                 "epsilon_high": ("grpo",), "format_regex": ("grpo",), "use_vllm": ("grpo",),
                 **{key: ("grpo",) for key in _GRPO_VARIANT_KEYS},
@@ -437,7 +445,7 @@ class RLHFConfig(SFTConfig):
     """Every `tigon rlhf` setting: sft's (less --packing), with preference training's defaults, and
     the method with its constants. ``None`` means "the default for this run and method"."""
 
-    LEFT_OUT: ClassVar[tuple[str, ...]] = ("packing", *VISION_KEYS)
+    LEFT_OUT: ClassVar[tuple[str, ...]] = ("packing", "task", "labels", *VISION_KEYS)
 
     dataset: list[str] | None = _opt(
         None, "preference files (.jsonl .json .csv .parquet): prompt/chosen/rejected, messages + rejected_response "
@@ -454,8 +462,9 @@ class RLHFConfig(SFTConfig):
     batch_size: int | None = _opt(None, "pairs (kto: answers) per device per step (default 4; 16 built-in)")
     output_dir: str = _opt("tigon-rlhf-out", "where checkpoints, metrics.jsonl and loss.png go", metavar="DIR")
 
-    method: str = _opt("dpo", "the objective: a preference method, grpo (online RL from reward functions) or gkd "
-                       "(on-policy distillation from --teacher)", choices=list(METHODS))
+    method: str = _opt("dpo", "the objective: a preference method, grpo (online RL from reward functions), gkd "
+                       "(on-policy distillation from --teacher) or rm (a Bradley-Terry reward model from the pairs)",
+                       choices=list(METHODS))
     beta: float | None = _opt(None, "the method's beta: how far from the reference (dpo, ipo, kto), the reward "
                               "scale (simpo, cpo), the odds-ratio weight (orpo), the KL weight (grpo), the JSD's "
                               "interpolation, 0 forward KL to 1 reverse KL (gkd) (default 0.1; 2 simpo, 0 grpo, "
@@ -521,11 +530,17 @@ class RLHFConfig(SFTConfig):
                         "on the dataset's answers")
     seq_kd: bool = _opt(False, "gkd: the off-policy steps train on the teacher's samples instead of the dataset's "
                         "answers")
+    center_rewards: float = _opt(0.0, "rm: weight of the mean squared sum of each pair's rewards added to the loss, "
+                                 "which keeps them centred on 0 (TRL's center_rewards_coefficient; 0: none)")
+    reward_model: str | None = _opt(None, "grpo: a reward model (tigon rlhf --method rm's final/) whose score of "
+                                    "each prompt + completion is a reward beside --reward-funcs (default: none)",
+                                    metavar="PATH")
 
 
 # The built-in model's defaults per method where they differ from the preference methods' (one
 # epoch of GRPO over the bundled prompts is many steps: --max-steps ends the run instead).
-_BUILTIN = {"grpo": {"lr": 1e-4, "batch_size": 32, "max_steps": 80}, "gkd": {"lr": 3e-3, "epochs": 10.0}}
+_BUILTIN = {"grpo": {"lr": 1e-4, "batch_size": 32, "max_steps": 80}, "gkd": {"lr": 3e-3, "epochs": 10.0},
+            "rm": {"lr": 1e-3, "epochs": 3.0}}
 
 
 def resolve_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> RLHFConfig:
@@ -552,6 +567,8 @@ def resolve_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> RLHFConfig:
         temperature=cfg.temperature if cfg.temperature is not None else _DEFAULT_TEMPERATURE.get(method, 1.0),
         loss_type=cfg.loss_type if cfg.loss_type is not None else _DEFAULT_LOSS_TYPE.get(method),
     )
+    if method == "rm" and builtin and cfg.dataset is None and not cfg.eval_dataset and "eval_split" not in given:
+        cfg = dataclasses.replace(cfg, eval_split=0.1)  # the embedded default shows its accuracy rise
     if cfg.cuda_graphs and method in _ONLINE:
         raise SFTError(f"--cuda-graphs: --method {method} generates completions in every step, of lengths no "
                        f"captured graph can fix; it takes the offline methods ({', '.join(PREFERENCE_METHODS)})")
@@ -562,6 +579,12 @@ def resolve_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> RLHFConfig:
     _check_loss_type(cfg, given)
     if method == "grpo":
         _check_grpo(cfg)
+    elif method == "rm":
+        if cfg.cuda_graphs:
+            raise SFTError("--cuda-graphs: not for --method rm (its batches are padded to their longest pair, not to "
+                           "one shape)")
+        if cfg.center_rewards < 0:
+            raise SFTError(f"--center-rewards must be >= 0, got {cfg.center_rewards}")
     elif method == "gkd":
         _check_gkd(cfg)
     elif not cfg.beta > 0:

@@ -246,6 +246,10 @@ def run(cfg: RLHFConfig) -> Path:
     """`tigon rlhf --method grpo` for a resolved `cfg`; returns the final model's (or adapter's) directory."""
     resume_from = start(cfg)
     rewards = load_rewards(cfg.reward_funcs, cfg.format_regex, cfg.max_completion_length)
+    if cfg.reward_model is not None:
+        from tigon.train.reward import model_reward
+
+        rewards.append(model_reward(cfg.reward_model))
     items = load_prompts(cfg.dataset or [str(BUNDLED_PROMPTS)], cfg.seed)
     eval_items: list[PromptRow] = []
     if cfg.eval_dataset:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from pathlib import Path
@@ -12,8 +13,8 @@ import torch
 
 from tigon.train.checkpoint import check_output, damage, written_atomically
 from tigon.train.config import SFTError
-from tigon.train.modeling import (DTYPES, check_bitsandbytes, load_model, load_tokenizer, pick_dtype,
-                                  quantization_name, recorded_quantization, source_kwargs)
+from tigon.train.modeling import (DTYPES, LABELS_FILE, check_bitsandbytes, classifier_options, load_model,
+                                  load_tokenizer, pick_dtype, quantization_name, recorded_quantization, source_kwargs)
 from tigon.train.template import ensure_chat_template, render
 
 log = logging.getLogger("tigon.train")
@@ -57,14 +58,17 @@ def _adapter_model(adapter: str, base: str, dtype: torch.dtype, dequantize: bool
     from peft import PeftModel
 
     quantization = recorded_quantization(adapter)
+    labels = Path(adapter) / LABELS_FILE
+    classifier = (classifier_options(list(json.loads(labels.read_text()).values())) if labels.is_file()
+                  else None)
     if quantization is None:
-        model = load_model(base, dtype)
+        model = load_model(base, dtype, classifier=classifier)
     else:
         device = _inference_device()
         check_bitsandbytes(quantization_name(quantization), device)
         # 4-bit training loaded the weights in its compute dtype before quantising them
         loaded = quantization.bnb_4bit_compute_dtype if quantization.load_in_4bit else dtype
-        model = load_model(base, loaded, quantization, device)
+        model = load_model(base, loaded, quantization, device, classifier)
         if dequantize:
             model = model.dequantize(dtype=dtype).to(dtype)  # the unquantised layers too
     try:

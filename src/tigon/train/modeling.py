@@ -4,6 +4,7 @@ kernels. Loading failures become one-line SFTErrors."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -184,21 +185,73 @@ def check_bitsandbytes(quant: str, device: torch.device) -> None:
         raise SFTError(f"--quant {quant}: bitsandbytes cannot run on this machine ({device.type}): {reason}") from None
 
 
+# Written beside a LoRA adapter of a sequence classifier: its labels, which the base model (a
+# causal LM, say) does not hold, so that loading the adapter builds the classification head again.
+LABELS_FILE = "tigon_labels.json"
+
+
+def is_classifier(model_or_config: Any) -> bool:
+    """Whether a model (plain or PEFT's) or a saved config is a sequence classifier
+    (``*ForSequenceClassification``)."""
+    suffix = "ForSequenceClassification"
+    if isinstance(model_or_config, torch.nn.Module):
+        model = model_or_config
+        return type(model.get_base_model() if hasattr(model, "get_base_model") else model).__name__.endswith(suffix)
+    return any(a.endswith(suffix) for a in getattr(model_or_config, "architectures", None) or ())
+
+
+def classifier_options(labels: list[str]) -> dict[str, Any]:
+    """The config keywords of a sequence classifier of `labels` (in id order): one output per
+    label, or one score for a single label (a reward model)."""
+    return {"id2label": dict(enumerate(labels)), "label2id": {name: i for i, name in enumerate(labels)}}
+
+
+@contextlib.contextmanager
+def _only_errors(name: str) -> Any:
+    """The logger `name` passing on errors alone, by a filter: a level set on transformers' loader
+    makes it check a tensor-parallel plan and warn about that instead."""
+    logger = logging.getLogger(name)
+    errors = logging.Filter()
+    errors.filter = lambda record: record.levelno >= logging.ERROR
+    logger.addFilter(errors)
+    try:
+        yield
+    finally:
+        logger.removeFilter(errors)
+
+
 def load_model(model_id: str, dtype: torch.dtype, quantization: Any = None,
-               device: torch.device | None = None) -> torch.nn.Module:
+               device: torch.device | None = None, classifier: dict[str, Any] | None = None) -> torch.nn.Module:
     """The model in `dtype`; with a BitsAndBytesConfig `quantization`, its linears quantised by
-    bitsandbytes as they load onto `device` (the other weights in `dtype`)."""
-    from transformers import AutoModelForCausalLM
+    bitsandbytes as they load onto `device` (the other weights in `dtype`). With `classifier`
+    (:func:`classifier_options`) a sequence classifier on the model's backbone, its head new;
+    a checkpoint saved as a sequence classifier loads as one without it."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     quiet_transformers()
     kwargs = source_kwargs(model_id)
+    auto = AutoModelForCausalLM
+    quiet = contextlib.nullcontext()
+    if classifier is not None:
+        auto = AutoModelForSequenceClassification
+        # A head of other labels (or none, on a causal LM) is made anew: transformers' report of
+        # each weight it made or replaced would fill the screen with what is meant to happen.
+        kwargs.update(classifier, num_labels=len(classifier["id2label"]), ignore_mismatched_sizes=True)
+        quiet = _only_errors("transformers.modeling_utils")
+    else:
+        try:
+            if is_classifier(AutoConfig.from_pretrained(model_id, **kwargs)):
+                auto = AutoModelForSequenceClassification
+        except (OSError, ValueError) as err:
+            raise _not_found(model_id, err) from None
     if quantization is not None:
         device = torch.device(device or "cpu")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         kwargs.update(quantization_config=quantization, device_map={"": str(device)})
     try:
-        return AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype, attn_implementation="sdpa", **kwargs)
+        with quiet:
+            return auto.from_pretrained(model_id, dtype=dtype, attn_implementation="sdpa", **kwargs)
     except (OSError, ValueError) as err:
         raise _not_found(model_id, err) from None
 
@@ -240,10 +293,10 @@ def quantization_name(quantization: Any) -> str:
     return "int8" if quantization.load_in_8bit else quantization.bnb_4bit_quant_type
 
 
-def lora_config(cfg: SFTConfig) -> Any:
+def lora_config(cfg: SFTConfig, task_type: str = "CAUSAL_LM") -> Any:
     """PEFT's LoraConfig for `cfg`: rank, alpha, dropout, targets, --lora-variant (DoRA),
     --use-rslora and --init-lora-weights (loftq starts from PEFT's default and is applied after,
-    by :func:`add_lora`)."""
+    by :func:`add_lora`). A ``SEQ_CLS`` `task_type` trains the classifier's new head whole."""
     from peft import LoraConfig
 
     targets: str | list[str] = cfg.target_modules
@@ -251,7 +304,7 @@ def lora_config(cfg: SFTConfig) -> Any:
         targets = [t.strip() for t in targets.split(",") if t.strip()]
     init = cfg.init_lora_weights
     return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=targets, task_type="CAUSAL_LM", use_dora=cfg.lora_variant == "dora",
+                      target_modules=targets, task_type=task_type, use_dora=cfg.lora_variant == "dora",
                       use_rslora=cfg.use_rslora, init_lora_weights=True if init in (None, "loftq") else init)
 
 
@@ -263,7 +316,7 @@ def add_lora(model: torch.nn.Module, cfg: SFTConfig, weights_file: str | None = 
     from peft import get_peft_model
 
     try:
-        model = get_peft_model(model, lora_config(cfg))
+        model = get_peft_model(model, lora_config(cfg, "SEQ_CLS" if is_classifier(model) else "CAUSAL_LM"))
     except ValueError as err:
         raise SFTError(f"--target-modules {cfg.target_modules}: {str(err).splitlines()[0]}") from None
     if cfg.init_lora_weights == "loftq":

@@ -20,11 +20,13 @@ written."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 import random
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from tigon.train.config import SFTError
 from tigon.train.data import Format, RowError, _text, load_samples, turn_list
@@ -44,6 +46,7 @@ class Pair:
     prompt: Turns
     chosen: Turns
     rejected: Turns
+    margin: float | None = None  # how much more the chosen answer is preferred (a reward model's margin column)
 
 
 @dataclass(frozen=True)
@@ -149,12 +152,35 @@ def _from_kto(row: dict) -> Judged:
                                                                 "completion"), _label(row["label"]))
 
 
+def _pair_format(convert: Callable[[dict], Pair]) -> Callable[[dict], Pair]:
+    """`convert`, refusing a pair whose two answers are the same (nothing to prefer), and keeping
+    a row's optional ``margin`` (a finite number) in its pair."""
+    def converted(row: dict) -> Pair:
+        pair = convert(row)
+        if pair.chosen == pair.rejected:
+            raise RowError("the chosen and rejected answers are the same: nothing to prefer")
+        value = row.get("margin")
+        if value is None or (isinstance(value, str) and not value.strip()):
+            return pair
+        try:
+            margin = float(value) if not isinstance(value, bool) else math.nan
+        except (TypeError, ValueError):
+            margin = math.nan
+        if not math.isfinite(margin):
+            raise RowError(f"margin must be a finite number, got {value!r}")
+        return dataclasses.replace(pair, margin=margin)
+
+    return converted
+
+
 FORMATS: list[Format] = [
-    ("ms-swift messages + rejected_response", ("messages", "rejected_response"), _from_messages_and_rejected_response),
-    ("ms-swift messages + rejected_messages", ("messages", "rejected_messages"), _from_messages_and_rejected_messages),
+    ("ms-swift messages + rejected_response", ("messages", "rejected_response"),
+     _pair_format(_from_messages_and_rejected_response)),
+    ("ms-swift messages + rejected_messages", ("messages", "rejected_messages"),
+     _pair_format(_from_messages_and_rejected_messages)),
     ("KTO prompt/completion/label", ("prompt", "completion", "label"), _from_kto),
-    ("prompt/chosen/rejected", ("prompt", "chosen", "rejected"), _from_prompt_chosen_rejected),
-    ("chosen/rejected chats", ("chosen", "rejected"), _from_chats),
+    ("prompt/chosen/rejected", ("prompt", "chosen", "rejected"), _pair_format(_from_prompt_chosen_rejected)),
+    ("chosen/rejected chats", ("chosen", "rejected"), _pair_format(_from_chats)),
 ]
 
 
@@ -235,7 +261,13 @@ def encode(tokenizer: Any, item: Pair | Judged, max_length: int, max_prompt_leng
 def encode_all(tokenizer: Any, items: list[Pair] | list[Judged], max_length: int, max_prompt_length: int | None,
                what: str) -> list[dict[str, Any]]:
     """Every item's token row; rows whose prompt fills `max_length` are dropped with a count."""
-    rows = [row for row, _ in (encode(tokenizer, item, max_length, max_prompt_length) for item in items)
+    return [row for _, row in encoded_items(tokenizer, items, max_length, max_prompt_length, what)]
+
+
+def encoded_items(tokenizer: Any, items: list[Pair] | list[Judged], max_length: int, max_prompt_length: int | None,
+                  what: str) -> list[tuple[Pair | Judged, dict[str, Any]]]:
+    """`encode_all`'s rows, each with its item."""
+    rows = [(item, row) for item, (row, _) in ((i, encode(tokenizer, i, max_length, max_prompt_length)) for i in items)
             if row is not None]
     if len(rows) < len(items):
         log.warning("%s: %d of %d rows have a prompt of --max-length %d tokens or more, leaving no answer: dropped",

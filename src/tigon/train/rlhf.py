@@ -375,9 +375,24 @@ def run_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> Path:
     return guarded(cfg, lambda: _run(resolve_rlhf(cfg, given)))
 
 
+def load_split(cfg: RLHFConfig) -> tuple[list[Any], list[Any]]:
+    """The preference rows to train on (the bundled pairs by default) and those to evaluate on
+    (--eval-dataset, or held out by --eval-split; none by default)."""
+    items = preference.load_preferences(cfg.dataset or [str(BUNDLED_PREFERENCES)], cfg.seed, cfg.method)
+    if cfg.eval_dataset:
+        return items, preference.load_preferences(cfg.eval_dataset, cfg.seed, cfg.method)
+    if cfg.eval_split:
+        return split_off(items, cfg.eval_split, cfg.seed)
+    return items, []
+
+
 def _run(cfg: RLHFConfig) -> Path:
     if cfg.method == "grpo":
         return grpo.run(cfg)
+    if cfg.method == "rm":
+        from tigon.train import reward
+
+        return reward.run(cfg)
     if cfg.method == "gkd":
         try:  # TRL's experimental package, imported only for this method
             from tigon.train import gkd
@@ -386,12 +401,7 @@ def _run(cfg: RLHFConfig) -> Path:
                            f"{err}") from None
         return gkd.run(cfg)
     resume_from = start(cfg)
-    items = preference.load_preferences(cfg.dataset or [str(BUNDLED_PREFERENCES)], cfg.seed, cfg.method)
-    eval_items: list[Any] = []
-    if cfg.eval_dataset:
-        eval_items = preference.load_preferences(cfg.eval_dataset, cfg.seed, cfg.method)
-    elif cfg.eval_split:
-        items, eval_items = split_off(items, cfg.eval_split, cfg.seed)
+    items, eval_items = load_split(cfg)
     builtin = cfg.model is None
     tokenizer = builtin_tokenizer() if builtin else load_tokenizer(cfg.model)
     ensure_chat_template(tokenizer)

@@ -38,10 +38,10 @@ from tigon.train.checkpoint import (STAGING_PREFIX, damage, list_checkpoints, pu
 from tigon.train.config import Interrupted, SFTConfig, SFTError, resolve
 from tigon.train.data import Sample, load_samples
 from tigon.train.infer import generate
-from tigon.train.modeling import (QUANT_FILE, add_lora, apply_kernels, check_bitsandbytes, count_parameters,
-                                  flops_per_token, load_model, load_tokenizer, loraplus_optimizer, pick_dtype,
-                                  prepare_quantized, quantization_config, quantization_record,
-                                  quiet_transformers)
+from tigon.train.modeling import (LABELS_FILE, QUANT_FILE, add_lora, apply_kernels, check_bitsandbytes,
+                                  count_parameters, flops_per_token, is_classifier, load_model, load_tokenizer,
+                                  loraplus_optimizer, pick_dtype, prepare_quantized, quantization_config,
+                                  quantization_record, quiet_transformers)
 from tigon.train.stop import StopOnSignal, signal_name
 from tigon.train.template import encode, encode_all, ensure_chat_template
 from tigon.train.trainer import TOKEN_ACCURACY, TigonTrainer
@@ -297,16 +297,19 @@ def _quantized_builtin(model: torch.nn.Module, directory: str, dtype: torch.dtyp
 
 
 def build_model(cfg: SFTConfig, tokenizer: Any, dtype: torch.dtype, args: Any, resume_from: Path | None,
-                reference: bool = False) -> Built:
+                reference: bool = False, classifier: dict[str, Any] | None = None) -> Built:
     """The model stage: load (or build) the model, quantised if asked, LoRA-wrap it if asked, patch
     in tigon's kernels. With `reference`, also a frozen copy of the weights as loaded (patched too,
-    in eval mode)."""
+    in eval mode). With `classifier` (`classifier_options`), a sequence classifier on the model's
+    backbone (its labels also written beside a LoRA adapter, whose base may not hold them)."""
     builtin = cfg.model is None
     quantization = quantization_config(cfg.quant, dtype) if cfg.quant else None
     if quantization is not None:
         check_bitsandbytes(cfg.quant, args.device)
-    model = tiny.build_model(tokenizer, cfg.seed).to(dtype) if builtin else load_model(
-        cfg.model, dtype, quantization, args.device)
+    model = tiny.build_model(tokenizer, cfg.seed, classifier).to(dtype) if builtin else load_model(
+        cfg.model, dtype, quantization, args.device, classifier)
+    if classifier is not None:  # where its rows end: the last token that is not padding
+        model.config.pad_token_id = tokenizer.pad_token_id
     base_model = None
     if builtin and cfg.tuner == "lora":
         # The adapter needs its base on disk to be loadable, and a resumed run the same base.
@@ -345,6 +348,8 @@ def build_model(cfg: SFTConfig, tokenizer: Any, dtype: torch.dtype, args: Any, r
         if quantization is None:
             frozen.to(args.device)
     files = {QUANT_FILE: quantization_record(quantization)} if quantization is not None else {}
+    if classifier is not None and cfg.tuner == "lora":
+        files[LABELS_FILE] = json.dumps(classifier["id2label"], indent=1) + "\n"
     return Built(model, base_model, use_cache, frozen, files)
 
 
@@ -503,7 +508,8 @@ def finish(trainer: Any, built: Built, tokenizer: Any, cfg: SFTConfig, prompts: 
             log.info("sample: %s\n  before: %s\n  after:  %s", _shown(r["prompt"]), _shown(r["before"]),
                      _shown(r["after"]))
         what = "LoRA adapter" if cfg.tuner == "lora" else "model"
-        log.info("%s: %s  (tigon chat %s%s)", what, final, final,
+        use = "tigon infer {} --prompt TEXT" if is_classifier(built.model) else "tigon chat {}"
+        log.info("%s: %s  (%s%s)", what, final, use.format(final),
                  f"; tigon merge {final} --output {output_dir / 'merged'}" if cfg.tuner == "lora" else "")
     return final
 
@@ -544,6 +550,12 @@ def guarded(cfg: SFTConfig, body: Callable[[], Path]) -> Path:
 def run_sft(cfg: SFTConfig, given: set[str] = frozenset()) -> Path:
     """Fine-tune as `cfg` says; returns the directory of the final model (or adapter). Raises
     `Interrupted` when stopped by Ctrl-C or SIGTERM (during training, after saving a checkpoint)."""
+    if cfg.task == "classification":
+        from tigon.train import classify
+
+        return guarded(cfg, lambda: classify.run(classify.resolve_classification(cfg, given)))
+    if cfg.labels is not None:
+        raise SFTError("--labels: only for --task classification")
     return guarded(cfg, lambda: _run(resolve(cfg, given)))
 
 
@@ -566,6 +578,7 @@ class Job:
     # model answers a prompt (default: a chat's reply, `generate`).
     build: Callable[[torch.dtype, Any, Path | None], Built] | None = None
     answer: Callable[[torch.nn.Module, Any], str] | None = None
+    classifier: dict[str, Any] | None = None  # a sequence classifier's config keywords (`classifier_options`)
 
 
 def train(cfg: SFTConfig, resume_from: Path | None, tokenizer: Any, job: Job) -> Path:
@@ -586,7 +599,7 @@ def train(cfg: SFTConfig, resume_from: Path | None, tokenizer: Any, job: Job) ->
                  FINAL_DIR, resume_from.name)
 
     built = (job.build(dtype, args, resume_from) if job.build is not None
-             else build_model(cfg, tokenizer, dtype, args, resume_from, reference=job.reference))
+             else build_model(cfg, tokenizer, dtype, args, resume_from, reference=job.reference, classifier=job.classifier))
     if cfg.samples and _sharded(args):
         log.info("samples: skipped under FSDP/DeepSpeed (a sharded model generates only with every rank); "
                  "try the saved model with `tigon chat`")

@@ -58,9 +58,10 @@ def random_model(config: Any, seed: int, *, device: torch.device | str = "cpu",
         return auto.from_config(config, dtype=dtype) if dtype else auto.from_config(config)
 
 
-def build_model(tokenizer: Any, seed: int, **sizes: Any) -> torch.nn.Module:
+def build_model(tokenizer: Any, seed: int, classifier: dict[str, Any] | None = None, **sizes: Any) -> torch.nn.Module:
     """A ~1M-parameter Llama (4 layers, hidden 128, grouped-query attention) with seeded weights.
-    `sizes` override LlamaConfig fields, e.g. to build a benchmark-sized model from nothing."""
+    `sizes` override LlamaConfig fields, e.g. to build a benchmark-sized model from nothing.
+    With `classifier` (its config keywords: labels) a sequence classifier of that backbone."""
     from transformers import LlamaConfig
 
     config = LlamaConfig(**{
@@ -68,6 +69,10 @@ def build_model(tokenizer: Any, seed: int, **sizes: Any) -> torch.nn.Module:
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
         "tie_word_embeddings": True, "pad_token_id": tokenizer.pad_token_id,
         "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-        "attn_implementation": "sdpa", **sizes,
+        "attn_implementation": "sdpa", **(classifier or {}), **sizes,
     })
-    return random_model(config, seed)
+    if classifier is None:
+        return random_model(config, seed)
+    from transformers import AutoModelForSequenceClassification
+
+    return random_model(config, seed, auto=AutoModelForSequenceClassification)
