@@ -53,8 +53,9 @@ def _pair(query_key: str, negatives_key: str | None):
     def convert(row: dict) -> Pair:
         negatives: tuple[str, ...] = ()
         if negatives_key is not None:
-            value = _json_cell(row[negatives_key], negatives_key)
-            value = [value] if isinstance(value, str) else value
+            value = row[negatives_key]
+            if isinstance(value, str):  # one negative, or (a CSV cell) a JSON list of them
+                value = _json_cell(value, negatives_key) if value.lstrip().startswith("[") else [value]
             if not isinstance(value, list) or not value:
                 raise RowError(f"{negatives_key} must be a non-empty list of texts (this file's rows have hard "
                                f"negatives: every row needs one at least), got {row[negatives_key]!r}")

@@ -10,7 +10,9 @@ from typing import ClassVar
 from tigon.train.config import SFTConfig, SFTError, _opt, resolve
 
 POOLINGS = ("last", "mean")
-_BUILTIN = {"epochs": 8.0, "lr": 2e-3, "batch_size": 16, "max_length": 64, "eval_split": 0.2}
+# The built-in model learns from scratch: mean pooling reads every token, where the last token's
+# state has yet to learn to gather the text (recall@1 0.15 against 0.48 in the same CPU minute).
+_BUILTIN = {"epochs": 12.0, "lr": 2e-3, "batch_size": 16, "max_length": 64, "eval_split": 0.2, "pooling": "mean"}
 
 
 @dataclass
@@ -28,13 +30,14 @@ class EmbedConfig(SFTConfig):
                                     "(default 0; 0.2 for the built-in model)")
     max_length: int | None = _opt(None, "truncate each text to this many tokens, EOS included (default 512; 64 for "
                                   "the built-in model)")
-    epochs: float | None = _opt(None, "passes over the data (default 1; 8 for the built-in model)")
+    epochs: float | None = _opt(None, "passes over the data (default 1; 12 for the built-in model)")
     lr: float | None = _opt(None, "peak learning rate (default: 2e-4 LoRA, 2e-5 full, 2e-3 built-in)")
     batch_size: int | None = _opt(None, "pairs per device per step: each query's negatives are the other "
                                   "positives of the batch and every hard negative in it (default 4; 16 built-in)")
     output_dir: str = _opt("tigon-embed-out", "where checkpoints, metrics.jsonl and loss.png go", metavar="DIR")
-    pooling: str = _opt("last", "a text's embedding: the last token's hidden state (an EOS is appended; "
-                        "Qwen3-Embedding's) or the mean over its tokens", choices=list(POOLINGS))
+    pooling: str | None = _opt(None, "a text's embedding: the last token's hidden state (an EOS is appended; "
+                               "Qwen3-Embedding's) or the mean over its tokens (default last; mean for the "
+                               "built-in model)", choices=list(POOLINGS))
     temperature: float = _opt(0.05, "the InfoNCE temperature: cosine similarities are divided by it "
                               "(sentence-transformers' scale 20 is 0.05)")
     symmetric: bool = _opt(False, "also train document -> query (the loss averaged over both directions)")
@@ -69,6 +72,7 @@ def resolve_embed(cfg: EmbedConfig, given: set[str] = frozenset()) -> EmbedConfi
         epochs=cfg.epochs if cfg.epochs is not None else own.get("epochs"),
         lr=cfg.lr if cfg.lr is not None else own.get("lr"),
         batch_size=cfg.batch_size if cfg.batch_size is not None else own.get("batch_size"),
+        pooling=cfg.pooling if cfg.pooling is not None else own.get("pooling", "last"),
     )
     cfg = resolve(cfg, given)
     if cfg.max_length < 2:
