@@ -164,12 +164,16 @@ class CompletionRequest(_Request):
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list: each a text or a list of token ids."""
-        prompt = self.prompt
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            return [prompt]
-        if not prompt:
-            raise APIError(400, "prompt is empty", param="prompt")
-        return list(prompt)
+        return texts_or_ids(self.prompt, "prompt")
+
+
+def texts_or_ids(value: Any, param: str) -> list[str | list[int]]:
+    """A text, a list of token ids, or a list of either, as a list of texts and id lists; empty refused."""
+    if isinstance(value, str) or (value and isinstance(value[0], int)):
+        return [value]
+    if not value:
+        raise APIError(400, f"{param} is empty", param=param)
+    return list(value)
 
 
 # OpenAI's own bound on the inputs of one embeddings request.
@@ -190,9 +194,4 @@ class EmbeddingRequest(_Body):
 
     def inputs(self) -> list[str | list[int]]:
         """The inputs as a list: each a text or a list of token ids."""
-        value = self.input
-        if isinstance(value, str) or (value and isinstance(value[0], int)):
-            return [value]
-        if not value:
-            raise APIError(400, "input is empty", param="input")
-        return list(value)
+        return texts_or_ids(self.input, "input")
