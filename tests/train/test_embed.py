@@ -22,8 +22,10 @@ def _recall(caplog):
 
 
 def test_builtin_default_raises_recall_and_loads_back(tmp_path, caplog):
+    # The embedded default's settings; the decoder's kernels off, as Triton's interpreter would take
+    # minutes (the LoRA test below runs them, the fused loss runs here).
     with caplog.at_level(logging.INFO, logger="tigon.train"):
-        final = run_embed(EmbedConfig(output_dir=str(tmp_path)), {"output_dir"})
+        final = run_embed(EmbedConfig(output_dir=str(tmp_path), kernels=False), {"output_dir", "kernels"})
     before, after = _recall(caplog)
     assert after >= before + 0.2, (before, after)
     settings = json.loads((final / "embedding.json").read_text())

@@ -48,8 +48,9 @@ def _similarity_tile(q_ptr, d_ptr, rows, cols, n_q, n_d, dim, q_stride, d_stride
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < dim
         a = tl.load(q_ptr + rows[:, None] * q_stride + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(d_ptr + cols[None, :] * d_stride + ks[:, None], mask=col_mask[None, :] & k_mask[:, None], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        # Rows of d read along D (coalesced), transposed in registers for the product.
+        b = tl.load(d_ptr + cols[:, None] * d_stride + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
     return tl.where(col_mask[None, :], acc * scale, float("-inf"))
 
 
