@@ -51,8 +51,11 @@ def test_is_sentence_transformers_loss(device):
 
 
 def test_against_installed_sentence_transformers(device):
-    st = pytest.importorskip("sentence_transformers", reason="sentence-transformers is not installed")
-    losses = st.losses
+    pytest.importorskip("sentence_transformers", reason="sentence-transformers is not installed")
+    try:  # its home from sentence-transformers 6 on
+        from sentence_transformers.sentence_transformer import losses
+    except ImportError:
+        from sentence_transformers import losses
     anchors, positives, negatives = (torch.randn(8, 16, device=device) for _ in range(3))
     loss = losses.MultipleNegativesRankingLoss(model=None, scale=20.0)  # the model only encodes texts
     want = loss.compute_loss_from_embeddings([anchors, positives, negatives], None)

@@ -9,7 +9,7 @@ import torch
 
 from tigon.cli import main
 from tigon.train.config import SFTError
-from tigon.train.embed import PAIR_FORMATS, embed_texts, load_embedder, pair_rows, recall_at_1, run_embed
+from tigon.train.embed import PAIR_FORMATS, embed_texts, load_embedder, load_pairs, pair_rows, recall_at_1, run_embed
 from tigon.train.embed_config import EmbedConfig, parse_dims, resolve_embed
 from tigon.train.data import read_file
 
@@ -33,10 +33,7 @@ def test_builtin_default_raises_recall_and_loads_back(tmp_path, caplog):
     decoder, tokenizer, loaded = load_embedder(str(final))
     assert "LMHead" not in type(decoder).__name__ and loaded == settings
     # The reloaded model ranks the held-out pairs as the trained one did.
-    from tigon.train.embed import load_pairs
-    from tigon.train.embed_config import resolve_embed as resolved
-
-    _, held = load_pairs(resolved(EmbedConfig(output_dir=str(tmp_path))))
+    _, held = load_pairs(resolve_embed(EmbedConfig(output_dir=str(tmp_path))))
     rows = pair_rows(tokenizer, held, settings["max_length"])
     assert recall_at_1(decoder, rows, "mean", tokenizer.pad_token_id) == pytest.approx(after)
     vectors = embed_texts(decoder, tokenizer, [held[0].query, held[0].positive], settings)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -95,22 +96,41 @@ def build_decoder(mode: str, seq: int, device: torch.device, *, shape: dict, lor
 
 def peer_step(path: str, device: torch.device, batch: int, mode: str, lora_rank: int, checkpointing: bool,
               seed: int) -> tuple[torch.nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
-    """sentence-transformers over the decoder saved in `path` (as it loads models) and its step: its
-    loss module called on the two sides' features, as its trainer calls it."""
-    from sentence_transformers import SentenceTransformer, losses, models
+    """sentence-transformers over the decoder saved in `path`, laid out as its own saved models are
+    (``modules.json``: the Transformer, then last-token Pooling), and its step: its loss module
+    called on the two sides' features, as its trainer calls it."""
+    from peft import LoraConfig, inject_adapter_in_model
+    from sentence_transformers import SentenceTransformer
+    try:  # its home from sentence-transformers 6 on
+        from sentence_transformers.sentence_transformer import losses
+    except ImportError:
+        from sentence_transformers import losses
+    from transformers import PreTrainedModel
 
     from tigon.train import tiny
     from tigon.train.data import Sample
 
-    tiny.build_tokenizer([Sample("", text="tokens")]).save_pretrained(path)  # read, never used: the ids are given
-    transformer = models.Transformer(path, model_args={"dtype": torch.bfloat16})
-    pooling = models.Pooling(transformer.get_word_embedding_dimension(), pooling_mode="lasttoken")
-    model = SentenceTransformer(modules=[transformer, pooling], device=str(device))
+    folder = Path(path)
+    tiny.build_tokenizer([Sample("", text="tokens")]).save_pretrained(folder)  # read, never used: the ids are given
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_Pooling").mkdir()
+    width = json.loads((folder / "config.json").read_text())["hidden_size"]
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": width,
+                                                                  "pooling_mode_lasttoken": True}))
+    model = SentenceTransformer(str(folder), device=str(device)).to(torch.bfloat16)
+    inner = next(m for m in model.modules() if isinstance(m, PreTrainedModel))
     if checkpointing:
-        transformer.auto_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if mode == "lora":
-        transformer.auto_model = _lora(transformer.auto_model, lora_rank, seed)
+        torch.manual_seed(seed)
+        inject_adapter_in_model(LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0,
+                                           target_modules=list(LORA_TARGETS)), inner)
+        for name, parameter in inner.named_parameters():
+            parameter.requires_grad_("lora_" in name)
     loss_fn = losses.MultipleNegativesRankingLoss(model, scale=SCALE)
+    release_memory(device)  # what loading left (a float32 copy on the way to bf16) is not the run's
 
     def step(ids: torch.Tensor) -> torch.Tensor:
         mask = torch.ones_like(ids)

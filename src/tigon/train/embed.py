@@ -217,9 +217,6 @@ def _trainer_class():
             with torch.no_grad():
                 return self.compute_loss(model, inputs).detach(), None, None
 
-        def floating_point_ops(self, inputs: dict[str, Any]) -> float:
-            return 0.0  # the Reporter counts FLOPs from the tokens itself
-
     return EmbedTrainer
 
 
@@ -236,7 +233,7 @@ def run_embed(cfg: EmbedConfig, given: set[str] = frozenset()) -> Path:
 def _run(cfg: EmbedConfig) -> Path:
     from tigon.train import tiny
     from tigon.train.data import Sample
-    from tigon.train.modeling import flops_per_token, load_tokenizer
+    from tigon.train.modeling import load_tokenizer
     from tigon.train.run import Job, start, train, training_arguments
 
     dims = parse_dims(cfg.matryoshka_dims)
@@ -277,7 +274,7 @@ def _run(cfg: EmbedConfig) -> Path:
 
     job = Job("embed", rows, tokens, sequences,
               arguments=lambda dtype: training_arguments(cfg, dtype, bool(eval_rows)), trainer=trainer,
-              prompts=lambda: [], flops=flops_per_token)
+              prompts=lambda: [])
     final = train(cfg, resume_from, tokenizer, job)
     if eval_rows and "trainer" in state:
         model = state["trainer"].model
