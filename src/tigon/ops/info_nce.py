@@ -241,7 +241,8 @@ def info_nce(
     Returns:
         ``(B,)`` fp32 losses (float64 for float64 inputs), differentiable in q and d; take
         ``.mean()`` for sentence-transformers' loss. NaN in an embedding gives NaN in every loss
-        it enters. No host sync.
+        it enters. No host sync. Inside torch.compile it runs its reference (the loss is a few
+        GEMMs over embeddings, which the compiler fuses well enough; no library op yet).
     """
     if max_chunk_bytes is None:
         max_chunk_bytes = DEFAULT_MAX_CHUNK_BYTES
