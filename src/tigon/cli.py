@@ -128,6 +128,14 @@ def _cmd_rlhf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_embed(args: argparse.Namespace) -> int:
+    from tigon.train.embed import run_embed
+    from tigon.train.embed_config import EmbedConfig
+
+    run_embed(*_train().config_from_args(args, EmbedConfig))
+    return 0
+
+
 def _cmd_merge(args: argparse.Namespace) -> int:
     _train().merge(args.adapter, args.output, base=args.base, dtype=args.dtype, overwrite=args.overwrite)
     return 0
@@ -207,6 +215,16 @@ def _add_train_commands(sub: argparse._SubParsersAction) -> None:
     add_sft_arguments(rlhf, RLHFConfig)
     rlhf.add_argument("--debug", **debug)
     rlhf.set_defaults(run=_cmd_rlhf)
+
+    from tigon.train.embed_config import EmbedConfig
+
+    embed = sub.add_parser("embed", help="fine-tune a decoder into a text-embedding model (last-token or mean "
+                           "pooling, in-batch-negatives InfoNCE, hard negatives, Matryoshka dims) on tigon's fused "
+                           "loss (no arguments: the built-in tiny model on bundled pairs, recall@1 before and after, "
+                           "on CPU in a minute)")
+    add_sft_arguments(embed, EmbedConfig)
+    embed.add_argument("--debug", **debug)
+    embed.set_defaults(run=_cmd_embed)
 
     merge = sub.add_parser("merge", help="fold a LoRA adapter into its base model (the same as tigon export ADAPTER --to merged); "
                            "a QLoRA adapter into its dequantised base")

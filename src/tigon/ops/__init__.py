@@ -33,6 +33,7 @@ OP_MODULES: dict[str, tuple[str, ...]] = {
     "linear_preference": ("linear_preference_loss",),
     "linear_policy": ("linear_policy_loss",),
     "linear_distill": ("linear_distill_loss",),
+    "info_nce": ("info_nce",),
     "composite.linear_group": ("linear_group",),
     "dequantize": ("dequantize",),
     "dora": ("dora_norm", "dora_scale"),
@@ -70,6 +71,7 @@ from tigon.ops.dequantize import QuantizedWeight, dequantize_reference
 from tigon.ops.dora import dora_norm_reference, dora_scale_reference
 from tigon.ops.gelu import gelu_reference
 from tigon.ops.glu import geglu_reference, swiglu_reference
+from tigon.ops.info_nce import info_nce_reference
 from tigon.ops.layer_norm import layer_norm_reference
 from tigon.ops.linear_cross_entropy import linear_cross_entropy_reference
 from tigon.ops.rms_norm import NormedInput, add_rms_norm_reference, rms_norm_reference
@@ -82,7 +84,7 @@ __all__ = [
     "disabled", "op_names", "placement", "reset", "why_not_triton",
     "add_rms_norm_glu_mlp_reference", "add_rms_norm_reference", "cross_entropy_reference", "dequantize_reference",
     "dora_norm_reference", "dora_scale_reference", "geglu_reference", "gelu_mlp_reference", "gelu_reference",
-    "glu_mlp_reference", "layer_norm_reference", "linear_cross_entropy_reference", "linear_group_reference",
-    "lora_gated_mlp_reference", "lora_linear_group_reference", "lora_linear_reference", "mrope_reference",
-    "rms_norm_reference", "rope_reference", "swiglu_reference", "vision_rope_reference",
+    "glu_mlp_reference", "info_nce_reference", "layer_norm_reference", "linear_cross_entropy_reference",
+    "linear_group_reference", "lora_gated_mlp_reference", "lora_linear_group_reference", "lora_linear_reference",
+    "mrope_reference", "rms_norm_reference", "rope_reference", "swiglu_reference", "vision_rope_reference",
 ]

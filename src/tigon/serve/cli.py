@@ -64,6 +64,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if args.backend == "vllm":
             from tigon.serve.vllm import serve_with_vllm
 
+            if embedding_model(path):
+                raise ValueError(f"{path} is an embedding model (tigon embed): serve it with tigon's own backend "
+                                 "(leave out --backend vllm)")
+
             return serve_with_vllm(path, name, args.host, args.port, args.dtype, args.base, args.max_model_len,
                                    api_key)
         _check_serving_installed()
@@ -73,10 +77,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from tigon.serve.loading import context_length, load_model_for_serving
         from tigon.serve.server import ServedModel, serve_forever
 
-        model, tokenizer = load_model_for_serving(path, args.dtype, args.base)
-        served = ServedModel(Engine(model, tokenizer), tokenizer, name, context_length(model, args.max_model_len))
+        if embedding_model(path):
+            from tigon.serve.embeddings import load_embedder_for_serving
+
+            embedder = load_embedder_for_serving(path, args.dtype, args.base)
+            model, tokenizer, engine = embedder.decoder, embedder.tokenizer, None
+        else:
+            model, tokenizer = load_model_for_serving(path, args.dtype, args.base)
+            embedder, engine = None, Engine(model, tokenizer)
+        served = ServedModel(engine, tokenizer, name, context_length(model, args.max_model_len), embedder)
         print(f"tigon serve: {name} ({type(model).__name__}, {model.dtype}, {model.device}, context "
-              f"{served.max_model_len}) on http://{args.host}:{args.port}/v1 (transformers continuous batching; "
+              f"{served.max_model_len}) on http://{args.host}:{args.port}/v1 ("
+              f"{'/v1/embeddings, ' + embedder.settings['pooling'] + ' pooling' if embedder else 'transformers continuous batching'}; "
               f"{'API key required' if api_key else 'no API key'})",
               file=sys.stderr, flush=True)
         serve_forever(served, args.host, args.port, api_key, limits)
@@ -84,6 +96,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print("tigon serve: stopped (Ctrl-C)", file=sys.stderr)
         return 130
     return 0
+
+
+def embedding_model(path: str) -> bool:
+    """Whether `path` holds a model `tigon embed` saved (its embedding.json)."""
+    from tigon.train.embed import embedding_settings
+
+    return embedding_settings(path) is not None
 
 
 # The continuous-batching pieces the engine builds on (per-request logits processors,

@@ -60,7 +60,9 @@ def lone_surrogate(data: Any) -> str | None:
     return None
 
 
-class _Request(BaseModel):
+class _Body(BaseModel):
+    """A request body: unknown fields refused, no lone surrogate in any string."""
+
     model_config = ConfigDict(extra="forbid")
 
     @model_validator(mode="before")
@@ -72,6 +74,8 @@ class _Request(BaseModel):
                                       "\\ud800-\\udfff escape), which is not valid Unicode text", {"param": where})
         return data
 
+
+class _Request(_Body):
     model: Optional[str] = None
     max_tokens: Optional[int] = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -160,9 +164,34 @@ class CompletionRequest(_Request):
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list: each a text or a list of token ids."""
-        prompt = self.prompt
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            return [prompt]
-        if not prompt:
-            raise APIError(400, "prompt is empty", param="prompt")
-        return list(prompt)
+        return texts_or_ids(self.prompt, "prompt")
+
+
+def texts_or_ids(value: Any, param: str) -> list[str | list[int]]:
+    """A text, a list of token ids, or a list of either, as a list of texts and id lists; empty refused."""
+    if isinstance(value, str) or (value and isinstance(value[0], int)):
+        return [value]
+    if not value:
+        raise APIError(400, f"{param} is empty", param=param)
+    return list(value)
+
+
+# OpenAI's own bound on the inputs of one embeddings request.
+MAX_EMBEDDING_INPUTS = 2048
+Inputs = Annotated[list[T], Field(fail_fast=True, max_length=MAX_EMBEDDING_INPUTS)]
+
+
+class EmbeddingRequest(_Body):
+    """``POST /v1/embeddings``: texts or token-id lists, floats or base64 (what the openai client asks
+    for by default: little-endian float32), optionally truncated to the first `dimensions`
+    (renormalised: a Matryoshka model's smaller embedding)."""
+
+    model: Optional[str] = None
+    input: Union[str, Inputs[str], TokenIds, Inputs[TokenIds]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = Field(None, ge=1)
+    user: Optional[str] = None  # an end-user id: accepted, as OpenAI does, and not used
+
+    def inputs(self) -> list[str | list[int]]:
+        """The inputs as a list: each a text or a list of token ids."""
+        return texts_or_ids(self.input, "input")

@@ -34,7 +34,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tigon.serve.engine import Engine, Sampling
-from tigon.serve.protocol import APIError, ChatRequest, CompletionRequest
+from tigon.serve.protocol import APIError, ChatRequest, CompletionRequest, EmbeddingRequest
 from tigon.train.template import render
 
 log = logging.getLogger("tigon.serve")
@@ -113,16 +113,18 @@ async def run_choice(engine: Engine, tokenizer: Any, choice: Choice, stops: list
 
 @dataclass
 class ServedModel:
-    """What the app serves: the engine, its tokenizer, the model's name and context length.
+    """What the app serves: the engine (None for an embedding model, which `embedder` serves
+    instead), its tokenizer, the model's name and context length.
     `max_prompt_chars` follows from them: a token of a causal LM's tokenizer (byte-level BPE or
     SentencePiece, which keep every character) stands for no more characters than the longest entry
     of its vocabulary, so a text longer than the context times that length cannot fit, and is
     refused without being tokenised."""
 
-    engine: Engine
+    engine: Engine | None
     tokenizer: Any
     name: str
     max_model_len: int
+    embedder: Any = None  # tigon.serve.embeddings.Embedder
     max_prompt_chars: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -139,6 +141,7 @@ class Limits:
     max_body_bytes: int = 4 << 20  # a 128k-token prompt, as text or as token ids, is under 1 MiB
     max_inflight_bytes: int = 64 << 20
     max_choices: int = 128
+    max_embedding_tokens: int = 1 << 18  # the tokens of one /v1/embeddings request, all inputs together
 
 
 # Prompts tokenised at once, each in a worker thread (the tokenizer lets go of the GIL, so the
@@ -244,8 +247,8 @@ class LimitBody:
 
 
 def build_app(served: ServedModel, api_key: str | None = None, limits: Limits = Limits()) -> Any:
-    """The FastAPI app: /v1/models, /v1/chat/completions, /v1/completions, /health (and the API's
-    /docs). With an `api_key`, everything but /health and the docs needs it. The engine's
+    """The FastAPI app: /v1/models, /v1/chat/completions, /v1/completions (or, for an embedding
+    model, /v1/embeddings), /health (and the API's /docs). With an `api_key`, everything but /health and the docs needs it. The engine's
     generation thread runs between the app's startup and shutdown."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
@@ -253,6 +256,9 @@ def build_app(served: ServedModel, api_key: str | None = None, limits: Limits = 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if served.engine is None:
+            yield
+            return
         served.engine.start()
         try:
             yield
@@ -265,6 +271,7 @@ def build_app(served: ServedModel, api_key: str | None = None, limits: Limits = 
         app.add_middleware(RequireAPIKey, api_key=api_key)
     created = int(time.time())
     tokenising = anyio.CapacityLimiter(TOKENISING_THREADS)
+    embedding = anyio.CapacityLimiter(1)  # one forward pass at a time
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError) -> JSONResponse:
@@ -285,6 +292,8 @@ def build_app(served: ServedModel, api_key: str | None = None, limits: Limits = 
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if served.engine is None:
+            return JSONResponse({"status": "ok", "running": 0})
         if not served.engine.alive():
             return JSONResponse({"status": "error", "running": len(served.engine.running)}, status_code=503)
         return JSONResponse({"status": "ok", "running": len(served.engine.running)})
@@ -300,6 +309,7 @@ def build_app(served: ServedModel, api_key: str | None = None, limits: Limits = 
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Any:
+        check_generates(served)
         body.check_supported()
         check_model(served, body.model)
         check_choices(limits, 1, body.n)
@@ -308,12 +318,36 @@ def build_app(served: ServedModel, api_key: str | None = None, limits: Limits = 
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
+        check_generates(served)
         body.check_supported()
         check_model(served, body.model)
         texts = body.prompts()
         check_choices(limits, len(texts), body.n)
         prompts = await anyio.to_thread.run_sync(lambda: [encode_prompt(served, p) for p in texts], limiter=tokenising)
         return await respond(request, body, prompts, chat=False)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest) -> Any:
+        from tigon.serve.embeddings import check_dimensions, encoded, truncated
+
+        if served.embedder is None:
+            raise APIError(400, "this server serves a generative model: /v1/embeddings needs a model that "
+                                "`tigon embed` trained", param="model")
+        check_model(served, body.model)
+        check_dimensions(served.embedder, body.dimensions)
+        items = body.inputs()
+        rows = await anyio.to_thread.run_sync(
+            lambda: [embedding_input(served, item, i, len(items)) for i, item in enumerate(items)], limiter=tokenising)
+        tokens = sum(map(len, rows))
+        if tokens > limits.max_embedding_tokens:
+            raise APIError(400, f"this request holds {tokens} tokens; this server embeds at most "
+                                f"{limits.max_embedding_tokens} per request", param="input")
+        vectors = truncated(await anyio.to_thread.run_sync(served.embedder.embed, rows, limiter=embedding),
+                            body.dimensions)
+        data = [{"object": "embedding", "index": i, "embedding": encoded(v, body.encoding_format)}
+                for i, v in enumerate(vectors)]
+        return {"object": "list", "data": data, "model": served.name,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     async def respond(request: Request, body: ChatRequest | CompletionRequest, prompts: list[list[int]],
                       chat: bool) -> Any:
@@ -364,6 +398,32 @@ def check_model(served: ServedModel, name: str | None) -> None:
     if name is not None and name != served.name:
         raise APIError(404, f"the model '{name}' does not exist; this server serves '{served.name}'",
                        param="model", code="model_not_found")
+
+
+def check_generates(served: ServedModel) -> None:
+    if served.engine is None:
+        raise APIError(400, "this server serves an embedding model: it answers /v1/embeddings, not completions",
+                       param="model")
+
+
+def embedding_input(served: ServedModel, item: str | list[int], index: int, count: int) -> list[int]:
+    """One /v1/embeddings input's token ids (EOS last), refused when empty, out of the vocabulary
+    or longer than the context."""
+    param = "input" if count == 1 else f"input[{index}]"
+    if isinstance(item, str):
+        if not item:
+            raise APIError(400, f"{param} is empty", param="input")
+        ids = encode_text(served, item, add_special_tokens=True, param=param)
+    else:
+        vocab = len(served.tokenizer)
+        if not item or any(not 0 <= t < vocab for t in item):
+            raise APIError(400, f"{param} must hold token ids in [0, {vocab}), at least one", param="input")
+        ids = list(item)
+    ids = served.embedder.ids(ids)
+    if len(ids) > served.max_model_len:
+        raise APIError(400, f"this model's maximum context length is {served.max_model_len} tokens, but {param} "
+                            f"holds {len(ids)} (its EOS included)", param="input", code="context_length_exceeded")
+    return ids
 
 
 def check_choices(limits: Limits, prompts: int, n: int) -> None:

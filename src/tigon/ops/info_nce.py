@@ -1,0 +1,250 @@
+"""InfoNCE with in-batch negatives over embeddings, without the similarity matrix.
+
+    s_ij   = <q_i, d_j> / T                       q: (B, D) queries, d: (N, D) documents, N >= B
+    loss_i = logsumexp_j s_ij - s_ii              row i's positive is document i; documents B..N-1
+                                                  (hard negatives) are negatives of every row
+
+(sentence-transformers' MultipleNegativesRankingLoss with ``scale = 1 / T``, per row). With
+``symmetric`` each row also gets the document-to-query loss over the B x B block,
+``logsumexp_i s_ij - s_jj`` for document j = i, and the two are averaged (its symmetric variant).
+
+The caller normalises: this op takes the embeddings as they are, so cosine similarity is
+``info_nce(F.normalize(q, dim=-1), F.normalize(d, dim=-1), ...)``. Normalising is cheap and
+elementwise, autograd differentiates it, and Matryoshka training needs each truncation
+renormalised anyway (``F.normalize(q[:, :k])``): inside the kernel it would be one more option
+for no saving.
+
+Forward: one program per block of query rows walks the documents in column tiles, forms each
+``BLOCK_M x BLOCK_N`` tile of similarities in registers (fp32 ``tl.dot`` over D in slices) and
+keeps an online softmax (running max and sum), and the positive's similarity as its tile passes:
+what it writes is the fp32 log-sum-exp and the positive of each row, O(B). Backward recomputes
+each tile from q, d and the saved log-sum-exp and writes ``dS = g_i (p_ij - [j == i]) / T`` in the
+input dtype for one chunk of rows at a time (at most `max_chunk_bytes`), which two cuBLAS GEMMs
+turn into ``dq = dS d`` and ``dd += dS^T q``: GEMMs over D are what cuBLAS does best, and the
+chunk is the only B x N-shaped memory (none in forward).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tigon.ops._checks import check_device, check_float
+from tigon.ops._dispatch import Op, backward_fallback, tl, triton
+from tigon.ops._launch import cdiv
+
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64  # tl.dot takes 16 rows at least
+NUM_WARPS = 4
+DEFAULT_MAX_CHUNK_BYTES = 64 << 20
+
+
+@triton.jit
+def _similarity_tile(q_ptr, d_ptr, rows, cols, n_q, n_d, dim, q_stride, d_stride, scale,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    """fp32 ``q[rows] . d[cols]^T * scale`` (-inf in columns past the documents)."""
+    row_mask, col_mask = rows < n_q, cols < n_d
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, dim, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < dim
+        a = tl.load(q_ptr + rows[:, None] * q_stride + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        # Rows of d read along D (coalesced), transposed in registers for the product.
+        b = tl.load(d_ptr + cols[:, None] * d_stride + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+    return tl.where(col_mask[None, :], acc * scale, float("-inf"))
+
+
+@triton.jit
+def _info_nce_fwd_kernel(
+    q_ptr, d_ptr, lse_ptr, pos_ptr,
+    n_q, n_d, dim, q_stride, d_stride, scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    running_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    running_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    positive = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for n0 in range(0, n_d, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
+        s = _similarity_tile(q_ptr, d_ptr, rows, cols, n_q, n_d, dim, q_stride, d_stride, scale,
+                             BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+        positive += tl.sum(tl.where(cols[None, :] == rows[:, None], s, 0.0), axis=1)
+        # A NaN similarity makes the sum NaN whether or not the max skips it (and stays there).
+        new_max = tl.maximum(running_max, tl.max(s, axis=1))
+        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(s - new_max[:, None]), axis=1)
+        running_max = new_max
+    row_mask = rows < n_q
+    tl.store(lse_ptr + rows, running_max + tl.log(running_sum), mask=row_mask)
+    tl.store(pos_ptr + rows, positive, mask=row_mask)
+
+
+@triton.jit
+def _info_nce_bwd_kernel(
+    q_ptr, d_ptr, lse_ptr, grad_ptr, ds_ptr,
+    first_row, n_q, n_d, dim, q_stride, d_stride, ds_stride, scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """dS for rows ``first_row + [0, n_q)`` (q_ptr, lse_ptr, grad_ptr point at the chunk's first
+    row; ds_ptr at its own buffer)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < n_q
+    s = _similarity_tile(q_ptr, d_ptr, rows, cols, n_q, n_d, dim, q_stride, d_stride, scale,
+                         BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
+    grad = tl.load(grad_ptr + rows, mask=row_mask, other=0.0)
+    p = tl.exp(s - lse[:, None])
+    ds = grad[:, None] * (p - tl.where(cols[None, :] == (rows + first_row)[:, None], 1.0, 0.0)) * scale
+    tl.store(ds_ptr + rows[:, None] * ds_stride + cols[None, :], ds.to(ds_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & (cols < n_d)[None, :])
+
+
+def _one_way_reference(q: torch.Tensor, d: torch.Tensor, temperature: float) -> torch.Tensor:
+    wide = torch.promote_types(q.dtype, torch.float32)
+    scores = q.to(wide) @ d.to(wide).T / temperature
+    return torch.logsumexp(scores, dim=-1) - scores.diagonal()
+
+
+def info_nce_reference(q: torch.Tensor, d: torch.Tensor, temperature: float = 0.05,
+                       symmetric: bool = False, max_chunk_bytes: int | None = None) -> torch.Tensor:
+    """The op with the whole (B, N) similarity matrix in memory, by PyTorch: oracle and fallback."""
+    loss = _one_way_reference(q, d, temperature)
+    if symmetric:
+        loss = (loss + _one_way_reference(d[: q.shape[0]], q, temperature)) / 2
+    return loss
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 embeddings get fp32 products (TF32 would lose ~1e-3 of each similarity).
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _forward(q: torch.Tensor, d: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    n_q, dim = q.shape
+    lse = torch.empty(n_q, dtype=torch.float32, device=q.device)
+    positive = torch.empty_like(lse)
+    _info_nce_fwd_kernel[(cdiv(n_q, BLOCK_M),)](
+        q, d, lse, positive, n_q, d.shape[0], dim, q.stride(0), d.stride(0), scale,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PRECISION=_precision(q.dtype), num_warps=NUM_WARPS,
+    )
+    return lse, positive
+
+
+def _backward(q, d, lse, grad, scale, max_chunk_bytes, needs):
+    """(dq, dd) for the upstream per-row gradient `grad` (fp32), None where `needs` says so."""
+    n_q, n_d = q.shape[0], d.shape[0]
+    rows = max(1, min(n_q, max_chunk_bytes // max(1, n_d * q.element_size())))
+    grad_q = torch.empty_like(q) if needs[0] else None
+    grad_d, chunked = None, rows < n_q
+    if needs[1]:
+        # Chunks add their parts in fp32; one chunk writes the gradient directly.
+        grad_d = torch.zeros(d.shape, dtype=torch.float32, device=d.device) if chunked else torch.empty_like(d)
+    ds = torch.empty((rows, n_d), dtype=q.dtype, device=q.device)
+    for start in range(0, n_q, rows):
+        stop = min(n_q, start + rows)
+        chunk, q_chunk = ds[: stop - start], q[start:stop]
+        _info_nce_bwd_kernel[(cdiv(stop - start, BLOCK_M), cdiv(n_d, BLOCK_N))](
+            q_chunk, d, lse[start:stop], grad[start:stop], chunk,
+            start, stop - start, n_d, q.shape[1], q.stride(0), d.stride(0), chunk.stride(0), scale,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PRECISION=_precision(q.dtype), num_warps=NUM_WARPS,
+        )
+        if grad_q is not None:
+            torch.mm(chunk, d, out=grad_q[start:stop])
+        if grad_d is not None:
+            if chunked:
+                grad_d += (chunk.T @ q_chunk).float()
+            else:
+                torch.mm(chunk.T, q_chunk, out=grad_d)
+    return grad_q, (None if grad_d is None else grad_d.to(d.dtype))
+
+
+def _reference_point(ctx, saved):
+    q, d = saved[:2]
+    return INFO_NCE, lambda q, d, *_: _one_way_reference(q, d, 1.0 / ctx.scale), (q, d, None, None)
+
+
+class _InfoNCEFunction(torch.autograd.Function):
+    """One direction's per-row loss (fp32); the symmetric loss is two of them."""
+
+    @staticmethod
+    def forward(ctx, q, d, scale, max_chunk_bytes):
+        lse, positive = _forward(q, d, scale)
+        ctx.save_for_backward(q, d, lse)
+        ctx.scale, ctx.max_chunk_bytes = scale, max_chunk_bytes
+        return lse - positive
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    @backward_fallback(_reference_point)
+    def backward(ctx, saved, grad):
+        q, d, lse = saved
+        grad_q, grad_d = _backward(q, d, lse, grad.float().contiguous(), ctx.scale, ctx.max_chunk_bytes,
+                                   ctx.needs_input_grad[:2])
+        return grad_q, grad_d, None, None
+
+
+def _kernel(q, d, temperature, symmetric, max_chunk_bytes):
+    q, d = q.contiguous(), d.contiguous()
+    loss = _InfoNCEFunction.apply(q, d, 1.0 / temperature, max_chunk_bytes)
+    if symmetric:
+        loss = (loss + _InfoNCEFunction.apply(d[: q.shape[0]], q, 1.0 / temperature, max_chunk_bytes)) / 2
+    return loss
+
+
+INFO_NCE = Op("info_nce", _kernel, info_nce_reference)
+
+
+def _check(q, d, temperature, symmetric, max_chunk_bytes) -> None:
+    check_float("q", q)
+    check_float("d", d)
+    if q.dim() != 2 or d.dim() != 2:
+        raise ValueError(f"q and d must be 2-D (rows, dim), got shapes {tuple(q.shape)} and {tuple(d.shape)}")
+    if q.shape[1] != d.shape[1]:
+        raise ValueError(f"q and d must have the same dim, got {q.shape[1]} and {d.shape[1]}")
+    if d.shape[0] < q.shape[0]:
+        raise ValueError(
+            f"d must hold at least one document per query (row i of d is query i's positive), got {d.shape[0]} "
+            f"documents for {q.shape[0]} queries"
+        )
+    if d.dtype != q.dtype:
+        raise ValueError(f"d must have q's dtype {q.dtype}, got {d.dtype}")
+    check_device("d", d, q.device)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"temperature must be a positive float, got {temperature!r}")
+    if not isinstance(symmetric, bool):
+        raise ValueError(f"symmetric must be a bool, got {symmetric!r}")
+    if isinstance(max_chunk_bytes, bool) or not isinstance(max_chunk_bytes, int) or max_chunk_bytes < 1:
+        raise ValueError(f"max_chunk_bytes must be a positive int, got {max_chunk_bytes!r}")
+
+
+def info_nce(
+    q: torch.Tensor,
+    d: torch.Tensor,
+    *,
+    temperature: float = 0.05,
+    symmetric: bool = False,
+    max_chunk_bytes: int | None = None,
+) -> torch.Tensor:
+    """Per-query InfoNCE loss with in-batch negatives, ``logsumexp_j(q_i . d_j / T) - q_i . d_i / T``,
+    without the (B, N) similarity matrix in forward.
+
+    Args:
+        q: ``(B, D)`` query embeddings, float16/bfloat16/float32 (float64 runs the reference).
+            Normalise first (``F.normalize``) for cosine similarity: the op does not.
+        d: ``(N, D)`` document embeddings, N >= B, q's dtype and device: rows ``0..B-1`` are the
+            queries' positives, the rest (hard negatives) negatives of every query.
+        temperature: similarities are divided by it (sentence-transformers' ``scale`` is 1 / T).
+        symmetric: average in the document-to-query loss of document i against the B queries.
+        max_chunk_bytes: the most bytes of the backward's per-chunk gradient of the similarities
+            (``rows x N`` in q's dtype; at least one row); default ``DEFAULT_MAX_CHUNK_BYTES``.
+
+    Returns:
+        ``(B,)`` fp32 losses (float64 for float64 inputs), differentiable in q and d; take
+        ``.mean()`` for sentence-transformers' loss. NaN in an embedding gives NaN in every loss
+        it enters. No host sync. Inside torch.compile it runs its reference (the loss is a few
+        GEMMs over embeddings, which the compiler fuses well enough; no library op yet).
+    """
+    if max_chunk_bytes is None:
+        max_chunk_bytes = DEFAULT_MAX_CHUNK_BYTES
+    _check(q, d, temperature, symmetric, max_chunk_bytes)
+    return INFO_NCE(None, q, d, float(temperature), symmetric, max_chunk_bytes)
