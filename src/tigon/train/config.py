@@ -373,23 +373,27 @@ def _check_lora_options(cfg: SFTConfig) -> None:
 # --- tigon rlhf ---------------------------------------------------------------------------------
 
 PREFERENCE_METHODS = ("dpo", "ipo", "kto", "orpo", "simpo", "cpo")
-METHODS = (*PREFERENCE_METHODS, "grpo", "gkd")
+METHODS = (*PREFERENCE_METHODS, "grpo", "ppo", "rloo", "gkd")
 REFERENCE_METHODS = ("dpo", "ipo", "kto")  # the others score the policy alone
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "gspo")  # linear_policy_loss's (gspo: grpo at sequence level)
 DISTILL_LOSSES = ("forward_kl", "reverse_kl", "jsd", "tvd")  # linear_distill_loss's
 # beta: SimPO's scales average log-probs, not sums (its paper's range); GRPO's weighs the KL to
 # the reference (TRL's default: none); GKD's interpolates its JSD (TRL's GKDConfig default).
-_DEFAULT_BETA = {"simpo": 2.0, "grpo": 0.0, "gkd": 0.5}
+# PPO and RLOO put their KL in the reward, at TRL PPOv2's and RLOOConfig's 0.05.
+_DEFAULT_BETA = {"simpo": 2.0, "grpo": 0.0, "ppo": 0.05, "rloo": 0.05, "gkd": 0.5}
 _DEFAULT_NLL_WEIGHT = {"cpo": 1.0, "orpo": 1.0}  # part of those methods' objectives
 _DEFAULT_TEMPERATURE = {"grpo": 1.0, "gkd": 0.9}  # TRL's GRPOConfig and GKDConfig defaults
 _SMOOTHED = ("dpo", "simpo", "cpo")
-_ONLINE = ("grpo", "gkd")
+_REWARDED = ("grpo", "ppo", "rloo")  # online RL from reward functions
+_ONLINE = (*_REWARDED, "gkd")
 # Which method each method-specific setting belongs to.
 _METHOD_KEYS = {"simpo_gamma": ("simpo",), "desirable_weight": ("kto",), "undesirable_weight": ("kto",),
                 "label_smoothing": _SMOOTHED, "precompute_ref_log_probs": REFERENCE_METHODS,
                 "nll_weight": PREFERENCE_METHODS, "max_prompt_length": PREFERENCE_METHODS,
-                "reward_funcs": ("grpo",), "num_generations": ("grpo",), "loss_type": ("grpo",), "epsilon": ("grpo",),
-                "epsilon_high": ("grpo",), "format_regex": ("grpo",), "use_vllm": ("grpo",),
+                "reward_funcs": _REWARDED, "num_generations": _REWARDED, "loss_type": ("grpo",), "epsilon": _REWARDED,
+                "epsilon_high": ("grpo", "rloo"), "format_regex": _REWARDED, "use_vllm": ("grpo",),
+                "reward_model": ("ppo",), "gamma": ("ppo",), "lam": ("ppo",), "vf_coef": ("ppo",),
+                "cliprange_value": ("ppo",), "ppo_epochs": ("ppo",), "mini_batches": ("ppo",),
                 "max_completion_length": _ONLINE, "temperature": _ONLINE,
                 "teacher": ("gkd",), "lmbda": ("gkd",), "seq_kd": ("gkd",)}
 
@@ -403,9 +407,9 @@ class RLHFConfig(SFTConfig):
 
     dataset: list[str] | None = _opt(
         None, "preference files (.jsonl .json .csv .parquet): prompt/chosen/rejected, messages + rejected_response "
-        "or rejected_messages, chosen/rejected conversations, or (kto) prompt/completion/label; grpo: prompt (or "
+        "or rejected_messages, chosen/rejected conversations, or (kto) prompt/completion/label; grpo, ppo, rloo: prompt (or "
         "question, or messages ending in the answer) with any other columns for the reward functions; gkd: sft's "
-        "formats; PATH#N takes N random rows (default: bundled preference pairs; grpo: bundled arithmetic prompts; "
+        "formats; PATH#N takes N random rows (default: bundled preference pairs; grpo, ppo, rloo: bundled arithmetic prompts; "
         "gkd: bundled instructions)", nargs="+", metavar="PATH")
     tuner: str | None = _opt(None, "lora (default; its reference is the model with the adapter switched off) or "
                              "full (a frozen copy; default for the built-in model)", choices=["lora", "full"])
@@ -416,11 +420,11 @@ class RLHFConfig(SFTConfig):
     batch_size: int | None = _opt(None, "pairs (kto: answers) per device per step (default 4; 16 built-in)")
     output_dir: str = _opt("tigon-rlhf-out", "where checkpoints, metrics.jsonl and loss.png go", metavar="DIR")
 
-    method: str = _opt("dpo", "the objective: a preference method, grpo (online RL from reward functions) or gkd "
+    method: str = _opt("dpo", "the objective: a preference method, grpo, ppo or rloo (online RL from reward functions) or gkd "
                        "(on-policy distillation from --teacher)", choices=list(METHODS))
     beta: float | None = _opt(None, "the method's beta: how far from the reference (dpo, ipo, kto), the reward "
-                              "scale (simpo, cpo), the odds-ratio weight (orpo), the KL weight (grpo), the JSD's "
-                              "interpolation, 0 forward KL to 1 reverse KL (gkd) (default 0.1; 2 simpo, 0 grpo, "
+                              "scale (simpo, cpo), the odds-ratio weight (orpo), the KL weight (grpo; ppo and rloo: of the KL penalty in the reward), the JSD's "
+                              "interpolation, 0 forward KL to 1 reverse KL (gkd) (default 0.1; 2 simpo, 0 grpo, 0.05 ppo and rloo, "
                               "0.5 gkd)")
     label_smoothing: float = _opt(0.0, "dpo (conservative DPO), simpo, cpo: the assumed chance that a pair's "
                                   "preference is flipped, < 0.5")
@@ -435,25 +439,36 @@ class RLHFConfig(SFTConfig):
                                          "but --max-length)")
 
     reward_funcs: list[str] | None = _opt(
-        None, "grpo: reward functions, FILE.py:fn1,fn2 (TRL's signature: fn(prompts, completions, **kwargs) -> "
+        None, "grpo, ppo, rloo: reward functions, FILE.py:fn1,fn2 (TRL's signature: fn(prompts, completions, **kwargs) -> "
         "list of floats, the data's other columns as keywords) and built-ins: builtin:exact_answer (1 when the "
         "completion's last number, or its text, equals the answer column), builtin:format (1 when it matches "
         "--format-regex), builtin:length (minus its share of --max-completion-length) (default: "
         "builtin:exact_answer,builtin:format)", nargs="+",
         metavar="SPEC")
-    num_generations: int = _opt(8, "grpo: completions sampled per prompt (the group its advantages compare)")
-    max_completion_length: int | None = _opt(None, "grpo, gkd: most tokens sampled per completion (default 256; 16 "
+    num_generations: int = _opt(8, "grpo, ppo, rloo: completions sampled per prompt (the group grpo and rloo compare)")
+    max_completion_length: int | None = _opt(None, "grpo, ppo, rloo, gkd: most tokens sampled per completion (default 256; 16 "
                                              "for the built-in model)")
-    temperature: float | None = _opt(None, "grpo, gkd: sampling temperature (grpo's loss divides the logits by it "
+    temperature: float | None = _opt(None, "grpo, ppo, rloo, gkd: sampling temperature (the loss divides the logits by it "
                                      "too) (default 1.0 grpo, 0.9 gkd)")
     loss_type: str = _opt("dapo", "grpo: the loss's normalisation (TRL's loss_type; gspo: grpo with a sequence-level "
                           "importance ratio)", choices=list(LOSS_TYPES))
-    epsilon: float = _opt(0.2, "grpo: the clip range of the importance ratio, [1 - epsilon, 1 + epsilon-high]")
-    epsilon_high: float | None = _opt(None, "grpo: the clip range's upper side (default: --epsilon; DAPO uses 0.28)")
-    format_regex: str = _opt(r"^[^\n]*\S[^\n]*\.$", "grpo: what builtin:format rewards: a completion matching this "
+    epsilon: float = _opt(0.2, "grpo, ppo, rloo: the clip range of the importance ratio, [1 - epsilon, 1 + epsilon-high]")
+    epsilon_high: float | None = _opt(None, "grpo, rloo: the clip range's upper side (default: --epsilon; DAPO uses 0.28)")
+    format_regex: str = _opt(r"^[^\n]*\S[^\n]*\.$", "grpo, ppo, rloo: what builtin:format rewards: a completion matching this "
                              "regex whole (default: one line ending in a period)", metavar="REGEX")
     use_vllm: bool = _opt(False, "grpo: sample with vLLM (colocated; needs vllm installed) instead of transformers' "
                           "generate")
+    reward_model: str | None = _opt(None, "ppo: a reward model (a sequence-classification model directory, one "
+                                    "output) scoring each prompt + completion, added to --reward-funcs' rewards "
+                                    "(default: none)", metavar="MODEL")
+    gamma: float = _opt(1.0, "ppo: the discount of GAE")
+    lam: float = _opt(0.95, "ppo: GAE's lambda (0: one-step TD advantages, 1: Monte Carlo returns)")
+    vf_coef: float = _opt(0.1, "ppo: the value loss's weight in the loss")
+    cliprange_value: float = _opt(0.2, "ppo: how far the value head's predictions may move from the rollout's before "
+                                  "the clipped value loss takes over")
+    ppo_epochs: int = _opt(4, "ppo: passes over each rollout batch")
+    mini_batches: int = _opt(1, "ppo: optimizer steps per pass over a rollout batch (a rollout batch is --batch-size "
+                             "x --grad-accum x this many completions)")
     teacher: str | None = _opt(None, "gkd: the teacher model, frozen (default, for the built-in student only: the "
                                "built-in model after sft)", metavar="MODEL")
     lmbda: float = _opt(0.5, "gkd: the share of steps trained on the student's own samples (on-policy); the others "
@@ -464,7 +479,8 @@ class RLHFConfig(SFTConfig):
 
 # The built-in model's defaults per method where they differ from the preference methods' (one
 # epoch of GRPO over the bundled prompts is many steps: --max-steps ends the run instead).
-_BUILTIN = {"grpo": {"lr": 1e-4, "batch_size": 32, "max_steps": 80}, "gkd": {"lr": 3e-3, "epochs": 10.0}}
+_BUILTIN = {"grpo": {"lr": 1e-4, "batch_size": 32, "max_steps": 80}, "ppo": {"lr": 1e-4, "batch_size": 32, "max_steps": 80},
+            "rloo": {"lr": 1e-4, "batch_size": 32, "max_steps": 80}, "gkd": {"lr": 3e-3, "epochs": 10.0}}
 
 
 def resolve_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> RLHFConfig:
@@ -497,7 +513,7 @@ def resolve_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> RLHFConfig:
     for key, methods in _METHOD_KEYS.items():
         if key in given and method not in methods and getattr(cfg, key) != getattr(RLHFConfig, key, None):
             raise SFTError(f"--{key.replace('_', '-')}: only for --method {' / '.join(methods)}, not {method}")
-    if method == "grpo":
+    if method in _REWARDED:
         _check_grpo(cfg)
     elif method == "gkd":
         _check_gkd(cfg)
@@ -543,9 +559,26 @@ def _check_grpo(cfg: RLHFConfig) -> None:
         value = getattr(cfg, name)
         if value is not None and value < 0:
             raise SFTError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+    if cfg.method == "ppo":
+        _check_ppo(cfg)
     if cfg.use_vllm and importlib.util.find_spec("vllm") is None:
         raise SFTError("--use-vllm: vLLM is not installed (pip install vllm), or leave the flag out to sample "
                        "with transformers")
+
+
+def _check_ppo(cfg: RLHFConfig) -> None:
+    for name in ("gamma", "lam"):
+        if not 0.0 <= getattr(cfg, name) <= 1.0:
+            raise SFTError(f"--{name} must be in [0, 1], got {getattr(cfg, name)}")
+    if cfg.vf_coef < 0:
+        raise SFTError(f"--vf-coef must be >= 0, got {cfg.vf_coef}")
+    if not cfg.cliprange_value > 0:
+        raise SFTError(f"--cliprange-value must be > 0, got {cfg.cliprange_value}")
+    for name in ("ppo_epochs", "mini_batches"):
+        if getattr(cfg, name) < 1:
+            raise SFTError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.reward_model is not None and not (Path(cfg.reward_model).expanduser() / "config.json").is_file():
+        raise SFTError(f"--reward-model {cfg.reward_model}: not a model directory (no config.json in it)")
 
 
 def _check_gkd(cfg: RLHFConfig) -> None:

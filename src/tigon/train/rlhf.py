@@ -353,6 +353,10 @@ def run_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> Path:
 def _run(cfg: RLHFConfig) -> Path:
     if cfg.method == "grpo":
         return grpo.run(cfg)
+    if cfg.method in ("ppo", "rloo"):
+        from tigon.train import ppo, rloo
+
+        return (ppo if cfg.method == "ppo" else rloo).run(cfg)
     if cfg.method == "gkd":
         try:  # TRL's experimental package, imported only for this method
             from tigon.train import gkd
