@@ -196,7 +196,8 @@ def test_rloo_fused_loss_and_gradients_equal_trls_compute_loss(tiny_rl, tmp_path
 
     theirs, their_grads = loss_and_grads(trl.RLOOTrainer._compute_loss)
     ours, our_grads = loss_and_grads(rloo.TigonRLOOTrainer._compute_loss)
-    assert ours.item() == pytest.approx(theirs.item(), rel=1e-5, abs=1e-7)
+    # TRL's ratio is 1 up to the fp32 rounding of the two log-prob sums; tigon's is 1 exactly.
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-4, abs=1e-7)
     for name, grad in their_grads.items():
         torch.testing.assert_close(our_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 

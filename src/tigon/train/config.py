@@ -407,25 +407,25 @@ class RLHFConfig(SFTConfig):
 
     dataset: list[str] | None = _opt(
         None, "preference files (.jsonl .json .csv .parquet): prompt/chosen/rejected, messages + rejected_response "
-        "or rejected_messages, chosen/rejected conversations, or (kto) prompt/completion/label; grpo, ppo, rloo: prompt (or "
-        "question, or messages ending in the answer) with any other columns for the reward functions; gkd: sft's "
-        "formats; PATH#N takes N random rows (default: bundled preference pairs; grpo, ppo, rloo: bundled arithmetic prompts; "
-        "gkd: bundled instructions)", nargs="+", metavar="PATH")
+        "or rejected_messages, chosen/rejected conversations, or (kto) prompt/completion/label; grpo, ppo, rloo: "
+        "prompt (or question, or messages ending in the answer) with any other columns for the reward functions; "
+        "gkd: sft's formats; PATH#N takes N random rows (default: bundled preference pairs; grpo, ppo, rloo: bundled "
+        "arithmetic prompts; gkd: bundled instructions)", nargs="+", metavar="PATH")
     tuner: str | None = _opt(None, "lora (default; its reference is the model with the adapter switched off) or "
                              "full (a frozen copy; default for the built-in model)", choices=["lora", "full"])
     max_length: int | None = _opt(None, "truncate each prompt + answer to this many tokens, cutting the answer; a "
                                   "prompt this long drops its row (default 1024; 128 for the built-in model)")
     epochs: float | None = _opt(None, "passes over the data (default 1; 3 for the built-in model)")
-    lr: float | None = _opt(None, "peak learning rate (default: 5e-6 LoRA, 5e-7 full, 1e-4 built-in)")
+    lr: float | None = _opt(None, "peak learning rate (default: 5e-6 LoRA, 5e-7 full, 1e-4 built-in; 3e-4 built-in ppo)")
     batch_size: int | None = _opt(None, "pairs (kto: answers) per device per step (default 4; 16 built-in)")
     output_dir: str = _opt("tigon-rlhf-out", "where checkpoints, metrics.jsonl and loss.png go", metavar="DIR")
 
-    method: str = _opt("dpo", "the objective: a preference method, grpo, ppo or rloo (online RL from reward functions) or gkd "
-                       "(on-policy distillation from --teacher)", choices=list(METHODS))
+    method: str = _opt("dpo", "the objective: a preference method, grpo, ppo or rloo (online RL from reward "
+                       "functions) or gkd (on-policy distillation from --teacher)", choices=list(METHODS))
     beta: float | None = _opt(None, "the method's beta: how far from the reference (dpo, ipo, kto), the reward "
-                              "scale (simpo, cpo), the odds-ratio weight (orpo), the KL weight (grpo; ppo and rloo: of the KL penalty in the reward), the JSD's "
-                              "interpolation, 0 forward KL to 1 reverse KL (gkd) (default 0.1; 2 simpo, 0 grpo, 0.05 ppo and rloo, "
-                              "0.5 gkd)")
+                              "scale (simpo, cpo), the odds-ratio weight (orpo), the KL weight (grpo; ppo, rloo: of "
+                              "the KL penalty in the reward), the JSD's interpolation, 0 forward KL to 1 reverse KL "
+                              "(gkd) (default 0.1; 2 simpo, 0 grpo, 0.05 ppo and rloo, 0.5 gkd)")
     label_smoothing: float = _opt(0.0, "dpo (conservative DPO), simpo, cpo: the assumed chance that a pair's "
                                   "preference is flipped, < 0.5")
     simpo_gamma: float = _opt(1.0, "simpo: the target reward margin")
@@ -439,23 +439,25 @@ class RLHFConfig(SFTConfig):
                                          "but --max-length)")
 
     reward_funcs: list[str] | None = _opt(
-        None, "grpo, ppo, rloo: reward functions, FILE.py:fn1,fn2 (TRL's signature: fn(prompts, completions, **kwargs) -> "
-        "list of floats, the data's other columns as keywords) and built-ins: builtin:exact_answer (1 when the "
-        "completion's last number, or its text, equals the answer column), builtin:format (1 when it matches "
-        "--format-regex), builtin:length (minus its share of --max-completion-length) (default: "
-        "builtin:exact_answer,builtin:format)", nargs="+",
-        metavar="SPEC")
-    num_generations: int = _opt(8, "grpo, ppo, rloo: completions sampled per prompt (the group grpo and rloo compare)")
-    max_completion_length: int | None = _opt(None, "grpo, ppo, rloo, gkd: most tokens sampled per completion (default 256; 16 "
-                                             "for the built-in model)")
-    temperature: float | None = _opt(None, "grpo, ppo, rloo, gkd: sampling temperature (the loss divides the logits by it "
-                                     "too) (default 1.0 grpo, 0.9 gkd)")
+        None, "grpo, ppo, rloo: reward functions, FILE.py:fn1,fn2 (TRL's signature: fn(prompts, completions, "
+        "**kwargs) -> list of floats, the data's other columns as keywords) and built-ins: builtin:exact_answer (1 "
+        "when the completion's last number, or its text, equals the answer column), builtin:format (1 when it "
+        "matches --format-regex), builtin:length (minus its share of --max-completion-length) (default: "
+        "builtin:exact_answer,builtin:format; ppo with --reward-model: none)", nargs="+", metavar="SPEC")
+    num_generations: int = _opt(8, "grpo, ppo, rloo: completions sampled per prompt (the group grpo and rloo "
+                                "compare)")
+    max_completion_length: int | None = _opt(None, "grpo, ppo, rloo, gkd: most tokens sampled per completion "
+                                             "(default 256; 16 for the built-in model)")
+    temperature: float | None = _opt(None, "grpo, ppo, rloo, gkd: sampling temperature (the loss divides the logits "
+                                     "by it too) (default 1.0; 0.9 gkd)")
     loss_type: str = _opt("dapo", "grpo: the loss's normalisation (TRL's loss_type; gspo: grpo with a sequence-level "
                           "importance ratio)", choices=list(LOSS_TYPES))
-    epsilon: float = _opt(0.2, "grpo, ppo, rloo: the clip range of the importance ratio, [1 - epsilon, 1 + epsilon-high]")
-    epsilon_high: float | None = _opt(None, "grpo, rloo: the clip range's upper side (default: --epsilon; DAPO uses 0.28)")
-    format_regex: str = _opt(r"^[^\n]*\S[^\n]*\.$", "grpo, ppo, rloo: what builtin:format rewards: a completion matching this "
-                             "regex whole (default: one line ending in a period)", metavar="REGEX")
+    epsilon: float = _opt(0.2, "grpo, ppo, rloo: the clip range of the importance ratio, [1 - epsilon, 1 + "
+                          "epsilon-high]")
+    epsilon_high: float | None = _opt(None, "grpo, rloo: the clip range's upper side (default: --epsilon; DAPO uses "
+                                      "0.28)")
+    format_regex: str = _opt(r"^[^\n]*\S[^\n]*\.$", "grpo, ppo, rloo: what builtin:format rewards: a completion "
+                             "matching this regex whole (default: one line ending in a period)", metavar="REGEX")
     use_vllm: bool = _opt(False, "grpo: sample with vLLM (colocated; needs vllm installed) instead of transformers' "
                           "generate")
     reward_model: str | None = _opt(None, "ppo: a reward model (a sequence-classification model directory, one "
@@ -466,7 +468,7 @@ class RLHFConfig(SFTConfig):
     vf_coef: float = _opt(0.1, "ppo: the value loss's weight in the loss")
     cliprange_value: float = _opt(0.2, "ppo: how far the value head's predictions may move from the rollout's before "
                                   "the clipped value loss takes over")
-    ppo_epochs: int = _opt(4, "ppo: passes over each rollout batch")
+    ppo_epochs: int | None = _opt(None, "ppo: passes over each rollout batch (default 4; 2 for the built-in model)")
     mini_batches: int = _opt(1, "ppo: optimizer steps per pass over a rollout batch (a rollout batch is --batch-size "
                              "x --grad-accum x this many completions)")
     teacher: str | None = _opt(None, "gkd: the teacher model, frozen (default, for the built-in student only: the "
@@ -479,7 +481,8 @@ class RLHFConfig(SFTConfig):
 
 # The built-in model's defaults per method where they differ from the preference methods' (one
 # epoch of GRPO over the bundled prompts is many steps: --max-steps ends the run instead).
-_BUILTIN = {"grpo": {"lr": 1e-4, "batch_size": 32, "max_steps": 80}, "ppo": {"lr": 1e-4, "batch_size": 32, "max_steps": 80},
+_BUILTIN = {"grpo": {"lr": 1e-4, "batch_size": 32, "max_steps": 80},
+            "ppo": {"lr": 3e-4, "batch_size": 32, "max_steps": 80, "ppo_epochs": 2},
             "rloo": {"lr": 1e-4, "batch_size": 32, "max_steps": 80}, "gkd": {"lr": 3e-3, "epochs": 10.0}}
 
 
@@ -505,6 +508,7 @@ def resolve_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> RLHFConfig:
         max_completion_length=(cfg.max_completion_length if cfg.max_completion_length is not None
                                else 16 if builtin else 256),
         temperature=cfg.temperature if cfg.temperature is not None else _DEFAULT_TEMPERATURE.get(method, 1.0),
+        ppo_epochs=cfg.ppo_epochs if cfg.ppo_epochs is not None else own.get("ppo_epochs", 4),
     )
     if cfg.cuda_graphs and method in _ONLINE:
         raise SFTError(f"--cuda-graphs: --method {method} generates completions in every step, of lengths no "

@@ -156,6 +156,14 @@ class OnlineFused(FusedTrainer):
                         "alone, not the router's logits)")
             self.aux_loss_enabled = False
 
+    def _completion_hidden(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        """`model`'s last hidden states at the positions that predict a rollout batch's completion
+        tokens, ``(completions, tokens, hidden)``."""
+        prompt_ids = batch["prompt_ids"]
+        input_ids = torch.cat([prompt_ids, batch["completion_ids"]], dim=1)
+        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        return self._hidden(model, input_ids, attention_mask)[:, prompt_ids.shape[1] - 1:]
+
 
 class TigonGRPOTrainer(OnlineFused, TigonTrainer, GRPOTrainer):
     """TRL's GRPOTrainer computing its loss with `linear_policy_loss` from the policy's hidden

@@ -116,11 +116,10 @@ class TigonPPOTrainer(grpo.TigonGRPOTrainer):
         per_function = self._scores[start:start + len(inputs)]
         # A completion no reward function scored (all None: NaN) gets 0, as TRL's sum gives it.
         scores = (per_function * self.reward_weights.to(per_function.device)).nansum(dim=1)
-        prompt_ids, completion_ids, mask = batch["prompt_ids"], batch["completion_ids"], batch["completion_mask"]
+        completion_ids, mask = batch["completion_ids"], batch["completion_mask"]
         with torch.no_grad():
             weight, bias = self._head(self.model)
-            hidden = self._hidden(self.model, torch.cat([prompt_ids, completion_ids], 1),
-                                  torch.cat([batch["prompt_mask"], mask], 1))[:, prompt_ids.shape[1] - 1:]
+            hidden = self._completion_hidden(self.model, batch)
             log_probs = TF.linear_log_probs(hidden.to(weight.dtype), weight, completion_ids.masked_fill(mask == 0, -100),
                                             bias, temperature=self.temperature)
             values = self._values(hidden)
@@ -141,12 +140,11 @@ class TigonPPOTrainer(grpo.TigonGRPOTrainer):
 
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
-        prompt_ids, completion_ids, mask = inputs["prompt_ids"], inputs["completion_ids"], inputs["completion_mask"]
+        mask = inputs["completion_mask"]
         weight, bias = self._head(model)
-        hidden = self._hidden(model, torch.cat([prompt_ids, completion_ids], 1),
-                              torch.cat([inputs["prompt_mask"], mask], 1))[:, prompt_ids.shape[1] - 1:]
+        hidden = self._completion_hidden(model, inputs)
         policy, metrics = TF.linear_policy_loss(
-            hidden.to(weight.dtype), weight, completion_ids, inputs["old_per_token_logps"], inputs["advantages"],
+            hidden.to(weight.dtype), weight, inputs["completion_ids"], inputs["old_per_token_logps"], inputs["advantages"],
             epsilon=self.epsilon_low, epsilon_high=self.epsilon_high, loss_type="bnpo",
             temperature=self.temperature, mask=mask, bias=bias,
         )

@@ -39,15 +39,13 @@ class TigonRLOOTrainer(grpo.OnlineFused, TigonTrainer, RLOOTrainer):
 
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
-        prompt_ids, completion_ids, mask = inputs["prompt_ids"], inputs["completion_ids"], inputs["completion_mask"]
         weight, bias = self._head(model)
-        hidden = self._hidden(model, torch.cat([prompt_ids, completion_ids], 1),
-                              torch.cat([inputs["prompt_mask"], mask], 1))[:, prompt_ids.shape[1] - 1:]
+        hidden = self._completion_hidden(model, inputs).to(weight.dtype)
         advantages = inputs["advantages"]
         loss, metrics = TF.linear_policy_loss(
-            hidden.to(weight.dtype), weight, completion_ids, None, advantages, epsilon=self.epsilon_low,
+            hidden, weight, inputs["completion_ids"], None, advantages, epsilon=self.epsilon_low,
             epsilon_high=self.epsilon_high, loss_type="dr_grpo", max_completion_length=1,
-            temperature=self.temperature, mask=mask, bias=bias,
+            temperature=self.temperature, mask=inputs["completion_mask"], bias=bias,
         )
         loss = loss + (-advantages.mean() - loss).detach()  # the value at ratio 1, the fused gradient kept
         for key, value in metrics.items():
