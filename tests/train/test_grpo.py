@@ -257,8 +257,8 @@ def test_bad_grpo_input_is_one_line_and_writes_nothing(tmp_path, capsys, argv, m
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--num-generations", "4"], "--num-generations: only for --method grpo, not dpo"),
-    (["--reward-funcs", "builtin:format"], "--reward-funcs: only for --method grpo, not dpo"),
+    (["--num-generations", "4"], "--num-generations: only for --method grpo / ppo / rloo, not dpo"),
+    (["--reward-funcs", "builtin:format"], "--reward-funcs: only for --method grpo / ppo / rloo, not dpo"),
 ])
 def test_grpo_flags_are_refused_for_other_methods(tmp_path, capsys, argv, message):
     assert main(["rlhf", "--output-dir", str(tmp_path / "out"), *argv]) == 2
