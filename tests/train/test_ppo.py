@@ -115,9 +115,10 @@ def rollout(trainer, completions=4, prompt_len=5, completion_len=7):
     lengths = torch.tensor([completion_len, 3, 1, completion_len - 2][:completions])
     completion_mask = (torch.arange(completion_len) < lengths[:, None]).long()
     shape = completion_ids.shape
-    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
-            "completion_mask": completion_mask, "advantages": torch.randn(shape, generator=g),
-            "values": torch.randn(shape, generator=g), "returns": torch.randn(shape, generator=g)}
+    inputs = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+              "completion_mask": completion_mask, "advantages": torch.randn(shape, generator=g),
+              "values": torch.randn(shape, generator=g), "returns": torch.randn(shape, generator=g)}
+    return {k: v.to(trainer.model.device) for k, v in inputs.items()}
 
 
 def plain_log_probs(model, inputs, temperature):
@@ -150,11 +151,22 @@ def test_ppo_loss_and_gradients_equal_plain_pytorch(tiny_rl, tmp_path):
     `linear_policy_loss`, the value head's clipped loss) and PPO written out over the logits: equal
     loss and gradients of every weight, the value head's included, with some ratios and values
     clipped."""
+    compare_ppo_loss(tiny_rl, tmp_path, 1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_ppo_loss_and_gradients_equal_plain_pytorch(tiny_rl, tmp_path, monkeypatch):
+    """The same on the GPU with `linear_policy_loss`'s Triton kernels (fp32; TF32-level tolerance)."""
+    monkeypatch.delenv("TIGON_DISABLE")
+    compare_ppo_loss(tiny_rl, tmp_path, 2e-3)
+
+
+def compare_ppo_loss(tiny_rl, tmp_path, rtol):
     root, tokenizer = tiny_rl
     trainer = trainer_for(root, tokenizer, tmp_path, "ppo", epsilon=0.1, vf_coef=0.3, cliprange_value=0.5)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
-    torch.nn.init.normal_(trainer.value_head.weight)
+    torch.nn.init.normal_(trainer.value_head.weight, std=0.05)  # values near the rollout's: some clipped, some not
     inputs = rollout(trainer)
     params = [*trainer.model.parameters(), *trainer.value_head.parameters()]
 
@@ -166,13 +178,13 @@ def test_ppo_loss_and_gradients_equal_plain_pytorch(tiny_rl, tmp_path):
 
     with torch.no_grad():
         logp = plain_log_probs(trainer.model, inputs, trainer.temperature)[1]
-    inputs["old_per_token_logps"] = logp + 0.3 * torch.randn(logp.shape)
+    inputs["old_per_token_logps"] = logp + 0.3 * torch.randn(logp.shape).to(logp.device)
     theirs, their_grads = grads_of(plain_ppo_loss(trainer, inputs))
     ours, our_grads = grads_of(ppo.TigonPPOTrainer._compute_loss(trainer, trainer.model, inputs))
-    assert ours.item() == pytest.approx(theirs.item(), rel=1e-5)
+    assert ours.item() == pytest.approx(theirs.item(), rel=rtol / 10)
     for (name, _), mine, want in zip([*trainer.model.named_parameters(), *trainer.value_head.named_parameters()],
                                      our_grads, their_grads):
-        torch.testing.assert_close(mine, want, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(mine, want, rtol=rtol, atol=1e-6, msg=name)
     metrics = trainer._averages("train")
     assert 0 < metrics["clip_ratio/region_mean"] < 1 and 0 < metrics["value_clipfrac"] < 1
 
