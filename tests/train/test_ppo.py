@@ -15,14 +15,14 @@ import shutil
 import pytest
 import torch
 
-from tests.train.fused_helpers import argv_of, one_thread_and_references, plain_model, save_tiny
+from tests.train.fused_helpers import argv_of, one_thread_and_references, plain_model
+from tests.train.test_grpo import rollout as grpo_rollout
+from tests.train.test_grpo import tiny_grpo  # noqa: F401 (the saved tiny model and prompts)
 from tigon.cli import main
-from tigon.train import advantages, builtin, grpo, ppo, rewards, rloo, tiny
+from tigon.train import advantages, builtin, grpo, ppo, rewards, rloo
 from tigon.train.config import RLHFConfig, resolve_rlhf
-from tigon.train.data import load_samples
 from tigon.train.reward_model import reward_model_reward
 from tigon.train.rewards import RewardError
-from tigon.train.template import ensure_chat_template
 
 trl = pytest.importorskip("trl")
 
@@ -31,18 +31,6 @@ trl = pytest.importorskip("trl")
 def quick():
     with one_thread_and_references("linear_policy_loss,linear_log_probs"):
         yield
-
-
-@pytest.fixture(scope="module")
-def tiny_rl(tmp_path_factory):
-    """A saved tiny model (a user's --model), its tokenizer, and 12 of the bundled prompts."""
-    root = tmp_path_factory.mktemp("ppo")
-    tokenizer = tiny.build_tokenizer(load_samples([str(tiny.BUNDLED_DATASET)], seed=0))
-    save_tiny(root / "m", tokenizer)
-    ensure_chat_template(tokenizer)
-    rows = grpo.BUNDLED_PROMPTS.read_text().splitlines()
-    (root / "prompts.jsonl").write_text("".join(line + "\n" for line in random.sample(rows, 12)))
-    return root, tokenizer
 
 
 def rl_values(root, method, **extra):
@@ -102,23 +90,15 @@ def test_whiten_is_trls_masked_whiten():
     torch.testing.assert_close(advantages.whiten(x, mask), want, rtol=1e-5, atol=1e-6)
 
 
-def rollout(trainer, completions=4, prompt_len=5, completion_len=7):
-    """A rollout batch as PPO's `_generate_and_score_completions` hands it to the loss: left-padded
-    prompts, completions cut at different lengths, per-token advantages, old log-probs off the
-    policy's (some ratios leave the clip range), values and returns."""
-    vocab = trainer.model.config.vocab_size
+def rollout(trainer):
+    """A rollout batch as PPO's `_generate_and_score_completions` hands it to the loss: GRPO's test
+    rollout (left-padded prompts, completions cut at different lengths) with per-token
+    advantages, values and returns."""
+    inputs = grpo_rollout(trainer, old=False, ref=False)
+    shape, device = inputs["completion_ids"].shape, inputs["completion_ids"].device
     g = torch.Generator().manual_seed(random.randrange(2**31))
-    prompt_ids = torch.randint(3, vocab, (completions, prompt_len), generator=g)
-    prompt_mask = torch.ones_like(prompt_ids)
-    prompt_mask[0, :2] = 0
-    completion_ids = torch.randint(3, vocab, (completions, completion_len), generator=g)
-    lengths = torch.tensor([completion_len, 3, 1, completion_len - 2][:completions])
-    completion_mask = (torch.arange(completion_len) < lengths[:, None]).long()
-    shape = completion_ids.shape
-    inputs = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
-              "completion_mask": completion_mask, "advantages": torch.randn(shape, generator=g),
-              "values": torch.randn(shape, generator=g), "returns": torch.randn(shape, generator=g)}
-    return {k: v.to(trainer.model.device) for k, v in inputs.items()}
+    inputs.update({k: torch.randn(shape, generator=g).to(device) for k in ("advantages", "values", "returns")})
+    return inputs
 
 
 def plain_log_probs(model, inputs, temperature):
@@ -146,23 +126,23 @@ def plain_ppo_loss(trainer, inputs):
     return pg[mask].mean() + trainer.vf_coef * vf[mask].mean()
 
 
-def test_ppo_loss_and_gradients_equal_plain_pytorch(tiny_rl, tmp_path):
+def test_ppo_loss_and_gradients_equal_plain_pytorch(tiny_grpo, tmp_path):
     """One rollout, two losses: the PPO trainer's (hidden states and head into
     `linear_policy_loss`, the value head's clipped loss) and PPO written out over the logits: equal
     loss and gradients of every weight, the value head's included, with some ratios and values
     clipped."""
-    compare_ppo_loss(tiny_rl, tmp_path, 1e-4)
+    compare_ppo_loss(tiny_grpo, tmp_path, 1e-4)
 
 
 @pytest.mark.gpu
-def test_gpu_ppo_loss_and_gradients_equal_plain_pytorch(tiny_rl, tmp_path, monkeypatch):
+def test_gpu_ppo_loss_and_gradients_equal_plain_pytorch(tiny_grpo, tmp_path, monkeypatch):
     """The same on the GPU with `linear_policy_loss`'s Triton kernels (fp32; TF32-level tolerance)."""
     monkeypatch.delenv("TIGON_DISABLE")
-    compare_ppo_loss(tiny_rl, tmp_path, 2e-3)
+    compare_ppo_loss(tiny_grpo, tmp_path, 2e-3)
 
 
-def compare_ppo_loss(tiny_rl, tmp_path, rtol):
-    root, tokenizer = tiny_rl
+def compare_ppo_loss(tiny_grpo, tmp_path, rtol):
+    root, tokenizer = tiny_grpo
     trainer = trainer_for(root, tokenizer, tmp_path, "ppo", epsilon=0.1, vf_coef=0.3, cliprange_value=0.5)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
@@ -189,10 +169,10 @@ def compare_ppo_loss(tiny_rl, tmp_path, rtol):
     assert 0 < metrics["clip_ratio/region_mean"] < 1 and 0 < metrics["value_clipfrac"] < 1
 
 
-def test_rloo_fused_loss_and_gradients_equal_trls_compute_loss(tiny_rl, tmp_path):
+def test_rloo_fused_loss_and_gradients_equal_trls_compute_loss(tiny_grpo, tmp_path):
     """On policy (as tigon runs RLOO) TRL 1.16's `RLOOTrainer._compute_loss` over its logits and
     tigon's through `linear_policy_loss`: equal loss and gradient of every weight."""
-    root, tokenizer = tiny_rl
+    root, tokenizer = tiny_grpo
     trainer = trainer_for(root, tokenizer, tmp_path, "rloo", grad_accum=1)
     trainer.model.train()
     inputs = rollout(trainer)
@@ -217,14 +197,14 @@ def test_rloo_fused_loss_and_gradients_equal_trls_compute_loss(tiny_rl, tmp_path
 
 # --- the command --------------------------------------------------------------------------------
 
-def test_a_few_rloo_steps_equal_trls_rloo_trainer(tiny_rl, tmp_path):
+def test_a_few_rloo_steps_equal_trls_rloo_trainer(tiny_grpo, tmp_path):
     """`tigon rlhf --method rloo` against TRL's RLOOTrainer on the unpatched model, fed the same
     prompts, arguments and seed: the same completions (equal rewards and lengths) and losses at
     every step, and a KL to the reference once the policy has moved."""
     from datasets import Dataset
     from transformers import set_seed
 
-    root, tokenizer = tiny_rl
+    root, tokenizer = tiny_grpo
     (tmp_path / "letters.py").write_text(
         "def letters(prompts, completions, **kwargs):\n"
         "    return [float(sum(ch.isalpha() for ch in c[0]['content'])) for c in completions]\n")
@@ -252,11 +232,11 @@ def test_a_few_rloo_steps_equal_trls_rloo_trainer(tiny_rl, tmp_path):
     assert ours[0]["reward_std"] > 0 and ours[-1]["kl"] != 0
 
 
-def test_ppo_run_writes_its_outputs_and_resumes_its_value_head(tiny_rl, tmp_path):
+def test_ppo_run_writes_its_outputs_and_resumes_its_value_head(tiny_grpo, tmp_path):
     """Two steps of `tigon rlhf --method ppo` (one rollout batch, two passes): metrics with PPO's
     keys, final/ with the value head beside the model, a checkpoint whose value head --resume
     reads back (writing final/ again from it)."""
-    root, _ = tiny_rl
+    root, _ = tiny_grpo
     out = tmp_path / "run"
     values = rl_values(root, "ppo", max_steps=2, ppo_epochs=2, save_steps=2, beta=0.1)
     assert main(["rlhf", *argv_of(values), "--output-dir", str(out)]) == 0
@@ -308,10 +288,10 @@ def save_reward_model(path, tokenizer, labels=1):
     tokenizer.save_pretrained(path)
 
 
-def test_reward_model_scores_the_chat_at_its_last_token(tiny_rl, tmp_path):
+def test_reward_model_scores_the_chat_at_its_last_token(tiny_grpo, tmp_path):
     """Each prompt + completion written out by the reward model's chat template and scored, in
     batches, as the model scores it alone; a model of two outputs is refused in one line."""
-    _, tokenizer = tiny_rl
+    _, tokenizer = tiny_grpo
     save_reward_model(tmp_path / "rm", tokenizer)
     reward = reward_model_reward(str(tmp_path / "rm"), "cpu")
     prompts = [[{"role": "user", "content": f"What is {i} plus 1?"}] for i in range(20)]
