@@ -4,8 +4,8 @@ loss in plain PyTorch from the materialised logits, RLOO's fused loss against TR
 `_compute_loss` and a few steps of the command against TRL's unpatched RLOOTrainer, the reward
 model as a reward function, the embedded defaults, and bad flags as one line.
 
-The fused loss runs its PyTorch reference here (TIGON_DISABLE); its kernels are checked against
-that reference in tests/ops/test_linear_policy.py."""
+As in test_grpo (whose fixtures these tests share), the fused ops run their PyTorch references
+but for the gpu-marked test, which runs `linear_policy_loss`'s kernels."""
 
 import json
 import logging
@@ -15,9 +15,9 @@ import shutil
 import pytest
 import torch
 
-from tests.train.fused_helpers import argv_of, one_thread_and_references, plain_model
+from tests.train.fused_helpers import argv_of, assert_same_steps, plain_model
 from tests.train.test_grpo import rollout as grpo_rollout
-from tests.train.test_grpo import tiny_grpo  # noqa: F401 (the saved tiny model and prompts)
+from tests.train.test_grpo import quick, tiny_grpo  # noqa: F401 (GRPO's fixtures: see there)
 from tigon.cli import main
 from tigon.train import advantages, builtin, grpo, ppo, rewards, rloo
 from tigon.train.config import RLHFConfig, resolve_rlhf
@@ -25,12 +25,6 @@ from tigon.train.reward_model import reward_model_reward
 from tigon.train.rewards import RewardError
 
 trl = pytest.importorskip("trl")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def quick():
-    with one_thread_and_references("linear_policy_loss,linear_log_probs"):
-        yield
 
 
 def rl_values(root, method, **extra):
@@ -222,13 +216,7 @@ def test_a_few_rloo_steps_equal_trls_rloo_trainer(tiny_grpo, tmp_path):
                               args=rloo.trl_arguments(cfg, torch.float32, False), train_dataset=Dataset.from_list(rows),
                               processing_class=tokenizer)
     trainer.train()
-    theirs = [r for r in trainer.state.log_history if "loss" in r]
-    assert [r["step"] for r in ours] == [1, 2, 3] and len(theirs) == 3
-    for a, b in zip(ours, theirs):
-        for key in ("reward", "reward_std", "completions/mean_length"):
-            assert a[key] == pytest.approx(b[key], rel=1e-6), (a["step"], key)
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6), a["step"]
-        assert a["kl"] == pytest.approx(b["kl"], rel=1e-3, abs=1e-6), a["step"]
+    assert_same_steps(ours, trainer, 3)
     assert ours[0]["reward_std"] > 0 and ours[-1]["kl"] != 0
 
 
