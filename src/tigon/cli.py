@@ -70,6 +70,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    if args.ppo:
+        from tigon.bench.ppo import run_ppo_bench
+
+        records = run_ppo_bench(out_dir=Path(args.out) if args.out else None)
+        return 1 if any("error" in r for r in records) else 0
     if args.host:
         from tigon.bench.host import run_host
 
@@ -287,6 +292,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 "peer"],
                        help="with --e2e: what to run (default eager tigon; tigon+graphs: the steps replayed from "
                             "CUDA graphs, as --cuda-graphs does; tigon+reduce-overhead: torch.compile's CUDA-graph mode)")
+    bench.add_argument("--ppo", action="store_true",
+                       help="PPO's training step without sampling (8 prompts x 256 new tokens, 1B Llama shape, LoRA): "
+                            "eager, torch.compile and tigon; full fine-tuning and more knobs: python -m tigon.bench.ppo "
+                            "--help")
     bench.add_argument("--max-context", nargs="*", type=int, metavar="TOKENS",
                        help="long-context LoRA: peak memory and s/step by length (default 65536 ... 524288), "
                             "with and without offload + tiled MLP; more knobs: python -m tigon.bench.max_context --help")

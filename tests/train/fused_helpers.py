@@ -49,3 +49,15 @@ def plain_model(path):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.config.use_cache = False
     return model
+
+
+def assert_same_steps(ours, trainer, steps):
+    """tigon's metrics.jsonl records `ours` against the log of TRL's online `trainer` after its
+    train(): the same completions (rewards, their spread, lengths), losses and KL, step by step."""
+    theirs = [r for r in trainer.state.log_history if "loss" in r]
+    assert [r["step"] for r in ours] == list(range(1, steps + 1)) and len(theirs) == steps
+    for a, b in zip(ours, theirs):
+        for key in ("reward", "reward_std", "completions/mean_length"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6), (a["step"], key)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6), a["step"]
+        assert a["kl"] == pytest.approx(b["kl"], rel=1e-3, abs=1e-6), a["step"]

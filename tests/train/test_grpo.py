@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from tests.train.fused_helpers import argv_of, one_thread_and_references, plain_model, save_tiny
+from tests.train.fused_helpers import argv_of, assert_same_steps, one_thread_and_references, plain_model, save_tiny
 from tigon.bench.ops.rl import trl_sampling_ratio
 from tigon.cli import main
 from tigon.train import builtin, grpo, rewards, tiny
@@ -190,13 +190,7 @@ def test_a_few_steps_equal_trls_grpo_trainer(tiny_grpo, tmp_path):
     trainer = trl.GRPOTrainer(model=plain_model(root / "m"), reward_funcs=fns, args=grpo.trl_arguments(cfg, torch.float32, False),
                               train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
     trainer.train()
-    theirs = [r for r in trainer.state.log_history if "loss" in r]
-    assert [r["step"] for r in ours] == [1, 2, 3] and len(theirs) == 3
-    for a, b in zip(ours, theirs):
-        for key in ("reward", "reward_std", "completions/mean_length"):
-            assert a[key] == pytest.approx(b[key], rel=1e-6), (a["step"], key)
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6), a["step"]
-        assert a["kl"] == pytest.approx(b["kl"], rel=1e-3, abs=1e-6), a["step"]
+    assert_same_steps(ours, trainer, 3)
     assert ours[0]["reward_std"] > 0 and ours[-1]["kl"] > 1e-5
 
 
@@ -328,8 +322,8 @@ def test_unknown_loss_type_is_one_line(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--num-generations", "4"], "--num-generations: only for --method grpo, not dpo"),
-    (["--reward-funcs", "builtin:format"], "--reward-funcs: only for --method grpo, not dpo"),
+    (["--num-generations", "4"], "--num-generations: only for --method grpo / ppo / rloo, not dpo"),
+    (["--reward-funcs", "builtin:format"], "--reward-funcs: only for --method grpo / ppo / rloo, not dpo"),
     (["--delta", "1.5"], "--delta: only for --method grpo, not dpo"),
 ])
 def test_grpo_flags_are_refused_for_other_methods(tmp_path, capsys, argv, message):

@@ -78,6 +78,7 @@ def test_unparseable_options_are_one_line(store):
     ("--eval-dataset ../../secret.jsonl", "--eval-dataset '../../secret.jsonl': outside the runs folder"),
     ("--eval-dataset /etc/passwd", "--eval-dataset '/etc/passwd': outside the runs folder"),
     ("--teacher /etc", "--teacher '/etc': not a model directory in the runs folder"),
+    ("--reward-model /etc", "--reward-model '/etc': not a model directory in the runs folder"),
     ("--config /tmp/settings.yaml", "--config: a settings file; not taken from the web UI"),
     ("--resume /tmp/ckpt", "--resume: the UI starts new runs"),
     ("--overwrite", "--overwrite: the UI starts new runs in new folders"),

@@ -403,7 +403,7 @@ def _check_lora_options(cfg: SFTConfig) -> None:
 # --- tigon rlhf ---------------------------------------------------------------------------------
 
 PREFERENCE_METHODS = ("dpo", "ipo", "kto", "orpo", "simpo", "cpo")
-METHODS = (*PREFERENCE_METHODS, "grpo", "gkd", "rm")
+METHODS = (*PREFERENCE_METHODS, "grpo", "ppo", "rloo", "gkd", "rm")
 REFERENCE_METHODS = ("dpo", "ipo", "kto")  # the others score the policy alone
 # linear_policy_loss's (gspo: grpo at sequence level)
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "gspo", "cispo", "sapo", "luspo", "vespo")
@@ -411,7 +411,8 @@ LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "gspo", "cispo", "sapo", "luspo
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "robust", "apo_zero", "apo_down", "sppo_hard", "nca_pair", "bco_pair",
                   "exo_pair", "discopop")
 _LOSS_TYPES = {"grpo": LOSS_TYPES, "dpo": DPO_LOSS_TYPES}
-_DEFAULT_LOSS_TYPE = {"grpo": "dapo", "dpo": "sigmoid"}
+# (ppo and rloo: the normalisation of their fused loss, which TRL's GRPOConfig is told too.)
+_DEFAULT_LOSS_TYPE = {"grpo": "dapo", "dpo": "sigmoid", "ppo": "bnpo", "rloo": "dr_grpo"}
 _SMOOTHED_LOSS_TYPES = ("sigmoid", "robust", "exo_pair")  # dpo's loss types that take --label-smoothing
 # TRL's vllm_importance_sampling_mode, and none (no correction)
 VLLM_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")
@@ -421,19 +422,23 @@ _GRPO_VARIANT_KEYS = ("delta", "sapo_temperature_pos", "sapo_temperature_neg", "
 DISTILL_LOSSES = ("forward_kl", "reverse_kl", "jsd", "tvd")  # linear_distill_loss's
 # beta: SimPO's scales average log-probs, not sums (its paper's range); GRPO's weighs the KL to
 # the reference (TRL's default: none); GKD's interpolates its JSD (TRL's GKDConfig default).
-_DEFAULT_BETA = {"simpo": 2.0, "grpo": 0.0, "gkd": 0.5}
+# PPO and RLOO put their KL in the reward, at TRL PPOv2's and RLOOConfig's 0.05.
+_DEFAULT_BETA = {"simpo": 2.0, "grpo": 0.0, "ppo": 0.05, "rloo": 0.05, "gkd": 0.5}
 _DEFAULT_NLL_WEIGHT = {"cpo": 1.0, "orpo": 1.0}  # part of those methods' objectives
 _DEFAULT_TEMPERATURE = {"grpo": 1.0, "gkd": 0.9}  # TRL's GRPOConfig and GKDConfig defaults
 _SMOOTHED = ("dpo", "simpo", "cpo")
-_ONLINE = ("grpo", "gkd")
+_REWARDED = ("grpo", "ppo", "rloo")  # online RL from reward functions
+_ONLINE = (*_REWARDED, "gkd")
 # Which method each method-specific setting belongs to.
 _METHOD_KEYS = {"simpo_gamma": ("simpo",), "desirable_weight": ("kto",), "undesirable_weight": ("kto",),
                 "label_smoothing": _SMOOTHED, "precompute_ref_log_probs": REFERENCE_METHODS,
                 "nll_weight": PREFERENCE_METHODS, "max_prompt_length": (*PREFERENCE_METHODS, "rm"),
-                "center_rewards": ("rm",), "reward_model": ("grpo",),
-                "reward_funcs": ("grpo",), "num_generations": ("grpo",), "loss_type": ("grpo", "dpo"), "epsilon": ("grpo",),
-                "epsilon_high": ("grpo",), "format_regex": ("grpo",), "use_vllm": ("grpo",),
+                "center_rewards": ("rm",), "reward_model": ("grpo", "ppo"),
+                "reward_funcs": _REWARDED, "num_generations": _REWARDED, "loss_type": ("grpo", "dpo"), "epsilon": _REWARDED,
+                "epsilon_high": ("grpo", "rloo"), "format_regex": _REWARDED, "use_vllm": ("grpo",),
                 **{key: ("grpo",) for key in _GRPO_VARIANT_KEYS},
+                "gamma": ("ppo",), "lam": ("ppo",), "vf_coef": ("ppo",),
+                "cliprange_value": ("ppo",), "ppo_epochs": ("ppo",), "mini_batches": ("ppo",),
                 "max_completion_length": _ONLINE, "temperature": _ONLINE,
                 "teacher": ("gkd",), "lmbda": ("gkd",), "seq_kd": ("gkd",),
                 "average_log_probs": ("dpo", "kto", "cpo"), "discopop_tau": ("dpo",),
@@ -449,26 +454,26 @@ class RLHFConfig(SFTConfig):
 
     dataset: list[str] | None = _opt(
         None, "preference files (.jsonl .json .csv .parquet): prompt/chosen/rejected, messages + rejected_response "
-        "or rejected_messages, chosen/rejected conversations, or (kto) prompt/completion/label; grpo: prompt (or "
-        "question, or messages ending in the answer) with any other columns for the reward functions; gkd: sft's "
-        "formats; PATH#N takes N random rows (default: bundled preference pairs; grpo: bundled arithmetic prompts; "
-        "gkd: bundled instructions)", nargs="+", metavar="PATH")
+        "or rejected_messages, chosen/rejected conversations, or (kto) prompt/completion/label; grpo, ppo, rloo: "
+        "prompt (or question, or messages ending in the answer) with any other columns for the reward functions; "
+        "gkd: sft's formats; PATH#N takes N random rows (default: bundled preference pairs; grpo, ppo, rloo: bundled "
+        "arithmetic prompts; gkd: bundled instructions)", nargs="+", metavar="PATH")
     tuner: str | None = _opt(None, "lora (default; its reference is the model with the adapter switched off) or "
                              "full (a frozen copy; default for the built-in model)", choices=["lora", "full"])
     max_length: int | None = _opt(None, "truncate each prompt + answer to this many tokens, cutting the answer; a "
                                   "prompt this long drops its row (default 1024; 128 for the built-in model)")
     epochs: float | None = _opt(None, "passes over the data (default 1; 3 for the built-in model)")
-    lr: float | None = _opt(None, "peak learning rate (default: 5e-6 LoRA, 5e-7 full, 1e-4 built-in)")
+    lr: float | None = _opt(None, "peak learning rate (default: 5e-6 LoRA, 5e-7 full, 1e-4 built-in; 3e-4 built-in ppo)")
     batch_size: int | None = _opt(None, "pairs (kto: answers) per device per step (default 4; 16 built-in)")
     output_dir: str = _opt("tigon-rlhf-out", "where checkpoints, metrics.jsonl and loss.png go", metavar="DIR")
 
-    method: str = _opt("dpo", "the objective: a preference method, grpo (online RL from reward functions), gkd "
-                       "(on-policy distillation from --teacher) or rm (a Bradley-Terry reward model from the pairs)",
-                       choices=list(METHODS))
+    method: str = _opt("dpo", "the objective: a preference method, grpo, ppo or rloo (online RL from reward "
+                       "functions), gkd (on-policy distillation from --teacher) or rm (a Bradley-Terry reward model "
+                       "from the pairs)", choices=list(METHODS))
     beta: float | None = _opt(None, "the method's beta: how far from the reference (dpo, ipo, kto), the reward "
-                              "scale (simpo, cpo), the odds-ratio weight (orpo), the KL weight (grpo), the JSD's "
-                              "interpolation, 0 forward KL to 1 reverse KL (gkd) (default 0.1; 2 simpo, 0 grpo, "
-                              "0.5 gkd)")
+                              "scale (simpo, cpo), the odds-ratio weight (orpo), the KL weight (grpo; ppo, rloo: of "
+                              "the KL penalty in the reward), the JSD's interpolation, 0 forward KL to 1 reverse KL "
+                              "(gkd) (default 0.1; 2 simpo, 0 grpo, 0.05 ppo and rloo, 0.5 gkd)")
     label_smoothing: float = _opt(0.0, "dpo (conservative DPO), simpo, cpo: the assumed chance that a pair's "
                                   "preference is flipped, < 0.5")
     simpo_gamma: float = _opt(1.0, "simpo: the target reward margin")
@@ -482,17 +487,17 @@ class RLHFConfig(SFTConfig):
                                          "but --max-length)")
 
     reward_funcs: list[str] | None = _opt(
-        None, "grpo: reward functions, FILE.py:fn1,fn2 (TRL's signature: fn(prompts, completions, **kwargs) -> "
-        "list of floats, the data's other columns as keywords) and built-ins: builtin:exact_answer (1 when the "
-        "completion's last number, or its text, equals the answer column), builtin:format (1 when it matches "
-        "--format-regex), builtin:length (minus its share of --max-completion-length) (default: "
-        "builtin:exact_answer,builtin:format)", nargs="+",
-        metavar="SPEC")
-    num_generations: int = _opt(8, "grpo: completions sampled per prompt (the group its advantages compare)")
-    max_completion_length: int | None = _opt(None, "grpo, gkd: most tokens sampled per completion (default 256; 16 "
-                                             "for the built-in model)")
-    temperature: float | None = _opt(None, "grpo, gkd: sampling temperature (grpo's loss divides the logits by it "
-                                     "too) (default 1.0 grpo, 0.9 gkd)")
+        None, "grpo, ppo, rloo: reward functions, FILE.py:fn1,fn2 (TRL's signature: fn(prompts, completions, "
+        "**kwargs) -> list of floats, the data's other columns as keywords) and built-ins: builtin:exact_answer (1 "
+        "when the completion's last number, or its text, equals the answer column), builtin:format (1 when it "
+        "matches --format-regex), builtin:length (minus its share of --max-completion-length) (default: "
+        "builtin:exact_answer,builtin:format; ppo with --reward-model: none)", nargs="+", metavar="SPEC")
+    num_generations: int = _opt(8, "grpo, ppo, rloo: completions sampled per prompt (the group grpo and rloo "
+                                "compare)")
+    max_completion_length: int | None = _opt(None, "grpo, ppo, rloo, gkd: most tokens sampled per completion "
+                                             "(default 256; 16 for the built-in model)")
+    temperature: float | None = _opt(None, "grpo, ppo, rloo, gkd: sampling temperature (the loss divides the logits "
+                                     "by it too) (default 1.0; 0.9 gkd)")
     loss_type: str | None = _opt(None, "grpo: the loss and its normalisation (TRL's loss_type; gspo: grpo with a "
                                  "sequence-level importance ratio; luspo: at sequence level) (default dapo); dpo: TRL's DPO loss type "
                                  "(default sigmoid, DPO itself)", choices=[*LOSS_TYPES, *DPO_LOSS_TYPES])
@@ -501,9 +506,10 @@ class RLHFConfig(SFTConfig):
     discopop_tau: float = _opt(0.05, "dpo --loss-type discopop: the temperature of DiscoPOP's blend")
     nll_on_prompt: bool = _opt(False, "the chosen answers' NLL (--nll-weight) covers their prompts' tokens too, as "
                                "TRL's ORPOTrainer's does (default: the answers' alone)")
-    epsilon: float = _opt(0.2, "grpo: the clip range of the importance ratio, [1 - epsilon, 1 + epsilon-high]")
-    epsilon_high: float | None = _opt(None, "grpo: the clip range's upper side (default: --epsilon; DAPO uses 0.28); "
-                                      "cispo: the cap on the ratio itself (ScaleRL uses 5)")
+    epsilon: float = _opt(0.2, "grpo, ppo, rloo: the clip range of the importance ratio, [1 - epsilon, 1 + "
+                          "epsilon-high]")
+    epsilon_high: float | None = _opt(None, "grpo, rloo: the clip range's upper side (default: --epsilon; DAPO uses "
+                                      "0.28); cispo: the cap on the ratio itself (ScaleRL uses 5)")
     delta: float | None = _opt(None, "grpo: two-sided clipping (INTELLECT-2): the ratio is also capped at this, "
                                "which binds for negative advantages (the clipped losses; > 1, INTELLECT-2 takes it above "
                                "1 + --epsilon-high) (default: none)")
@@ -520,10 +526,18 @@ class RLHFConfig(SFTConfig):
     vllm_importance_sampling_clip_min: float | None = _opt(None, "grpo --use-vllm: the correction's lower bound "
                                                            "(default none)")
     vllm_importance_sampling_clip_max: float | None = _opt(3.0, "grpo --use-vllm: the correction's upper bound")
-    format_regex: str = _opt(r"^[^\n]*\S[^\n]*\.$", "grpo: what builtin:format rewards: a completion matching this "
-                             "regex whole (default: one line ending in a period)", metavar="REGEX")
+    format_regex: str = _opt(r"^[^\n]*\S[^\n]*\.$", "grpo, ppo, rloo: what builtin:format rewards: a completion "
+                             "matching this regex whole (default: one line ending in a period)", metavar="REGEX")
     use_vllm: bool = _opt(False, "grpo: sample with vLLM (colocated; needs vllm installed) instead of transformers' "
                           "generate")
+    gamma: float = _opt(1.0, "ppo: the discount of GAE")
+    lam: float = _opt(0.95, "ppo: GAE's lambda (0: one-step TD advantages, 1: Monte Carlo returns)")
+    vf_coef: float = _opt(0.1, "ppo: the value loss's weight in the loss")
+    cliprange_value: float = _opt(0.2, "ppo: how far the value head's predictions may move from the rollout's before "
+                                  "the clipped value loss takes over")
+    ppo_epochs: int | None = _opt(None, "ppo: passes over each rollout batch (default 4; 2 for the built-in model)")
+    mini_batches: int = _opt(1, "ppo: optimizer steps per pass over a rollout batch (a rollout batch is --batch-size "
+                             "x --grad-accum x this many completions)")
     teacher: str | None = _opt(None, "gkd: the teacher model, frozen (default, for the built-in student only: the "
                                "built-in model after sft)", metavar="MODEL")
     lmbda: float = _opt(0.5, "gkd: the share of steps trained on the student's own samples (on-policy); the others "
@@ -532,14 +546,17 @@ class RLHFConfig(SFTConfig):
                         "answers")
     center_rewards: float = _opt(0.0, "rm: weight of the mean squared sum of each pair's rewards added to the loss, "
                                  "which keeps them centred on 0 (TRL's center_rewards_coefficient; 0: none)")
-    reward_model: str | None = _opt(None, "grpo: a reward model (tigon rlhf --method rm's final/) whose score of "
-                                    "each prompt + completion is a reward beside --reward-funcs (default: none)",
-                                    metavar="PATH")
+    reward_model: str | None = _opt(None, "grpo, ppo: a reward model (tigon rlhf --method rm's final/, or a "
+                                    "sequence-classification model of one output) whose score of each prompt + "
+                                    "completion is a reward beside --reward-funcs' (ppo: alone when none is given) "
+                                    "(default: none)", metavar="PATH")
 
 
 # The built-in model's defaults per method where they differ from the preference methods' (one
 # epoch of GRPO over the bundled prompts is many steps: --max-steps ends the run instead).
-_BUILTIN = {"grpo": {"lr": 1e-4, "batch_size": 32, "max_steps": 80}, "gkd": {"lr": 3e-3, "epochs": 10.0},
+_BUILTIN = {"grpo": {"lr": 1e-4, "batch_size": 32, "max_steps": 80},
+            "ppo": {"lr": 3e-4, "batch_size": 32, "max_steps": 80, "ppo_epochs": 2},
+            "rloo": {"lr": 1e-4, "batch_size": 32, "max_steps": 80}, "gkd": {"lr": 3e-3, "epochs": 10.0},
             "rm": {"lr": 1e-3, "epochs": 3.0}}
 
 
@@ -566,6 +583,7 @@ def resolve_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> RLHFConfig:
                                else 16 if builtin else 256),
         temperature=cfg.temperature if cfg.temperature is not None else _DEFAULT_TEMPERATURE.get(method, 1.0),
         loss_type=cfg.loss_type if cfg.loss_type is not None else _DEFAULT_LOSS_TYPE.get(method),
+        ppo_epochs=cfg.ppo_epochs if cfg.ppo_epochs is not None else own.get("ppo_epochs", 4),
     )
     if method == "rm" and builtin and cfg.dataset is None and not cfg.eval_dataset and "eval_split" not in given:
         cfg = dataclasses.replace(cfg, eval_split=0.1)  # the embedded default shows its accuracy rise
@@ -577,7 +595,7 @@ def resolve_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> RLHFConfig:
         if key in given and method not in methods and getattr(cfg, key) != getattr(RLHFConfig, key, None):
             raise SFTError(f"--{key.replace('_', '-')}: only for --method {' / '.join(methods)}, not {method}")
     _check_loss_type(cfg, given)
-    if method == "grpo":
+    if method in _REWARDED:
         _check_grpo(cfg)
     elif method == "rm":
         if cfg.cuda_graphs:
@@ -650,6 +668,8 @@ def _check_grpo(cfg: RLHFConfig) -> None:
         if value is not None and value < 0:
             raise SFTError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
     _check_grpo_variant(cfg)
+    if cfg.method == "ppo":
+        _check_ppo(cfg)
     if cfg.use_vllm and importlib.util.find_spec("vllm") is None:
         raise SFTError("--use-vllm: vLLM is not installed (pip install vllm), or leave the flag out to sample "
                        "with transformers")
@@ -677,6 +697,19 @@ def _check_grpo_variant(cfg: RLHFConfig) -> None:
     if cfg.loss_type == "vespo" and mode.startswith("sequence"):
         raise SFTError(f"--vllm-importance-sampling-mode {mode}: vespo folds the correction into its per-token "
                        "weights: token_truncate, token_mask or none")
+
+
+def _check_ppo(cfg: RLHFConfig) -> None:
+    for name in ("gamma", "lam"):
+        if not 0.0 <= getattr(cfg, name) <= 1.0:
+            raise SFTError(f"--{name} must be in [0, 1], got {getattr(cfg, name)}")
+    if cfg.vf_coef < 0:
+        raise SFTError(f"--vf-coef must be >= 0, got {cfg.vf_coef}")
+    if not cfg.cliprange_value > 0:
+        raise SFTError(f"--cliprange-value must be > 0, got {cfg.cliprange_value}")
+    for name in ("ppo_epochs", "mini_batches"):
+        if getattr(cfg, name) < 1:
+            raise SFTError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
 
 
 def _check_gkd(cfg: RLHFConfig) -> None:

@@ -27,7 +27,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from trl import GRPOConfig, GRPOTrainer
@@ -39,7 +39,7 @@ from tigon.train.data import Format, RowError, _text, load_samples, turn_list
 from tigon.train.fused import FusedTrainer, checkpointing_off, frozen_patcher
 from tigon.train.modeling import flops_per_token, load_tokenizer
 from tigon.train.preference import _ids as chat_ids
-from tigon.train.rewards import check_rewards, load_rewards
+from tigon.train.rewards import Reward, check_rewards, load_rewards
 from tigon.train.run import Built, Job, split_off, start, train, training_arguments
 from tigon.train.template import ensure_chat_template
 from tigon.train.trainer import TigonTrainer
@@ -143,19 +143,33 @@ def _trial_completions(tokenizer: Any, rows: list[dict[str, Any]]) -> tuple[list
 
 # --- the trainer --------------------------------------------------------------------------------
 
-class TigonGRPOTrainer(FusedTrainer, TigonTrainer, GRPOTrainer):
-    """TRL's GRPOTrainer computing its loss with `linear_policy_loss` from the policy's hidden
-    states (TRL's `_compute_loss` replaced, everything else TRL's), with tigon's checkpoints and
-    step loop. `patch_reference` patches TRL's reference model (a frozen copy it loads itself)."""
+class OnlineFused(FusedTrainer):
+    """Mixed in before TRL's GRPOTrainer or RLOOTrainer (after FusedTrainer's place):
+    `patch_reference` patches TRL's reference model (a frozen copy it loads itself), and the MoE
+    load-balancing loss, which the fused loss cannot add, is switched off with a warning."""
 
     def __init__(self, *, patch_reference: Any = None, **kwargs: Any):
         super().__init__(**kwargs)
         if self.ref_model is not None and patch_reference is not None:
             patch_reference(self.accelerator.unwrap_model(self.ref_model))
         if self.aux_loss_enabled:
-            log.warning("grpo: the MoE load-balancing loss is left out (the fused loss takes the hidden states "
+            log.warning("the MoE load-balancing loss is left out (the fused loss takes the hidden states "
                         "alone, not the router's logits)")
             self.aux_loss_enabled = False
+
+    def _completion_hidden(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        """`model`'s last hidden states at the positions that predict a rollout batch's completion
+        tokens, ``(completions, tokens, hidden)``."""
+        prompt_ids = batch["prompt_ids"]
+        input_ids = torch.cat([prompt_ids, batch["completion_ids"]], dim=1)
+        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        return self._hidden(model, input_ids, attention_mask)[:, prompt_ids.shape[1] - 1:]
+
+
+class TigonGRPOTrainer(OnlineFused, TigonTrainer, GRPOTrainer):
+    """TRL's GRPOTrainer computing its loss with `linear_policy_loss` from the policy's hidden
+    states (TRL's `_compute_loss` replaced, everything else TRL's), with tigon's checkpoints and
+    step loop."""
 
     def _policy_loss_type(self) -> str:
         if self.importance_sampling_level == "sequence" and self.loss_type == "grpo":
@@ -218,8 +232,8 @@ def _vllm_correction(cfg: RLHFConfig) -> dict[str, Any]:
                 vllm_importance_sampling_clip_max=cfg.vllm_importance_sampling_clip_max)
 
 
-def trl_arguments(cfg: RLHFConfig, dtype: torch.dtype, has_eval: bool) -> Any:
-    """TRL's GRPOConfig for `cfg`: tigon's Trainer arguments and GRPO's own."""
+def trl_arguments(cfg: RLHFConfig, dtype: torch.dtype, has_eval: bool, **more: Any) -> Any:
+    """TRL's GRPOConfig for `cfg`: tigon's Trainer arguments, GRPO's own and `more`."""
     gspo = cfg.loss_type == "gspo"
     extra: dict[str, Any] = dict(
         num_generations=cfg.num_generations, max_completion_length=cfg.max_completion_length,
@@ -230,26 +244,43 @@ def trl_arguments(cfg: RLHFConfig, dtype: torch.dtype, has_eval: bool) -> Any:
         vespo_k_pos=cfg.vespo_k_pos, vespo_lambda_pos=cfg.vespo_lambda_pos, vespo_k_neg=cfg.vespo_k_neg,
         vespo_lambda_neg=cfg.vespo_lambda_neg, **_vllm_correction(cfg),
         use_vllm=cfg.use_vllm, vllm_mode="colocate", disable_dropout=True, log_completions=False,
-        **checkpointing_off(GRPOConfig),
+        **checkpointing_off(GRPOConfig), **more,
     )
     return training_arguments(cfg, dtype, has_eval, cls=GRPOConfig, **extra)
 
 
-def _completions(rows: int, cfg: RLHFConfig) -> int:
+@dataclass(frozen=True)
+class Method:
+    """What an online method run by :func:`run` brings: its Trainer (built as TigonGRPOTrainer is,
+    plus `trainer_options(cfg)`), its TRL arguments, the metrics it logs, how many optimizer
+    batches one generation batch holds (`mini_batches(cfg)`) and how many times each is trained
+    on (`passes(cfg)`)."""
+
+    trainer: type
+    arguments: Callable[[RLHFConfig, torch.dtype, bool], Any]
+    metrics: dict[str, str]
+    trainer_options: Callable[[RLHFConfig], dict[str, Any]] = lambda cfg: {}
+    mini_batches: Callable[[RLHFConfig], int] = lambda cfg: 1
+    passes: Callable[[RLHFConfig], int] = lambda cfg: 1
+    extra_rewards: Callable[[RLHFConfig], list[Reward]] = lambda cfg: []  # scored besides --reward-funcs'
+
+
+def _completions(rows: int, cfg: RLHFConfig, mini_batches: int) -> int:
     """The completions the Trainer trains on per epoch: each prompt `num_generations` times, in
     generation batches of whole groups (TRL's sampler leaves out the prompts that fill none)."""
-    prompts_per_batch = max(1, cfg.batch_size * cfg.grad_accum // cfg.num_generations)
+    prompts_per_batch = max(1, cfg.batch_size * cfg.grad_accum * mini_batches // cfg.num_generations)
     return rows // prompts_per_batch * prompts_per_batch * cfg.num_generations
 
 
-def run(cfg: RLHFConfig) -> Path:
-    """`tigon rlhf --method grpo` for a resolved `cfg`; returns the final model's (or adapter's) directory."""
+def run(cfg: RLHFConfig, method: Method | None = None) -> Path:
+    """`tigon rlhf --method grpo` (or another `method` on its machinery) for a resolved `cfg`;
+    returns the final model's (or adapter's) directory."""
+    method = method or GRPO
     resume_from = start(cfg)
-    rewards = load_rewards(cfg.reward_funcs, cfg.format_regex, cfg.max_completion_length)
-    if cfg.reward_model is not None:
-        from tigon.train.reward import model_reward
-
-        rewards.append(model_reward(cfg.reward_model))
+    extra = method.extra_rewards(cfg)
+    rewards = [] if extra and not cfg.reward_funcs else load_rewards(cfg.reward_funcs, cfg.format_regex,
+                                                                      cfg.max_completion_length)
+    rewards += extra
     items = load_prompts(cfg.dataset or [str(BUNDLED_PROMPTS)], cfg.seed)
     eval_items: list[PromptRow] = []
     if cfg.eval_dataset:
@@ -277,9 +308,10 @@ def run(cfg: RLHFConfig) -> Path:
     eval_data = Dataset.from_list(eval_rows) if eval_rows else None
 
     def trainer(built: Built, args: Any) -> TigonGRPOTrainer:
-        return TigonGRPOTrainer(model=built.model, reward_funcs=[r.fn for r in rewards], args=args,
-                                train_dataset=train_data, eval_dataset=eval_data, processing_class=tokenizer,
-                                save_limit=cfg.save_limit, patch_reference=frozen_patcher(cfg, "the frozen reference"))
+        return method.trainer(model=built.model, reward_funcs=[r.fn for r in rewards], args=args,
+                              train_dataset=train_data, eval_dataset=eval_data, processing_class=tokenizer,
+                              save_limit=cfg.save_limit, patch_reference=frozen_patcher(cfg, "the frozen reference"),
+                              **method.trainer_options(cfg))
 
     def flops(model: torch.nn.Module, seq_len: float) -> float:
         # Per trained token: the policy's step, its sampling (a forward per token, counted as one
@@ -287,11 +319,21 @@ def run(cfg: RLHFConfig) -> Path:
         forwards = 1 + (1 if cfg.beta else 0)
         return flops_per_token(model, seq_len) + forwards * flops_per_token(model, seq_len, backward=False)
 
-    completions = _completions(len(rows), cfg)
+    completions = _completions(len(rows), cfg, method.mini_batches(cfg))
     mean_prompt = sum(lengths) / len(lengths)
-    metrics = {**METRICS, **{f"rewards/{r.name}/mean": "" for r in rewards}}
+    metrics = {**method.metrics, **{f"rewards/{r.name}/mean": "" for r in rewards}}
     job = Job("rlhf", train_data, round((mean_prompt + cfg.max_completion_length) * completions), completions,
-              arguments=lambda dtype: trl_arguments(cfg, dtype, eval_data is not None), trainer=trainer,
+              arguments=lambda dtype: method.arguments(cfg, dtype, eval_data is not None), trainer=trainer,
               prompts=lambda: [row["prompt"] for row in rows[:cfg.samples]], metrics=metrics, flops=flops,
-              samples=completions)
+              samples=completions * method.passes(cfg))
     return train(cfg, resume_from, tokenizer, job)
+
+
+def reward_model_rewards(cfg: RLHFConfig) -> list[Reward]:
+    """--reward-model's scores as a reward function (:func:`tigon.train.reward.model_reward`), if given."""
+    from tigon.train.reward import model_reward
+
+    return [model_reward(cfg.reward_model)] if cfg.reward_model else []
+
+
+GRPO = Method(TigonGRPOTrainer, trl_arguments, METRICS, extra_rewards=reward_model_rewards)

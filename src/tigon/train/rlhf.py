@@ -393,6 +393,10 @@ def _run(cfg: RLHFConfig) -> Path:
         from tigon.train import reward
 
         return reward.run(cfg)
+    if cfg.method in ("ppo", "rloo"):
+        from tigon.train import ppo, rloo
+
+        return (ppo if cfg.method == "ppo" else rloo).run(cfg)
     if cfg.method == "gkd":
         try:  # TRL's experimental package, imported only for this method
             from tigon.train import gkd

@@ -378,7 +378,7 @@ class RunStore:
                 args += [flag, *self._builtin_rewards(value)]
             elif name == "eval_dataset":
                 args += [flag, *self.data_files(value, flag)]
-            elif name == "teacher":
+            elif name in ("teacher", "reward_model"):
                 args += _option(flag, self.model_source(value, flag))
             elif isinstance(value, bool):
                 args.append(flag if value else "--no-" + flag[2:])
