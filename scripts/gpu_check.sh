@@ -2,7 +2,7 @@
 # One device-machine call: gpu-marked tests, op benchmarks at their headline shapes, the linear-CE
 # chunk-budget sweep and the end-to-end benchmark. Everything lands in $OUT/results.tar.gz (the
 # device tool returns at most 8 files) plus the text logs.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|moetests|ab|ops|norms|rope|sweep|e2e|small|host|serve|moe|vlm|vlmtests|rl|dpo|sft|profile|dpoprof|dpomem|maxctx ...]
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|moetests|ab|ops|norms|rope|sweep|e2e|small|host|serve|moe|vlm|vlmtests|zoo|newops|tasks|rl|dpo|sft|profile|dpoprof|dpomem|maxctx ...]
 # (host: per-call host time of the small ops; small: the host-bound 1x1024 e2e with CUDA-graph replay;
 # rl: the GRPO loss against TRL's own log-prob path; dpo: tigon rlhf against TRL's DPOTrainer; dpoprof: where a `tigon rlhf --method dpo` step goes;
 # dpomem: what is live at its memory peak; DPO_ARGS: more tigon rlhf options for both)
@@ -78,6 +78,28 @@ for stage in "${stages[@]}"; do
            tail -6 "$RES/serve.txt" ;;
     moe)   timeout ${!limit_var:-300} python3 -m tigon.bench.moe_e2e --out "$RES/moe" > "$RES/moe_e2e.txt" 2>&1
            tail -9 "$RES/moe_e2e.txt" ;;
+    # The preference and policy loss variants: tigon's time of each against plain DPO / GRPO's, then
+    # one of each against the peer's fused loss (and eager, torch.compile).
+    zoo)   timeout ${!limit_var:-300} python3 -m tigon.cli bench --headline --impls tigon --out "$RES/zoo" --ops \
+             linear_preference_loss linear_preference_loss_apo_zero linear_preference_loss_apo_down \
+             linear_preference_loss_sppo_hard linear_preference_loss_nca_pair linear_preference_loss_bco_pair \
+             linear_preference_loss_exo_pair linear_preference_loss_discopop linear_policy_loss linear_policy_loss_gspo \
+             linear_policy_loss_cispo linear_policy_loss_sapo linear_policy_loss_luspo linear_policy_loss_vespo \
+             linear_policy_loss_two_sided linear_policy_loss_vllm_is > "$RES/zoo.txt" 2>&1
+           timeout ${!limit_var:-300} python3 -m tigon.cli bench --headline --out "$RES/zoo_peer" --ops \
+             linear_preference_loss_apo_zero linear_policy_loss_cispo > "$RES/zoo_peer.txt" 2>&1
+           grep -A24 "^op " "$RES/zoo.txt" | tail -20; grep -A8 "^op " "$RES/zoo_peer.txt" | tail -8 ;;
+    newops) timeout ${!limit_var:-300} python3 -m tigon.cli bench --headline --out "$RES/newops" --ops mrope vision_rope \
+             gelu_mlp_tanh info_nce cross_entropy linear_cross_entropy > "$RES/newops.txt" 2>&1
+           grep -A16 "^op " "$RES/newops.txt" | tail -14 ;;
+    # The new training tasks against their peers: TRL's RewardTrainer, sentence-transformers, eager PPO.
+    tasks) timeout ${TIMEOUT_reward:-150} python3 -m tigon.bench.reward --impls peer eager tigon --out "$RES/reward" > "$RES/reward.txt" 2>&1
+           tail -6 "$RES/reward.txt"
+           timeout ${TIMEOUT_embed:-180} python3 -m tigon.bench.embed_e2e --impls eager tigon peer --steps 6 --warmup 2 \
+             --out "$RES/embed" > "$RES/embed.txt" 2>&1
+           tail -6 "$RES/embed.txt"
+           timeout ${TIMEOUT_ppo:-150} python3 -m tigon.cli bench --ppo --out "$RES/ppo" > "$RES/ppo.txt" 2>&1
+           tail -6 "$RES/ppo.txt" ;;
     vlm)   timeout ${!limit_var:-420} python3 -m tigon.bench.vlm_e2e ${VLM_ARGS:-} --out "$RES/vlm" > "$RES/vlm_e2e.txt" 2>&1
            tail -9 "$RES/vlm_e2e.txt" ;;
     # The VLM patch tests under this machine's transformers (its class names), kernels interpreted.

@@ -730,7 +730,8 @@ def test_variants_bf16_on_gpu(method, kw):
     nll_target = None
     if kw.pop("nll_target", False):
         nll_target = torch.where(target[:2] != IGNORE, target[:2], torch.randint_like(target[:2], 32064))
-    options = preference.PreferenceOptions(method, 0.1, nll_weight=1.0 if method == "orpo" else 0.0, **kw)
+    # (The op's default NLL weight: 1 for orpo and cpo, part of those methods.)
+    options = preference.PreferenceOptions(method, 0.1, nll_weight=1.0 if method in ("orpo", "cpo") else 0.0, **kw)
     reference = method in preference.REFERENCE_METHODS
     full_nll = None if nll_target is None else torch.cat([nll_target, torch.full_like(nll_target, IGNORE)])
 

@@ -54,6 +54,8 @@ def test_every_vlm_family_is_tested():
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("model_type", vlm_params())
 def test_patched_vlm_trains_as_the_unpatched_one(model_type, device, monkeypatch):
+    # (cuDNN's convolutions, the towers' patch embeddings, in float32 not TF32: an exact comparison.)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     want_model = tiny_vlm(model_type).to(device)
     model = copy.deepcopy(want_model)
     batch = {key: value.to(device) for key, value in vlm_batch(model_type).items()}
@@ -76,6 +78,22 @@ def test_patched_vlm_trains_as_the_unpatched_one(model_type, device, monkeypatch
     tigon.unpatch(model)
     loss_after, _ = vlm_run(model, batch)
     assert_close(loss_after, want_loss, name="loss after unpatch")
+
+
+@pytest.mark.parametrize("model_type", ["llava", "gemma3"])
+def test_positional_pixels_reach_the_model_as_its_own_forward_reads_them(model_type):
+    """A multimodal forward's second parameter is its pixels: called positionally (as generate's
+    callers may), the patched model reads it so, without labels as with them."""
+    want_model = tiny_vlm(model_type).eval()
+    model = copy.deepcopy(want_model)
+    tigon.patch(model)
+    batch = vlm_batch(model_type)
+    with torch.no_grad():
+        got = model(batch["input_ids"], batch["pixel_values"]).logits
+        want = want_model(batch["input_ids"], batch["pixel_values"]).logits
+        assert_close(got, want, name="logits")
+        with pytest.raises(TypeError, match="multiple values for argument 'pixel_values'"):
+            model(batch["input_ids"], batch["pixel_values"], pixel_values=batch["pixel_values"])
 
 
 @pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl"])

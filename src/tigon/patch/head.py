@@ -233,8 +233,8 @@ def causal_lm_forward(
 
     Both follow HF's ``ForCausalLMLoss``: shifted labels (or `shift_labels`), `ignore_index`,
     ``sum / num_items_in_batch`` when that is given, and the MoE router loss when router logits
-    are output. Arguments after `position_ids` must be passed by keyword (as Trainer, PEFT and
-    generate do); a positional one sends the call to `original`. Where `plan`'s relay holds an
+    are output. Positional arguments are read in `original`'s order (a multimodal model takes its
+    pixels second). Where `plan`'s relay holds an
     ``accuracy`` list, the loss appends its argmax hits and their count to it.
     """
     from transformers.loss.loss_utils import ForCausalLMLoss
@@ -307,23 +307,32 @@ def causal_lm_forward(
         loss = add_aux_loss(self, loss, out.get("aux_loss"))
         return type(out)(loss=loss, **{key: value for key, value in out.items() if key != "loss"})
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, *args, labels=None, logits_to_keep=0, **kwargs):
-        ours = labels is not None and not args and self.loss_function is ForCausalLMLoss
+    signature = inspect.signature(original)
+    positional = [p.name for p in list(signature.parameters.values())[1:] if p.kind is p.POSITIONAL_OR_KEYWORD]
+
+    def forward(self, *args, **kwargs):
+        # Positional arguments name what they do in `original`'s order: a multimodal model's second
+        # is its pixels, not a mask.
+        if len(args) > len(positional):
+            return original(self, *args, return_dict=True, **kwargs)
+        for name, value in zip(positional, args):
+            if name in kwargs:
+                raise TypeError(f"{type(self).__name__}.forward() got multiple values for argument {name!r}")
+            kwargs[name] = value
+        input_ids, attention_mask, position_ids = (kwargs.pop(n, None) for n in ("input_ids", "attention_mask", "position_ids"))
+        labels, logits_to_keep = kwargs.pop("labels", None), kwargs.pop("logits_to_keep", 0)
+        ours = labels is not None and self.loss_function is ForCausalLMLoss
         head_weights = _head_weights(self.lm_head) if fused and ours and self.training else None
         if head_weights is not None and isinstance(logits_to_keep, int):
             return linear_loss(self, head_weights, input_ids, attention_mask, position_ids, labels, logits_to_keep, kwargs)
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      logits_to_keep=logits_to_keep, return_dict=True)
         if not fused and ours:
-            out = original(
-                self, input_ids, attention_mask, position_ids, logits_to_keep=logits_to_keep, return_dict=True, **kwargs
-            )
-            return logits_loss(self, out, labels, kwargs)
-        return original(
-            self, input_ids, attention_mask, position_ids, *args, labels=labels, logits_to_keep=logits_to_keep,
-            return_dict=True, **kwargs,
-        )
+            return logits_loss(self, original(self, **inputs, **kwargs), labels, kwargs)
+        return original(self, labels=labels, **inputs, **kwargs)
 
     forward.__qualname__ = "tigon_causal_lm.forward"
     wrapped = can_return_tuple(forward)
     # Trainer and generate() read the forward's signature to pick the inputs they pass.
-    wrapped.__signature__ = inspect.signature(original)
+    wrapped.__signature__ = signature
     return wrapped
