@@ -327,8 +327,10 @@ def test_builtin_vision_default_learns_the_shapes(tmp_path, monkeypatch, caplog)
     monkeypatch.setattr(vision_run, "BUILTIN_ROWS", 240)
     caplog.set_level(logging.INFO, logger="tigon.train")
     out = tmp_path / "out"
+    # (Kernels off, as the sft defaults' tests run: the interpreter would take minutes; they are
+    # tested on these models in tests/patch/test_vlm.py.)
     assert main(["sft", "--modality", "vision", "--epochs", "12", "--samples", "12", "--max-new-tokens", "4",
-                 "--save-steps", "0", "--output-dir", str(out)]) == 0
+                 "--save-steps", "0", "--no-kernels", "--output-dir", str(out)]) == 0
     samples = json.loads((out / "samples.json").read_text())
     assert len(samples) == 12
     drawn = [s["prompt"].split("]")[0].lstrip("[") for s in samples]  # "a red circle"
