@@ -114,10 +114,7 @@ def build_vision_model(cfg: SFTConfig, processor: Any, dtype: torch.dtype, args:
     log.info("model: %s, %s, %s tuning%s: %.2fM of %.2fM parameters trainable", cfg.model or BUILTIN_NAME,
              str(dtype).replace("torch.", ""), cfg.tuner, f" ({' and '.join(frozen)} frozen)" if frozen else "",
              trainable / 1e6, total / 1e6)
-    try:
-        apply_kernels(model, cfg)
-    except ValueError as err:  # a family tigon.patch has no table entry for: the run is still worth having
-        log.warning("tigon: kernels off: %s", str(err).splitlines()[0])
+    apply_kernels(model, cfg)  # (a family tigon.patch lacks trains without them, said in one line)
     model.to(args.device)
     return Built(model, base_model, use_cache)
 
