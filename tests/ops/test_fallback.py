@@ -151,6 +151,8 @@ CASES = {
         lambda g, z, m, n: dora_scale_backward_reference(g, z, m, n, True),
         lambda: (_t(9, 24, grad=False), _t(9, 24, grad=False), torch.rand(24), torch.rand(24) + 0.5),
     ),
+    "info_nce": (lambda q, d: F.info_nce(q, d, temperature=0.1), lambda q, d: ops.info_nce_reference(q, d, 0.1),
+                 lambda: (_t(5, 24), _t(9, 24))),
 }
 NO_GRADIENT = ("dequantize", "dora_norm", "dora_scale_backward")  # ops whose outputs have no gradient
 

@@ -312,7 +312,7 @@ def test_reward_model_scores_the_chat_at_its_last_token(tiny_grpo, tmp_path):
     (["--method", "rloo", "--beta", "-1"], "--beta must be >= 0, got -1.0"),
     (["--method", "grpo", "--gamma", "0.9"], "--gamma: only for --method ppo, not grpo"),
     (["--method", "rloo", "--ppo-epochs", "2"], "--ppo-epochs: only for --method ppo, not rloo"),
-    (["--method", "ppo", "--loss-type", "bnpo"], "--loss-type: only for --method grpo, not ppo"),
+    (["--method", "ppo", "--loss-type", "bnpo"], "--loss-type: only for --method grpo / dpo, not ppo"),
     (["--method", "ppo", "--epsilon-high", "0.3"], "--epsilon-high: only for --method grpo / rloo, not ppo"),
 ])
 def test_bad_ppo_and_rloo_flags_are_one_line_and_write_nothing(tmp_path, capsys, argv, message):

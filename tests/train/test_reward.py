@@ -202,7 +202,7 @@ def write_rows(path, rows):
      [], "{f} line 2: no margin, where {f} line 1 has one"),
     ([{"prompt": "q", "chosen": "a", "rejected": "b"}], ["--center-rewards", "-1"], "--center-rewards must be >= 0"),
     ([{"prompt": "q", "chosen": "a", "rejected": "b"}], ["--reward-model", "x"],
-     "--reward-model: only for --method grpo, not rm"),
+     "--reward-model: only for --method grpo / ppo, not rm"),
 ])
 def test_bad_rm_input_is_one_line_and_writes_nothing(tmp_path, capsys, rows, extra, message):
     f = write_rows(tmp_path / "bad.jsonl", rows)

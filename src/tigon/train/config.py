@@ -670,6 +670,10 @@ def _check_grpo(cfg: RLHFConfig) -> None:
     _check_grpo_variant(cfg)
     if cfg.method == "ppo":
         _check_ppo(cfg)
+    reward_model = Path(cfg.reward_model).expanduser() if cfg.reward_model is not None else None
+    if reward_model is not None and not any((reward_model / name).is_file() for name in ("config.json", "adapter_config.json")):
+        raise SFTError(f"--reward-model {cfg.reward_model}: not a model directory (no config.json or adapter_config.json "
+                       "in it)")
     if cfg.use_vllm and importlib.util.find_spec("vllm") is None:
         raise SFTError("--use-vllm: vLLM is not installed (pip install vllm), or leave the flag out to sample "
                        "with transformers")
