@@ -36,7 +36,7 @@ def table() -> str:
                     f"| {_mlp(family)} | {'fused' if family.experts else '-'} | {_rope(family)} | {fused} |")
     over_text = ", ".join(f"`{t}`" for t in sorted(VLM_OVER_TEXT))
     rows += ["", f"Vision-language models whose language model is a text family's above (as their config's "
-                 f"`text_config` says), with the vision tower's LayerNorms: {over_text}."]
+                 f"`text_config` says), with the vision tower's LayerNorms and GELU MLPs: {over_text}."]
     return "\n".join(rows)
 
 
