@@ -134,6 +134,19 @@ def test_dpo_and_ipo_equal_trls_dpo_trainer(tiny_run, tmp_path, method, steps):
     assert [r["rewards/accuracies"] for r in records(tmp_path / "tigon")] == [r["rewards/accuracies"] for r in theirs]
 
 
+def test_dpo_on_tigons_kernels_follows_trl_in_float32_step_after_step(tiny_run, tmp_path, caplog):
+    """In float32 the fused kernels' DPO stays on TRL's DPOTrainer step after step (16 steps, each
+    starting from the weights the last left): a drift between the two in bf16 is rounding, which
+    the steps then carry apart, not a different loss."""
+    root, tokenizer = tiny_run
+    values, argv = settings(root, method="dpo", max_steps=16, kernels=True)
+    caplog.set_level(logging.INFO, logger="tigon")
+    assert main(["rlhf", *argv, "--output-dir", str(tmp_path / "tigon")]) == 0
+    assert "tigon: applied rms_norm" in caplog.text  # the policy ran on the kernels
+    theirs = _trl_dpo_history(root, tokenizer, tmp_path, values)
+    assert_same_losses(records(tmp_path / "tigon"), theirs, 16)
+
+
 def _trl_dpo_history(root, tokenizer, tmp_path, values, **trl_args):
     """TRL's DPOTrainer's logged steps on the pairs, tokenizing them itself, with tigon's arguments
     for `values` and then `trl_args`."""
