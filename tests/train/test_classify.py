@@ -100,6 +100,10 @@ def test_macro_f1_is_the_mean_of_each_labels_f1():
      "--packing: not for --task classification"),
     ([{"text": "a", "label": "x"}, {"text": "b", "label": "y"}], ["--task", "causal_lm", "--labels", "x,y"],
      "--labels: only for --task classification"),
+    ([{"query": "q", "document": "d", "label": 1}, {"query": "q", "label": 0}], [],
+     "{f} line 2: missing document (the file is query/document/label (a reranker) format)"),
+    ([{"query": "q", "document": "d", "label": 1}, {"query": " ", "document": "d", "label": 0}], [],
+     "{f} line 2: query is empty"),
 ])
 def test_bad_rows_are_one_line_and_write_nothing(tmp_path, capsys, rows, extra, message):
     f = write_rows(tmp_path / "bad.jsonl", rows)
@@ -126,3 +130,29 @@ def test_builtin_default_holds_out_a_tenth_and_evaluates(tmp_path):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("eval_f1" in r for r in records)
     assert json.loads((out / "final" / "config.json").read_text())["id2label"]["3"] == "weather"
+
+
+def test_a_reranker_is_a_classifier_of_query_document_pairs(tmp_path, capsys):
+    """Rows {query, document, label} train a reranker: each pair read as one text, the label whether
+    the document answers the query; `tigon infer` on a pair in that layout prints the label the
+    model gives it."""
+    import random
+
+    rng = random.Random(0)
+    facts = [(f"What colour is item {i}?", f"Item {i} is {c}.") for i, c in
+             enumerate(rng.choice(["red", "blue", "green", "gold"]) for _ in range(48))]
+    rows = [{"query": q, "document": d, "label": 1} for q, d in facts]
+    rows += [{"query": q, "document": facts[(i + 7) % len(facts)][1], "label": 0} for i, (q, _) in enumerate(facts)]
+    rng.shuffle(rows)
+    data = write_rows(tmp_path / "pairs.jsonl", rows)
+    out = tmp_path / "out"
+    values = dict(task="classification", dataset=[data], batch_size=8, epochs=1.0, save_steps=0, samples=0,
+                  tuner="full", kernels=False)
+    assert main(["sft", *argv_of(values), "--output-dir", str(out)]) == 0
+    config = json.loads((out / "final" / "config.json").read_text())
+    assert config["id2label"] == {"0": "0", "1": "1"}
+    capsys.readouterr()
+    pair = classify.RERANK_TEXT.format(query="What colour is item 3?", document=facts[3][1])
+    assert main(["infer", str(out / "final"), "--prompt", pair]) == 0
+    label, probability = capsys.readouterr().out.strip().split("\t")
+    assert label in ("0", "1") and 0.5 <= float(probability) <= 1.0

@@ -107,7 +107,20 @@ def _from_text_label(row: dict) -> Labeled:
     return Labeled("", _text(row["text"], "text"), _label_name(row["label"]))
 
 
-FORMATS: list[Format] = [("text/label", ("text", "label"), _from_text_label)]
+# A reranker is a classifier of (query, document) pairs, read as one text in this layout (its last
+# token's state sees both); `label` says whether (or how well) the document answers the query.
+RERANK_TEXT = "Query: {query}\nDocument: {document}"
+
+
+def _from_query_document_label(row: dict) -> Labeled:
+    text = RERANK_TEXT.format(query=_text(row["query"], "query"), document=_text(row["document"], "document"))
+    return Labeled("", text, _label_name(row["label"]))
+
+
+FORMATS: list[Format] = [
+    ("text/label", ("text", "label"), _from_text_label),
+    ("query/document/label (a reranker)", ("query", "document", "label"), _from_query_document_label),
+]
 
 
 def load_labeled(specs: list[str], seed: int) -> list[Labeled]:
