@@ -154,8 +154,16 @@ def _load_for_generation(args: argparse.Namespace):
 
 
 def _cmd_infer(args: argparse.Namespace) -> int:
-    model, tokenizer = _load_for_generation(args)
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if args.image:
+        from tigon.train.modeling import pick_dtype
+        from tigon.train.vision import answer_about_images
+
+        replies = answer_about_images(args.model, prompts, args.image, pick_dtype(args.dtype), args.max_new_tokens)
+        for prompt, reply in zip(prompts, replies):
+            print(reply if len(prompts) == 1 else f"> {prompt}\n{reply}\n")
+        return 0
+    model, tokenizer = _load_for_generation(args)
     from tigon.train.modeling import is_classifier
 
     if is_classifier(model):  # a sequence classifier (or reward model) labels each text as it is
@@ -252,6 +260,9 @@ def _add_train_commands(sub: argparse._SubParsersAction) -> None:
         if name == "infer":
             p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
             p.add_argument("--raw", action="store_true", help="continue the text as is, without the chat template")
+            p.add_argument("--image", action="append", metavar="PATH",
+                           help="an image the prompts are about, for a vision-language model directory (repeatable; "
+                                "shown in order before each prompt)")
         p.add_argument("--system", help="system message")
         p.add_argument("--base", metavar="MODEL", help="base model for an adapter (default: the one it names)")
         p.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="length of each answer")

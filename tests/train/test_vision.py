@@ -353,3 +353,25 @@ def test_gpu_bf16_vlm_trains_with_kernels_as_without(models, shapes_file, tmp_pa
     for a, b in zip(off, on):
         assert b["loss"] == pytest.approx(a["loss"], rel=3e-2), a["step"]
     assert all(r["gpu_mem_gib"] > 0 for r in on)
+
+
+def test_infer_answers_about_an_image_and_refuses_what_it_cannot(models, shapes_file, tmp_path, capsys):
+    """`tigon infer VLM --image PATH`: the model's answer about the image; an image it cannot open,
+    a remote URL, or a text-only model get one line each."""
+    image = str(shapes_file.parent / "s0.png")
+    assert main(["infer", str(models["qwen2_vl"]), "--image", image, "--prompt", "What shape?",
+                 "--max-new-tokens", "3", "--dtype", "fp32"]) == 0
+    assert capsys.readouterr().out.count("\n") == 1  # one answer (the random model's words)
+    text_model = tmp_path / "text"
+    from transformers import LlamaConfig
+
+    tiny.random_model(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1), 0).save_pretrained(text_model)
+    for argv, message in (
+        ([str(models["qwen2_vl"]), "--image", str(tmp_path / "nothing.png")], "--image " + str(tmp_path / "nothing.png")),
+        ([str(models["qwen2_vl"]), "--image", "https://example.com/a.png"], "a remote URL"),
+        ([str(text_model), "--image", image], "is not a vision-language model"),
+    ):
+        assert main(["infer", *argv, "--prompt", "What shape?"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err

@@ -23,7 +23,7 @@ import torch
 from tigon.train.batching import NUM_TOKENS
 from tigon.train.config import SFTConfig, SFTError
 from tigon.train.template import IGNORE
-from tigon.train.vision_data import ImageRef, VisionSample, bounded, open_image
+from tigon.train.vision_data import ImageRef, VisionSample, bounded, image_ref, open_image
 
 log = logging.getLogger("tigon.train")
 
@@ -408,6 +408,32 @@ def vision_generate(model: Any, encoder: VisionEncoder, prompt: VisionPrompt, ma
     finally:
         model.train(was_training)
     return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
+def answer_about_images(model_id: str, prompts: list[str], images: list[str], dtype: torch.dtype,
+                        max_new_tokens: int) -> list[str]:
+    """`tigon infer MODEL --image PATH`: the vision-language model in `model_id` (a saved model
+    directory) answers each prompt about `images` (files, shown in order before the prompt),
+    greedily. Every image is opened before the model loads; what is wrong is an SFTError."""
+    config = model_config(model_id)
+    if not is_vision_config(config):
+        raise SFTError(f"--image: {model_id} is not a vision-language model (its config has no vision_config)")
+    refs = []
+    for path in images:
+        try:
+            ref = image_ref(path, Path.cwd())
+            open_image(ref)
+        except (ValueError, OSError) as err:  # PIL's errors are OSErrors
+            raise SFTError(f"--image {path}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+        refs.append(ref)
+    model = load_vision_model(model_id, dtype).to(torch.device("cuda") if torch.cuda.is_available() else "cpu")
+    encoder = VisionEncoder(load_processor(model_id, config))
+    answers = []
+    for prompt in prompts:
+        content = [*({"type": "image"} for _ in refs), {"type": "text", "text": prompt}]
+        messages = ({"role": "user", "content": content},)
+        answers.append(vision_generate(model, encoder, VisionPrompt(messages, tuple(refs), prompt), max_new_tokens))
+    return answers
 
 
 def packing_refusal(family: str) -> SFTError:
