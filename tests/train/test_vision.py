@@ -375,3 +375,24 @@ def test_infer_answers_about_an_image_and_refuses_what_it_cannot(models, shapes_
         assert main(["infer", *argv, "--prompt", "What shape?"]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
+
+
+def test_merge_folds_a_vlm_adapter_into_a_model_that_loads_with_its_processor(models, shapes_file, tmp_path):
+    """`tigon merge` of a VLM's LoRA adapter: a vision-language model (not a causal LM) with its
+    processor beside it, which answers with the adapter's numbers."""
+    out = tmp_path / "out"
+    assert main(["sft", "--model", str(models["qwen2_vl"]), "--dataset", str(shapes_file), "--max-steps", "2",
+                 "--batch-size", "4", "--lr", "1e-2", "--samples", "0", "--save-steps", "0", "--no-kernels",
+                 "--output-dir", str(out)]) == 0
+    merged = tmp_path / "merged"
+    assert main(["merge", str(out / "final"), "--output", str(merged), "--dtype", "fp32"]) == 0
+    config = model_config(str(merged))
+    assert type(load_processor(str(merged), config)).__name__.startswith("Qwen2VL")
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    folded = AutoModelForImageTextToText.from_pretrained(merged)
+    adapted = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(models["qwen2_vl"]), out / "final")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(folded(input_ids=ids).logits, adapted(input_ids=ids).logits, rtol=1e-4, atol=1e-4)

@@ -16,6 +16,7 @@ from tigon.train.config import SFTError
 from tigon.train.modeling import (DTYPES, LABELS_FILE, check_bitsandbytes, classifier_options, load_model,
                                   load_tokenizer, pick_dtype, quantization_name, recorded_quantization, source_kwargs)
 from tigon.train.template import ensure_chat_template, render
+from tigon.train.vision import is_vision_config, load_processor, load_vision_model, model_config
 
 log = logging.getLogger("tigon.train")
 # torch's load_state_dict names each tensor whose shape differs, the first one first; PEFT loads an
@@ -50,6 +51,12 @@ def _inference_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def _vision_config(model_id: str) -> Any:
+    """`model_id`'s config if it is a vision-language model's, else None."""
+    config = model_config(model_id)
+    return config if is_vision_config(config) else None
+
+
 def _adapter_model(adapter: str, base: str, dtype: torch.dtype, dequantize: bool) -> Any:
     """PEFT's model of `adapter` on `base`. A base the adapter was trained quantised (QLoRA, see
     QUANT_FILE) is quantised the same way again, so that the adapter meets the weights it learned
@@ -62,7 +69,8 @@ def _adapter_model(adapter: str, base: str, dtype: torch.dtype, dequantize: bool
     classifier = (classifier_options(list(json.loads(labels.read_text()).values())) if labels.is_file()
                   else None)
     if quantization is None:
-        model = load_model(base, dtype, classifier=classifier)
+        vision = _vision_config(base)
+        model = load_vision_model(base, dtype) if vision is not None else load_model(base, dtype, classifier=classifier)
     else:
         device = _inference_device()
         check_bitsandbytes(quantization_name(quantization), device)
@@ -176,8 +184,12 @@ def merge(adapter: str, output: str, base: str | None = None, dtype: str = "auto
     else:
         target = DTYPES[dtype]
     merged = model.merge_and_unload().to(device="cpu", dtype=target)
+    vision = _vision_config(base)
     with written_atomically(out) as staging:
         merged.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        if vision is not None:  # a vision-language model's images need its processor beside it
+            load_processor(adapter if (Path(adapter) / "preprocessor_config.json").is_file() else base,
+                           vision).save_pretrained(staging)
     log.info("merged %s into %s -> %s (%s)", adapter, base, out, str(target).replace("torch.", ""))
     return out
