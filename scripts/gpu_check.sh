@@ -2,7 +2,7 @@
 # One device-machine call: gpu-marked tests, op benchmarks at their headline shapes, the linear-CE
 # chunk-budget sweep and the end-to-end benchmark. Everything lands in $OUT/results.tar.gz (the
 # device tool returns at most 8 files) plus the text logs.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|moetests|ab|ops|norms|rope|sweep|e2e|small|host|serve|moe|vlm|vlmtests|zoo|newops|tasks|rl|dpo|sft|profile|dpoprof|dpomem|maxctx ...]
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|moetests|ab|ops|opsab|norms|rope|sweep|e2e|small|host|serve|moe|vlm|vlmtests|zoo|newops|tasks|rl|dpo|sft|profile|dpoprof|dpomem|maxctx ...]
 # (host: per-call host time of the small ops; small: the host-bound 1x1024 e2e with CUDA-graph replay;
 # rl: the GRPO loss against TRL's own log-prob path; dpo: tigon rlhf against TRL's DPOTrainer; dpoprof: where a `tigon rlhf --method dpo` step goes;
 # dpomem: what is live at its memory peak; DPO_ARGS: more tigon rlhf options for both)
@@ -68,6 +68,17 @@ for stage in "${stages[@]}"; do
              done
            done
            python3 scripts/ab_summary.py "$RES" ;;
+    # The fused losses' speed on another tree (BASE_SRC, as ab) and this one, in turns over two rounds.
+    opsab) for round in 1 2; do
+             for side in base head; do
+               tree=src; [ "$side" = base ] && tree=${BASE_SRC:-.baseline/src}
+               PYTHONPATH=$tree:${PYTHONPATH#src:} timeout ${!limit_var:-150} python3 -m tigon.cli bench --headline \
+                 --impls tigon --out "$RES/opsab_$side-$round" --ops ${AB_OPS:-cross_entropy linear_cross_entropy \
+                 linear_cross_entropy_options linear_log_probs linear_preference_loss linear_policy_loss \
+                 linear_policy_loss_gspo linear_distill_loss} > "$RES/opsab_$side-$round.txt" 2>&1
+             done
+           done
+           python3 scripts/ops_ab_summary.py "$RES" ;;
     host)  timeout ${!limit_var:-300} python3 -m tigon.cli bench --host --out "$RES/host" > "$RES/host.txt" 2>&1
            grep -A40 "^op " "$RES/host.txt" | tail -32 ;;
     serve) if compgen -G ".whl-serve/*.whl" > /dev/null && [ ! -d /tmp/serve-site ]; then

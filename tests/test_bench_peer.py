@@ -33,3 +33,17 @@ def test_missing_peer_library_is_reported_and_no_peer_means_no_row():
     assert "peer" not in format_table(records).splitlines()[-1] and "vs_peer_host" not in records[0]
     records = bench_one(_op(None), (8, 8), torch.float32, torch.device("cpu"), 1e9, None, ("tigon", "peer"))
     assert [r["impl"] for r in records] == ["tigon"]
+
+
+def _out_of_memory(x):
+    raise torch.OutOfMemoryError("CUDA out of memory (planted)")
+
+
+def test_an_implementation_out_of_memory_is_its_own_error_row():
+    op = _op(lambda: (lambda x: 2 * x))
+    op.eager = _out_of_memory
+    records = bench_one(op, (8, 8), torch.float32, torch.device("cpu"), 1e9, None, ("eager", "tigon", "peer"))
+    by_impl = {r["impl"]: r for r in records}
+    assert "out of memory" in by_impl["eager"]["error"]
+    assert "fwd_bwd_host_ms" in by_impl["tigon"] and "fwd_bwd_host_ms" in by_impl["peer"]
+    assert "eager" in format_table(records)

@@ -79,8 +79,11 @@ def bench_one(
     fns = {"tigon": op.tigon, "eager": op.eager}
     if "compile" in impls:
         fns["compile"] = torch.compile(op.eager, dynamic=False)
-    # A scalar output is a loss: backpropagate 1 as `loss.backward()` does.
-    grads = [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in differentiable_outputs(op.eager(*args))]
+    # A scalar output is a loss: backpropagate 1 as `loss.backward()` does. The outputs' shapes come
+    # from tigon's call where it is measured: eager's may not fit where tigon's does (it is then an
+    # error row of its own, not the end of the run).
+    probe = op.tigon if "tigon" in impls else op.eager
+    grads = [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in differentiable_outputs(probe(*args))]
     floor_s = op.bytes_moved(size, dtype) / bandwidth
     if op.flops(size) and matmul_rate:
         floor_s = max(floor_s, op.flops(size) / matmul_rate)
