@@ -264,10 +264,12 @@ def test_gpu_bf16_reward_step_patched_equals_trls_unpatched(tokenizer, tmp_path,
         results.append((loss.detach().float(), grads(model)))
     (exact, oracle), (theirs, want), (ours, got) = results
     torch.testing.assert_close(ours, exact, rtol=2e-2, atol=2e-2)
+    # Each gradient's error as a whole (its norm): one element's error is a coin toss of bf16 rounding
+    # where the gradient's terms cancel, as large in TRL's own bf16 step as in ours.
     for name in oracle:
         reference = oracle[name].float()
-        bf16_error = (want[name].float() - reference).abs().max()
-        assert (got[name].float() - reference).abs().max() <= 2 * bf16_error + 1e-3 * reference.abs().max(), name
+        bf16_error = (want[name].float() - reference).norm()
+        assert (got[name].float() - reference).norm() <= 2 * bf16_error + 1e-3 * reference.norm(), name
 
 
 def test_builtin_default_trains_a_reward_model_after_an_sft_stage(tmp_path, monkeypatch, caplog):
