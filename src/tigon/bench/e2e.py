@@ -378,6 +378,8 @@ def run_case(
         if memory_snapshot is not None:
             from tigon.bench.memory import PeakRecord
 
+            if mode == "qlora" or impl == "unsloth":
+                saved_model(shape, seq, device)  # written first: making it is not the case's peak
             peak = PeakRecord(batch * seq * (warmup + steps)).__enter__()
         if impl == "unsloth":
             model = build_unsloth(mode, seq, device, shape=shape, lora_rank=lora_rank, checkpointing=checkpointing)
