@@ -243,5 +243,5 @@ def test_offload_and_tiled_mlp_on_a_4bit_base_in_bf16_on_gpu(tmp_path):
     assert torch.equal(offloaded[0], plain[0])
     for name in plain[1]:
         assert torch.equal(offloaded[1][name], plain[1][name]), name
-    assert_close(both[0], plain[0], name="loss")
+    assert_close(both[0], plain[0], torch.bfloat16, name="loss")  # per-chunk GEMMs may round differently
     assert both[2] < plain[2], (both[2], plain[2])
