@@ -3,11 +3,8 @@ allocation and free during the step (``torch.cuda.memory._record_memory_history`
 largest total, and the blocks live there are listed by the Python code that allocated them, in MiB
 and bytes per token. Blocks allocated before the step (weights, optimizer state) are one line.
 
-As a library (scripts/qlora_bench.py --inspect memory, scripts/profile_e2e.py)::
-
-    with PeakRecord(8192) as record:
-        step()
-    print(record.report())
+The record and its report are tigon.bench.memory's PeakRecord (also behind scripts/qlora_bench.py
+--inspect memory, scripts/profile_e2e.py and `python -m tigon.bench.e2e --memory-snapshot`).
 
 As a command, around one step of `tigon sft` / `tigon rlhf` (the step after the 4th):
 
@@ -16,74 +13,11 @@ As a command, around one step of `tigon sft` / `tigon rlhf` (the step after the 
 
 from __future__ import annotations
 
-import collections
 import sys
 
 import torch
 
-# Frames from these paths name an allocation; torch's own autograd / module plumbing does not.
-OWN_CODE = ("tigon/", "transformers/", "peft/", "trl/", "bitsandbytes/", "torch/utils/checkpoint", "torch/optim", "scripts/")
-FRAMES_PER_SITE = 3
-
-
-def _site(frames: list[dict]) -> str:
-    named = [f for f in frames if any(part in f["filename"] for part in OWN_CODE)]
-    chosen = named[:FRAMES_PER_SITE] or frames[:1]
-    return " <- ".join(f"{f['filename'].split('/src/')[-1].split('site-packages/')[-1]}:{f['line']} {f['name']}" for f in chosen)
-
-
-class PeakRecord:
-    """Records the allocator's events while active; :meth:`report` lists what was live at the peak."""
-
-    def __init__(self, units: int, unit: str = "token", max_entries: int = 2_000_000):
-        self.units, self.unit, self.max_entries = units, unit, max_entries
-        self.snapshot: dict | None = None
-
-    def __enter__(self) -> "PeakRecord":
-        torch.cuda.synchronize()
-        self.before = torch.cuda.memory_allocated()
-        torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
-                                                 max_entries=self.max_entries)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        torch.cuda.synchronize()
-        self.snapshot = torch.cuda.memory._snapshot()
-        torch.cuda.memory._record_memory_history(enabled=None)
-
-    def report(self, top: int = 30) -> str:
-        events = [e for e in self.snapshot["device_traces"][0] if e["action"] in ("alloc", "free_completed")]
-        live_total, peak, peak_at, sizes = self.before, self.before, -1, {}
-        for i, event in enumerate(events):
-            if event["action"] == "alloc":
-                live_total += event["size"]
-                sizes[event["addr"]] = event["size"]
-            else:
-                live_total -= event["size"]
-                sizes.pop(event["addr"], None)
-            if live_total > peak:
-                peak, peak_at = live_total, i
-        live: dict[int, dict] = {}
-        freed_earlier = 0  # blocks from before the step freed before the peak
-        for event in events[: peak_at + 1]:
-            if event["action"] == "alloc":
-                live[event["addr"]] = event
-            elif live.pop(event["addr"], None) is None:
-                freed_earlier += event["size"]
-        sites: collections.Counter = collections.Counter()
-        counts: collections.Counter = collections.Counter()
-        for event in live.values():
-            site = _site(event.get("frames", []))
-            sites[site] += event["size"]
-            counts[site] += 1
-        per_unit = 1 / self.units / 1024
-        lines = [f"peak {peak / 2**20:.0f} MiB ({len(events)} events, peak at event {peak_at}): "
-                 f"{(self.before - freed_earlier) / 2**20:.0f} MiB from before the step, "
-                 f"{sum(sites.values()) / 2**20:.0f} MiB allocated in it "
-                 f"({sum(sites.values()) * per_unit:.1f} KiB per {self.unit})"]
-        for site, nbytes in sites.most_common(top):
-            lines.append(f"  {nbytes / 2**20:9.1f} MiB {nbytes * per_unit:8.1f} KiB/{self.unit} x{counts[site]:<4} {site}")
-        return "\n".join(lines)
+from tigon.bench.memory import PeakRecord
 
 
 def main() -> int:

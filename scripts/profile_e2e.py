@@ -23,7 +23,7 @@ from tigon.cuda_graphs import CapturedOptimizer
 from tigon.patch import SWITCHES
 
 from kernel_report import idle_gaps, kernel_spans
-from memory_peak_gpu import PeakRecord
+from tigon.bench.memory import PeakRecord
 
 parser = argparse.ArgumentParser()
 parser.add_argument("mode", choices=("full", "lora"), nargs="?", default="full")

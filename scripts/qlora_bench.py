@@ -115,7 +115,7 @@ def steps(model, batches: list[torch.Tensor], warmup: int, dtype: torch.dtype, d
     torch.cuda.synchronize() if cuda else None
     seconds = time.perf_counter() - start
     if "memory" in inspect:
-        from memory_peak_gpu import PeakRecord
+        from tigon.bench.memory import PeakRecord
 
         with PeakRecord(batches[0].numel()) as record:
             train_step(model, batches[-1], optimizer, dtype, device)

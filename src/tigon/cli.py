@@ -93,7 +93,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             # At least the tokens of 10 steps of 4 x 2048: a small batch's timed window then spans
             # several of the GPU-utilisation counter's sample periods (up to 1 s each).
             steps = max(10, E2E_TOKENS // (batch * seq))
-            records = run_e2e(impls=args.e2e_impls or ["eager", "tigon"], batch=batch, seq=seq, steps=steps, out_dir=out)
+            records = run_e2e(impls=args.e2e_impls or ["eager", "tigon"], batch=batch, seq=seq, steps=steps, out_dir=out,
+                              **({"rounds": args.rounds} if args.rounds != 1 else {}))
             failed |= any("error" in r for r in records)
         return 1 if failed else 0
     from tigon.bench import run_benchmarks
@@ -300,9 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "python -m tigon.bench.e2e --help")
     bench.add_argument("--e2e-impls", nargs="+", metavar="IMPL",
                        choices=["eager", "tigon", "compile", "tigon+compile", "tigon+graphs", "tigon+reduce-overhead",
-                                "peer"],
+                                "peer", "unsloth"],
                        help="with --e2e: what to run (default eager tigon; tigon+graphs: the steps replayed from "
-                            "CUDA graphs, as --cuda-graphs does; tigon+reduce-overhead: torch.compile's CUDA-graph mode)")
+                            "CUDA graphs, as --cuda-graphs does; tigon+reduce-overhead: torch.compile's CUDA-graph mode; "
+                            "unsloth: Unsloth's FastLanguageModel, LoRA modes only, where it is installed)")
+    bench.add_argument("--rounds", type=int, default=1, metavar="N",
+                       help="with --e2e: run each case N times in turn, each in its own process, and report the median "
+                            "tok/s, its spread and the largest peak (run-to-run drift then cannot decide a comparison)")
     bench.add_argument("--ppo", action="store_true",
                        help="PPO's training step without sampling (8 prompts x 256 new tokens, 1B Llama shape, LoRA): "
                             "eager, torch.compile and tigon; full fine-tuning and more knobs: python -m tigon.bench.ppo "

@@ -114,3 +114,174 @@ def test_gpu_e2e_graph_replay_trains_like_plain_and_reports_busy():
         both = min(len(plain), len(graphs))
         assert both >= 6 and graphs[:both] == pytest.approx(plain[:both], rel=2e-2)
     assert all(0 <= r["gpu_busy_pct"] <= 100 for r in records if "gpu_busy_pct" in r)
+
+
+def test_rounds_take_turns_and_rows_report_median_spread_and_max_peak():
+    """Round r starts r places along the implementations; a row is the median tok/s of its rounds,
+    their spread and the largest peak; a round that failed is noted and the others still count; a
+    skipped implementation is not run again."""
+    from tigon.bench.e2e import run_all
+
+    calls = []
+    speeds = {"eager": [100.0, 120.0, 110.0], "tigon": [200.0, None, 260.0]}
+
+    def run_one(mode, impl, device):
+        calls.append(impl)
+        record = {"mode": mode, "impl": impl, "batch": 1, "seq": 8}
+        if impl == "peer":
+            return {**record, "skipped": "peer cannot be imported here (liger_kernel)"}
+        speed = speeds[impl][sum(c == impl for c in calls) - 1]
+        if speed is None:
+            return {**record, "error": "OutOfMemoryError: CUDA out of memory"}
+        return {**record, "tokens_per_s": speed, "step_ms": 8e3 / speed, "peak_gib": speed / 100, "losses": [5.0, 4.0]}
+
+    lines = []
+    records = run_all("test", "the test", ["lora"], ["eager", "tigon", "peer"], (["lora"], ["eager", "tigon", "peer"]),
+                      run_one, settings={}, summary="", out_dir=None, out_name="", log=lines.append, device=torch.device("cpu"),
+                      rounds=3)
+    assert calls == ["eager", "tigon", "peer", "tigon", "eager", "eager", "tigon"]
+    eager, tigon_row, peer = records
+    assert eager["tokens_per_s"] == 110.0 and eager["tokens_per_s_rounds"] == [100.0, 120.0, 110.0]
+    assert eager["spread_pct"] == pytest.approx(100 * 20 / 110) and eager["peak_gib"] == 1.2 and eager["rounds"] == 3
+    assert tigon_row["tokens_per_s"] == 230.0 and tigon_row["peak_gib"] == 2.6 and "error" not in tigon_row
+    assert tigon_row["failed_rounds"] == ["OutOfMemoryError: CUDA out of memory"]
+    assert tigon_row["vs_eager_speed"] == pytest.approx(230 / 110)
+    assert peer["skipped"].startswith("peer cannot be imported")
+    table = lines[-1]
+    assert "1 of 3 rounds failed: OutOfMemoryError" in table and "skipped: peer" in table and "18.2%" in table
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        run_all("test", "the test", ["lora"], ["eager"], (["lora"], ["eager"]), run_one, settings={}, summary="",
+                out_dir=None, out_name="", log=lines.append, device=torch.device("cpu"), rounds=0)
+
+
+def test_out_of_memory_while_building_a_model_is_that_cases_row(monkeypatch):
+    import tigon.bench.e2e as e2e
+
+    build = e2e.build_model
+
+    def build_or_fail(mode, *args, **kwargs):
+        if mode == "full":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return build(mode, *args, **kwargs)
+
+    monkeypatch.setattr(e2e, "build_model", build_or_fail)
+    records = run_e2e(modes=["full", "lora"], impls=["eager"], batch=1, seq=8, steps=1, warmup=0, shape=TINY,
+                      device=torch.device("cpu"), log=lambda line: None)
+    assert records[0]["error"] == "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert "error" not in records[1] and records[1]["tokens_per_s"] > 0
+
+
+def test_a_case_process_that_ends_without_a_result_is_that_cases_error():
+    from tigon.bench.harness import run_isolated
+
+    record = run_isolated("tigon.bench.e2e", ["--case", "lora", "eager", "--shape", "[1]"], {"impl": "eager"})
+    assert record["impl"] == "eager"
+    assert record["error"].startswith("process ended (exit code 2) without a result: ") and "--shape" in record["error"]
+
+
+def test_unsloth_rows_are_skipped_where_it_cannot_be_imported():
+    """Unsloth is not installable without a GPU: its rows say so in one line (its LoRA case in a
+    process of its own, as Unsloth patches transformers on import) and the run succeeds."""
+    pytest.importorskip("peft")
+    lines = []
+    records = run_e2e(modes=["full", "lora"], impls=["unsloth"], batch=1, seq=8, steps=1, warmup=0, shape=TINY,
+                      device=torch.device("cpu"), log=lines.append)
+    assert records[0]["skipped"] == "unsloth is measured in lora and qlora modes"
+    assert records[1]["skipped"].startswith("unsloth cannot be imported here (")
+    assert not [r for r in records if "error" in r]
+    assert "lora  unsloth          skipped: unsloth cannot be imported here" in lines[-1]
+
+
+def test_unsloth_gets_the_saved_random_model_and_the_cases_adapters(monkeypatch, tmp_path):
+    """build_unsloth calls FastLanguageModel as documented (a fake here: the real one needs a GPU),
+    on a folder holding the same random weights as build_model's model and a tokenizer."""
+    import sys
+    import tempfile
+    import types
+
+    import transformers
+
+    import tigon.bench.e2e as e2e
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    calls = {}
+
+    class FastLanguageModel:
+        @staticmethod
+        def from_pretrained(model_name, **kwargs):
+            calls["load"] = kwargs
+            calls["tokenizer"] = transformers.AutoTokenizer.from_pretrained(model_name)
+            return transformers.AutoModelForCausalLM.from_pretrained(model_name), calls["tokenizer"]
+
+        @staticmethod
+        def get_peft_model(model, **kwargs):
+            calls["peft"] = kwargs
+            return model
+
+    monkeypatch.setitem(sys.modules, "unsloth", types.SimpleNamespace(FastLanguageModel=FastLanguageModel))
+    model = e2e.build_unsloth("qlora", 16, torch.device("cpu"), shape=TINY, lora_rank=4, checkpointing="unsloth")
+    assert calls["load"] == dict(max_seq_length=16, dtype=torch.bfloat16, load_in_4bit=True, device_map={"": "cpu"},
+                                 use_gradient_checkpointing="unsloth", fix_tokenizer=False, random_state=0)
+    assert calls["peft"] == dict(r=4, lora_alpha=8, lora_dropout=0.0, bias="none", target_modules=list(e2e.LORA_TARGETS),
+                                 use_gradient_checkpointing="unsloth", random_state=0, max_seq_length=16)
+    plain = e2e.build_model("full", 16, torch.device("cpu"), shape=TINY, lora_rank=4, checkpointing=False)
+    assert torch.equal(model.model.layers[1].mlp.down_proj.weight, plain.model.layers[1].mlp.down_proj.weight)
+    assert [p.name for p in (tmp_path / "tigon-e2e-models").iterdir()] == [e2e.saved_model(TINY, 16, "cpu").name]
+    with pytest.raises(ValueError, match="lora and qlora modes"):
+        e2e.build_unsloth("full", 16, torch.device("cpu"), shape=TINY, lora_rank=4, checkpointing=False)
+
+
+def test_qlora_mode_trains_tigon_like_peft_and_bitsandbytes(monkeypatch, tmp_path):
+    pytest.importorskip("bitsandbytes")
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    records = run_e2e(modes=["qlora"], impls=["eager", "tigon"], batch=1, seq=8, steps=1, warmup=1, shape=TINY,
+                      device=torch.device("cpu"), log=lambda line: None)
+    assert not [r["error"] for r in records if "error" in r]
+    assert "lora" in records[1]["applied"]
+    assert records[1]["max_loss_diff"] < 0.02 and len(records[1]["losses"]) == 2
+    tigon.unpatch()
+
+
+def test_peak_record_lists_what_is_live_at_the_peak():
+    """The allocator's trace replayed: the peak is where the most is live, listed by allocating
+    code and by block; what was freed before the peak is not."""
+    from tigon.bench.memory import PeakRecord
+
+    mib = 2**20
+
+    def event(action, addr, size, where):
+        return {"action": action, "addr": addr, "size": size * mib,
+                "frames": [{"filename": f"/x/site-packages/torch/nn/{where}.py", "line": 1, "name": "plumbing"},
+                           {"filename": f"/repo/src/tigon/{where}.py", "line": 7, "name": where}]}
+
+    record = PeakRecord(units=4)
+    record.device, record.before = 0, 100 * mib
+    trace = [event("alloc", 1, 300, "logits"), event("alloc", 2, 50, "grad"), event("free_completed", 1, 300, "logits"),
+             event("alloc", 3, 200, "dequant"), event("alloc", 4, 120, "dequant"), event("free_completed", 4, 120, "dequant"),
+             event("alloc", 5, 10, "grad")]
+    record.snapshot = {"device_traces": [trace]}
+    peak, events, live, freed = record.live_at_peak()
+    assert (peak, events, sorted(e["addr"] for e in live), freed) == (470 * mib, 7, [2, 3, 4], 0)
+    report = record.report().splitlines()
+    assert report[0].startswith("peak 470 MiB (7 events): 100 MiB from before the record, 370 MiB allocated in it")
+    assert report[1].strip().startswith("320.0 MiB") and "x2" in report[1] and "tigon/dequant.py:7 dequant" in report[1]
+    assert report[-3].strip().startswith("200.0 MiB") and report[-1].strip().startswith("50.0 MiB")
+    assert not [line for line in report if "logits" in line]
+
+
+@pytest.mark.gpu
+def test_gpu_e2e_rounds_of_qlora_with_a_memory_snapshot(tmp_path):
+    """Two interleaved rounds, each case in its own process, QLoRA with tigon and Unsloth (skipped
+    where it is not installed), and the allocator's record of each case."""
+    shape = dict(TINY, hidden_size=256, intermediate_size=688, vocab_size=32000)
+    records = run_e2e(modes=["qlora"], impls=["tigon", "unsloth"], batch=1, seq=256, steps=2, warmup=1,
+                      shape=shape, rounds=2, memory_snapshot=tmp_path, log=lambda line: None)
+    assert not [r["error"] for r in records if "error" in r]
+    ran = [r for r in records if "skipped" not in r]
+    assert all(r["rounds"] == 2 and len(r["tokens_per_s_rounds"]) == 2 and r["peak_gib"] > 0 for r in ran)
+    for record in ran:
+        text = (tmp_path / f"{record['mode']}-{record['impl']}.txt").read_text()
+        assert text.startswith("peak ") and "largest blocks live at the peak" in text
+        assert (tmp_path / f"{record['mode']}-{record['impl']}.pickle").stat().st_size > 0

@@ -161,3 +161,87 @@ def test_bf16_qlora_on_gpu_as_accurate_as_peft(tmp_path, kind, dora):
     assert error(got[0], want[0]) <= 1.5 * error(peft_got[0], want[0]) + 1e-3
     for name, w in want[2].items():
         assert error(got[2][name], w) <= 1.5 * error(peft_got[2][name], w) + 2e-3, name
+
+
+def _checkpointed_step(model, ids):
+    model.zero_grad()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("switches", [{"offload_activations": True}, {"tiled_mlp": True},
+                                      {"offload_activations": True, "tiled_mlp": True}])
+def test_offload_and_tiled_mlp_on_a_4bit_base_take_the_same_step(checkpoint, switches, monkeypatch):
+    """The long-context switches on QLoRA (NF4, double quantisation, checkpointing as `tigon sft
+    --quant nf4 --gradient-checkpointing` prepares it): the checkpointed hidden states do go to
+    the host, and loss and adapter gradients are the plain fused QLoRA step's (the tiled MLP's
+    weight gradients are sums over chunks: equal up to rounding)."""
+    from tigon.patch import offload
+    from tigon.train.modeling import prepare_quantized
+
+    opened = []
+
+    class Recording(offload.ActivationOffload):
+        def __init__(self, *args):
+            super().__init__(*args)
+            opened.append(self)
+
+    monkeypatch.setattr(offload, "ActivationOffload", Recording)
+    models = []
+    for _ in range(2):
+        base = _load(checkpoint, "nf4-double")
+        prepare_quantized(base, gradient_checkpointing=True)  # frozen base, checkpointing on: before the adapters
+        torch.manual_seed(0)
+        lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
+        models.append(peft.get_peft_model(base, lora, autocast_adapter_dtype=False).train())
+    ids = torch.randint(0, VOCAB, (2, 37), generator=torch.Generator().manual_seed(3))  # 74 tokens > width 64: tiles
+    tigon.patch(models[0])
+    want = _checkpointed_step(models[0], ids)
+    tigon.unpatch(models[0])
+    applied = tigon.patch(models[1], **switches).applied
+    got = _checkpointed_step(models[1], ids)
+    assert all(name in applied for name in switches)
+    assert not switches.get("offload_activations") or opened[0].offloaded >= 2
+    assert_close(got[0], want[0], name="loss")
+    assert want[1] and got[1].keys() == want[1].keys()
+    for name in want[1]:
+        assert_close(got[1][name], want[1][name], name=name)
+
+
+@pytest.mark.gpu
+def test_offload_and_tiled_mlp_on_a_4bit_base_in_bf16_on_gpu(tmp_path):
+    """The same on the GPU in bf16 with the fused 4-bit path: offload is exact (the same bytes
+    come back), the tiled MLP within bf16 rounding, and together they hold the peak below the
+    plain QLoRA step's at a length where the MLP's intermediates dominate."""
+    from tigon.train.modeling import prepare_quantized
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
+                                      num_attention_heads=8, num_key_value_heads=4, vocab_size=1000)
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    ids = torch.randint(0, 1000, (1, 8192), device="cuda")
+    runs = {}
+    for switches in ({}, {"offload_activations": True}, {"offload_activations": True, "tiled_mlp": True}):
+        base = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path, quantization_config=_quantization("nf4-double", torch.bfloat16), dtype=torch.bfloat16,
+            device_map="cuda")
+        prepare_quantized(base, gradient_checkpointing=True)
+        torch.manual_seed(1)
+        model = peft.get_peft_model(base, peft.LoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
+                                                          init_lora_weights=False)).train()
+        tigon.patch(model, **switches)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        loss, grads = _checkpointed_step(model, ids)
+        runs[tuple(switches)] = (loss, grads, torch.cuda.max_memory_allocated() - start)
+        tigon.unpatch(model)
+        del model, base
+        torch.cuda.empty_cache()
+    plain, offloaded, both = runs[()], runs[("offload_activations",)], runs[("offload_activations", "tiled_mlp")]
+    assert torch.equal(offloaded[0], plain[0])
+    for name in plain[1]:
+        assert torch.equal(offloaded[1][name], plain[1][name]), name
+    assert_close(both[0], plain[0], torch.bfloat16, name="loss")  # per-chunk GEMMs may round differently
+    assert both[2] < plain[2], (both[2], plain[2])

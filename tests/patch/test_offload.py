@@ -261,3 +261,43 @@ def test_max_context_extrapolation():
     ] + [{"variant": "tigon", "seq": 2**19, "error": "OutOfMemoryError: ..."}]
     assert extrapolate(records) == {"long": pytest.approx(2.0 + 16)}
     assert "extrapolated" in format_table(records) and "OutOfMemoryError" in format_table(records)
+
+
+def test_max_context_on_a_4bit_base_with_unsloth_beside_it(tmp_path, monkeypatch):
+    """QLoRA (--quant nf4): the plain and the long (offload + tiled MLP) variants take the same first
+    step on the NF4 base; Unsloth's variant runs in a process of its own and, not installable without
+    a GPU, is a skipped row; results go to their own file."""
+    pytest.importorskip("bitsandbytes")
+    import json
+    import tempfile
+
+    from tigon.bench.max_context import run_max_context
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the saved random model
+    lines = []
+    records = run_max_context([72], ["tigon", "long", "unsloth"], steps=1, warmup=0, quant="nf4", shape=TINY_SHAPE,
+                              device=torch.device("cpu"), out_dir=tmp_path, log=lines.append)
+    tigon.unpatch()
+    plain, long, unsloth = records
+    assert "error" not in plain and "error" not in long, (plain.get("error"), long.get("error"))
+    assert "offload_activations" in long["applied"] and "lora" in long["applied"]
+    assert long["losses"] == pytest.approx(plain["losses"], rel=1e-5)
+    assert unsloth["skipped"].startswith("unsloth cannot be imported here")
+    saved = json.loads((tmp_path / "max_context-nf4.json").read_text())["results"]
+    assert [r["variant"] for r in saved] == ["tigon", "long", "unsloth"] and not (tmp_path / "max_context.json").exists()
+    assert "skipped: unsloth cannot be imported" in lines[-2]
+    with pytest.raises(ValueError, match="memory cap must be > 0 GB"):
+        run_max_context([72], ["tigon"], memory_cap_gb=0, shape=TINY_SHAPE, device=torch.device("cpu"))
+
+
+@pytest.mark.gpu
+def test_gpu_max_context_memory_cap_makes_too_long_an_out_of_memory_row():
+    """Under --memory-cap a length that needs more is that length's out-of-memory row, and the
+    next length, in a fresh process, still runs within the cap."""
+    from tigon.bench.max_context import run_max_context
+
+    shape = dict(TINY_SHAPE, hidden_size=512, intermediate_size=1408, vocab_size=32000)
+    records = run_max_context([1048576, 2048], ["long"], steps=1, warmup=0, quant="nf4", memory_cap_gb=1.0, isolate=True,
+                              shape=shape, log=lambda line: None)
+    assert "OutOfMemoryError" in records[0]["error"], records[0]
+    assert "error" not in records[1] and records[1]["peak_gb"] <= 1.0 and records[1]["memory_cap_gb"] == 1.0

@@ -15,7 +15,11 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -149,6 +153,28 @@ def environment(device: torch.device) -> dict[str, Any]:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     }
     return info
+
+
+def run_isolated(module: str, argv: Sequence[str], record: dict[str, Any], *, timeout_s: float | None = None,
+                 env: dict[str, str] | None = None) -> dict[str, Any]:
+    """``python -m module *argv --record FILE`` in a fresh process; returns `record` updated with
+    the dict that process wrote to FILE as JSON. A process that dies before writing it (killed for
+    memory, a CUDA fault, a hang past `timeout_s`) gives `record` an ``error`` with its exit status
+    and last output line instead: one case's crash is that case's result, and the run goes on.
+    A fresh process per case also keeps a peer library's global patches and one case's allocator
+    state (fragmentation after an out-of-memory) from reaching the next case."""
+    with tempfile.TemporaryDirectory(prefix="tigon-case-") as folder:
+        out = Path(folder) / "record.json"
+        try:
+            done = subprocess.run([sys.executable, "-m", module, *argv, "--record", str(out)], capture_output=True,
+                                  text=True, timeout=timeout_s, env={**os.environ, **(env or {})})
+        except subprocess.TimeoutExpired:
+            return {**record, "error": f"timed out after {timeout_s:.0f} s"}
+        if out.is_file():
+            return {**record, **json.loads(out.read_text())}
+        lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+        status = f"killed by signal {-done.returncode}" if done.returncode < 0 else f"exit code {done.returncode}"
+        return {**record, "error": f"process ended ({status}) without a result: {lines[-1][:200] if lines else ''}"}
 
 
 def format_table(records: list[dict[str, Any]]) -> str:
