@@ -9,7 +9,10 @@ Float8Linear applies to its input (and the rowwise recipes to every operand):
     data  = e4m3(clamp(v * scale, -448, 448))         (round to nearest even, saturating)
 
 where `v` is the row as the op returns it (rounded to its output dtype, then widened to fp32), so
-the payload is bit for bit what torchao makes of the op's output. Dividing in float64 and rounding
+the payload is bit for bit what torchao makes of the op's output. The norms hold a row in
+registers and cast it there; the gated activations' rows (up to 14336 and more wide, and several
+tensors of them in backward) do not fit, so those kernels take the amax in a first pass over the
+row that writes the output, then read the row back (from L2, just written) to cast it. Dividing in float64 and rounding
 to fp32 is torchao's way; it also equals a correctly rounded fp32 division (53 >= 2 * 24 + 2 bits,
 so the double rounding is innocuous), which the kernels cannot get from `/` in fp32 on the GPU.
 
@@ -105,8 +108,27 @@ def fp8_kernel_args(rows: Float8Rows | None, fallback: torch.Tensor) -> tuple:
 
 
 @triton.jit
-def _max_keeping_nan(a, b):
+def max_keeping_nan(a, b):
+    """max(a, b), NaN if either is: the GPU's plain max drops a NaN, torch's amax keeps it."""
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def amax_to_scale(amax, small_amax, small_amax_scale, MODE: tl.constexpr):
+    """torchao's fp32 scale of an fp32 `amax` (any shape), floored to a power of two for MODE 2."""
+    # float64 so that the scale is the correctly rounded 448 / amax (fp32 `/` is approximate).
+    scale = tl.where(amax <= small_amax, small_amax_scale, (448.0 / amax.to(tl.float64)).to(tl.float32))
+    if MODE == 2:
+        floored = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+        scale = tl.where(scale != scale, scale, floored)
+    return scale
+
+
+@triton.jit
+def quantize(values, scale):
+    """``values * scale`` clamped to e4m3's range, NaN kept (a plain clamp would make it 448);
+    the store to an e4m3 pointer rounds it."""
+    return tl.clamp(values * scale, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -116,19 +138,28 @@ def store_fp8_rows(
 ):
     """The FP8 epilogue for a (rows, cols) tile of whole rows: `values` fp32, already rounded to
     the op's output dtype; `rows` int64 row indices; `row_mask` and `mask` the valid rows and
-    elements. MODE is a :data:`MODE_CODES` value other than 0. A plain max or clamp would drop a
-    NaN (the GPU's max ignores one): both keep it, as torch does."""
-    amax = tl.reduce(tl.where(mask, tl.abs(values), 0.0), 1, _max_keeping_nan)
+    elements. MODE is a :data:`MODE_CODES` value other than 0."""
+    amax = tl.reduce(tl.where(mask, tl.abs(values), 0.0), 1, max_keeping_nan)
     tl.store(amax_ptr + rows, amax, mask=row_mask)
     if MODE != 3:
-        # float64 so that the scale is the correctly rounded 448 / amax (fp32 `/` is approximate).
-        scale = tl.where(amax <= small_amax, small_amax_scale, (448.0 / amax.to(tl.float64)).to(tl.float32))
-        if MODE == 2:
-            floored = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-            scale = tl.where(scale != scale, scale, floored)
+        scale = amax_to_scale(amax, small_amax, small_amax_scale, MODE)
         tl.store(scale_ptr + rows, scale, mask=row_mask)
-        scaled = tl.clamp(values * scale[:, None], -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(
-            data_ptr + rows[:, None] * data_row_stride + cols[None, :],
-            scaled.to(data_ptr.dtype.element_ty), mask=mask,
-        )
+        data = quantize(values, scale[:, None]).to(data_ptr.dtype.element_ty)
+        tl.store(data_ptr + rows[:, None] * data_row_stride + cols[None, :], data, mask=mask)
+
+
+@triton.jit
+def quantize_row(src_ptr, src_row_stride, data_ptr, scale_ptr, amax_ptr, row, amax, n_cols, small_amax,
+                 small_amax_scale, MODE: tl.constexpr, BLOCK: tl.constexpr):
+    """The FP8 epilogue for a row longer than a program holds: given its amax (over a first pass
+    that wrote the row to `src_ptr`), cast it from there in BLOCK chunks."""
+    tl.store(amax_ptr + row, amax)
+    if MODE != 3:
+        scale = amax_to_scale(amax, small_amax, small_amax_scale, MODE)
+        tl.store(scale_ptr + row, scale)
+        tl.debug_barrier()  # the row was written by other threads of this program
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            values = tl.load(src_ptr + row * src_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(data_ptr + row * n_cols + cols, quantize(values, scale).to(data_ptr.dtype.element_ty), mask=mask)

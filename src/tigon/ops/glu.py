@@ -18,7 +18,7 @@ With `fp8` the forward kernel also writes the product quantised to FP8 e4m3 with
 (the down projection's input, as torchao.float8 would quantise it), and the backward kernel the
 gradients of `gate` and `up` likewise (the gate and up projections' output gradients), in the same
 pass (:mod:`tigon.ops._fp8`). A scale needs the whole row, so those launches give each program
-one whole row instead of a flat block.
+one whole row, which it walks twice: computing (and taking the amax), then casting what it wrote.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from tigon.ops._checks import check_choice, check_device, check_float, rows_view
 from tigon.ops._dispatch import Op, backward_fallback, library_op, tl, triton
 from tigon.ops._fp8 import (
     MODE_CODES, SMALL_AMAX, SMALL_AMAX_SCALE, Float8Rows, check_fp8_mode, fp8_kernel_args, fp8_rows_buffers,
-    fp8_rows_reference, store_fp8_rows,
+    fp8_rows_reference, max_keeping_nan, quantize_row,
 )
-from tigon.ops._launch import cdiv, launched, row_block_config
+from tigon.ops._launch import cdiv, launched
 
 # "gelu_tanh" is gelu(approximate="tanh") (Gemma's gelu_pytorch_tanh), "gelu" the exact erf form.
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
@@ -87,14 +87,14 @@ def _program_block(n_cols, n_col_blocks, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _store_fp8_row(values, dtype_ptr, row, cols, mask, data_ptr, scale_ptr, amax_ptr, n_cols, small_amax,
-                   small_amax_scale, FP8: tl.constexpr):
-    """The FP8 epilogue for one whole row, rounded first to the dtype of `dtype_ptr`'s tensor."""
-    rows = row + tl.arange(0, 1)
-    store_fp8_rows(
-        values.to(dtype_ptr.dtype.element_ty).to(tl.float32)[None, :], rows, cols, rows >= 0, mask[None, :],
-        data_ptr, n_cols, scale_ptr, amax_ptr, small_amax, small_amax_scale, FP8,
-    )
+def _glu_fwd_block(gate_ptr, up_ptr, out_ptr, row, cols, mask, gate_row_stride, up_row_stride, out_row_stride,
+                   gate_multiplier, out_multiplier, ACTIVATION: tl.constexpr):
+    """Computes and stores one block of the output; returns it as stored (rounded), in fp32."""
+    gate = tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32) * gate_multiplier
+    up = tl.load(up_ptr + row * up_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    out = (activate(gate, ACTIVATION) * up * out_multiplier).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * out_row_stride + cols, out, mask=mask)
+    return out.to(tl.float32)
 
 
 @launched
@@ -108,16 +108,44 @@ def _glu_fwd_kernel(
     FP8: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row, cols, mask = _program_block(n_cols, n_col_blocks, BLOCK)
+    if FP8 == 0:
+        row, cols, mask = _program_block(n_cols, n_col_blocks, BLOCK)
+        _glu_fwd_block(gate_ptr, up_ptr, out_ptr, row, cols, mask, gate_row_stride, up_row_stride, out_row_stride,
+                       gate_multiplier, out_multiplier, ACTIVATION)
+    else:
+        # One program per row: its amax over a first pass, then the cast (quantize_row).
+        row = tl.program_id(0).to(tl.int64)
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            out = _glu_fwd_block(gate_ptr, up_ptr, out_ptr, row, cols, mask, gate_row_stride, up_row_stride,
+                                 out_row_stride, gate_multiplier, out_multiplier, ACTIVATION)
+            amax = max_keeping_nan(amax, tl.abs(out))
+        quantize_row(out_ptr, out_row_stride, fp8_ptr, fp8_scale_ptr, fp8_amax_ptr, row,
+                     tl.reduce(amax, 0, max_keeping_nan), n_cols, small_amax, small_amax_scale, FP8, BLOCK)
+
+
+@triton.jit
+def _glu_bwd_block(
+    grad_out_ptr, gate_ptr, up_ptr, grad_gate_ptr, grad_up_ptr, product_ptr, row, cols, mask,
+    grad_out_row_stride, gate_row_stride, up_row_stride, grad_gate_row_stride, grad_up_row_stride,
+    product_row_stride, gate_multiplier, out_multiplier, ACTIVATION: tl.constexpr, STORE_PRODUCT: tl.constexpr,
+):
+    """Computes and stores one block of both gradients; returns them as stored (rounded), in fp32."""
+    grad_out = tl.load(grad_out_ptr + row * grad_out_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     gate = tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32) * gate_multiplier
     up = tl.load(up_ptr + row * up_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    out = activate(gate, ACTIVATION) * up * out_multiplier
-    tl.store(out_ptr + row * out_row_stride + cols, out, mask=mask)
-    if FP8 != 0:  # one program per row (n_col_blocks == 1)
-        _store_fp8_row(
-            out, out_ptr, row, cols, mask, fp8_ptr, fp8_scale_ptr, fp8_amax_ptr, n_cols, small_amax, small_amax_scale,
-            FP8,
-        )
+    act = activate(gate, ACTIVATION)
+    grad_product = grad_out * out_multiplier
+    grad_gate = (grad_product * up * activation_grad(gate, ACTIVATION) * gate_multiplier).to(grad_gate_ptr.dtype.element_ty)
+    grad_up = (grad_product * act).to(grad_up_ptr.dtype.element_ty)
+    tl.store(grad_gate_ptr + row * grad_gate_row_stride + cols, grad_gate, mask=mask)
+    tl.store(grad_up_ptr + row * grad_up_row_stride + cols, grad_up, mask=mask)
+    if STORE_PRODUCT:
+        # The forward's output, recomputed with the forward's arithmetic (glu_mlp's down_proj input).
+        tl.store(product_ptr + row * product_row_stride + cols, act * up * out_multiplier, mask=mask)
+    return grad_gate.to(tl.float32), grad_up.to(tl.float32)
 
 
 @launched
@@ -134,28 +162,32 @@ def _glu_bwd_kernel(
     FP8: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row, cols, mask = _program_block(n_cols, n_col_blocks, BLOCK)
-    grad_out = tl.load(grad_out_ptr + row * grad_out_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    gate = tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32) * gate_multiplier
-    up = tl.load(up_ptr + row * up_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    act = activate(gate, ACTIVATION)
-    grad_product = grad_out * out_multiplier
-    grad_gate = grad_product * up * activation_grad(gate, ACTIVATION) * gate_multiplier
-    grad_up = grad_product * act
-    tl.store(grad_gate_ptr + row * grad_gate_row_stride + cols, grad_gate, mask=mask)
-    tl.store(grad_up_ptr + row * grad_up_row_stride + cols, grad_up, mask=mask)
-    if FP8 != 0:  # one program per row (n_col_blocks == 1)
-        _store_fp8_row(
-            grad_gate, grad_gate_ptr, row, cols, mask, gate_fp8_ptr, gate_fp8_scale_ptr, gate_fp8_amax_ptr, n_cols,
-            small_amax, small_amax_scale, FP8,
+    if FP8 == 0:
+        row, cols, mask = _program_block(n_cols, n_col_blocks, BLOCK)
+        _glu_bwd_block(
+            grad_out_ptr, gate_ptr, up_ptr, grad_gate_ptr, grad_up_ptr, product_ptr, row, cols, mask,
+            grad_out_row_stride, gate_row_stride, up_row_stride, grad_gate_row_stride, grad_up_row_stride,
+            product_row_stride, gate_multiplier, out_multiplier, ACTIVATION, STORE_PRODUCT,
         )
-        _store_fp8_row(
-            grad_up, grad_up_ptr, row, cols, mask, up_fp8_ptr, up_fp8_scale_ptr, up_fp8_amax_ptr, n_cols,
-            small_amax, small_amax_scale, FP8,
-        )
-    if STORE_PRODUCT:
-        # The forward's output, recomputed with the forward's arithmetic (glu_mlp's down_proj input).
-        tl.store(product_ptr + row * product_row_stride + cols, act * up * out_multiplier, mask=mask)
+    else:
+        # One program per row, as in the forward, for both gradients.
+        row = tl.program_id(0).to(tl.int64)
+        gate_amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        up_amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            grad_gate, grad_up = _glu_bwd_block(
+                grad_out_ptr, gate_ptr, up_ptr, grad_gate_ptr, grad_up_ptr, product_ptr, row, cols, mask,
+                grad_out_row_stride, gate_row_stride, up_row_stride, grad_gate_row_stride, grad_up_row_stride,
+                product_row_stride, gate_multiplier, out_multiplier, ACTIVATION, STORE_PRODUCT,
+            )
+            gate_amax = max_keeping_nan(gate_amax, tl.abs(grad_gate))
+            up_amax = max_keeping_nan(up_amax, tl.abs(grad_up))
+        quantize_row(grad_gate_ptr, grad_gate_row_stride, gate_fp8_ptr, gate_fp8_scale_ptr, gate_fp8_amax_ptr, row,
+                     tl.reduce(gate_amax, 0, max_keeping_nan), n_cols, small_amax, small_amax_scale, FP8, BLOCK)
+        quantize_row(grad_up_ptr, grad_up_row_stride, up_fp8_ptr, up_fp8_scale_ptr, up_fp8_amax_ptr, row,
+                     tl.reduce(up_amax, 0, max_keeping_nan), n_cols, small_amax, small_amax_scale, FP8, BLOCK)
 
 
 def activation_reference(gate: torch.Tensor, activation: str) -> torch.Tensor:
@@ -209,15 +241,14 @@ def _row_views(*tensors: torch.Tensor, whole_rows: bool = False) -> list[torch.T
     return [rows_view(t) for t in tensors]
 
 
-def _grid(rows2d: torch.Tensor, whole_rows: bool = False) -> tuple[tuple[int, int], dict]:
-    """((programs, column blocks per row), the launch's BLOCK and num_warps): flat blocks of
-    BLOCK_SIZE, or with `whole_rows` (the FP8 epilogue's scale needs the row) one row a program."""
+def _grid(rows2d: torch.Tensor, whole_rows: bool = False) -> tuple[int, int]:
+    """(programs, column blocks per row): flat blocks, or with `whole_rows` (the FP8 epilogue's
+    scale needs the row) one program per row, which walks it in blocks."""
     n_rows, n_cols = rows2d.shape
     if whole_rows:
-        _, block, num_warps = row_block_config(n_cols)
-        return (n_rows, 1), {"BLOCK": block, "num_warps": num_warps}
+        return n_rows, 1
     n_col_blocks = cdiv(n_cols, BLOCK_SIZE)
-    return (n_rows * n_col_blocks, n_col_blocks), {"BLOCK": BLOCK_SIZE, "num_warps": NUM_WARPS}
+    return n_rows * n_col_blocks, n_col_blocks
 
 
 def glu_forward(
@@ -229,7 +260,7 @@ def glu_forward(
     :func:`tigon.ops._fp8.fp8_rows_buffers`) for the output."""
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     gate2d, up2d, out2d = _row_views(gate, up, out, whole_rows=fp8 is not None)
-    (n_programs, n_col_blocks), launch = _grid(gate2d, whole_rows=fp8 is not None)
+    n_programs, n_col_blocks = _grid(gate2d, whole_rows=fp8 is not None)
     _glu_fwd_kernel[(n_programs,)](
         gate2d, up2d, out2d, *fp8_kernel_args(fp8_rows, out2d),
         gate2d.shape[1], n_col_blocks,
@@ -237,7 +268,8 @@ def glu_forward(
         float(gate_multiplier), float(out_multiplier), SMALL_AMAX, SMALL_AMAX_SCALE,
         ACTIVATION=activation,
         FP8=MODE_CODES[fp8],
-        **launch,
+        BLOCK=BLOCK_SIZE,
+        num_warps=NUM_WARPS,
     )
     return out
 
@@ -279,7 +311,7 @@ def glu_backward(
     )
     grad_out2d, gate2d, up2d, grad_gate2d, grad_up2d = views[:5]
     product2d = views[5] if store_product else grad_up2d  # unused by the kernel when not stored
-    (n_programs, n_col_blocks), launch = _grid(gate2d, whole_rows=fp8 is not None)
+    n_programs, n_col_blocks = _grid(gate2d, whole_rows=fp8 is not None)
     gate_rows, up_rows = fp8_grads if fp8 is not None else (None, None)
     _glu_bwd_kernel[(n_programs,)](
         grad_out2d, gate2d, up2d, grad_gate2d, grad_up2d, product2d,
@@ -291,7 +323,8 @@ def glu_backward(
         ACTIVATION=activation,
         STORE_PRODUCT=store_product,
         FP8=MODE_CODES[fp8],
-        **launch,
+        BLOCK=BLOCK_SIZE,
+        num_warps=NUM_WARPS,
     )
     if in_place:
         torch.autograd.graph.increment_version(gate)
