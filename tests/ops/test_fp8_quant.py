@@ -228,3 +228,16 @@ def test_payload_on_gpu(dtype):
     for mode in ROWWISE:
         _check_rows(*_norm(x, r, w, "gemma", mode), mode, "norm", payload=True)
         _check_rows(*F.swiglu(*_glu_case(dtype, cuda, 4099), fp8=mode), mode, "swiglu", payload=True)
+
+
+@pytest.mark.gpu
+def test_bf16_compiled_option_on_gpu():
+    # Inside torch.compile the option runs the reference, which inductor compiles: still torchao's cast.
+    cuda = torch.device("cuda")
+    x, r, w = _norm_case(torch.bfloat16, cuda, 2048, True)
+    gate, up = _glu_case(torch.bfloat16, cuda, 8192)
+    norm = torch.compile(lambda x, r, w: F.add_rms_norm(x, r, w, fp8="rowwise_pow2"), fullgraph=True)
+    glu = torch.compile(lambda gate, up: F.swiglu(gate, up, fp8="rowwise_pow2"), fullgraph=True)
+    out, _, rows = norm(x, r, w)
+    _check_rows(out, rows, "rowwise_pow2", "compiled add_rms_norm", payload=True)
+    _check_rows(*glu(gate, up), "rowwise_pow2", "compiled swiglu", payload=True)
