@@ -69,6 +69,7 @@ from tigon.ops.composite.norm_mlp import add_rms_norm_glu_mlp_reference
 from tigon.ops.cross_entropy import LossOptions, LossOutput, check_flags, check_loss_options, cross_entropy_reference
 from tigon.ops.dequantize import QuantizedWeight, dequantize_reference
 from tigon.ops.dora import dora_norm_reference, dora_scale_reference
+from tigon.ops._fp8 import FP8_MODES, Float8Rows, fp8_rows_reference
 from tigon.ops.gelu import gelu_reference
 from tigon.ops.glu import geglu_reference, swiglu_reference
 from tigon.ops.info_nce import info_nce_reference
@@ -79,11 +80,11 @@ from tigon.ops.mrope import mrope_reference, vision_rope_reference
 from tigon.ops.rope import rope_reference
 
 __all__ = [
-    "FUNCTIONS", "INTERPRET", "OP_MODULES", "LoraProjection", "LossOptions", "LossOutput", "NormedInput", "QuantizedWeight", "autocast_dtype",
+    "FP8_MODES", "FUNCTIONS", "Float8Rows", "INTERPRET", "OP_MODULES", "LoraProjection", "LossOptions", "LossOutput", "NormedInput", "QuantizedWeight", "autocast_dtype",
     "check_flags", "check_loss_options",
     "disabled", "op_names", "placement", "reset", "why_not_triton",
     "add_rms_norm_glu_mlp_reference", "add_rms_norm_reference", "cross_entropy_reference", "dequantize_reference",
-    "dora_norm_reference", "dora_scale_reference", "geglu_reference", "gelu_mlp_reference", "gelu_reference",
+    "dora_norm_reference", "dora_scale_reference", "fp8_rows_reference", "geglu_reference", "gelu_mlp_reference", "gelu_reference",
     "glu_mlp_reference", "info_nce_reference", "layer_norm_reference", "linear_cross_entropy_reference",
     "linear_group_reference", "lora_gated_mlp_reference", "lora_linear_group_reference", "lora_linear_reference",
     "mrope_reference", "rms_norm_reference", "rope_reference", "swiglu_reference", "vision_rope_reference",

@@ -13,6 +13,12 @@ compute in fp32 and round once to the input dtype, the multipliers included (eag
 Backward recomputes the activation from `gate`, so only `gate` and `up` are saved, never
 ``act(gate)`` or the product. The gated MLPs around them
 (:mod:`tigon.ops.composite.glu_mlp`, ...) use the launchers :func:`glu_forward` and :func:`glu_backward`.
+
+With `fp8` the forward kernel also writes the product quantised to FP8 e4m3 with one scale per row
+(the down projection's input, as torchao.float8 would quantise it), and the backward kernel the
+gradients of `gate` and `up` likewise (the gate and up projections' output gradients), in the same
+pass (:mod:`tigon.ops._fp8`). A scale needs the whole row, so those launches give each program
+one whole row, which it walks twice: computing (and taking the amax), then casting what it wrote.
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ import torch.nn.functional as torch_f
 
 from tigon.ops._checks import check_choice, check_device, check_float, rows_view
 from tigon.ops._dispatch import Op, backward_fallback, library_op, tl, triton
+from tigon.ops._fp8 import (
+    MODE_CODES, SMALL_AMAX, SMALL_AMAX_SCALE, Float8Rows, check_fp8_mode, fp8_kernel_args, fp8_rows_buffers,
+    fp8_rows_reference, max_keeping_nan, quantize_row,
+)
 from tigon.ops._launch import cdiv, launched
 
 # "gelu_tanh" is gelu(approximate="tanh") (Gemma's gelu_pytorch_tanh), "gelu" the exact erf form.
@@ -76,46 +86,108 @@ def _program_block(n_cols, n_col_blocks, BLOCK: tl.constexpr):
     return pid // n_col_blocks, cols, cols < n_cols
 
 
+@triton.jit
+def _glu_fwd_block(gate_ptr, up_ptr, out_ptr, row, cols, mask, gate_row_stride, up_row_stride, out_row_stride,
+                   gate_multiplier, out_multiplier, ACTIVATION: tl.constexpr):
+    """Computes and stores one block of the output; returns it as stored (rounded), in fp32."""
+    gate = tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32) * gate_multiplier
+    up = tl.load(up_ptr + row * up_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    out = (activate(gate, ACTIVATION) * up * out_multiplier).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * out_row_stride + cols, out, mask=mask)
+    return out.to(tl.float32)
+
+
 @launched
 @triton.jit
 def _glu_fwd_kernel(
-    gate_ptr, up_ptr, out_ptr,
+    gate_ptr, up_ptr, out_ptr, fp8_ptr, fp8_scale_ptr, fp8_amax_ptr,
     n_cols, n_col_blocks,
     gate_row_stride, up_row_stride, out_row_stride,
-    gate_multiplier, out_multiplier,
+    gate_multiplier, out_multiplier, small_amax, small_amax_scale,
     ACTIVATION: tl.constexpr,
+    FP8: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row, cols, mask = _program_block(n_cols, n_col_blocks, BLOCK)
+    if FP8 == 0:
+        row, cols, mask = _program_block(n_cols, n_col_blocks, BLOCK)
+        _glu_fwd_block(gate_ptr, up_ptr, out_ptr, row, cols, mask, gate_row_stride, up_row_stride, out_row_stride,
+                       gate_multiplier, out_multiplier, ACTIVATION)
+    else:
+        # One program per row: its amax over a first pass, then the cast (quantize_row).
+        row = tl.program_id(0).to(tl.int64)
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            out = _glu_fwd_block(gate_ptr, up_ptr, out_ptr, row, cols, mask, gate_row_stride, up_row_stride,
+                                 out_row_stride, gate_multiplier, out_multiplier, ACTIVATION)
+            amax = max_keeping_nan(amax, tl.abs(out))
+        quantize_row(out_ptr, out_row_stride, fp8_ptr, fp8_scale_ptr, fp8_amax_ptr, row,
+                     tl.reduce(amax, 0, max_keeping_nan), n_cols, small_amax, small_amax_scale, FP8, BLOCK)
+
+
+@triton.jit
+def _glu_bwd_block(
+    grad_out_ptr, gate_ptr, up_ptr, grad_gate_ptr, grad_up_ptr, product_ptr, row, cols, mask,
+    grad_out_row_stride, gate_row_stride, up_row_stride, grad_gate_row_stride, grad_up_row_stride,
+    product_row_stride, gate_multiplier, out_multiplier, ACTIVATION: tl.constexpr, STORE_PRODUCT: tl.constexpr,
+):
+    """Computes and stores one block of both gradients; returns them as stored (rounded), in fp32."""
+    grad_out = tl.load(grad_out_ptr + row * grad_out_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     gate = tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32) * gate_multiplier
     up = tl.load(up_ptr + row * up_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * out_row_stride + cols, activate(gate, ACTIVATION) * up * out_multiplier, mask=mask)
+    act = activate(gate, ACTIVATION)
+    grad_product = grad_out * out_multiplier
+    grad_gate = (grad_product * up * activation_grad(gate, ACTIVATION) * gate_multiplier).to(grad_gate_ptr.dtype.element_ty)
+    grad_up = (grad_product * act).to(grad_up_ptr.dtype.element_ty)
+    tl.store(grad_gate_ptr + row * grad_gate_row_stride + cols, grad_gate, mask=mask)
+    tl.store(grad_up_ptr + row * grad_up_row_stride + cols, grad_up, mask=mask)
+    if STORE_PRODUCT:
+        # The forward's output, recomputed with the forward's arithmetic (glu_mlp's down_proj input).
+        tl.store(product_ptr + row * product_row_stride + cols, act * up * out_multiplier, mask=mask)
+    return grad_gate.to(tl.float32), grad_up.to(tl.float32)
 
 
 @launched
 @triton.jit
 def _glu_bwd_kernel(
     grad_out_ptr, gate_ptr, up_ptr, grad_gate_ptr, grad_up_ptr, product_ptr,
+    gate_fp8_ptr, gate_fp8_scale_ptr, gate_fp8_amax_ptr, up_fp8_ptr, up_fp8_scale_ptr, up_fp8_amax_ptr,
     n_cols, n_col_blocks,
     grad_out_row_stride, gate_row_stride, up_row_stride,
     grad_gate_row_stride, grad_up_row_stride, product_row_stride,
-    gate_multiplier, out_multiplier,
+    gate_multiplier, out_multiplier, small_amax, small_amax_scale,
     ACTIVATION: tl.constexpr,
     STORE_PRODUCT: tl.constexpr,
+    FP8: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row, cols, mask = _program_block(n_cols, n_col_blocks, BLOCK)
-    grad_out = tl.load(grad_out_ptr + row * grad_out_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    gate = tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32) * gate_multiplier
-    up = tl.load(up_ptr + row * up_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    act = activate(gate, ACTIVATION)
-    grad_product = grad_out * out_multiplier
-    grad_gate = grad_product * up * activation_grad(gate, ACTIVATION) * gate_multiplier
-    tl.store(grad_gate_ptr + row * grad_gate_row_stride + cols, grad_gate, mask=mask)
-    tl.store(grad_up_ptr + row * grad_up_row_stride + cols, grad_product * act, mask=mask)
-    if STORE_PRODUCT:
-        # The forward's output, recomputed with the forward's arithmetic (glu_mlp's down_proj input).
-        tl.store(product_ptr + row * product_row_stride + cols, act * up * out_multiplier, mask=mask)
+    if FP8 == 0:
+        row, cols, mask = _program_block(n_cols, n_col_blocks, BLOCK)
+        _glu_bwd_block(
+            grad_out_ptr, gate_ptr, up_ptr, grad_gate_ptr, grad_up_ptr, product_ptr, row, cols, mask,
+            grad_out_row_stride, gate_row_stride, up_row_stride, grad_gate_row_stride, grad_up_row_stride,
+            product_row_stride, gate_multiplier, out_multiplier, ACTIVATION, STORE_PRODUCT,
+        )
+    else:
+        # One program per row, as in the forward, for both gradients.
+        row = tl.program_id(0).to(tl.int64)
+        gate_amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        up_amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            grad_gate, grad_up = _glu_bwd_block(
+                grad_out_ptr, gate_ptr, up_ptr, grad_gate_ptr, grad_up_ptr, product_ptr, row, cols, mask,
+                grad_out_row_stride, gate_row_stride, up_row_stride, grad_gate_row_stride, grad_up_row_stride,
+                product_row_stride, gate_multiplier, out_multiplier, ACTIVATION, STORE_PRODUCT,
+            )
+            gate_amax = max_keeping_nan(gate_amax, tl.abs(grad_gate))
+            up_amax = max_keeping_nan(up_amax, tl.abs(grad_up))
+        quantize_row(grad_gate_ptr, grad_gate_row_stride, gate_fp8_ptr, gate_fp8_scale_ptr, gate_fp8_amax_ptr, row,
+                     tl.reduce(gate_amax, 0, max_keeping_nan), n_cols, small_amax, small_amax_scale, FP8, BLOCK)
+        quantize_row(grad_up_ptr, grad_up_row_stride, up_fp8_ptr, up_fp8_scale_ptr, up_fp8_amax_ptr, row,
+                     tl.reduce(up_amax, 0, max_keeping_nan), n_cols, small_amax, small_amax_scale, FP8, BLOCK)
 
 
 def activation_reference(gate: torch.Tensor, activation: str) -> torch.Tensor:
@@ -138,49 +210,64 @@ def glu_reference(
     return _scaled(activation_reference(_scaled(gate, gate_multiplier), activation) * up, out_multiplier)
 
 
+def _with_fp8(out: torch.Tensor, fp8: str | None) -> torch.Tensor | tuple[torch.Tensor, Float8Rows]:
+    return out if fp8 is None else (out, fp8_rows_reference(out, fp8))
+
+
 def swiglu_reference(
-    gate: torch.Tensor, up: torch.Tensor, gate_multiplier: float = 1.0, out_multiplier: float = 1.0
-) -> torch.Tensor:
-    """``silu(gate * gate_multiplier) * up * out_multiplier`` in PyTorch."""
-    return glu_reference(gate, up, "silu", gate_multiplier, out_multiplier)
+    gate: torch.Tensor, up: torch.Tensor, gate_multiplier: float = 1.0, out_multiplier: float = 1.0,
+    fp8: str | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, Float8Rows]:
+    """``silu(gate * gate_multiplier) * up * out_multiplier`` in PyTorch (with `fp8`, and its
+    :func:`tigon.ops._fp8.fp8_rows_reference`)."""
+    return _with_fp8(glu_reference(gate, up, "silu", gate_multiplier, out_multiplier), fp8)
 
 
 def geglu_reference(
     gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh", gate_multiplier: float = 1.0,
-    out_multiplier: float = 1.0,
-) -> torch.Tensor:
-    """``gelu(gate * gate_multiplier, approximate) * up * out_multiplier`` in PyTorch."""
-    return glu_reference(gate, up, APPROXIMATIONS[approximate], gate_multiplier, out_multiplier)
+    out_multiplier: float = 1.0, fp8: str | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, Float8Rows]:
+    """``gelu(gate * gate_multiplier, approximate) * up * out_multiplier`` in PyTorch (with `fp8`,
+    and its :func:`tigon.ops._fp8.fp8_rows_reference`)."""
+    return _with_fp8(glu_reference(gate, up, APPROXIMATIONS[approximate], gate_multiplier, out_multiplier), fp8)
 
 
-def _row_views(*tensors: torch.Tensor) -> list[torch.Tensor]:
+def _row_views(*tensors: torch.Tensor, whole_rows: bool = False) -> list[torch.Tensor]:
     """2-D views of same-shaped tensors for the kernels: one row over everything when all are
-    contiguous (no partial blocks at row ends), else (rows, last dim) views that keep row strides."""
-    if all(t.is_contiguous() for t in tensors):
+    contiguous (no partial blocks at row ends) and `whole_rows` is not asked for, else
+    (rows, last dim) views that keep row strides."""
+    if not whole_rows and all(t.is_contiguous() for t in tensors):
         return [t.view(1, -1) for t in tensors]
     return [rows_view(t) for t in tensors]
 
 
-def _grid(rows2d: torch.Tensor) -> tuple[int, int]:
+def _grid(rows2d: torch.Tensor, whole_rows: bool = False) -> tuple[int, int]:
+    """(programs, column blocks per row): flat blocks, or with `whole_rows` (the FP8 epilogue's
+    scale needs the row) one program per row, which walks it in blocks."""
     n_rows, n_cols = rows2d.shape
+    if whole_rows:
+        return n_rows, 1
     n_col_blocks = cdiv(n_cols, BLOCK_SIZE)
     return n_rows * n_col_blocks, n_col_blocks
 
 
 def glu_forward(
-    gate: torch.Tensor, up: torch.Tensor, activation: str, gate_multiplier: float = 1.0, out_multiplier: float = 1.0
+    gate: torch.Tensor, up: torch.Tensor, activation: str, gate_multiplier: float = 1.0, out_multiplier: float = 1.0,
+    fp8: str | None = None, fp8_rows: Float8Rows | None = None,
 ) -> torch.Tensor:
     """``act(gate * gate_multiplier) * up * out_multiplier`` by the forward kernel, outside
-    autograd; contiguous, dtype of `gate`."""
+    autograd; contiguous, dtype of `gate`. With `fp8` the kernel also fills `fp8_rows` (from
+    :func:`tigon.ops._fp8.fp8_rows_buffers`) for the output."""
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    gate2d, up2d, out2d = _row_views(gate, up, out)
-    n_programs, n_col_blocks = _grid(gate2d)
+    gate2d, up2d, out2d = _row_views(gate, up, out, whole_rows=fp8 is not None)
+    n_programs, n_col_blocks = _grid(gate2d, whole_rows=fp8 is not None)
     _glu_fwd_kernel[(n_programs,)](
-        gate2d, up2d, out2d,
+        gate2d, up2d, out2d, *fp8_kernel_args(fp8_rows, out2d),
         gate2d.shape[1], n_col_blocks,
         gate2d.stride(0), up2d.stride(0), out2d.stride(0),
-        float(gate_multiplier), float(out_multiplier),
+        float(gate_multiplier), float(out_multiplier), SMALL_AMAX, SMALL_AMAX_SCALE,
         ACTIVATION=activation,
+        FP8=MODE_CODES[fp8],
         BLOCK=BLOCK_SIZE,
         num_warps=NUM_WARPS,
     )
@@ -196,9 +283,13 @@ def glu_backward(
     in_place: bool,
     gate_multiplier: float = 1.0,
     out_multiplier: float = 1.0,
+    fp8: str | None = None,
+    fp8_grads: tuple[Float8Rows, Float8Rows] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(grad_gate, grad_up, the forward's output or None) by the backward kernel, for the
-    multipliers of :func:`glu_forward`.
+    multipliers of :func:`glu_forward`. With `fp8` the kernel also fills `fp8_grads` (two
+    :func:`tigon.ops._fp8.fp8_rows_buffers`) for grad_gate and grad_up: the gate and up
+    projections' output gradients, quantised for their backward GEMMs.
 
     With `in_place` (for an op whose `gate`, `up` and `grad_out` are its own intermediates, which
     no caller sees) grad_gate overwrites gate, grad_up overwrites up and the product overwrites
@@ -215,18 +306,23 @@ def glu_backward(
         grad_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
         grad_up = torch.empty(up.shape, dtype=up.dtype, device=up.device)
         product = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device) if store_product else None
-    views = _row_views(grad_out, gate, up, grad_gate, grad_up, *([product] if store_product else []))
+    views = _row_views(
+        grad_out, gate, up, grad_gate, grad_up, *([product] if store_product else []), whole_rows=fp8 is not None
+    )
     grad_out2d, gate2d, up2d, grad_gate2d, grad_up2d = views[:5]
     product2d = views[5] if store_product else grad_up2d  # unused by the kernel when not stored
-    n_programs, n_col_blocks = _grid(gate2d)
+    n_programs, n_col_blocks = _grid(gate2d, whole_rows=fp8 is not None)
+    gate_rows, up_rows = fp8_grads if fp8 is not None else (None, None)
     _glu_bwd_kernel[(n_programs,)](
         grad_out2d, gate2d, up2d, grad_gate2d, grad_up2d, product2d,
+        *fp8_kernel_args(gate_rows, grad_gate2d), *fp8_kernel_args(up_rows, grad_up2d),
         gate2d.shape[1], n_col_blocks,
         grad_out2d.stride(0), gate2d.stride(0), up2d.stride(0),
         grad_gate2d.stride(0), grad_up2d.stride(0), product2d.stride(0),
-        float(gate_multiplier), float(out_multiplier),
+        float(gate_multiplier), float(out_multiplier), SMALL_AMAX, SMALL_AMAX_SCALE,
         ACTIVATION=activation,
         STORE_PRODUCT=store_product,
+        FP8=MODE_CODES[fp8],
         BLOCK=BLOCK_SIZE,
         num_warps=NUM_WARPS,
     )
@@ -239,20 +335,23 @@ def glu_backward(
 def _reference_point(ctx, saved):
     gate, up = saved
     activation, op, *multipliers = ctx.config
-    inputs = (gate, up, activation, op, *multipliers)
+    inputs = (gate, up, activation, op, *multipliers, None)
     return op, lambda g, u, *_: glu_reference(g, u, activation, *multipliers), inputs
 
 
 class _GLUFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up, activation, op, gate_multiplier, out_multiplier):
+    def forward(ctx, gate, up, activation, op, gate_multiplier, out_multiplier, fp8=None):
         ctx.save_for_backward(gate, up)
         ctx.config = (activation, op, gate_multiplier, out_multiplier)
-        return glu_forward(gate, up, activation, gate_multiplier, out_multiplier)
+        fp8_rows = fp8_rows_buffers(gate, fp8)
+        out = glu_forward(gate, up, activation, gate_multiplier, out_multiplier, fp8, fp8_rows)
+        # fp8_rows is no tensor to autograd: its tensors get no gradient, as quantised values.
+        return out if fp8 is None else (out, fp8_rows)
 
     @staticmethod
     @backward_fallback(_reference_point)
-    def backward(ctx, saved, grad_out):
+    def backward(ctx, saved, grad_out, *_):
         gate, up = saved
         activation, _, gate_multiplier, out_multiplier = ctx.config
         grad_gate, grad_up, _ = glu_backward(
@@ -262,6 +361,7 @@ class _GLUFunction(torch.autograd.Function):
         return (
             grad_gate if ctx.needs_input_grad[0] else None,
             grad_up if ctx.needs_input_grad[1] else None,
+            None,
             None,
             None,
             None,
@@ -331,23 +431,29 @@ def _op_backward(ctx, grad_out):
 
 glu_op.register_autograd(_op_backward, setup_context=_setup_context)
 
+# Inside torch.compile the fp8 option runs the reference, whose quantisation inductor fuses itself.
+def _glu_compiled(gate, up, activation, gate_multiplier, out_multiplier, fp8):
+    if fp8 is not None:
+        return _with_fp8(glu_reference(gate, up, activation, gate_multiplier, out_multiplier), fp8)
+    return glu_op(gate, up, activation, gate_multiplier, out_multiplier)
+
+
 SWIGLU = Op(
-    "swiglu", lambda gate, up, *multipliers: _GLUFunction.apply(gate, up, "silu", SWIGLU, *multipliers),
-    swiglu_reference, compiled=lambda gate, up, *multipliers: glu_op(gate, up, "silu", *multipliers),
+    "swiglu", lambda gate, up, *options: _GLUFunction.apply(gate, up, "silu", SWIGLU, *options),
+    swiglu_reference, compiled=lambda gate, up, *options: _glu_compiled(gate, up, "silu", *options),
 )
 GEGLU = Op(
     "geglu",
-    lambda gate, up, approximate, *multipliers: _GLUFunction.apply(
-        gate, up, APPROXIMATIONS[approximate], GEGLU, *multipliers
-    ),
+    lambda gate, up, approximate, *options: _GLUFunction.apply(gate, up, APPROXIMATIONS[approximate], GEGLU, *options),
     geglu_reference,
-    compiled=lambda gate, up, approximate, *multipliers: glu_op(gate, up, APPROXIMATIONS[approximate], *multipliers),
+    compiled=lambda gate, up, approximate, *options: _glu_compiled(gate, up, APPROXIMATIONS[approximate], *options),
 )
 
 
 def swiglu(
-    gate: torch.Tensor, up: torch.Tensor, *, gate_multiplier: float = 1.0, out_multiplier: float = 1.0
-) -> torch.Tensor:
+    gate: torch.Tensor, up: torch.Tensor, *, gate_multiplier: float = 1.0, out_multiplier: float = 1.0,
+    fp8: str | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, Float8Rows]:
     """``silu(gate * gate_multiplier) * up * out_multiplier`` in one pass; backward saves only
     `gate` and `up`.
 
@@ -360,29 +466,32 @@ def swiglu(
             projection has no bias: ``down(y) * m == down(y * m)``). Both are plain floats, applied
             in fp32 inside the kernels (no rounding of the scaled gate, unlike eager code); they
             get no gradient.
+        fp8: also quantise the output (the down projection's input) to FP8 e4m3 in the same pass:
+            ``"rowwise"``, ``"rowwise_pow2"`` or ``"amax"``, as for :func:`tigon.ops.rms_norm`.
+            Inside torch.compile this runs the reference, which inductor fuses.
 
     Returns:
-        A contiguous tensor of `gate`'s shape and dtype.
+        A contiguous tensor of `gate`'s shape and dtype; with `fp8`, ``(out, Float8Rows)``.
     """
     multipliers = _check_multipliers(gate_multiplier, out_multiplier)
-    return SWIGLU(_check_pair(gate, up), gate, up, *multipliers)
+    return SWIGLU(_check_pair(gate, up), gate, up, *multipliers, check_fp8_mode(fp8))
 
 
 def geglu(
     gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh", *, gate_multiplier: float = 1.0,
-    out_multiplier: float = 1.0,
-) -> torch.Tensor:
+    out_multiplier: float = 1.0, fp8: str | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, Float8Rows]:
     """``gelu(gate * gate_multiplier) * up * out_multiplier`` in one pass; backward saves only
     `gate` and `up`.
 
     Args:
-        gate, up, gate_multiplier, out_multiplier: as for :func:`swiglu`.
+        gate, up, gate_multiplier, out_multiplier, fp8: as for :func:`swiglu`.
         approximate: ``"tanh"`` (Gemma's ``gelu_pytorch_tanh``) or ``"none"`` (exact erf GELU), as
             in :func:`torch.nn.functional.gelu`.
 
     Returns:
-        A contiguous tensor of `gate`'s shape and dtype.
+        A contiguous tensor of `gate`'s shape and dtype; with `fp8`, ``(out, Float8Rows)``.
     """
     check_choice("approximate", approximate, APPROXIMATIONS)
     multipliers = _check_multipliers(gate_multiplier, out_multiplier)
-    return GEGLU(_check_pair(gate, up), gate, up, approximate, *multipliers)
+    return GEGLU(_check_pair(gate, up), gate, up, approximate, *multipliers, check_fp8_mode(fp8))

@@ -12,6 +12,11 @@
 Forward saves the row's input (for add_rms_norm, the sum x + r, which is an output anyway) and one
 fp32 rstd per row; backward recomputes the normalised row from them.
 
+With `fp8` the forward kernel also writes the normed output quantised to FP8 e4m3 with one scale per
+row (or only each row's amax), as torchao.float8 would quantise it for the next linear, in the same
+pass (:mod:`tigon.ops._fp8`): the output is still written in its dtype, which autograd, the
+residual stream and a rowwise weight gradient (scaled along the other axis) need.
+
 A NaN or +-inf anywhere in a row (of x, or of x + r) makes that whole output row NaN, and its
 gradients, on every path and device (torch's own rms_norm gives NaN there on CUDA but 0 for the
 row's finite elements on the CPU). So does a row whose sum of squares overflows fp32.
@@ -28,6 +33,10 @@ from tigon.ops._checks import (
     KERNEL_DTYPES, check_choice, check_eps, check_float, check_vector, input_grad_rows, rows_view,
 )
 from tigon.ops._dispatch import Op, backward_fallback, empty_if, library_op, tl, triton
+from tigon.ops._fp8 import (
+    MODE_CODES, SMALL_AMAX, SMALL_AMAX_SCALE, Float8Rows, check_fp8_mode, fp8_kernel_args, fp8_rows_buffers,
+    fp8_rows_reference, store_fp8_rows,
+)
 from tigon.ops._launch import cdiv, launched, persistent_programs, row_block_config
 
 CASTINGS = ("llama", "gemma", "none")
@@ -37,13 +46,14 @@ MAX_KERNEL_COLS = 65536  # a whole row lives in registers; wider rows run the re
 @launched
 @triton.jit
 def _rms_norm_fwd_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, rstd_ptr,
+    x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, rstd_ptr, fp8_ptr, fp8_scale_ptr, fp8_amax_ptr,
     n_rows, n_cols,
     x_row_stride, residual_row_stride, out_row_stride, sum_row_stride,
-    eps, offset,
+    eps, offset, small_amax, small_amax_scale,
     CASTING: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
+    FP8: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
 ):
@@ -76,6 +86,12 @@ def _rms_norm_fwd_kernel(
     else:
         out = x_hat * (1.0 + offset)
     tl.store(out_ptr + rows[:, None] * out_row_stride + cols[None, :], out, mask=mask)
+    if FP8 != 0:
+        # Quantised as the next layer reads the output: rounded to its dtype first.
+        store_fp8_rows(
+            out.to(out_ptr.dtype.element_ty).to(tl.float32), rows, cols, row_mask, mask,
+            fp8_ptr, n_cols, fp8_scale_ptr, fp8_amax_ptr, small_amax, small_amax_scale, FP8,
+        )
 
 
 @launched
@@ -149,10 +165,17 @@ def rms_norm_reference(
     offset: float = 0.0,
     casting: str = "llama",
     inplace_backward: bool = False,
-) -> torch.Tensor:
+    fp8: str | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, Float8Rows]:
     """RMSNorm written the obvious way in PyTorch: the test oracle and the fallback. A row holding
     a NaN or inf gives a NaN row (and NaN gradients for it), as the kernel does. Without a weight
-    the scale is ``offset + 1``; `inplace_backward` is the kernel's memory option, nothing here."""
+    the scale is ``offset + 1``; `inplace_backward` is the kernel's memory option, nothing here.
+    With `fp8`, ``(out, fp8_rows_reference(out, fp8))``."""
+    out = _rms_norm_plain(x, weight, eps, offset, casting)
+    return out if fp8 is None else (out, fp8_rows_reference(out, fp8))
+
+
+def _rms_norm_plain(x, weight, eps, offset, casting):
     if casting == "none":
         return x * _reference_rstd(x, eps) * (offset + (1.0 if weight is None else weight))
     compute = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for a float64 oracle
@@ -173,10 +196,13 @@ def add_rms_norm_reference(
     offset: float = 0.0,
     casting: str = "llama",
     inplace_backward: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rms_norm(x + residual), x + residual)`` in PyTorch."""
+    fp8: str | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """``(rms_norm(x + residual), x + residual)`` in PyTorch, and with `fp8` the normed output's
+    :class:`Float8Rows` third."""
     total = x + residual
-    return rms_norm_reference(total, weight, eps, offset, casting), total
+    out = _rms_norm_plain(total, weight, eps, offset, casting)
+    return (out, total) if fp8 is None else (out, total, fp8_rows_reference(out, fp8))
 
 
 class NormedInput(NamedTuple):
@@ -251,11 +277,13 @@ def _forward_buffers(x, residual, weight, casting):
 
 
 def rms_norm_rows(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float, offset: float, casting: str
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float, offset: float,
+    casting: str, fp8: str | None = None, fp8_rows: Float8Rows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward kernel outside autograd: ``(normed, source, rstd)``, where `source` is the
     normalised input (the sum ``x + residual`` when there is a residual, else `x` as 2-D rows)
-    and `rstd` one fp32 value per row: what :func:`rms_norm_backward` takes."""
+    and `rstd` one fp32 value per row: what :func:`rms_norm_backward` takes. With `fp8` the
+    kernel also fills `fp8_rows` (from :func:`tigon.ops._fp8.fp8_rows_buffers`) for `normed`."""
     x2d = rows_view(x)
     n_rows, n_cols = x2d.shape
     out, total, rstd = _forward_buffers(x, residual, weight, casting)
@@ -265,13 +293,14 @@ def rms_norm_rows(
         residual2d = total = x2d  # unused by the kernel; any pointer will do
     block_rows, block_cols, num_warps = row_block_config(n_cols)
     _rms_norm_fwd_kernel[(cdiv(n_rows, block_rows),)](
-        x2d, residual2d, weight if weight is not None else x2d, out, total, rstd,
+        x2d, residual2d, weight if weight is not None else x2d, out, total, rstd, *fp8_kernel_args(fp8_rows, rstd),
         n_rows, n_cols,
         x2d.stride(0), residual2d.stride(0), n_cols, n_cols if residual is not None else x2d.stride(0),
-        eps, offset,
+        eps, offset, SMALL_AMAX, SMALL_AMAX_SCALE,
         CASTING=casting,
         HAS_RESIDUAL=residual is not None,
         HAS_WEIGHT=weight is not None,
+        FP8=MODE_CODES[fp8],
         BLOCK_ROWS=block_rows,
         BLOCK_COLS=block_cols,
         num_warps=num_warps,
@@ -279,10 +308,10 @@ def rms_norm_rows(
     return out, total, rstd
 
 
-def _norm_and_sum(x, residual, weight, eps, offset, casting, inplace_backward=False):
-    """What :class:`_RMSNormFunction` returns, by the references."""
+def _norm_and_sum(x, residual, weight, eps, offset, casting, inplace_backward=False, fp8=None):
+    """What :class:`_RMSNormFunction` returns (its differentiable outputs), by the references."""
     if residual is None:
-        return rms_norm_reference(x, weight, eps, offset, casting), None
+        return _rms_norm_plain(x, weight, eps, offset, casting), None
     return add_rms_norm_reference(x, residual, weight, eps, offset, casting)
 
 
@@ -292,7 +321,7 @@ def _reference_point(ctx, saved):
     x = source.view(shape)
     # x and the residual enter only through their sum, so (sum, 0) stands in for them.
     residual = torch.zeros_like(x) if has_residual else None
-    inputs = (x, residual, weight, eps, offset, casting, False)
+    inputs = (x, residual, weight, eps, offset, casting, False, None)
     return (ADD_RMS_NORM if has_residual else RMS_NORM), _norm_and_sum, inputs
 
 
@@ -306,22 +335,25 @@ def _grads(ctx, saved, grad_out, grad_sum, backward):
         grad_out, grad_sum if has_residual else None, source, weight, rstd, offset, casting, need_weight
     )
     grad_x = grad_x.view(shape)
-    return grad_x, (grad_x if has_residual else None), (grad_weight if need_weight else None), None, None, None, None
+    return grad_x, (grad_x if has_residual else None), (grad_weight if need_weight else None), None, None, None, None, None
 
 
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, weight, eps, offset, casting, inplace_backward):
-        out, source, rstd = rms_norm_rows(x, residual, weight, eps, offset, casting)
+    def forward(ctx, x, residual, weight, eps, offset, casting, inplace_backward, fp8=None):
+        fp8_rows = fp8_rows_buffers(x, fp8)
+        out, source, rstd = rms_norm_rows(x, residual, weight, eps, offset, casting, fp8, fp8_rows)
         # Backward needs the normalised row's input: the sum when there is a residual.
         ctx.save_for_backward(source, weight, rstd)
         ctx.config = (eps, offset, casting, x.shape, residual is not None)
         ctx.inplace_backward = inplace_backward
-        return out, (source if residual is not None else None)
+        total = source if residual is not None else None
+        # fp8_rows is no tensor to autograd: its tensors get no gradient, as quantised values.
+        return (out, total) if fp8 is None else (out, total, fp8_rows)
 
     @staticmethod
     @backward_fallback(_reference_point)
-    def backward(ctx, saved, grad_out, grad_sum):
+    def backward(ctx, saved, grad_out, grad_sum, *_):
         backward = functools.partial(rms_norm_backward, in_place=ctx.inplace_backward)
         return _grads(ctx, saved, grad_out, grad_sum, backward)
 
@@ -398,12 +430,13 @@ def check_rms_norm(x, weight, eps, casting, residual=None) -> str | None:
     return None
 
 
-def _rms_norm_kernel(x, weight, eps, offset, casting, inplace_backward=False):
-    return _RMSNormFunction.apply(x, None, weight, float(eps), float(offset), casting, inplace_backward)[0]
+def _rms_norm_kernel(x, weight, eps, offset, casting, inplace_backward=False, fp8=None):
+    outputs = _RMSNormFunction.apply(x, None, weight, float(eps), float(offset), casting, inplace_backward, fp8)
+    return outputs[0] if fp8 is None else (outputs[0], outputs[2])
 
 
-def _add_rms_norm_kernel(x, residual, weight, eps, offset, casting, inplace_backward=False):
-    return _RMSNormFunction.apply(x, residual, weight, float(eps), float(offset), casting, inplace_backward)
+def _add_rms_norm_kernel(x, residual, weight, eps, offset, casting, inplace_backward=False, fp8=None):
+    return _RMSNormFunction.apply(x, residual, weight, float(eps), float(offset), casting, inplace_backward, fp8)
 
 
 # Inside torch.compile: the same launchers as library ops, with the Function's gradients. The
@@ -452,12 +485,17 @@ _forward_op.register_autograd(
 )
 
 
-def _rms_norm_compiled(x, weight, eps, offset, casting, inplace_backward=False):
+# Inside torch.compile the fp8 option runs the reference, whose quantisation inductor fuses itself.
+def _rms_norm_compiled(x, weight, eps, offset, casting, inplace_backward=False, fp8=None):
+    if fp8 is not None:
+        return rms_norm_reference(x, weight, eps, offset, casting, fp8=fp8)
     return _forward_op(x, None, weight, float(eps), float(offset), casting)[0]
 
 
-def add_rms_norm_compiled(x, residual, weight, eps, offset, casting, inplace_backward=False):
+def add_rms_norm_compiled(x, residual, weight, eps, offset, casting, inplace_backward=False, fp8=None):
     """add_rms_norm inside torch.compile: the forward library op (add_rms_norm_glu_mlp's too)."""
+    if fp8 is not None:
+        return add_rms_norm_reference(x, residual, weight, eps, offset, casting, fp8=fp8)
     out, total, _ = _forward_op(x, residual, weight, float(eps), float(offset), casting)
     return out, total
 
@@ -474,7 +512,8 @@ def rms_norm(
     offset: float = 0.0,
     casting: str = "llama",
     inplace_backward: bool = False,
-) -> torch.Tensor:
+    fp8: str | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, Float8Rows]:
     """RMSNorm over the last dim of `x`, scaled by ``offset + weight``.
 
     Args:
@@ -502,12 +541,22 @@ def rms_norm(
             casting and a wider weight dtype); elsewhere, on the reference path and inside
             torch.compile the backward allocates as usual. The values are those of the
             out-of-place backward, bit for bit.
+        fp8: also quantise the output to FP8 e4m3 in the same pass, as torchao.float8 quantises
+            a Float8Linear's input: ``"rowwise"`` (one scale per row), ``"rowwise_pow2"`` (the
+            scales floored to powers of two: torchao's rowwise recipes), or ``"amax"`` (only each
+            row's amax, from which tensorwise scaling needs no amax pass of its own). See
+            :mod:`tigon.ops._fp8`. Inside torch.compile this runs the reference, which inductor
+            fuses.
 
     Returns:
         A tensor of the shape of `x`; dtype of `x` (``"llama"``/``"none"`` promote with the
-        weight's dtype, as the HF modules do).
+        weight's dtype, as the HF modules do). With `fp8`, ``(out, Float8Rows)``: the quantised
+        output carries no gradient (the output does).
     """
-    return RMS_NORM(check_rms_norm(x, weight, eps, casting), x, weight, eps, offset, casting, bool(inplace_backward))
+    return RMS_NORM(
+        check_rms_norm(x, weight, eps, casting), x, weight, eps, offset, casting, bool(inplace_backward),
+        check_fp8_mode(fp8),
+    )
 
 
 def add_rms_norm(
@@ -519,8 +568,10 @@ def add_rms_norm(
     offset: float = 0.0,
     casting: str = "llama",
     inplace_backward: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Residual add then RMSNorm in one kernel: returns ``(rms_norm(x + residual), x + residual)``.
+    fp8: str | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Residual add then RMSNorm in one kernel: returns ``(rms_norm(x + residual), x + residual)``,
+    and with `fp8` (as for :func:`rms_norm`) the normed output's :class:`Float8Rows` third.
 
     The sum is rounded to the input dtype before it is normalised, as in the unfused code. Arguments
     are those of :func:`rms_norm`; `residual` has the shape and dtype of `x`. With
@@ -530,5 +581,5 @@ def add_rms_norm(
     """
     return ADD_RMS_NORM(
         check_rms_norm(x, weight, eps, casting, residual), x, residual, weight, eps, offset, casting,
-        bool(inplace_backward),
+        bool(inplace_backward), check_fp8_mode(fp8),
     )
