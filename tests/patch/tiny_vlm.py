@@ -32,6 +32,11 @@ SPECS = {
     "qwen3_vl": (dict(text_config=dict(TEXT, rope_scaling=dict(M_ROPE, mrope_interleaved=True)), vision_config=dict(
         QWEN_VISION, intermediate_size=64, out_hidden_size=32, deepstack_visual_indexes=[1], num_position_embeddings=16),
         **QWEN_IDS), 4, "patches"),
+    "qwen3_vl_moe": (dict(text_config=dict(TEXT, rope_scaling=dict(M_ROPE, mrope_interleaved=True), num_experts=4,
+                                           num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1,
+                                           mlp_only_layers=[1], output_router_logits=True), vision_config=dict(
+        QWEN_VISION, intermediate_size=64, out_hidden_size=32, deepstack_visual_indexes=[1], num_position_embeddings=16),
+        **QWEN_IDS), 4, "patches"),
     "glm4v": (dict(text_config=dict(TEXT, head_dim=16, rope_parameters=dict(M_ROPE, partial_rotary_factor=0.5)), vision_config=dict(
         QWEN_VISION, intermediate_size=64, out_hidden_size=32, image_size=16), image_token_id=IMAGE, video_token_id=VIDEO,
         image_start_token_id=START, image_end_token_id=END), 4, "patches"),
