@@ -487,6 +487,15 @@ VLM_FAMILIES: dict[str, Family] = {
         head=Head(aux_loss="load_balancing_loss_func", positions=False), experts=True, other_norms=(LAYER_NORM,),
         other_mlps=(_gelu_mlp("Qwen3VLMoeVisionMLP", act="act_fn", fc=("linear_fc1", "linear_fc2")),),
     ),
+    # Llama 3.2 Vision: self-attention decoder layers (their forward, which carries the
+    # cross-attention inputs along, stays HF's: no add + norm fused) between cross-attention ones,
+    # whose norms and MLPs are the same classes and run the same kernels; a CLIP-like tower.
+    "mllama": dataclasses.replace(
+        _family("mllama", "MllamaText", causal_lm="MllamaForConditionalGeneration",
+                attention=Attention("MllamaTextSelfAttention"), other_norms=(LAYER_NORM,),
+                other_mlps=(_gelu_mlp("MllamaVisionMLP"),)),
+        layer=Layer("MllamaSelfAttentionDecoderLayer", norms=None),
+    ),
     "glm4v": _family(
         "glm4v", "Glm4vText", norm=Norm("Glm4vRMSNorm"), causal_lm="Glm4vForConditionalGeneration",
         mlp=MLP("Glm4vTextMLP", act="activation_fn", projections=("gate_up_proj", "down_proj")),
