@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 from trl.trainer.dpo_trainer import DataCollatorForVisionPreference
 from trl.trainer.kto_trainer import DataCollatorForVisionUnpairedPreference
 
@@ -39,7 +38,7 @@ from tigon.train.run import Built, Job, split_off, start, train
 from tigon.train.vision import VisionEncoder, bound_pixels, load_processor, pick_vision_prompts, vision_generate
 from tigon.train.vision_data import (VisionSample, content_parts, count_parts, listed_media, matched_images,
                                      resolve_images)
-from tigon.train.vision_run import build_vision_model, check_vision_settings, vision_family
+from tigon.train.vision_run import build_vision_model, vision_settings
 
 log = logging.getLogger("tigon.train")
 
@@ -279,12 +278,7 @@ def check(cfg: RLHFConfig) -> None:
 def run(cfg: RLHFConfig) -> Path:
     """`tigon rlhf` for a vision-language model (`cfg` resolved)."""
     check(cfg)
-    lora = cfg.tuner == "lora"
-    cfg = dataclasses.replace(cfg, modality="vision",
-                              freeze_vision=lora if cfg.freeze_vision is None else cfg.freeze_vision,
-                              freeze_projector=lora if cfg.freeze_projector is None else cfg.freeze_projector)
-    family, config = vision_family(cfg)
-    check_vision_settings(cfg, family)
+    cfg, family, config = vision_settings(cfg)
     builtin = cfg.model is None
     kto = cfg.method == "kto"
     resume_from = start(cfg)

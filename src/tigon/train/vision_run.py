@@ -60,6 +60,18 @@ def vision_family(cfg: SFTConfig) -> tuple[str, Any]:
     return config.model_type, config
 
 
+def vision_settings(cfg: SFTConfig) -> tuple[Any, str, Any]:
+    """`cfg` with the vision defaults filled (the tower and projector frozen with LoRA), the
+    model's family and config (`vision_family`), the settings checked (`check_vision_settings`)."""
+    lora = cfg.tuner == "lora"
+    cfg = dataclasses.replace(cfg, modality="vision",
+                              freeze_vision=lora if cfg.freeze_vision is None else cfg.freeze_vision,
+                              freeze_projector=lora if cfg.freeze_projector is None else cfg.freeze_projector)
+    family, config = vision_family(cfg)
+    check_vision_settings(cfg, family)
+    return cfg, family, config
+
+
 def check_vision_settings(cfg: SFTConfig, family: str) -> None:
     """Refuse, in one line, the settings a vision-language run does not take."""
     if cfg.packing:
@@ -140,12 +152,7 @@ def run_vision(cfg: SFTConfig) -> Path:
     """`tigon sft` for a vision-language model (`cfg` resolved): the built-in one on the shapes
     task without --model (or any model on it without --dataset)."""
     builtin = cfg.model is None
-    lora = cfg.tuner == "lora"
-    cfg = dataclasses.replace(cfg, modality="vision",
-                              freeze_vision=lora if cfg.freeze_vision is None else cfg.freeze_vision,
-                              freeze_projector=lora if cfg.freeze_projector is None else cfg.freeze_projector)
-    family, config = vision_family(cfg)
-    check_vision_settings(cfg, family)
+    cfg, family, config = vision_settings(cfg)
     resume_from = start(cfg)
     samples, eval_samples = _data(cfg)
     processor = tiny_vlm.build_processor() if builtin else load_processor(cfg.model, config)
