@@ -281,7 +281,8 @@ def test_gpu_bf16_kernels_train_image_pairs_like_trl(vlm_run, tmp_path, monkeypa
     root, rows = vlm_run
     values, argv = _settings(root, kernels=True, dtype="bf16", tuner="full", max_steps=6)
     assert main(["rlhf", *argv, "--output-dir", str(tmp_path / "tigon")]) == 0
-    assert "tigon: kernels off" not in caplog.text and "qwen2_vl" in caplog.text
+    assert "tigon: kernels off" not in caplog.text
+    assert "tigon: applied rms_norm" in caplog.text and "to Qwen2VLForConditionalGeneration" in caplog.text
     ours = records(tmp_path / "tigon")
     theirs = _trl_history(root, rows, tmp_path, values, dtype=torch.bfloat16)
     assert len(ours) == len(theirs) == 6
