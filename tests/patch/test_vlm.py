@@ -110,7 +110,7 @@ def test_vision_tower_runs_tigon_kernels(model_type, monkeypatch):
     assert counts.get("glu_mlp" if model_type == "qwen2_5_vl" else "gelu_mlp", 0) == 2
 
 
-@pytest.mark.parametrize("model_type", ["gemma3", "llava", "idefics3", "internvl", "qwen3_vl"])
+@pytest.mark.parametrize("model_type", ["gemma3", "llava", "idefics3", "internvl", "qwen3_vl", "qwen3_vl_moe", "mllama"])
 def test_vision_tower_gelu_mlps_run_one_op(model_type, monkeypatch):
     """The towers' MLPs that are not gated (SigLIP's tanh GELU, CLIP's QuickGELU, ...) run as one
     gelu_mlp per block, from the tower's own modeling module where it has one."""
@@ -118,7 +118,8 @@ def test_vision_tower_gelu_mlps_run_one_op(model_type, monkeypatch):
     tigon.patch(model)
     counts = counting(monkeypatch)
     vlm_run(model, vlm_batch(model_type))
-    blocks = 2 + (model_type == "gemma3")  # (SigLIP's attention-pooling head has an MLP too)
+    # (SigLIP's attention-pooling head has an MLP too; Mllama's tower has a global block after its 2.)
+    blocks = 3 if model_type in ("gemma3", "mllama") else 2
     assert counts.get("gelu_mlp", 0) == blocks
 
 

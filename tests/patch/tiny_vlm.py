@@ -32,6 +32,15 @@ SPECS = {
     "qwen3_vl": (dict(text_config=dict(TEXT, rope_scaling=dict(M_ROPE, mrope_interleaved=True)), vision_config=dict(
         QWEN_VISION, intermediate_size=64, out_hidden_size=32, deepstack_visual_indexes=[1], num_position_embeddings=16),
         **QWEN_IDS), 4, "patches"),
+    "qwen3_vl_moe": (dict(text_config=dict(TEXT, rope_scaling=dict(M_ROPE, mrope_interleaved=True), num_experts=4,
+                                           num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1,
+                                           mlp_only_layers=[1], output_router_logits=True), vision_config=dict(
+        QWEN_VISION, intermediate_size=64, out_hidden_size=32, deepstack_visual_indexes=[1], num_position_embeddings=16),
+        **QWEN_IDS), 4, "patches"),
+    "mllama": (dict(text_config=dict(TEXT, cross_attention_layers=[1]), vision_config=dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1, attention_heads=4, image_size=16,
+        patch_size=8, max_num_tiles=1, supported_aspect_ratios=[[1, 1]], intermediate_layers_indices=[0],
+        vision_output_dim=64), image_token_index=IMAGE), 1, "tiles"),
     "glm4v": (dict(text_config=dict(TEXT, head_dim=16, rope_parameters=dict(M_ROPE, partial_rotary_factor=0.5)), vision_config=dict(
         QWEN_VISION, intermediate_size=64, out_hidden_size=32, image_size=16), image_token_id=IMAGE, video_token_id=VIDEO,
         image_start_token_id=START, image_end_token_id=END), 4, "patches"),
@@ -106,6 +115,12 @@ def vlm_batch(model_type: str, seed: int = 0, rows: int = 2, text: int = 9) -> d
         batch["image_grid_thw"] = torch.tensor([[1, 4, 4]] * rows)
     elif layout == "text":
         pass
+    elif layout == "tiles":  # one 16 x 16 image of one tile, which the tokens after it attend to
+        batch["pixel_values"] = torch.randn(rows, 1, 1, 3, 16, 16, generator=gen)
+        batch["aspect_ratio_ids"] = torch.ones(rows, 1, dtype=torch.long)
+        batch["aspect_ratio_mask"] = torch.ones(rows, 1, 1, dtype=torch.long)
+        batch["cross_attention_mask"] = (torch.arange(ids.shape[1]) >= 3).long()[None, :, None, None].expand(
+            rows, -1, 1, 1).contiguous()
     elif layout == "images":
         batch["pixel_values"] = torch.randn(rows, 1, 3, 32, 32, generator=gen)
     else:

@@ -480,6 +480,22 @@ VLM_FAMILIES: dict[str, Family] = {
         head=M_ROPE_HEAD, other_norms=(LAYER_NORM,),
         other_mlps=(_gelu_mlp("Qwen3VLVisionMLP", act="act_fn", fc=("linear_fc1", "linear_fc2")),),
     ),
+    # Qwen3-VL's language model with Qwen3-MoE's sparse layers (experts through transformers'
+    # experts interface, as qwen3_moe's; the dense MLP of its `mlp_only_layers`).
+    "qwen3_vl_moe": _family(
+        "qwen3_vl_moe", "Qwen3VLMoeText", causal_lm="Qwen3VLMoeForConditionalGeneration", rope=(Rope(), VISION_ROPE),
+        head=Head(aux_loss="load_balancing_loss_func", positions=False), experts=True, other_norms=(LAYER_NORM,),
+        other_mlps=(_gelu_mlp("Qwen3VLMoeVisionMLP", act="act_fn", fc=("linear_fc1", "linear_fc2")),),
+    ),
+    # Llama 3.2 Vision: self-attention decoder layers (their forward, which carries the
+    # cross-attention inputs along, stays HF's: no add + norm fused) between cross-attention ones,
+    # whose norms and MLPs are the same classes and run the same kernels; a CLIP-like tower.
+    "mllama": dataclasses.replace(
+        _family("mllama", "MllamaText", causal_lm="MllamaForConditionalGeneration",
+                attention=Attention("MllamaTextSelfAttention"), other_norms=(LAYER_NORM,),
+                other_mlps=(_gelu_mlp("MllamaVisionMLP"),)),
+        layer=Layer("MllamaSelfAttentionDecoderLayer", norms=None),
+    ),
     "glm4v": _family(
         "glm4v", "Glm4vText", norm=Norm("Glm4vRMSNorm"), causal_lm="Glm4vForConditionalGeneration",
         mlp=MLP("Glm4vTextMLP", act="activation_fn", projections=("gate_up_proj", "down_proj")),

@@ -245,12 +245,16 @@ def causal_lm_forward(
 
     dtensor = _dtensor_type()  # resolved here, once: torch.compile warns on a cached lookup per call
 
+    def moe_setting(self, name: str) -> Any:
+        # A causal LM's own attribute, or (a multimodal head over a MoE language model) its text config's.
+        return getattr(self, name) if hasattr(self, name) else getattr(self.config.get_text_config(), name)
+
     def add_aux_loss(self, loss: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
-        return loss if aux is None else loss + self.router_aux_loss_coef * aux.to(loss.device)
+        return loss if aux is None else loss + moe_setting(self, "router_aux_loss_coef") * aux.to(loss.device)
 
     def linear_loss(self, head_weights, input_ids, attention_mask, position_ids, labels, logits_to_keep, kwargs):
         if aux_loss is not None and kwargs.get("output_router_logits") is None:
-            kwargs["output_router_logits"] = self.config.output_router_logits
+            kwargs["output_router_logits"] = self.config.get_text_config().output_router_logits
         # What every family's forward calls (Llama 4's base_model_prefix names a multimodal model's).
         outputs = run_decoder(self.model, input_ids, attention_mask, position_ids, positions=head.positions, **kwargs)
         hidden = outputs.last_hidden_state
@@ -286,7 +290,8 @@ def causal_lm_forward(
         fields = {key: value for key, value in fields.items() if key in output_cls.__dataclass_fields__}
         if aux_loss is not None and kwargs["output_router_logits"]:
             fields["aux_loss"] = aux_loss(
-                outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask
+                outputs.router_logits, moe_setting(self, "num_experts"), moe_setting(self, "num_experts_per_tok"),
+                attention_mask
             )
             loss = add_aux_loss(self, loss, fields["aux_loss"])
         return output_cls(loss=loss, logits=None, **fields)

@@ -79,10 +79,17 @@ def export_merged(path: str, output: str, dtype: str = "auto", base: str | None 
         raise ValueError(f"--base only applies to a LoRA adapter, and {path} is not one (no adapter_config.json)")
     out = Path(output)
     check_output(out, overwrite, [path])
-    model = load_model(path, DTYPES[_MERGED_DTYPES[dtype]] if dtype != "auto" else "auto")
+    from tigon.train.vision import is_vision_config, load_processor, load_vision_model, model_config
+
+    config = model_config(path)
+    weights = DTYPES[_MERGED_DTYPES[dtype]] if dtype != "auto" else "auto"
+    if is_vision_config(config):  # a vision-language model, saved whole with its processor
+        model, processor = load_vision_model(path, weights), load_processor(path, config)
+    else:
+        model, processor = load_model(path, weights), load_tokenizer(path)
     with written_atomically(out) as staging:
         model.save_pretrained(staging)
-        load_tokenizer(path).save_pretrained(staging)
+        processor.save_pretrained(staging)
     log.info("tigon export: %s -> %s (%s)", path, out, str(model.dtype).replace("torch.", ""))
     return out
 
@@ -289,8 +296,13 @@ def export_gguf(path: str, output: str, dtype: str = "auto", base: str | None = 
     from tigon.train.modeling import source_kwargs
 
     # Where the config can come from (a missing directory is said as one, not as a bad hub id).
-    family_name = AutoConfig.from_pretrained(config_source, **source_kwargs(config_source)).model_type
+    config = AutoConfig.from_pretrained(config_source, **source_kwargs(config_source))
+    family_name = config.model_type
     family = FAMILIES.get(family_name)
+    if family is None and getattr(config, "vision_config", None) is not None:
+        raise ValueError(f"{path}: GGUF is not available for {family_name}, a vision-language model (its image "
+                         "encoder goes in a separate mmproj file, which tigon export does not write); "
+                         "export it with --to merged")
     if family is None:
         raise ValueError(f"{path}: model family {family_name!r} cannot be exported to GGUF; "
                          f"supported: {', '.join(FAMILIES)}")

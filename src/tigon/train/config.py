@@ -450,7 +450,7 @@ class RLHFConfig(SFTConfig):
     """Every `tigon rlhf` setting: sft's (less --packing), with preference training's defaults, and
     the method with its constants. ``None`` means "the default for this run and method"."""
 
-    LEFT_OUT: ClassVar[tuple[str, ...]] = ("packing", "task", "labels", *VISION_KEYS)
+    LEFT_OUT: ClassVar[tuple[str, ...]] = ("packing", "task", "labels")
 
     dataset: list[str] | None = _opt(
         None, "preference files (.jsonl .json .csv .parquet): prompt/chosen/rejected, messages + rejected_response "
@@ -558,6 +558,7 @@ _BUILTIN = {"grpo": {"lr": 1e-4, "batch_size": 32, "max_steps": 80},
             "ppo": {"lr": 3e-4, "batch_size": 32, "max_steps": 80, "ppo_epochs": 2},
             "rloo": {"lr": 1e-4, "batch_size": 32, "max_steps": 80}, "gkd": {"lr": 3e-3, "epochs": 10.0},
             "rm": {"lr": 1e-3, "epochs": 3.0}}
+_BUILTIN_VISION_RLHF = {"lr": 2e-3, "epochs": 8.0}  # the built-in VLM on the shapes task's pairs (vision_rlhf)
 
 
 def resolve_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> RLHFConfig:
@@ -567,7 +568,7 @@ def resolve_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> RLHFConfig:
     method = cfg.method
     if method not in METHODS:
         raise SFTError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
-    own = _BUILTIN.get(method, {}) if builtin else {}
+    own = (_BUILTIN_VISION_RLHF if cfg.modality == "vision" else _BUILTIN.get(method, {})) if builtin else {}
     cfg = dataclasses.replace(
         cfg,
         max_length=cfg.max_length if cfg.max_length is not None else (128 if builtin else 1024),

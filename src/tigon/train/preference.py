@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from tigon.train.config import SFTError
-from tigon.train.data import Format, RowError, _text, load_samples, turn_list
+from tigon.train.data import TEXT_ONLY, Format, RowError, _text, load_samples, turn_list
 from tigon.train.template import render
 
 log = logging.getLogger("tigon.train")
@@ -89,9 +89,14 @@ def _answer(turns: list[dict[str, str]] | str, key: str) -> Turns:
         return ({"role": "assistant", "content": turns},)
     if turns[0]["role"] != "assistant":
         raise RowError(f"{key} must start with an assistant turn (the answer), got role {turns[0]['role']!r}")
-    if not any(m["role"] == "assistant" and m["content"].strip() for m in turns):
+    if not any(m["role"] == "assistant" and _text_of(m["content"]).strip() for m in turns):
         raise RowError(f"{key} has no assistant message with content")
     return tuple(turns)
+
+
+def _text_of(content: str | list[dict[str, Any]]) -> str:
+    """A message's text (of its text parts, for a vision-language model's messages)."""
+    return content if isinstance(content, str) else "".join(p.get("text", "") for p in content if p["type"] == "text")
 
 
 def _shared_prompt(chosen: list[dict[str, str]], rejected: list[dict[str, str]], keys: tuple[str, str]) -> Pair:
@@ -152,6 +157,17 @@ def _from_kto(row: dict) -> Judged:
                                                                 "completion"), _label(row["label"]))
 
 
+def _text_only(convert: Callable[[dict], Any]) -> Callable[[dict], Any]:
+    """`convert`, refusing a row that carries images or video (`tigon.train.vision_rlhf` reads those)."""
+    def converted(row: dict) -> Any:
+        for media in ("images", "videos"):
+            if row.get(media) not in (None, "", [], "[]"):
+                raise RowError(f"has {media}: {TEXT_ONLY}")
+        return convert(row)
+
+    return converted
+
+
 def _pair_format(convert: Callable[[dict], Pair]) -> Callable[[dict], Pair]:
     """`convert`, refusing a pair whose two answers are the same (nothing to prefer), and keeping
     a row's optional ``margin`` (a finite number) in its pair."""
@@ -175,22 +191,29 @@ def _pair_format(convert: Callable[[dict], Pair]) -> Callable[[dict], Pair]:
 
 FORMATS: list[Format] = [
     ("ms-swift messages + rejected_response", ("messages", "rejected_response"),
-     _pair_format(_from_messages_and_rejected_response)),
+     _text_only(_pair_format(_from_messages_and_rejected_response))),
     ("ms-swift messages + rejected_messages", ("messages", "rejected_messages"),
-     _pair_format(_from_messages_and_rejected_messages)),
-    ("KTO prompt/completion/label", ("prompt", "completion", "label"), _from_kto),
-    ("prompt/chosen/rejected", ("prompt", "chosen", "rejected"), _pair_format(_from_prompt_chosen_rejected)),
-    ("chosen/rejected chats", ("chosen", "rejected"), _pair_format(_from_chats)),
+     _text_only(_pair_format(_from_messages_and_rejected_messages))),
+    ("KTO prompt/completion/label", ("prompt", "completion", "label"), _text_only(_from_kto)),
+    ("prompt/chosen/rejected", ("prompt", "chosen", "rejected"), _text_only(_pair_format(_from_prompt_chosen_rejected))),
+    ("chosen/rejected chats", ("chosen", "rejected"), _text_only(_pair_format(_from_chats))),
 ]
 
 
 def load_preferences(specs: list[str], seed: int, method: str) -> list[Pair] | list[Judged]:
     """The rows of every file in `specs`: pairs for the paired methods; for ``kto`` judged answers,
     each pair giving a desirable (chosen) and an undesirable (rejected) one."""
-    items = load_samples(specs, seed, FORMATS)
+    return for_method(load_samples(specs, seed, FORMATS), method,
+                      lambda pair, desirable: Judged(pair.where, pair.prompt,
+                                                     pair.chosen if desirable else pair.rejected, desirable))
+
+
+def for_method(items: list[Any], method: str, judged: Callable[[Any, bool], Any]) -> list[Any]:
+    """`items` (pairs and judged answers) as `method` trains on them: for ``kto`` judged answers,
+    each pair giving a desirable and an undesirable one (`judged(pair, desirable)`); for the
+    others the pairs, an unpaired row being an SFTError."""
     if method == "kto":
-        return [j for item in items for j in ([Judged(item.where, item.prompt, item.chosen, True),
-                                                Judged(item.where, item.prompt, item.rejected, False)]
+        return [j for item in items for j in ([judged(item, True), judged(item, False)]
                                                if isinstance(item, Pair) else [item])]
     unpaired = next((item for item in items if isinstance(item, Judged)), None)
     if unpaired is not None:

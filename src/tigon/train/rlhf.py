@@ -72,6 +72,22 @@ def _targets(input_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Te
     return input_ids.masked_fill(completion_mask == 0, -100)[:, 1:]
 
 
+# A batch's keys that are not the model's inputs (TRL's collators' and tigon's).
+_NOT_INPUTS = ("input_ids", "attention_mask", "completion_mask", "ref_chosen_logps", "ref_rejected_logps", "ref_logps",
+               "ref_KL_logps", "label")
+
+
+def media(inputs: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A batch's model inputs beside its tokens: a vision-language model's pixels, image grids and
+    token types (TRL's vision collators'; none for text). For KTO's KL sequences (`prefix`
+    ``KL_``): their own token types, with their prompts' images."""
+    own = {k: v for k, v in inputs.items() if not k.startswith("KL_") and k not in _NOT_INPUTS}
+    if prefix:
+        own.update({k[len(prefix):]: v for k, v in inputs.items()
+                    if k.startswith(prefix) and k[len(prefix):] not in _NOT_INPUTS})
+    return own
+
+
 def _up_to_answer_end(completion_mask: torch.Tensor) -> torch.Tensor:
     """1 on every token up to each row's last answer token (prompt and answer), 0 on the padding
     after it: TRL's ORPO labels, whether or not the batch kept its attention mask."""
@@ -118,10 +134,10 @@ class _FusedPreference(FusedTrainer):
                 yield
 
     def _reference_states(self, model: torch.nn.Module, input_ids: torch.Tensor,
-                          attention_mask: torch.Tensor | None) -> dict[str, torch.Tensor | None]:
+                          attention_mask: torch.Tensor | None, **inputs: Any) -> dict[str, torch.Tensor | None]:
         """The reference's hidden states and head, as linear_preference_loss takes them."""
         with self._as_reference(model):
-            hidden = self._hidden(model, input_ids, attention_mask)
+            hidden = self._hidden(model, input_ids, attention_mask, **inputs)
         weight, bias = self._head(model)
         return {"ref_hidden": hidden.to(weight.dtype), "ref_weight": weight.detach(),
                 "ref_bias": None if bias is None else bias.detach()}
@@ -162,7 +178,7 @@ class TigonDPOTrainer(_FusedPreference, TigonTrainer, DPOTrainer):
         return super()._precompute_ref_logps(dataset, name, batch_size)
 
     def compute_ref_log_probs(self, model, inputs):
-        states = self._reference_states(model, inputs["input_ids"], inputs.get("attention_mask"))
+        states = self._reference_states(model, inputs["input_ids"], inputs.get("attention_mask"), **media(inputs))
         return self._log_prob_sums(states, _targets(inputs["input_ids"], inputs["completion_mask"])).chunk(2)
 
     def _compute_loss(self, model, inputs, return_outputs):
@@ -170,13 +186,13 @@ class TigonDPOTrainer(_FusedPreference, TigonTrainer, DPOTrainer):
         input_ids, attention_mask = inputs["input_ids"], inputs.get("attention_mask")
         target = _targets(input_ids, inputs["completion_mask"])
         weight, bias = self._head(model)
-        hidden = self._hidden(model, input_ids, attention_mask).to(weight.dtype)
+        hidden = self._hidden(model, input_ids, attention_mask, **media(inputs)).to(weight.dtype)
         reference: dict[str, Any] = {}
         if self.method in REFERENCE_METHODS:
             if self.precompute_ref_logps:
                 reference["ref_log_probs"] = torch.cat([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]])
             else:
-                reference = self._reference_states(self._reference_model(), input_ids, attention_mask)
+                reference = self._reference_states(self._reference_model(), input_ids, attention_mask, **media(inputs))
         if self.nll_on_prompt:
             pairs = target.shape[0] // 2
             reference["nll_target"] = _targets(input_ids[:pairs], _up_to_answer_end(inputs["completion_mask"][:pairs]))
@@ -211,22 +227,25 @@ class TigonKTOTrainer(_FusedPreference, TigonTrainer, KTOTrainer):
     floored at 0, without gradient."""
 
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
-        if not self.calculate_KL:
+        # Rows with images (tigon.train.vision_rlhf) are tokenized by TRL's vision collator, which
+        # pairs each prompt with the next row's answer itself.
+        if not self.calculate_KL or "completion_ids" not in getattr(dataset, "column_names", ()):
             return dataset
         return dataset.add_column("KL_completion_ids", kl_answers(list(dataset["completion_ids"]),
                                                                   args.per_device_train_batch_size))
 
-    def _kl_inputs(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def _kl_inputs(self, inputs: dict[str, torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, dict[str, Any]]:
         ids = inputs["KL_input_ids"]
-        return ids, inputs.get("KL_attention_mask"), _targets(ids, inputs["KL_completion_mask"])
+        return ids, inputs.get("KL_attention_mask"), _targets(ids, inputs["KL_completion_mask"]), media(inputs, "KL_")
 
     def compute_ref_log_probs(self, model, inputs):
-        states = self._reference_states(model, inputs["input_ids"], inputs.get("attention_mask"))
+        states = self._reference_states(model, inputs["input_ids"], inputs.get("attention_mask"), **media(inputs))
         logps = self._log_prob_sums(states, _targets(inputs["input_ids"], inputs["completion_mask"]))
         if not self.calculate_KL:
             return logps, None
-        kl_ids, kl_mask, kl_target = self._kl_inputs(inputs)
-        return logps, self._log_prob_sums(self._reference_states(model, kl_ids, kl_mask), kl_target)
+        kl_ids, kl_mask, kl_target, kl_media = self._kl_inputs(inputs)
+        return logps, self._log_prob_sums(self._reference_states(model, kl_ids, kl_mask, **kl_media), kl_target)
 
     def _compute_loss(self, model, inputs, return_outputs):
         mode = "train" if self.model.training else "eval"
@@ -238,17 +257,18 @@ class TigonKTOTrainer(_FusedPreference, TigonTrainer, KTOTrainer):
         if self.precompute_ref_logps:
             reference["ref_log_probs"] = inputs["ref_logps"]
         else:
-            reference = self._reference_states(self._reference_model(), input_ids, attention_mask)
+            reference = self._reference_states(self._reference_model(), input_ids, attention_mask, **media(inputs))
         kl = None
         if self.calculate_KL:
-            kl_ids, kl_mask, kl_target = self._kl_inputs(inputs)
+            kl_ids, kl_mask, kl_target, kl_media = self._kl_inputs(inputs)
             with torch.no_grad():
-                policy = TF.linear_log_probs(self._hidden(model, kl_ids, kl_mask).to(weight.dtype), weight, kl_target,
-                                             bias).sum(-1)
+                policy = TF.linear_log_probs(self._hidden(model, kl_ids, kl_mask, **kl_media).to(weight.dtype), weight,
+                                             kl_target, bias).sum(-1)
             if self.precompute_ref_logps:
                 ref = inputs["ref_KL_logps"]
             else:
-                ref = self._log_prob_sums(self._reference_states(self._reference_model(), kl_ids, kl_mask), kl_target)
+                ref = self._log_prob_sums(self._reference_states(self._reference_model(), kl_ids, kl_mask, **kl_media),
+                                          kl_target)
             ratios = policy - ref
             if self.loss_options.get("average_log_probs"):  # the baseline on the answers' own scale
                 ratios = ratios / (kl_target != -100).sum(-1).clamp(min=1)
@@ -256,7 +276,7 @@ class TigonKTOTrainer(_FusedPreference, TigonTrainer, KTOTrainer):
             if self.accelerator.num_processes > 1:
                 kl = self.accelerator.reduce(kl, "mean")
             kl = kl.clamp(min=0)
-        hidden = self._hidden(model, input_ids, attention_mask).to(weight.dtype)
+        hidden = self._hidden(model, input_ids, attention_mask, **media(inputs)).to(weight.dtype)
         loss, m = TF.linear_preference_loss(hidden, weight, target, bias, labels=labels,
                                             kl_baseline=kl if kl is not None else 0.0, **self.loss_options,
                                             **reference)
@@ -387,6 +407,13 @@ def load_split(cfg: RLHFConfig) -> tuple[list[Any], list[Any]]:
 
 
 def _run(cfg: RLHFConfig) -> Path:
+    from tigon.train.vision_run import check_text_run, wants_vision
+
+    if wants_vision(cfg):
+        from tigon.train import vision_rlhf
+
+        return vision_rlhf.run(cfg)
+    check_text_run(cfg)
     if cfg.method == "grpo":
         return grpo.run(cfg)
     if cfg.method == "rm":

@@ -104,34 +104,52 @@ def _parts(content: Any, what: str, sources: list[Any]) -> tuple[list[dict[str, 
     return parts, videos
 
 
-def _chat(row: dict, key: str, role_key: str, content_key: str, roles: dict[str, str]) -> VisionSample:
-    part_sources: list[Any] = []
-    videos = 0
+def content_parts(sources: list[Any]) -> Callable[[Any, str], list[dict[str, Any]]]:
+    """`turn_list`'s content converter to parts: each message's images appended to `sources`; a
+    video is a ``{"type": "video"}`` part (counted by `count_parts`)."""
 
     def parts(content: Any, what: str) -> list[dict[str, Any]]:
-        nonlocal videos
-        converted, n = _parts(content, what, part_sources)
-        videos += n
-        return converted
+        return _parts(content, what, sources)[0]
 
-    messages = turn_list(row[key], key, role_key, content_key, roles, content=parts)
-    if not any(m["role"] == "assistant" and _text_of(m).strip() for m in messages):
-        raise RowError("no assistant message with content: nothing to learn from")
+    return parts
+
+
+def count_parts(messages: Any, kind: str) -> int:
+    return sum(p["type"] == kind for m in messages for p in m["content"])
+
+
+def listed_media(row: dict) -> tuple[list[Any], int]:
+    """A row's ``images`` list (a single image, or a CSV cell holding a JSON list, made one) and
+    the number of videos its ``videos`` list holds."""
     listed = row.get("images")
     if isinstance(listed, str) and listed.lstrip().startswith("["):  # a CSV cell holding a JSON list
         listed = _json_cell(listed, "images")
     listed = [] if listed in (None, "") else [listed] if isinstance(listed, (str, bytes, dict)) else listed
     if not isinstance(listed, list):
         raise RowError(f"images must be a list of images, got {type(listed).__name__}")
-    videos += len(_json_cell(row.get("videos"), "videos") or [])
+    return listed, len(_json_cell(row.get("videos"), "videos") or [])
+
+
+def matched_images(slots: int, part_sources: list[Any], listed: list[Any]) -> tuple[Any, ...]:
+    """The row's images, from its image parts or its images list, one for each of its `slots`
+    (placeholders and image parts); a RowError when they do not match."""
     if part_sources and listed:
         raise RowError("has images both in its messages' image parts and in its images list: give one or the other")
-    slots = sum(p["type"] == "image" for m in messages for p in m["content"])
     sources = part_sources or listed
     if slots != len(sources):
         raise RowError(f"has {slots} {IMAGE_PLACEHOLDER} placeholder{'s' if slots != 1 else ''} (or image parts) but "
                        f"{len(sources)} image{'s' if len(sources) != 1 else ''}: each image needs one, in order")
-    return VisionSample("", tuple(messages), tuple(sources), videos)
+    return tuple(sources)
+
+
+def _chat(row: dict, key: str, role_key: str, content_key: str, roles: dict[str, str]) -> VisionSample:
+    part_sources: list[Any] = []
+    messages = turn_list(row[key], key, role_key, content_key, roles, content=content_parts(part_sources))
+    if not any(m["role"] == "assistant" and _text_of(m).strip() for m in messages):
+        raise RowError("no assistant message with content: nothing to learn from")
+    listed, videos = listed_media(row)
+    sources = matched_images(count_parts(messages, "image"), part_sources, listed)
+    return VisionSample("", tuple(messages), sources, videos + count_parts(messages, "video"))
 
 
 def _text_of(message: dict[str, Any]) -> str:

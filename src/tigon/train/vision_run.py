@@ -49,7 +49,31 @@ def check_text_run(cfg: SFTConfig) -> None:
         raise SFTError(f"--{given[0].replace('_', '-')}: only for vision-language models, and {what} is text-only")
 
 
-def _check(cfg: SFTConfig, family: str) -> None:
+def vision_family(cfg: SFTConfig) -> tuple[str, Any]:
+    """The model's family and config (the built-in one's: qwen2_vl, None); an SFTError for a
+    --model that is text-only."""
+    if cfg.model is None:
+        return "qwen2_vl", None
+    config = model_config(cfg.model)
+    if not is_vision_config(config):
+        raise SFTError(f"--modality vision: {cfg.model} is a text-only model (its config has no vision_config)")
+    return config.model_type, config
+
+
+def vision_settings(cfg: SFTConfig) -> tuple[Any, str, Any]:
+    """`cfg` with the vision defaults filled (the tower and projector frozen with LoRA), the
+    model's family and config (`vision_family`), the settings checked (`check_vision_settings`)."""
+    lora = cfg.tuner == "lora"
+    cfg = dataclasses.replace(cfg, modality="vision",
+                              freeze_vision=lora if cfg.freeze_vision is None else cfg.freeze_vision,
+                              freeze_projector=lora if cfg.freeze_projector is None else cfg.freeze_projector)
+    family, config = vision_family(cfg)
+    check_vision_settings(cfg, family)
+    return cfg, family, config
+
+
+def check_vision_settings(cfg: SFTConfig, family: str) -> None:
+    """Refuse, in one line, the settings a vision-language run does not take."""
     if cfg.packing:
         raise packing_refusal(family)
     if cfg.quant is not None:
@@ -80,10 +104,11 @@ def _data(cfg: SFTConfig) -> tuple[list[VisionSample], list[VisionSample]]:
 
 
 def build_vision_model(cfg: SFTConfig, processor: Any, dtype: torch.dtype, args: Any,
-                       resume_from: Path | None) -> Built:
+                       resume_from: Path | None, reference: bool = False) -> Built:
     """The model stage for a vision-language model: loaded (or the built-in one built), its vision
     encoder and projector frozen as asked, LoRA on the language model's linears (and theirs, when
-    not frozen), tigon's kernels where tigon.patch takes the family."""
+    not frozen), tigon's kernels where tigon.patch takes the family. With `reference`, also a
+    frozen copy of the weights as loaded (patched too, in eval mode)."""
     from tigon.train.modeling import add_lora, apply_kernels, count_parameters
 
     builtin = cfg.model is None
@@ -98,6 +123,7 @@ def build_vision_model(cfg: SFTConfig, processor: Any, dtype: torch.dtype, args:
         base_model = copy.deepcopy(model)
     use_cache = getattr(model.config, "use_cache", True)
     model.config.use_cache = False
+    copied = copy.deepcopy(model).eval().requires_grad_(False) if reference else None  # before LoRA and patching
     parts = model_parts(model)
     if parts.tower is None:
         log.warning("model: no vision encoder found by name (%s): --freeze-vision has nothing to freeze",
@@ -116,25 +142,17 @@ def build_vision_model(cfg: SFTConfig, processor: Any, dtype: torch.dtype, args:
              trainable / 1e6, total / 1e6)
     apply_kernels(model, cfg)  # (a family tigon.patch lacks trains without them, said in one line)
     model.to(args.device)
-    return Built(model, base_model, use_cache)
+    if copied is not None:
+        apply_kernels(copied, cfg, role="the frozen reference")
+        copied.to(args.device)
+    return Built(model, base_model, use_cache, copied)
 
 
 def run_vision(cfg: SFTConfig) -> Path:
     """`tigon sft` for a vision-language model (`cfg` resolved): the built-in one on the shapes
     task without --model (or any model on it without --dataset)."""
     builtin = cfg.model is None
-    lora = cfg.tuner == "lora"
-    cfg = dataclasses.replace(cfg, modality="vision",
-                              freeze_vision=lora if cfg.freeze_vision is None else cfg.freeze_vision,
-                              freeze_projector=lora if cfg.freeze_projector is None else cfg.freeze_projector)
-    if builtin:
-        family = "qwen2_vl"
-    else:
-        config = model_config(cfg.model)
-        if not is_vision_config(config):
-            raise SFTError(f"--modality vision: {cfg.model} is a text-only model (its config has no vision_config)")
-        family = config.model_type
-    _check(cfg, family)
+    cfg, family, config = vision_settings(cfg)
     resume_from = start(cfg)
     samples, eval_samples = _data(cfg)
     processor = tiny_vlm.build_processor() if builtin else load_processor(cfg.model, config)
