@@ -38,7 +38,7 @@ from tigon.ops.dequantize import QuantizedWeight, block_absmax, check_quantized,
 # `python -m tigon.bench.gemm_4bit` (the "fused/tigon" ratio per token count); the default is a
 # guess until then.
 FUSED_TOKENS_UP_TO: dict[tuple[int, int], tuple[int, int]] = {}
-DEFAULT_FUSED_TOKENS_UP_TO = (1024, 1024)
+DEFAULT_FUSED_TOKENS_UP_TO = (1024, 1024)  # `tigon sft --help` (--quant) and README.md say 1024
 
 
 def fused_4bit(tokens: int, out_features: int, in_features: int, backward: bool = False) -> bool:
@@ -163,33 +163,35 @@ def _input_grad_kernel(
 
 
 # --- Tile configurations ---------------------------------------------------------------------------
-# Swapped operands for a few tokens (the weight tile is the MMA's 64+-row side), plain tiles for
-# many. Pruned per token count, then timed per (token bucket, shape, dtypes, layout) on first use.
-_SMALL = [(bm, bn, bk, 4, stages) for bm in (16, 32, 64) for bn, bk in ((64, 128), (128, 64), (64, 256))
-          for stages in (3, 4)]
-_LARGE = [(64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4),
+# Swapped operands for a few tokens (the weight tile is the MMA's 64+-row side, the tokens its
+# narrow one), plain tiles for many. Pruned per token bucket (:func:`_prune`), then timed per
+# (bucket, shape, layout, dtypes) on first use.
+_SWAPPED = [(bm, bn, bk, 4, stages) for bm in (16, 32, 64) for bn, bk in ((64, 128), (128, 64), (64, 256))
+            for stages in (3, 4)]
+_PLAIN = [(64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4),
           (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (64, 256, 64, 8, 4)]
 # Under the interpreter (or without Triton) nothing is tuned: the kernels run one small tile.
 CONFIGS = [] if INTERPRET or TRITON_IMPORT_ERROR is not None else [
-    *(triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SWAP=True), num_warps=w, num_stages=s)
-      for bm, bn, bk, w, s in _SMALL),
-    *(triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SWAP=False), num_warps=w, num_stages=s)
-      for bm, bn, bk, w, s in _LARGE),
+    triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SWAP=swap), num_warps=w, num_stages=s)
+    for swap, tiles in ((True, _SWAPPED), (False, _PLAIN)) for bm, bn, bk, w, s in tiles
 ]
 _KEY = ["tokens_bucket", "out_features", "in_features", "BLOCKSIZE", "NESTED", "ACCUMULATE"]
 INTERPRETER_TILE = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SWAP=False)  # few programs, dot's smallest sides
 
 
+def _worth_timing(tile: dict, bucket: int, blocksize: int) -> bool:
+    """Up to 128 tokens, swapped tiles whose token side is the bucket (16 to 64); from 128, plain
+    tiles whose token side the bucket fills. A tile narrower than a quantisation block must divide
+    it (wider ones hold whole blocks)."""
+    if tile["SWAP"]:
+        fits = bucket <= 128 and tile["BLOCK_M"] == min(64, bucket)
+    else:
+        fits = bucket >= 128 and tile["BLOCK_M"] <= bucket
+    return fits and (tile["BLOCK_K"] % blocksize == 0 or blocksize % tile["BLOCK_K"] == 0)
+
+
 def _prune(configs, named_args, **kwargs):
-    """The configurations worth timing for this many tokens: swapped ones whose token tile the
-    tokens fill, up to 64 tokens; plain ones from 128; and no tile wider than a blocksize-aligned
-    weight row allows."""
-    bucket, blocksize = named_args["tokens_bucket"], kwargs.get("BLOCKSIZE", named_args.get("BLOCKSIZE"))
-    kept = [c for c in configs
-            if (c.kwargs["SWAP"] and c.kwargs["BLOCK_M"] <= max(16, bucket) and bucket <= 256)
-            or (not c.kwargs["SWAP"] and bucket >= 128)]
-    # A tile narrower than a block must divide it; wider ones hold whole blocks.
-    kept = [c for c in kept if c.kwargs["BLOCK_K"] % blocksize == 0 or blocksize % c.kwargs["BLOCK_K"] == 0]
+    kept = [c for c in configs if _worth_timing(c.kwargs, named_args["tokens_bucket"], kwargs["BLOCKSIZE"])]
     return kept or configs[:1]
 
 
