@@ -208,7 +208,7 @@ def _tokens_bucket(tokens: int) -> int:
     return min(8192, max(16, next_power_of_2(tokens)))
 
 
-def _gemm_into(out: torch.Tensor, a: torch.Tensor, weight: QuantizedWeight, backward: bool, accumulate: bool) -> torch.Tensor:
+def fused_gemm_into(out: torch.Tensor, a: torch.Tensor, weight: QuantizedWeight, backward: bool, accumulate: bool) -> torch.Tensor:
     """The fused kernel: ``out (+)= a · Wᵀ`` (forward) or ``a · W`` (`backward`, the input gradient)."""
     out_features, in_features = weight.shape
     nested = weight.nested
@@ -236,14 +236,14 @@ def _gemm_into(out: torch.Tensor, a: torch.Tensor, weight: QuantizedWeight, back
     return out
 
 
-def _dequantized_into(out: torch.Tensor, a: torch.Tensor, weight: QuantizedWeight, backward: bool,
+def dequantized_gemm_into(out: torch.Tensor, a: torch.Tensor, weight: QuantizedWeight, backward: bool,
                       accumulate: bool) -> torch.Tensor:
     """The same through a dequantised copy of W and cuBLAS: the reference and the large-token path."""
     base = dequantized(weight, a.dtype)
     return out.addmm_(a, base if backward else base.t(), beta=1 if accumulate else 0)
 
 
-GEMM_4BIT = Op("gemm_4bit", _gemm_into, _dequantized_into)
+GEMM_4BIT = Op("gemm_4bit", fused_gemm_into, dequantized_gemm_into)
 
 
 def supports_fused(weight: QuantizedWeight) -> bool:
@@ -261,7 +261,7 @@ def addmm_base_(out: torch.Tensor, a: torch.Tensor, weight: torch.Tensor | Quant
         return out.addmm_(a, weight if backward else weight.t(), beta=1 if accumulate else 0)
     if supports_fused(weight) and fused_4bit(a.shape[0], *weight.shape, backward=backward):
         return GEMM_4BIT(None, out, a, weight, backward, accumulate)
-    return _dequantized_into(out, a, weight, backward, accumulate)
+    return dequantized_gemm_into(out, a, weight, backward, accumulate)
 
 
 # --- The public op: a 4-bit linear without bias -----------------------------------------------------

@@ -1,6 +1,7 @@
 """Importing this package registers every op's benchmark cases (one module per op family)."""
 
 from tigon.bench.ops import cross_entropy  # noqa: F401
+from tigon.bench.ops import gemm_4bit  # noqa: F401
 from tigon.bench.ops import glu  # noqa: F401
 from tigon.bench.ops import info_nce  # noqa: F401
 from tigon.bench.ops import lora  # noqa: F401
