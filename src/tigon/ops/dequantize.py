@@ -56,12 +56,15 @@ def block_absmax(absmax_ptr, scale_code_ptr, scale_absmax_ptr, offset_ptr, block
     """The fp32 absmax of the quantisation blocks `block` (any shape; finite where not `mask`),
     undoing the double quantisation when NESTED. Shared with the fused 4-bit GEMM
     (:mod:`tigon.ops.gemm_4bit`), which must dequantise to the same bits."""
+    # One return: compiled code types every return statement, even one a constexpr branch skips.
     if NESTED:
         q = tl.load(absmax_ptr + block, mask=mask, other=0).to(tl.int32)
         scale = tl.load(scale_absmax_ptr + block // SCALE_BLOCKSIZE, mask=mask, other=0.0)
         absmax = tl.load(scale_code_ptr + q) * scale
-        return absmax + tl.load(offset_ptr)
-    return tl.load(absmax_ptr + block, mask=mask, other=0.0)
+        absmax = absmax + tl.load(offset_ptr)
+    else:
+        absmax = tl.load(absmax_ptr + block, mask=mask, other=0.0)
+    return absmax
 
 
 @triton.jit

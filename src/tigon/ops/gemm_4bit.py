@@ -98,84 +98,66 @@ def _epilogue(acc, out_ptr, rows, cols, n_rows, n_cols, stride_om, stride_on, AC
 
 
 @triton.jit
-def _forward_kernel(
-    x_ptr, packed_ptr, code_ptr, absmax_ptr, scale_code_ptr, scale_absmax_ptr, offset_ptr, out_ptr,
-    n_tokens, out_features, in_features, stride_xm, stride_xk, stride_om, stride_on, tokens_bucket,
-    ACCUMULATE: tl.constexpr, BLOCKSIZE: tl.constexpr, SCALE_BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
-    PRECISION: tl.constexpr, SWAP: tl.constexpr,
+def _gemm_4bit_kernel(
+    a_ptr, packed_ptr, code_ptr, absmax_ptr, scale_code_ptr, scale_absmax_ptr, offset_ptr, out_ptr,
+    n_tokens, out_features, in_features, stride_am, stride_ak, stride_om, stride_on, tokens_bucket,
+    BACKWARD: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCKSIZE: tl.constexpr, SCALE_BLOCKSIZE: tl.constexpr,
+    NESTED: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """``out[tokens, cols] (+)= x[tokens] · W[cols]ᵀ`` for one (token tile, out-feature tile).
-    `tokens_bucket` only keys the autotuner."""
-    # Token tiles vary fastest: the programs running at once read the same tile of W (L2 hits).
+    """One (token tile, output tile) of ``out (+)= a · W[cols]ᵀ`` (forward: a is x, the tile is
+    BLOCK_N out features, the loop walks in by BLOCK_K) or ``out (+)= a · W[:, cols]`` (BACKWARD:
+    a is dy, the tile is BLOCK_K in features, the loop walks out by BLOCK_N). Either way W is read
+    in [BLOCK_N × BLOCK_K] tiles. `tokens_bucket` only keys the autotuner."""
+    # Token tiles vary fastest: the programs running at once read the same tiles of W (L2 hits).
     pid = tl.program_id(0)
     m_tiles = tl.cdiv(n_tokens, BLOCK_M)
     tokens = (pid % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = (pid // m_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tile = pid // m_tiles
     token_in = tokens < n_tokens
-    x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_xm
-    acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, in_features, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_rows + ks[None, :] * stride_xk, mask=token_in[:, None] & (ks < in_features)[None, :], other=0.0)
-        w = _weight_tile(packed_ptr, code_ptr, absmax_ptr, scale_code_ptr, scale_absmax_ptr, offset_ptr,
-                         cols, k0, out_features, in_features,
-                         x_ptr.dtype.element_ty, BLOCKSIZE, SCALE_BLOCKSIZE, NESTED, BLOCK_N, BLOCK_K)
-        if SWAP:
-            acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
+    a_rows = a_ptr + tokens.to(tl.int64)[:, None] * stride_am
+    STEP: tl.constexpr = BLOCK_N if BACKWARD else BLOCK_K
+    depth = out_features if BACKWARD else in_features
+    WIDTH: tl.constexpr = BLOCK_K if BACKWARD else BLOCK_N
+    acc = tl.zeros((WIDTH, BLOCK_M) if SWAP else (BLOCK_M, WIDTH), dtype=tl.float32)
+    for start in range(0, depth, STEP):
+        reduced = start + tl.arange(0, STEP)
+        a = tl.load(a_rows + reduced[None, :] * stride_ak, mask=token_in[:, None] & (reduced < depth)[None, :],
+                    other=0.0)
+        if BACKWARD:
+            w = _weight_tile(packed_ptr, code_ptr, absmax_ptr, scale_code_ptr, scale_absmax_ptr, offset_ptr,
+                             reduced, tile * BLOCK_K, out_features, in_features,
+                             a_ptr.dtype.element_ty, BLOCKSIZE, SCALE_BLOCKSIZE, NESTED, BLOCK_N, BLOCK_K)
+            w = tl.trans(w)  # [in, out]: what multiplies dy
         else:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            w = _weight_tile(packed_ptr, code_ptr, absmax_ptr, scale_code_ptr, scale_absmax_ptr, offset_ptr,
+                             tile * BLOCK_N + tl.arange(0, BLOCK_N), start, out_features, in_features,
+                             a_ptr.dtype.element_ty, BLOCKSIZE, SCALE_BLOCKSIZE, NESTED, BLOCK_N, BLOCK_K)
+        # w is now [output tile × reduced]: the tile's weights against a's columns.
+        if SWAP:
+            acc = tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
     if SWAP:
         acc = tl.trans(acc)
-    _epilogue(acc, out_ptr, tokens, cols, n_tokens, out_features, stride_om, stride_on, ACCUMULATE)
-
-
-@triton.jit
-def _input_grad_kernel(
-    dy_ptr, packed_ptr, code_ptr, absmax_ptr, scale_code_ptr, scale_absmax_ptr, offset_ptr, out_ptr,
-    n_tokens, out_features, in_features, stride_dm, stride_dn, stride_om, stride_on, tokens_bucket,
-    ACCUMULATE: tl.constexpr, BLOCKSIZE: tl.constexpr, SCALE_BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
-    PRECISION: tl.constexpr, SWAP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """``dx[tokens, ks] (+)= dy[tokens] · W[:, ks]`` for one (token tile, in-feature tile)."""
-    pid = tl.program_id(0)
-    m_tiles = tl.cdiv(n_tokens, BLOCK_M)
-    tokens = (pid % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
-    k0 = (pid // m_tiles) * BLOCK_K
-    token_in = tokens < n_tokens
-    dy_rows = dy_ptr + tokens.to(tl.int64)[:, None] * stride_dm
-    acc = tl.zeros((BLOCK_K, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_K), dtype=tl.float32)
-    for n0 in range(0, out_features, BLOCK_N):
-        ns = n0 + tl.arange(0, BLOCK_N)
-        dy = tl.load(dy_rows + ns[None, :] * stride_dn, mask=token_in[:, None] & (ns < out_features)[None, :], other=0.0)
-        w = _weight_tile(packed_ptr, code_ptr, absmax_ptr, scale_code_ptr, scale_absmax_ptr, offset_ptr,
-                         ns, k0, out_features, in_features,
-                         dy_ptr.dtype.element_ty, BLOCKSIZE, SCALE_BLOCKSIZE, NESTED, BLOCK_N, BLOCK_K)
-        if SWAP:
-            acc = tl.dot(tl.trans(w), tl.trans(dy), acc, input_precision=PRECISION)
-        else:
-            acc = tl.dot(dy, w, acc, input_precision=PRECISION)
-    if SWAP:
-        acc = tl.trans(acc)
-    _epilogue(acc, out_ptr, tokens, k0 + tl.arange(0, BLOCK_K), n_tokens, in_features, stride_om, stride_on,
-              ACCUMULATE)
+    _epilogue(acc, out_ptr, tokens, tile * WIDTH + tl.arange(0, WIDTH), n_tokens,
+              in_features if BACKWARD else out_features, stride_om, stride_on, ACCUMULATE)
 
 
 # --- Tile configurations ---------------------------------------------------------------------------
 # Swapped operands for a few tokens (the weight tile is the MMA's 64+-row side, the tokens its
 # narrow one), plain tiles for many. Pruned per token bucket (:func:`_prune`), then timed per
 # (bucket, shape, layout, dtypes) on first use.
-_SWAPPED = [(bm, bn, bk, 4, stages) for bm in (16, 32, 64) for bn, bk in ((64, 128), (128, 64), (64, 256))
-            for stages in (3, 4)]
-_PLAIN = [(64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4),
-          (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (64, 256, 64, 8, 4)]
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); every one within an H100's 227 KiB of shared memory.
+_SWAPPED = [(bm, bn, bk, 4, stages) for bm in (16, 32, 64)
+            for bn, bk, stages in ((64, 128, 4), (128, 64, 4), (64, 256, 3), (128, 128, 3))]
+_PLAIN = [(128, 128, 64, 8, 3), (256, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4)]
 # Under the interpreter (or without Triton) nothing is tuned: the kernels run one small tile.
 CONFIGS = [] if INTERPRET or TRITON_IMPORT_ERROR is not None else [
     triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SWAP=swap), num_warps=w, num_stages=s)
     for swap, tiles in ((True, _SWAPPED), (False, _PLAIN)) for bm, bn, bk, w, s in tiles
 ]
-_KEY = ["tokens_bucket", "out_features", "in_features", "BLOCKSIZE", "NESTED", "ACCUMULATE"]
+_KEY = ["tokens_bucket", "out_features", "in_features", "BACKWARD", "BLOCKSIZE", "NESTED", "ACCUMULATE"]
 INTERPRETER_TILE = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SWAP=False)  # few programs, dot's smallest sides
 
 
@@ -200,7 +182,7 @@ def _tuned(kernel):
                            restore_value=["out_ptr"], cache_results=True)(kernel) if CONFIGS else None
 
 
-_KERNELS = {False: (_forward_kernel, _tuned(_forward_kernel)), True: (_input_grad_kernel, _tuned(_input_grad_kernel))}
+_TUNED = _tuned(_gemm_4bit_kernel)
 
 
 def _tokens_bucket(tokens: int) -> int:
@@ -208,8 +190,12 @@ def _tokens_bucket(tokens: int) -> int:
     return min(8192, max(16, next_power_of_2(tokens)))
 
 
-def fused_gemm_into(out: torch.Tensor, a: torch.Tensor, weight: QuantizedWeight, backward: bool, accumulate: bool) -> torch.Tensor:
-    """The fused kernel: ``out (+)= a · Wᵀ`` (forward) or ``a · W`` (`backward`, the input gradient)."""
+def fused_gemm_into(out: torch.Tensor, a: torch.Tensor, weight: QuantizedWeight, backward: bool,
+                    accumulate: bool) -> torch.Tensor:
+    """``out (+)= a · Wᵀ`` (forward) or ``a · W`` (`backward`: the input gradient) by the fused
+    kernel, whatever :func:`fused_4bit` says (the benchmark's handle; ops go through
+    :func:`addmm_base_`). `a` and `out` are 2-D in one dtype, `weight` 4-bit with whole blocks
+    per row (:func:`supports_fused`)."""
     out_features, in_features = weight.shape
     nested = weight.nested
     # Unused pointers of the plain layout are bound to the absmax; the kernel does not read them.
@@ -217,28 +203,29 @@ def fused_gemm_into(out: torch.Tensor, a: torch.Tensor, weight: QuantizedWeight,
     scale_absmax = weight.scale_absmax if nested else weight.absmax
     offset = weight.offset if nested else weight.absmax
     tokens = a.shape[0]
-    args = (a, weight.data.reshape(-1).view(torch.uint8), weight.code, weight.absmax, scale_code, scale_absmax, offset, out,
-            tokens, out_features, in_features, a.stride(0), a.stride(1), out.stride(0), out.stride(1),
+    args = (a, weight.data.reshape(-1).view(torch.uint8), weight.code, weight.absmax, scale_code, scale_absmax, offset,
+            out, tokens, out_features, in_features, a.stride(0), a.stride(1), out.stride(0), out.stride(1),
             _tokens_bucket(tokens))
-    options = dict(ACCUMULATE=accumulate, BLOCKSIZE=weight.blocksize, SCALE_BLOCKSIZE=weight.scale_blocksize,
-                   NESTED=nested, PRECISION="ieee" if a.dtype == torch.float32 else "tf32")
-    plain, tuned = _KERNELS[backward]
-    width = in_features if backward else out_features
+    # enable_fp_fusion off: the double-quantised absmax is a multiply then an add, never one FMA.
+    options = dict(BACKWARD=backward, ACCUMULATE=accumulate, BLOCKSIZE=weight.blocksize,
+                   SCALE_BLOCKSIZE=weight.scale_blocksize, NESTED=nested,
+                   PRECISION="ieee" if a.dtype == torch.float32 else "tf32", enable_fp_fusion=False)
 
     def grid(meta):
-        return (cdiv(tokens, meta["BLOCK_M"]) * cdiv(width, meta["BLOCK_K" if backward else "BLOCK_N"]),)
+        return (cdiv(tokens, meta["BLOCK_M"]) * cdiv(in_features if backward else out_features,
+                                                    meta["BLOCK_K" if backward else "BLOCK_N"]),)
 
-    if tuned is None or a.device.type != "cuda":
-        plain[grid(INTERPRETER_TILE)](*args, **options, **INTERPRETER_TILE, enable_fp_fusion=False)
+    if _TUNED is None or a.device.type != "cuda":
+        _gemm_4bit_kernel[grid(INTERPRETER_TILE)](*args, **options, **INTERPRETER_TILE)
     else:
-        # enable_fp_fusion off: the double-quantised absmax is a multiply then an add, never one FMA.
-        tuned[grid](*args, **options, enable_fp_fusion=False)
+        _TUNED[grid](*args, **options)
     return out
 
 
 def dequantized_gemm_into(out: torch.Tensor, a: torch.Tensor, weight: QuantizedWeight, backward: bool,
-                      accumulate: bool) -> torch.Tensor:
-    """The same through a dequantised copy of W and cuBLAS: the reference and the large-token path."""
+                          accumulate: bool) -> torch.Tensor:
+    """:func:`fused_gemm_into`'s product through a dequantised copy of W (the reused buffer) and
+    cuBLAS: its reference, and the path for many tokens."""
     base = dequantized(weight, a.dtype)
     return out.addmm_(a, base if backward else base.t(), beta=1 if accumulate else 0)
 
