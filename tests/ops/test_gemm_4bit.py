@@ -10,7 +10,7 @@ import torch
 from tigon.ops import gemm_4bit
 from tigon.ops.composite import lora
 from tigon.ops.composite.lora import LoraProjection, lora_linear_group, lora_linear_reference
-from tigon.ops.gemm_4bit import addmm_base_, fused_4bit, linear_4bit, linear_4bit_reference
+from tigon.ops.gemm_4bit import base_gemm, fused_4bit, linear_4bit, linear_4bit_reference
 from tigon.patch.quantized import from_4bit, from_int8
 from tests.helpers import assert_close
 from tests.ops.test_dequantize import _bnb_dequantize_4bit, _quantize_4bit, bnb_functional
@@ -70,8 +70,9 @@ def test_matches_bitsandbytes_dequantize_and_matmul(poison_outputs, device, monk
 
 @pytest.mark.parametrize("tile", TILES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_tiles_accumulate_into_out(poison_outputs, device, monkeypatch, tile, dtype):
-    """``out += a Wᵀ`` and ``out += a W`` (what the LoRA ops ask for) on every tiling, odd shapes."""
+def test_tiles_and_added_term(poison_outputs, device, monkeypatch, tile, dtype):
+    """``c + a Wᵀ`` and ``c + a W`` (what the LoRA ops ask for) on every tiling, odd shapes; c is
+    left as it is."""
     _always_fused(monkeypatch)
     if tile is not None:
         monkeypatch.setattr(gemm_4bit, "INTERPRETER_TILE", tile)
@@ -80,9 +81,22 @@ def test_tiles_accumulate_into_out(poison_outputs, device, monkeypatch, tile, dt
     for backward, rows, cols in ((False, 19, 45), (True, 19, 320)):
         a = torch.randn(rows, 320 if not backward else 45, dtype=dtype, device=device)
         before = torch.randn(rows, cols, dtype=dtype, device=device)
-        out = addmm_base_(before.clone(), a, weight, backward=backward)
+        kept = before.clone()
+        out = base_gemm(a, weight, backward=backward, add=before)
         want = before.float() + a.float() @ (want_w if backward else want_w.t())
         assert_close(out, want.to(dtype), name=f"backward={backward}")
+        assert torch.equal(before, kept)
+
+
+def test_debug_mode_checks_without_adding_twice(device, monkeypatch):
+    """TIGON_DEBUG runs the reference on the op's own arguments after the kernel: the added term
+    is read, never written, so neither the result nor the check is off."""
+    _always_fused(monkeypatch)
+    monkeypatch.setenv("TIGON_DEBUG", "1")
+    weight, _, _ = _weight((24, 128), "fp4", True, 64, device)
+    a, add = torch.randn(7, 128, device=device), torch.randn(7, 24, device=device)
+    want = add + linear_4bit_reference(a, weight)
+    assert_close(base_gemm(a, weight, add=add.clone()), want)
 
 
 def test_nan_in_activations_propagates(device, monkeypatch):
@@ -122,7 +136,7 @@ def test_unaligned_rows_and_disabled_run_dequantize(device, monkeypatch):
     assert calls == [(9, 70)]
     aligned, _, _ = _weight((9, 64), "nf4", True, 64, device)
     monkeypatch.setenv("TIGON_DISABLE", "gemm_4bit")  # what the LoRA ops call runs dequantise + cuBLAS
-    out = addmm_base_(torch.empty(5, 9, device=device), x[:, :64], aligned, accumulate=False)
+    out = base_gemm(x[:, :64], aligned)
     assert_close(out, linear_4bit_reference(x[:, :64], aligned))
     assert calls == [(9, 70), (9, 64)]
 

@@ -33,7 +33,7 @@ import torch
 
 from tigon.bench.harness import environment
 from tigon.ops.dequantize import dequantize_reference
-from tigon.ops.gemm_4bit import dequantized_gemm_into, fused_4bit, fused_gemm_into
+from tigon.ops.gemm_4bit import dequantized_gemm, fused_4bit, fused_gemm
 from tigon.patch.quantized import from_4bit
 from tigon.timing import time_ms
 
@@ -47,7 +47,7 @@ PASSES = ("forward", "input-grad")
 
 
 def _implementations(weight, data, state, dense: torch.Tensor) -> dict[str, Callable]:
-    """impl -> f(a, out, backward) computing ``a · Wᵀ`` (or ``a · W``) into `out` or a new tensor."""
+    """impl -> f(a, backward) giving ``a · Wᵀ`` (or ``a · W`` when `backward`)."""
     import bitsandbytes.functional as bnb
 
     def oriented(w: torch.Tensor, backward: bool) -> torch.Tensor:
@@ -58,12 +58,12 @@ def _implementations(weight, data, state, dense: torch.Tensor) -> dict[str, Call
 
     compiled = torch.compile(reference)
     return {
-        "fused": lambda a, out, backward: fused_gemm_into(out, a, weight, backward, False),
-        "tigon-dequant": lambda a, out, backward: dequantized_gemm_into(out, a, weight, backward, False),
-        "bnb-dequant": lambda a, out, backward: torch.mm(a, oriented(bnb.dequantize_4bit(data, state), backward), out=out),
-        "eager": lambda a, out, backward: reference(a, backward),
-        "compile": lambda a, out, backward: compiled(a, backward),
-        "bf16-gemm": lambda a, out, backward: torch.mm(a, oriented(dense, backward), out=out),
+        "fused": lambda a, backward: fused_gemm(a, weight, backward),
+        "tigon-dequant": lambda a, backward: dequantized_gemm(a, weight, backward),
+        "bnb-dequant": lambda a, backward: a @ oriented(bnb.dequantize_4bit(data, state), backward),
+        "eager": reference,
+        "compile": compiled,
+        "bf16-gemm": lambda a, backward: a @ oriented(dense, backward),
     }
 
 
@@ -86,18 +86,17 @@ def bench_shape(shape: tuple[int, int], tokens_list: Sequence[int], impls: Seque
     for tokens in tokens_list:
         for backward in (False, True):
             a = torch.randn(tokens, out_features if backward else in_features, device=device, dtype=dtype)
-            out = torch.empty(tokens, in_features if backward else out_features, device=device, dtype=dtype)
             record: dict[str, Any] = {"shape": f"{out_features}x{in_features}", "tokens": tokens,
                                       "pass": PASSES[backward], "rule": "fused" if fused_4bit(tokens, *shape, backward)
                                       else "dequant"}
             for impl in impls:
                 fn = fns[impl]
                 try:
-                    got = fn(a, out, backward)  # compiles, autotunes: before any capture
+                    got = fn(a, backward)  # compiles, autotunes: before any capture
                     if impl == "fused":
-                        want = fns["bf16-gemm"](a, torch.empty_like(out), backward).float()
+                        want = fns["bf16-gemm"](a, backward).float()
                         record["fused_rel_err"] = ((got.float() - want).norm() / want.norm()).item()
-                    step = lambda fn=fn: fn(a, out, backward)  # noqa: E731
+                    step = lambda fn=fn: fn(a, backward)  # noqa: E731
                     record[f"{impl}_graph_ms"] = time_ms(step, device, graph=True)
                     record[f"{impl}_launch_ms"] = time_ms(step, device)
                 except Exception as err:  # one failing implementation must not hide the others' numbers

@@ -87,26 +87,26 @@ def _weight_tile(
 
 
 @triton.jit
-def _epilogue(acc, out_ptr, rows, cols, n_rows, n_cols, stride_om, stride_on, ACCUMULATE: tl.constexpr):
-    """Store the fp32 tile `acc` to ``out[rows, cols]``, adding what `out` holds when ACCUMULATE
-    (as cuBLAS's beta = 1: the sum in fp32, rounded once)."""
+def _epilogue(acc, out_ptr, add_ptr, rows, cols, n_rows, n_cols, stride_om, stride_am, HAS_ADD: tl.constexpr):
+    """Store the fp32 tile `acc` to ``out[rows, cols]`` (unit column stride), plus ``add[rows, cols]``
+    when HAS_ADD (as cuBLAS's beta = 1: the sum in fp32, rounded once)."""
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
-    ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols.to(tl.int64)[None, :] * stride_on
-    if ACCUMULATE:
-        acc += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    rows64, cols64 = rows.to(tl.int64)[:, None], cols.to(tl.int64)[None, :]
+    if HAS_ADD:
+        acc += tl.load(add_ptr + rows64 * stride_am + cols64, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows64 * stride_om + cols64, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _gemm_4bit_kernel(
-    a_ptr, packed_ptr, code_ptr, absmax_ptr, scale_code_ptr, scale_absmax_ptr, offset_ptr, out_ptr,
-    n_tokens, out_features, in_features, stride_am, stride_ak, stride_om, stride_on, tokens_bucket,
-    BACKWARD: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCKSIZE: tl.constexpr, SCALE_BLOCKSIZE: tl.constexpr,
+    a_ptr, packed_ptr, code_ptr, absmax_ptr, scale_code_ptr, scale_absmax_ptr, offset_ptr, add_ptr, out_ptr,
+    n_tokens, out_features, in_features, stride_am, stride_ak, stride_addm, stride_om, tokens_bucket,
+    BACKWARD: tl.constexpr, HAS_ADD: tl.constexpr, BLOCKSIZE: tl.constexpr, SCALE_BLOCKSIZE: tl.constexpr,
     NESTED: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """One (token tile, output tile) of ``out (+)= a · W[cols]ᵀ`` (forward: a is x, the tile is
-    BLOCK_N out features, the loop walks in by BLOCK_K) or ``out (+)= a · W[:, cols]`` (BACKWARD:
+    """One (token tile, output tile) of ``out = (add +) a · W[cols]ᵀ`` (forward: a is x, the tile is
+    BLOCK_N out features, the loop walks in by BLOCK_K) or ``out = (add +) a · W[:, cols]`` (BACKWARD:
     a is dy, the tile is BLOCK_K in features, the loop walks out by BLOCK_N). Either way W is read
     in [BLOCK_N × BLOCK_K] tiles. `tokens_bucket` only keys the autotuner."""
     # Token tiles vary fastest: the programs running at once read the same tiles of W (L2 hits).
@@ -140,8 +140,8 @@ def _gemm_4bit_kernel(
             acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
     if SWAP:
         acc = tl.trans(acc)
-    _epilogue(acc, out_ptr, tokens, tile * WIDTH + tl.arange(0, WIDTH), n_tokens,
-              in_features if BACKWARD else out_features, stride_om, stride_on, ACCUMULATE)
+    _epilogue(acc, out_ptr, add_ptr, tokens, tile * WIDTH + tl.arange(0, WIDTH), n_tokens,
+              in_features if BACKWARD else out_features, stride_om, stride_addm, HAS_ADD)
 
 
 # --- Tile configurations ---------------------------------------------------------------------------
@@ -157,7 +157,7 @@ CONFIGS = [] if INTERPRET or TRITON_IMPORT_ERROR is not None else [
     triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SWAP=swap), num_warps=w, num_stages=s)
     for swap, tiles in ((True, _SWAPPED), (False, _PLAIN)) for bm, bn, bk, w, s in tiles
 ]
-_KEY = ["tokens_bucket", "out_features", "in_features", "BACKWARD", "BLOCKSIZE", "NESTED", "ACCUMULATE"]
+_KEY = ["tokens_bucket", "out_features", "in_features", "BACKWARD", "BLOCKSIZE", "NESTED", "HAS_ADD"]
 INTERPRETER_TILE = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SWAP=False)  # few programs, dot's smallest sides
 
 
@@ -179,7 +179,7 @@ def _prune(configs, named_args, **kwargs):
 
 def _tuned(kernel):
     return triton.autotune(CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune},
-                           restore_value=["out_ptr"], cache_results=True)(kernel) if CONFIGS else None
+                           cache_results=True)(kernel) if CONFIGS else None
 
 
 _TUNED = _tuned(_gemm_4bit_kernel)
@@ -190,30 +190,31 @@ def _tokens_bucket(tokens: int) -> int:
     return min(8192, max(16, next_power_of_2(tokens)))
 
 
-def fused_gemm_into(out: torch.Tensor, a: torch.Tensor, weight: QuantizedWeight, backward: bool,
-                    accumulate: bool) -> torch.Tensor:
-    """``out (+)= a · Wᵀ`` (forward) or ``a · W`` (`backward`: the input gradient) by the fused
-    kernel, whatever :func:`fused_4bit` says (the benchmark's handle; ops go through
-    :func:`addmm_base_`). `a` and `out` are 2-D in one dtype, `weight` 4-bit with whole blocks
-    per row (:func:`supports_fused`)."""
+def fused_gemm(a: torch.Tensor, weight: QuantizedWeight, backward: bool = False,
+               add: torch.Tensor | None = None) -> torch.Tensor:
+    """``a · Wᵀ`` (or ``a · W`` when `backward`: the input gradient), plus `add` if given, as a new
+    tensor, by the fused kernel whatever :func:`fused_4bit` says (the benchmark's handle; ops go
+    through :func:`base_gemm`). `a` (and `add`) 2-D with unit column stride, in one dtype;
+    `weight` 4-bit with whole blocks per row (:func:`supports_fused`)."""
     out_features, in_features = weight.shape
+    tokens, width = a.shape[0], in_features if backward else out_features
+    out = torch.empty((tokens, width), dtype=a.dtype, device=a.device)
     nested = weight.nested
-    # Unused pointers of the plain layout are bound to the absmax; the kernel does not read them.
+    # Unused pointers (of the plain layout, or a missing `add`) are bound to tensors the kernel
+    # does not read.
     scale_code = weight.scale_code if nested else weight.absmax
     scale_absmax = weight.scale_absmax if nested else weight.absmax
     offset = weight.offset if nested else weight.absmax
-    tokens = a.shape[0]
     args = (a, weight.data.reshape(-1).view(torch.uint8), weight.code, weight.absmax, scale_code, scale_absmax, offset,
-            out, tokens, out_features, in_features, a.stride(0), a.stride(1), out.stride(0), out.stride(1),
-            _tokens_bucket(tokens))
+            out if add is None else add, out, tokens, out_features, in_features, a.stride(0), a.stride(1),
+            out.stride(0) if add is None else add.stride(0), out.stride(0), _tokens_bucket(tokens))
     # enable_fp_fusion off: the double-quantised absmax is a multiply then an add, never one FMA.
-    options = dict(BACKWARD=backward, ACCUMULATE=accumulate, BLOCKSIZE=weight.blocksize,
+    options = dict(BACKWARD=backward, HAS_ADD=add is not None, BLOCKSIZE=weight.blocksize,
                    SCALE_BLOCKSIZE=weight.scale_blocksize, NESTED=nested,
                    PRECISION="ieee" if a.dtype == torch.float32 else "tf32", enable_fp_fusion=False)
 
     def grid(meta):
-        return (cdiv(tokens, meta["BLOCK_M"]) * cdiv(in_features if backward else out_features,
-                                                    meta["BLOCK_K" if backward else "BLOCK_N"]),)
+        return (cdiv(tokens, meta["BLOCK_M"]) * cdiv(width, meta["BLOCK_K" if backward else "BLOCK_N"]),)
 
     if _TUNED is None or a.device.type != "cuda":
         _gemm_4bit_kernel[grid(INTERPRETER_TILE)](*args, **options, **INTERPRETER_TILE)
@@ -222,15 +223,16 @@ def fused_gemm_into(out: torch.Tensor, a: torch.Tensor, weight: QuantizedWeight,
     return out
 
 
-def dequantized_gemm_into(out: torch.Tensor, a: torch.Tensor, weight: QuantizedWeight, backward: bool,
-                          accumulate: bool) -> torch.Tensor:
-    """:func:`fused_gemm_into`'s product through a dequantised copy of W (the reused buffer) and
-    cuBLAS: its reference, and the path for many tokens."""
+def dequantized_gemm(a: torch.Tensor, weight: QuantizedWeight, backward: bool = False,
+                     add: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`fused_gemm`'s result through a dequantised copy of W (the reused buffer) and cuBLAS:
+    its reference (a new tensor; `add` is left as it is)."""
     base = dequantized(weight, a.dtype)
-    return out.addmm_(a, base if backward else base.t(), beta=1 if accumulate else 0)
+    base = base if backward else base.t()
+    return torch.mm(a, base) if add is None else torch.addmm(add, a, base)
 
 
-GEMM_4BIT = Op("gemm_4bit", fused_gemm_into, dequantized_gemm_into)
+GEMM_4BIT = Op("gemm_4bit", fused_gemm, dequantized_gemm)
 
 
 def supports_fused(weight: QuantizedWeight) -> bool:
@@ -238,17 +240,20 @@ def supports_fused(weight: QuantizedWeight) -> bool:
     return weight.kind == "4bit" and weight.shape[1] % weight.blocksize == 0
 
 
-def addmm_base_(out: torch.Tensor, a: torch.Tensor, weight: torch.Tensor | QuantizedWeight, *,
-                backward: bool = False, accumulate: bool = True) -> torch.Tensor:
-    """``out (+)= a · Wᵀ`` (or ``a · W`` when `backward`: a linear's input gradient) for a base
+def base_gemm(a: torch.Tensor, weight: torch.Tensor | QuantizedWeight, *, backward: bool = False,
+              add: torch.Tensor | None = None) -> torch.Tensor:
+    """``add + a · Wᵀ`` (or ``a · W`` when `backward`: a linear's input gradient) for a base
     weight that may be quantised: a plain one by cuBLAS; a 4-bit one by the fused GEMM where
-    :func:`fused_4bit` picks it, else dequantised into the reused buffer for cuBLAS. `out` and `a`
-    are 2-D in one dtype; the caller has checked the weight."""
-    if isinstance(weight, torch.Tensor):
-        return out.addmm_(a, weight if backward else weight.t(), beta=1 if accumulate else 0)
-    if supports_fused(weight) and fused_4bit(a.shape[0], *weight.shape, backward=backward):
-        return GEMM_4BIT(None, out, a, weight, backward, accumulate)
-    return dequantized_gemm_into(out, a, weight, backward, accumulate)
+    :func:`fused_4bit` picks it (a new tensor that `add` is read into), else dequantised into the
+    reused buffer for cuBLAS (accumulating in place into `add`). Use the result, not `add`,
+    which it may or may not be. `a` and `add` are 2-D in one dtype, unit column stride; the
+    caller has checked the weight."""
+    if not isinstance(weight, torch.Tensor):
+        if supports_fused(weight) and fused_4bit(a.shape[0], *weight.shape, backward=backward):
+            return GEMM_4BIT(None, a, weight, backward, add)
+        weight = dequantized(weight, a.dtype)
+    weight = weight if backward else weight.t()
+    return torch.mm(a, weight) if add is None else add.addmm_(a, weight)
 
 
 # --- The public op: a 4-bit linear without bias -----------------------------------------------------
@@ -263,18 +268,14 @@ def linear_4bit_reference(x: torch.Tensor, weight: QuantizedWeight) -> torch.Ten
 class _Linear4bitFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight):
-        x2d = rows_view(x)
-        out = torch.empty((x2d.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-        addmm_base_(out, x2d, weight, accumulate=False)
+        out = base_gemm(rows_view(x), weight)
         ctx.weight = weight  # frozen: a parameter, not an activation; nothing else is saved
         return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
         weight = ctx.weight
-        dy = rows_view(grad_out)
-        dx = torch.empty((dy.shape[0], weight.shape[1]), dtype=dy.dtype, device=dy.device)
-        addmm_base_(dx, dy, weight, backward=True, accumulate=False)
+        dx = base_gemm(rows_view(grad_out), weight, backward=True)
         return dx.view(*grad_out.shape[:-1], weight.shape[1]), None
 
 
