@@ -68,6 +68,25 @@ def test_matches_bitsandbytes_dequantize_and_matmul(poison_outputs, device, monk
     assert calls == [], "the fused path dequantised the weight"
 
 
+def _identity_products(weight, dtype, device):
+    """``I · Wᵀ`` and ``I · W`` by the fused GEMM: W's own values, each product with one 1 and
+    zeros, so any difference from bitsandbytes' dequantised weight is a dequantisation error."""
+    out_features, in_features = weight.shape
+    forward = linear_4bit(torch.eye(in_features, dtype=dtype, device=device), weight)
+    backward = base_gemm(torch.eye(out_features, dtype=dtype, device=device), weight, backward=True)
+    return forward.t(), backward
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("quant_type,double,blocksize", [("nf4", True, 64), ("fp4", False, 128)])
+def test_dequantises_bit_for_bit(poison_outputs, device, monkeypatch, quant_type, double, blocksize, dtype):
+    _always_fused(monkeypatch)
+    weight, data, state = _weight((40, 2 * blocksize), quant_type, double, blocksize, device)
+    want = _bnb_dequantize_4bit(data, state).to(dtype)
+    for got in _identity_products(weight, dtype, device):
+        assert torch.equal(got, want), f"max diff {(got.float() - want.float()).abs().max()}"
+
+
 @pytest.mark.parametrize("tile", TILES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_tiles_and_added_term(poison_outputs, device, monkeypatch, tile, dtype):
@@ -202,3 +221,13 @@ def test_bf16_llama_8b_shapes_on_gpu(monkeypatch, shape, tokens):
         error = ((got.float() - exact).norm() / exact.norm()).item()
         cublas_error = ((cublas.float() - exact).norm() / exact.norm()).item()
         assert error <= 1.25 * cublas_error + 1e-6, f"{name}: {error:.3e} vs cuBLAS {cublas_error:.3e}"
+
+
+@pytest.mark.gpu
+def test_bf16_dequantises_bit_for_bit_on_gpu(monkeypatch):
+    """In bf16 on the GPU, the tiles dequantised in registers are bitsandbytes' own bf16 weight."""
+    _always_fused(monkeypatch)
+    weight, data, state = _weight((1024, 4096), "nf4", True, 64, "cuda")
+    want = bnb_functional.dequantize_4bit(data, state).to(torch.bfloat16)
+    for got in _identity_products(weight, torch.bfloat16, "cuda"):
+        assert torch.equal(got, want)
