@@ -11,6 +11,7 @@ import tigon.functional as F
 from tigon import ops
 from tigon.ops import moe
 from tigon.ops.dora import DORA_SCALE_BACKWARD, dora_scale_backward_reference
+from tigon.ops.gemm_4bit import GEMM_4BIT
 from tigon.ops.linear_log_probs import linear_log_probs_reference
 from tests.helpers import assert_close, tigon_kernels
 
@@ -76,6 +77,11 @@ def _experts_args():
 
 
 # op -> (tigon's call, the reference's call, tensors to differentiate)
+def _four_bit(packed, absmax):
+    """A (6, 64) 4-bit weight of the packed codes and their absmaxes (one block of 64 per row)."""
+    return ops.QuantizedWeight(packed, absmax, (6, 64), code=torch.linspace(-1, 1, 16))
+
+
 CASES = {
     "rms_norm": (lambda x, w: F.rms_norm(x, w, offset=1.0), lambda x, w: ops.rms_norm_reference(x, w, 1e-6, 1.0),
                  lambda: (_t(3, 5, 33), _t(33))),
@@ -142,6 +148,11 @@ CASES = {
         lambda q, s: ops.dequantize_reference(ops.QuantizedWeight(q, s, tuple(q.shape)), torch.float32),
         lambda: (torch.randint(-127, 128, (6, 20), dtype=torch.int8), torch.rand(6) + 0.5),
     ),
+    "gemm_4bit": (  # what the LoRA ops run for a 4-bit base's GEMMs, forward and input gradient
+        lambda x, q, s: GEMM_4BIT(None, x, _four_bit(q, s), False, None),
+        lambda x, q, s: x @ ops.dequantize_reference(_four_bit(q, s), torch.float32).t(),
+        lambda: (_t(5, 64, grad=False), torch.randint(0, 256, (6 * 32,), dtype=torch.uint8), torch.rand(6) + 0.5),
+    ),
     "dora_norm": (lambda w, a, b: F.dora_norm(w, a, b, 0.5), lambda w, a, b: ops.dora_norm_reference(w, a, b, 0.5),
                   lambda: (_t(9, 20, grad=False), _t(3, 20, grad=False), _t(9, 3, grad=False))),
     "dora_scale": (F.dora_scale, ops.dora_scale_reference,
@@ -154,7 +165,7 @@ CASES = {
     "info_nce": (lambda q, d: F.info_nce(q, d, temperature=0.1), lambda q, d: ops.info_nce_reference(q, d, 0.1),
                  lambda: (_t(5, 24), _t(9, 24))),
 }
-NO_GRADIENT = ("dequantize", "dora_norm", "dora_scale_backward")  # ops whose outputs have no gradient
+NO_GRADIENT = ("dequantize", "gemm_4bit", "dora_norm", "dora_scale_backward")  # ops whose outputs have no gradient
 
 
 def test_every_op_with_kernels_has_a_case():

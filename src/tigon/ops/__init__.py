@@ -36,6 +36,7 @@ OP_MODULES: dict[str, tuple[str, ...]] = {
     "info_nce": ("info_nce",),
     "composite.linear_group": ("linear_group",),
     "dequantize": ("dequantize",),
+    "gemm_4bit": ("linear_4bit",),
     "dora": ("dora_norm", "dora_scale"),
     "composite.lora": ("lora_linear", "lora_linear_group"),
     "composite.lora_mlp": ("lora_gated_mlp",),

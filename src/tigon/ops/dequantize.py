@@ -51,6 +51,23 @@ def _to_output(value, out_ptr):
 
 
 @triton.jit
+def block_absmax(absmax_ptr, scale_code_ptr, scale_absmax_ptr, offset_ptr, block, mask,
+                 SCALE_BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr):
+    """The fp32 absmax of the quantisation blocks `block` (any shape; finite where not `mask`),
+    undoing the double quantisation when NESTED. Shared with the fused 4-bit GEMM
+    (:mod:`tigon.ops.gemm_4bit`), which must dequantise to the same bits."""
+    # One return: compiled code types every return statement, even one a constexpr branch skips.
+    if NESTED:
+        q = tl.load(absmax_ptr + block, mask=mask, other=0).to(tl.int32)
+        scale = tl.load(scale_absmax_ptr + block // SCALE_BLOCKSIZE, mask=mask, other=0.0)
+        absmax = tl.load(scale_code_ptr + q) * scale
+        absmax = absmax + tl.load(offset_ptr)
+    else:
+        absmax = tl.load(absmax_ptr + block, mask=mask, other=0.0)
+    return absmax
+
+
+@triton.jit
 def _dequantize_4bit_kernel(
     packed_ptr, code_ptr, absmax_ptr, scale_code_ptr, scale_absmax_ptr, offset_ptr, out_ptr,
     n_bytes, n_elements,
@@ -65,14 +82,8 @@ def _dequantize_4bit_kernel(
     block = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
     byte = block[:, None] * HALF + tl.arange(0, HALF)[None, :]
     packed = tl.load(packed_ptr + byte, mask=byte < n_bytes, other=0).to(tl.int32)
-    block_in = block * BLOCKSIZE < n_elements
-    if NESTED:
-        q = tl.load(absmax_ptr + block, mask=block_in, other=0).to(tl.int32)
-        scale = tl.load(scale_absmax_ptr + block // SCALE_BLOCKSIZE, mask=block_in, other=0.0)
-        absmax = tl.load(scale_code_ptr + q) * scale
-        absmax = absmax + tl.load(offset_ptr)
-    else:
-        absmax = tl.load(absmax_ptr + block, mask=block_in, other=0.0)
+    absmax = block_absmax(absmax_ptr, scale_code_ptr, scale_absmax_ptr, offset_ptr, block,
+                          block * BLOCKSIZE < n_elements, SCALE_BLOCKSIZE, NESTED)
     high = tl.load(code_ptr + (packed >> 4)) * absmax[:, None]
     low = tl.load(code_ptr + (packed & 15)) * absmax[:, None]
     values = tl.reshape(tl.join(high, low), (BLOCKS, BLOCKSIZE))  # high, low, high, low, ... per row

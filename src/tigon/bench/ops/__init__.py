@@ -2,6 +2,7 @@
 
 from tigon.bench.ops import cross_entropy  # noqa: F401
 from tigon.bench.ops import fp8  # noqa: F401
+from tigon.bench.ops import gemm_4bit  # noqa: F401
 from tigon.bench.ops import glu  # noqa: F401
 from tigon.bench.ops import info_nce  # noqa: F401
 from tigon.bench.ops import lora  # noqa: F401

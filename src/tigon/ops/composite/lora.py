@@ -36,9 +36,12 @@ roofline, and the rest is skinny (K or N = r) GEMMs that move each tensor once. 
 the ops trace their references (inductor schedules the same GEMMs).
 
 Quantised bases (QLoRA: a bitsandbytes NF4/FP4 or int8 weight as a :class:`QuantizedWeight`) are
-dequantised, bit for bit as bitsandbytes does, into a reused buffer right before each GEMM that
-reads them (forward, and again for dx in backward; :func:`tigon.ops.dequantize.dequantized`): no
-full-precision copy outlives its GEMM, and nothing of size N × out is saved.
+read by the base GEMMs (forward, and dx in backward) in one of two ways
+(:func:`tigon.ops.gemm_4bit.base_gemm`): a 4-bit base over few tokens by the fused 4-bit GEMM,
+which dequantises tiles in registers and never writes the weight in 16 bits; otherwise (many
+tokens, int8, DoRA) dequantised, bit for bit as bitsandbytes does, into a reused buffer right
+before the GEMM (:func:`tigon.ops.dequantize.dequantized`). Either way no full-precision copy
+outlives its GEMM, and nothing of size N × out is saved.
 
 DoRA (a projection with a `magnitude`) scales each output feature of ``z = x Wᵀ + s · (x Aᵀ) Bᵀ``
 by ``m / ‖W + s B A‖`` and adds the bias (:mod:`tigon.ops.dora`; the norm detached, as PEFT does).
@@ -57,6 +60,7 @@ from tigon.ops._checks import check_device, check_float, check_input, check_vect
 from tigon.ops._dispatch import Op, autocast_dtype
 from tigon.ops.dequantize import QuantizedWeight, check_quantized, dequantize_reference, dequantized
 from tigon.ops.dora import DORA_NORM, DORA_SCALE, DORA_SCALE_BACKWARD, dora_norm_reference, dora_scale_reference
+from tigon.ops.gemm_4bit import base_gemm
 from tigon.ops.rms_norm import NormedInput, check_normed_input, keep_normed, restore_normed
 
 
@@ -198,12 +202,11 @@ def lora_forward(
     projection with its adapters in their own dtype; default `projection`).
     """
     weight, _, lora_b, scaling, bias, magnitude = projection
-    base = dequantized(weight, x2d.dtype)
-    if magnitude is None and bias is not None:
-        return torch.addmm(bias, xa, lora_b.t(), alpha=scaling).addmm_(x2d, base.t()), None
-    z = _scaled_mm(xa, lora_b.t(), scaling).addmm_(x2d, base.t())
     if magnitude is None:
-        return z, None
+        out = _scaled_mm(xa, lora_b.t(), scaling) if bias is None else torch.addmm(bias, xa, lora_b.t(), alpha=scaling)
+        return base_gemm(x2d, weight, add=out), None
+    base = dequantized(weight, x2d.dtype)
+    z = _scaled_mm(xa, lora_b.t(), scaling).addmm_(x2d, base.t())
     adapters = adapters or projection
     # Read before anything else is dequantised into the buffer `base` may be.
     weight_norm = DORA_NORM(None, base, adapters.lora_a, adapters.lora_b, scaling)
@@ -325,7 +328,7 @@ def lora_backward_without_input(
         grad_x = torch.mm(grad_xa, stacked(lora_as))
         for projection, dz in zip(projections, grads_z):
             if dz is not None:
-                grad_x.addmm_(dz, dequantized(projection.weight, dz.dtype))
+                grad_x = base_gemm(dz, projection.weight, backward=True, add=grad_x)
     return grad_x, grad_xa, flat_grads, grads_z
 
 
