@@ -99,3 +99,39 @@ def test_settings_are_checked():
 def test_matryoshka_dims_must_be_below_the_width(tmp_path, capsys):
     assert main(["embed", "--matryoshka-dims", "64,128", "--output-dir", str(tmp_path / "o")]) == 2
     assert "below the embedding's 128" in capsys.readouterr().err
+
+
+def test_offload_moves_the_decoders_checkpoints_and_changes_nothing(monkeypatch):
+    """--offload-activations reaches the embedder: the layer inputs gradient checkpointing keeps go to
+    host memory and come back bit for bit (the causal LM's wrapped forward is never called here)."""
+    from tests.patch.tiny import batch, tiny_model
+    from tigon.patch import offload
+    from tigon.train.embed import decoder_of, embed_batch
+
+    opened = []
+
+    class Recording(offload.ActivationOffload):
+        def __init__(self, *args):
+            super().__init__(*args)
+            opened.append(self)
+
+    monkeypatch.setattr(offload, "ActivationOffload", Recording)
+    model = tiny_model("llama").train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    decoder = decoder_of(model)
+    ids, mask, _ = batch(seed=4, rows=3, cols=9)
+    inputs = {"input_ids": ids, "attention_mask": mask, "lengths": mask.sum(1)}
+
+    def run(flag):
+        model.zero_grad()
+        out = embed_batch(decoder, inputs, "last", offload=flag)
+        (out * torch.arange(out.shape[1])).sum().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want = run(False)
+    assert not opened
+    got = run(True)
+    (session,) = opened
+    assert session.offloaded >= model.config.num_hidden_layers and session.held == 0
+    assert torch.equal(got[0], want[0]) and got[1].keys() == want[1].keys()
+    assert all(torch.equal(got[1][n], want[1][n]) for n in want[1])

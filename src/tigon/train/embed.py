@@ -16,6 +16,7 @@ held-out positives, is their own) is logged before and after training.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from dataclasses import dataclass
@@ -157,9 +158,17 @@ def pool(hidden: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor | None,
     return (hidden.float() * mask[..., None]).sum(1) / lengths[:, None]
 
 
-def embed_batch(decoder: torch.nn.Module, batch: dict[str, torch.Tensor | None], pooling: str) -> torch.Tensor:
-    """The (R, H) fp32 embeddings (not normalised) of one padded batch (`pad`'s dict, on the model's device)."""
-    out = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+def embed_batch(decoder: torch.nn.Module, batch: dict[str, torch.Tensor | None], pooling: str,
+                offload: bool = False) -> torch.Tensor:
+    """The (R, H) fp32 embeddings (not normalised) of one padded batch (`pad`'s dict, on the model's
+    device). `offload`: the layer inputs gradient checkpointing keeps wait in host memory
+    (``--offload-activations``; tigon.patch's switch wraps the causal LM's forward, which an
+    embedder never calls)."""
+    from tigon.patch.offload import offload_scope
+
+    ids = batch["input_ids"]
+    with offload_scope(decoder, ids.numel()) if offload else contextlib.nullcontext():
+        out = decoder(input_ids=ids, attention_mask=batch["attention_mask"], use_cache=False)
     return pool(out.last_hidden_state, batch["lengths"], batch["attention_mask"], pooling)
 
 
@@ -199,15 +208,16 @@ def _trainer_class():
         """The Trainer of `tigon embed`: its loss is the InfoNCE of the batch's embeddings."""
 
         def __init__(self, *args, pooling: str, temperature: float, symmetric: bool, dims: tuple[int, ...],
-                     **kwargs):
+                     offload: bool = False, **kwargs):
             super().__init__(*args, **kwargs)
             self.pooling, self.temperature, self.symmetric, self.dims = pooling, temperature, symmetric, dims
+            self.offload = offload
             self.model_accepts_loss_kwargs = False  # the loss is a batch mean: accumulation divides it
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             decoder = decoder_of(model)
-            q = embed_batch(decoder, inputs["query"], self.pooling)
-            d = embed_batch(decoder, inputs["documents"], self.pooling)
+            q = embed_batch(decoder, inputs["query"], self.pooling, self.offload)
+            d = embed_batch(decoder, inputs["documents"], self.pooling, self.offload)
             loss = contrastive_loss(q, d, self.temperature, self.symmetric, self.dims)
             return (loss, None) if return_outputs else loss
 
@@ -269,7 +279,7 @@ def _run(cfg: EmbedConfig) -> Path:
             model=built.model, args=args, train_dataset=rows, eval_dataset=eval_rows or None,
             data_collator=PairCollator(tokenizer.pad_token_id), processing_class=tokenizer,
             save_limit=cfg.save_limit, pooling=cfg.pooling, temperature=cfg.temperature, symmetric=cfg.symmetric,
-            dims=dims)
+            dims=dims, offload=cfg.offload_activations)
         return state["trainer"]
 
     job = Job("embed", rows, tokens, sequences,
