@@ -153,9 +153,10 @@ def pool(hidden: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor | None,
     """(R, H) embeddings, fp32, not normalised, of right-padded (R, L, H) hidden states."""
     if pooling == "last":
         return hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1].float()
+    # Summed in fp32 as it is read: no fp32 copy of the (R, L, H) states (256 MiB a side at 64 x 512 x 2048).
     if mask is None:
-        return hidden.float().mean(1)
-    return (hidden.float() * mask[..., None]).sum(1) / lengths[:, None]
+        return hidden.sum(1, dtype=torch.float32) / hidden.shape[1]
+    return (hidden * mask[..., None].to(hidden.dtype)).sum(1, dtype=torch.float32) / lengths[:, None]
 
 
 def embed_batch(decoder: torch.nn.Module, batch: dict[str, torch.Tensor | None], pooling: str,
@@ -284,7 +285,7 @@ def _run(cfg: EmbedConfig) -> Path:
 
     job = Job("embed", rows, tokens, sequences,
               arguments=lambda dtype: training_arguments(cfg, dtype, bool(eval_rows)), trainer=trainer,
-              prompts=lambda: [])
+              prompts=lambda: [], try_with="tigon serve {}: /v1/embeddings")
     final = train(cfg, resume_from, tokenizer, job)
     if eval_rows and "trainer" in state:
         model = state["trainer"].model
