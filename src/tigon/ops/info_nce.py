@@ -333,11 +333,12 @@ def info_nce(
             queries' positives, the rest (hard negatives) negatives of every query.
         temperature: similarities are divided by it (sentence-transformers' ``scale`` is 1 / T).
         symmetric: average in the document-to-query loss of document i against the B queries.
-        max_chunk_bytes: the most bytes of ``B x N``-shaped memory the op holds; default
+        max_chunk_bytes: the budget for ``B x N``-shaped memory; default
             ``DEFAULT_MAX_CHUNK_BYTES`` (64 MiB). Where the fp32 similarity matrix fits
-            (``B * N * 4`` bytes) it is computed by one GEMM and kept for backward; otherwise the
-            fused kernel never forms it in forward and backward holds the gradient of the
-            similarities in chunks of rows of at most this many bytes (one row at least).
+            (``B * N * 4`` bytes) it is computed by one GEMM and kept for backward (which adds its
+            gradient in q's dtype beside it); otherwise the fused kernel never forms it in forward
+            and backward holds the gradient of the similarities in chunks of rows of at most this
+            many bytes (one row at least).
 
     Returns:
         ``(B,)`` fp32 losses (float64 for float64 inputs), differentiable in q and d; take
