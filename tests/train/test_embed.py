@@ -28,6 +28,8 @@ def test_builtin_default_raises_recall_and_loads_back(tmp_path, caplog):
         final = run_embed(EmbedConfig(output_dir=str(tmp_path), kernels=False), {"output_dir", "kernels"})
     before, after = _recall(caplog)
     assert after >= before + 0.2, (before, after)
+    finish = [r.getMessage() for r in caplog.records if r.getMessage().startswith("model: ")][-1]
+    assert "/v1/embeddings" in finish and "tigon chat" not in finish, finish
     settings = json.loads((final / "embedding.json").read_text())
     assert settings["pooling"] == "mean"
     decoder, tokenizer, loaded = load_embedder(str(final))
