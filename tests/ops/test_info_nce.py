@@ -68,6 +68,26 @@ def test_matryoshka_prefixes(device, path):
     compare_fwd_bwd(loss(_fn(0.05, False, chunk)), loss(_ref(0.05, False)), (q, d), name="matryoshka")
 
 
+def test_fused_forward_splits_the_documents(device, monkeypatch):
+    """A batch of few row blocks has its documents split among programs (a grid of several
+    columns); the splits' log-sum-exps merge to the reference's, a NaN document's in any split."""
+    kernel, grids = info_nce_module._info_nce_fwd_kernel, []
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(info_nce_module, "_info_nce_fwd_kernel", Spy())
+    q, d = _embeddings(70, 24, torch.float32, device, 13), _embeddings(200, 24, torch.float32, device, 14)
+    chunk = _fused_chunk(70, 200, None)
+    assert_close(info_nce(q, d, max_chunk_bytes=chunk), info_nce_reference(q, d), torch.float32, "split")
+    assert grids and grids[-1][1] > 1, grids
+    d = d.detach().clone()
+    d[170, 3] = float("nan")  # a document of the last split
+    assert info_nce(q.detach(), d, max_chunk_bytes=chunk).isnan().all()
+
+
 def test_is_sentence_transformers_loss(device):
     """MultipleNegativesRankingLoss's formula: cross-entropy of cos-sim * scale rows (anchor against
     positives then hard negatives) against the anchor's own positive, averaged."""

@@ -24,7 +24,8 @@ most B x N-shaped memory the op may hold; 64 MiB by default):
   all, as torch.compile of the reference does, and no recomputation: for these sizes the matrix
   is small beside the GEMMs over D (4096 x 4096 fp32 is 64 MiB; D is 2048..4096 for LLM embedders).
 * **fused** (larger matrices, or a smaller `max_chunk_bytes`): never the B x N matrix in forward.
-  One program per block of query rows walks the documents in column tiles, forms each
+  One program per block of query rows (and split of the documents, for batches of few blocks)
+  walks the documents in column tiles, forms each
   ``BLOCK_M x BLOCK_N`` tile of similarities in registers (fp32 ``tl.dot`` over D in slices) and
   keeps an online softmax (running max and sum) and the positive as its tile passes: it writes
   the fp32 log-sum-exp and positive of each row, O(B). Backward recomputes the tiles from q, d and
@@ -45,7 +46,7 @@ import torch
 
 from tigon.ops._checks import check_device, check_float
 from tigon.ops._dispatch import Op, backward_fallback, tl, triton
-from tigon.ops._launch import cdiv
+from tigon.ops._launch import cdiv, multiprocessor_count
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64  # tl.dot takes 16 rows at least
 NUM_WARPS = 4
@@ -72,14 +73,18 @@ def _similarity_tile(q_ptr, d_ptr, rows, cols, n_q, n_d, dim, q_stride, d_stride
 @triton.jit
 def _info_nce_fwd_kernel(
     q_ptr, d_ptr, lse_ptr, pos_ptr,
-    n_q, n_d, dim, q_stride, d_stride, scale,
+    n_q, n_d, dim, q_stride, d_stride, scale, split_cols,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    """Rows' log-sum-exp and positive over the documents of split ``program_id(1)`` (`split_cols`
+    columns, a multiple of BLOCK_N), written to that split's row of lse and positive."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    split = tl.program_id(1).to(tl.int64)
+    first = split * split_cols
     running_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     positive = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for n0 in range(0, n_d, BLOCK_N):
+    for n0 in range(first, tl.minimum(first + split_cols, n_d), BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
         s = _similarity_tile(q_ptr, d_ptr, rows, cols, n_q, n_d, dim, q_stride, d_stride, scale,
                              BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
@@ -89,8 +94,8 @@ def _info_nce_fwd_kernel(
         running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(s - new_max[:, None]), axis=1)
         running_max = new_max
     row_mask = rows < n_q
-    tl.store(lse_ptr + rows, running_max + tl.log(running_sum), mask=row_mask)
-    tl.store(pos_ptr + rows, positive, mask=row_mask)
+    tl.store(lse_ptr + split * n_q + rows, running_max + tl.log(running_sum), mask=row_mask)
+    tl.store(pos_ptr + split * n_q + rows, positive, mask=row_mask)
 
 
 @triton.jit
@@ -173,13 +178,21 @@ ROW_BLOCK = 1024  # the scores path's row kernels: columns per step
 
 def _fused_forward(q: torch.Tensor, d: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     n_q, dim = q.shape
-    lse = torch.empty(n_q, dtype=torch.float32, device=q.device)
+    n_d = d.shape[0]
+    # Few row blocks (a batch of hundreds) would leave most multiprocessors idle: the documents are
+    # split among programs too, each split's log-sum-exp merged after.
+    row_blocks, tiles = cdiv(n_q, BLOCK_M), cdiv(n_d, BLOCK_N)
+    per_split = cdiv(tiles, max(1, min(tiles, cdiv(2 * multiprocessor_count(q.device), row_blocks))))
+    splits = cdiv(tiles, per_split)
+    lse = torch.empty((splits, n_q), dtype=torch.float32, device=q.device)
     positive = torch.empty_like(lse)
-    _info_nce_fwd_kernel[(cdiv(n_q, BLOCK_M),)](
-        q, d, lse, positive, n_q, d.shape[0], dim, q.stride(0), d.stride(0), scale,
+    _info_nce_fwd_kernel[(row_blocks, splits)](
+        q, d, lse, positive, n_q, n_d, dim, q.stride(0), d.stride(0), scale, per_split * BLOCK_N,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PRECISION=_precision(q.dtype), num_warps=NUM_WARPS,
     )
-    return lse, positive
+    if splits == 1:
+        return lse[0], positive[0]
+    return torch.logsumexp(lse, 0), positive.sum(0)  # the positive is in one split, 0 in the others
 
 
 def _gradients(q, d, needs, chunks, ds_of):
