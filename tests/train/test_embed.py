@@ -137,3 +137,37 @@ def test_offload_moves_the_decoders_checkpoints_and_changes_nothing(monkeypatch)
     assert session.offloaded >= model.config.num_hidden_layers and session.held == 0
     assert torch.equal(got[0], want[0]) and got[1].keys() == want[1].keys()
     assert all(torch.equal(got[1][n], want[1][n]) for n in want[1])
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_checkpointed_rows_go_through_in_chunks(monkeypatch, pooling):
+    """Under gradient checkpointing the decoder embeds the rows a chunk at a time (its backward then
+    recomputes one chunk's layer at a time): the same embeddings and gradients as one call."""
+    from tests.patch.tiny import batch, tiny_model
+    from tigon.train import embed
+
+    model = tiny_model("llama").train()
+    decoder = embed.decoder_of(model)
+    ids, mask, _ = batch(seed=5, rows=5, cols=9)
+    inputs = {"input_ids": ids, "attention_mask": mask, "lengths": mask.sum(1)}
+    calls = []
+    decoder.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs["input_ids"].shape[0]),
+                                      with_kwargs=True)
+
+    def run():
+        model.zero_grad()
+        out = embed.embed_batch(decoder, inputs, pooling)
+        (out * torch.arange(out.shape[1])).sum().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want = run()
+    assert calls == [5]
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    monkeypatch.setattr(embed, "CHECKPOINTED_CHUNK_TOKENS", 2 * 9)
+    calls.clear()
+    got = run()
+    assert calls == [2, 2, 1]
+    torch.testing.assert_close(got[0], want[0])
+    assert got[1].keys() == want[1].keys()
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], rtol=1e-4, atol=1e-4)  # sums in other orders

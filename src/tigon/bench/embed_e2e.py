@@ -12,10 +12,11 @@ cadence; tokens/s counts both sides. Gradient checkpointing is on by default: wi
 * ``eager``: transformers' model, the loss by PyTorch (the whole similarity matrix, log-softmax);
 * ``compile``: the same under ``torch.compile``;
 * ``tigon``: the model after ``tigon.patch``, each side embedded by :func:`tigon.train.embed.embed_batch`
-  as `tigon embed --gradient-checkpointing --offload-activations` does (the layer inputs that
-  checkpointing keeps, 4 GiB of the 1B shape's 64 x 512 a side, wait in host memory: ``--no-offload``
-  keeps them on the GPU), the loss :func:`tigon.functional.info_nce` on bf16 embeddings (it
-  accumulates in fp32);
+  as `tigon embed --gradient-checkpointing --offload-activations` does: the rows through the
+  decoder in chunks of 8192 tokens, so that backward recomputes one chunk's layer at a time (0.6
+  GiB, not 2.4), and the layer inputs that checkpointing keeps (4 GiB of the 1B shape's 64 x 512 a
+  side) waiting in host memory (``--no-offload`` keeps them on the GPU); the loss
+  :func:`tigon.functional.info_nce` on the fp32 embeddings;
 * ``peer``: sentence-transformers (``models.Transformer`` + last-token ``models.Pooling``,
   ``losses.MultipleNegativesRankingLoss``) over the same weights, when the package is installed
   (a missing package is said in its row, not an error).

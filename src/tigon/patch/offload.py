@@ -154,10 +154,16 @@ def _tokens(args: tuple, kwargs: dict) -> int | None:
     return None if embeds is None else embeds.shape[:-1].numel()
 
 
+def checkpointed(model: torch.nn.Module) -> bool:
+    """Whether a forward of `model` now trains under gradient checkpointing (grad enabled, a module
+    recomputing)."""
+    return torch.is_grad_enabled() and any(recomputing(module) for module in model.modules())
+
+
 def offload_scope(model: torch.nn.Module, tokens: int | None) -> Any:
     """:class:`ActivationOffload` for a forward of `model` over `tokens` tokens when it trains with
-    gradient checkpointing on (grad enabled, a module recomputing); a no-op context otherwise."""
-    if tokens and torch.is_grad_enabled() and any(recomputing(module) for module in model.modules()):
+    gradient checkpointing on (:func:`checkpointed`); a no-op context otherwise."""
+    if tokens and checkpointed(model):
         return ActivationOffload(model.config.get_text_config().hidden_size, tokens)
     return contextlib.nullcontext()
 
