@@ -20,18 +20,72 @@ def _ref(temperature, symmetric):
     return lambda q, d: info_nce_reference(q, d, temperature, symmetric)
 
 
+def _fused_chunk(rows, docs, chunk):
+    """A max_chunk_bytes that sends (rows, docs) to the fused path: `chunk`, or just below the fp32 matrix."""
+    return chunk if chunk is not None else rows * docs * 4 - 1
+
+
 # Odd sizes: rows and documents that fill no tile, a width that is no multiple of the K slice,
-# hard negatives (N > B), and a backward in several chunks of rows.
-@pytest.mark.parametrize("dtype, rows, docs, dim, symmetric, chunk", [
-    (torch.float32, 37, 37, 50, False, None),
-    (torch.float32, 70, 131, 90, True, 16 * 131 * 4),
-    (torch.float16, 19, 83, 72, False, 5 * 83 * 2),
-    (torch.float16, 66, 66, 40, True, None),
+# hard negatives (N > B), and a backward in several chunks of rows; each on both paths (the
+# default max_chunk_bytes holds these matrices: the scores path).
+@pytest.mark.parametrize("path", ["scores", "fused"])
+@pytest.mark.parametrize("dtype, rows, docs, dim, symmetric, chunk, temperature", [
+    (torch.float32, 37, 37, 50, False, None, 0.05),
+    (torch.float32, 70, 131, 90, True, 16 * 131 * 4, 0.5),
+    (torch.float16, 19, 83, 72, False, 5 * 83 * 2, 0.02),
+    (torch.float16, 66, 66, 40, True, None, 1.0),
+    (torch.float32, 1, 1, 24, False, None, 0.1),
 ])
-def test_matches_reference(poison_outputs, device, dtype, rows, docs, dim, symmetric, chunk):
+def test_matches_reference(poison_outputs, device, dtype, rows, docs, dim, symmetric, chunk, temperature, path):
     q, d = _embeddings(rows, dim, dtype, device, 1), _embeddings(docs, dim, dtype, device, 2)
-    out = compare_fwd_bwd(_fn(0.05, symmetric, chunk), _ref(0.05, symmetric), (q, d), name="info_nce")
+    chunk = _fused_chunk(rows, docs, chunk) if path == "fused" else None
+    out = compare_fwd_bwd(_fn(temperature, symmetric, chunk), _ref(temperature, symmetric), (q, d), name="info_nce")
     assert out[0].dtype == torch.float32 and out[0].shape == (rows,)
+
+
+@pytest.mark.parametrize("chunk, path", [(None, "scores"), (41 * 45 * 4, "scores"), (41 * 45 * 4 - 1, "fused")])
+def test_path_rule(device, monkeypatch, chunk, path):
+    """The fp32 similarity matrix runs through cuBLAS where it fits max_chunk_bytes, else the fused kernel."""
+    ran = []
+    for name in ("scores", "fused"):
+        real = getattr(info_nce_module, f"_{name}_forward")
+        monkeypatch.setattr(info_nce_module, f"_{name}_forward",
+                            lambda *args, name=name, real=real: ran.append(name) or real(*args))
+    info_nce(_embeddings(41, 16, torch.float32, device), _embeddings(45, 16, torch.float32, device, 1),
+             max_chunk_bytes=chunk)
+    assert ran == [path]
+
+
+@pytest.mark.parametrize("path", ["scores", "fused"])
+def test_matryoshka_prefixes(device, path):
+    """Matryoshka training scores each prefix of the embeddings, renormalised: the op takes the slices."""
+    q, d = _embeddings(21, 48, torch.float16, device, 3), _embeddings(29, 48, torch.float16, device, 4)
+    chunk = _fused_chunk(21, 29, None) if path == "fused" else None
+
+    def loss(fn):
+        return lambda q, d: sum(fn(F.normalize(q[:, :k], dim=-1), F.normalize(d[:, :k], dim=-1)) for k in (8, 24, 48))
+
+    compare_fwd_bwd(loss(_fn(0.05, False, chunk)), loss(_ref(0.05, False)), (q, d), name="matryoshka")
+
+
+def test_fused_forward_splits_the_documents(device, monkeypatch):
+    """A batch of few row blocks has its documents split among programs (a grid of several
+    columns); the splits' log-sum-exps merge to the reference's, a NaN document's in any split."""
+    kernel, grids = info_nce_module._info_nce_fwd_kernel, []
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(info_nce_module, "_info_nce_fwd_kernel", Spy())
+    q, d = _embeddings(70, 24, torch.float32, device, 13), _embeddings(200, 24, torch.float32, device, 14)
+    chunk = _fused_chunk(70, 200, None)
+    assert_close(info_nce(q, d, max_chunk_bytes=chunk), info_nce_reference(q, d), torch.float32, "split")
+    assert grids and grids[-1][1] > 1, grids
+    d = d.detach().clone()
+    d[170, 3] = float("nan")  # a document of the last split
+    assert info_nce(q.detach(), d, max_chunk_bytes=chunk).isnan().all()
 
 
 def test_is_sentence_transformers_loss(device):
@@ -64,26 +118,28 @@ def test_against_installed_sentence_transformers(device):
     assert_close(got, want.float(), torch.float32, "st")
 
 
-def test_nan_reaches_only_the_losses_it_enters(device):
+@pytest.mark.parametrize("chunk", [None, 20 * 25 * 4 - 1])
+def test_nan_reaches_only_the_losses_it_enters(device, chunk):
     q, d = _embeddings(20, 32, torch.float32, device, 3), _embeddings(25, 32, torch.float32, device, 4)
     q, d = q.detach().clone(), d.detach().clone()
     q[3, 5] = float("nan")
-    loss = info_nce(q, d)
+    loss = info_nce(q, d, max_chunk_bytes=chunk)
     assert loss[3].isnan() and not loss[[0, 1, 2, 4, 19]].isnan().any()
     # A NaN document is a candidate of every query: every loss is NaN, as the reference's.
     q[3, 5] = 0.0
     d[22, 0] = float("nan")
-    assert info_nce(q, d).isnan().all() and info_nce_reference(q, d).isnan().all()
+    assert info_nce(q, d, max_chunk_bytes=chunk).isnan().all() and info_nce_reference(q, d).isnan().all()
     d[22, 0] = float("inf")
-    got, want = info_nce(q, d), info_nce_reference(q, d)
+    got, want = info_nce(q, d, max_chunk_bytes=chunk), info_nce_reference(q, d)
     assert (~torch.isfinite(got) == ~torch.isfinite(want)).all()
 
 
-def test_nan_gradient(device):
+@pytest.mark.parametrize("chunk", [None, 20 * 20 * 4 - 1])
+def test_nan_gradient(device, chunk):
     q, d = _embeddings(20, 32, torch.float32, device, 5), _embeddings(20, 32, torch.float32, device, 6)
     with torch.no_grad():
         q[7, 1] = float("nan")
-    info_nce(q, d).mean().backward()
+    info_nce(q, d, max_chunk_bytes=chunk).mean().backward()
     assert q.grad.isnan().any() and d.grad.isnan().all()
 
 
@@ -119,7 +175,16 @@ def test_bad_arguments(kwargs, message):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [None, 64 * 517 * 2])
 @pytest.mark.parametrize("symmetric", [False, True])
-def test_bf16_matches_reference(device, symmetric):
+def test_bf16_matches_reference(device, symmetric, chunk):
     q, d = _embeddings(300, 1000, torch.bfloat16, device, 9), _embeddings(517, 1000, torch.bfloat16, device, 10)
-    compare_fwd_bwd(_fn(0.02, symmetric, 64 * 517 * 2), _ref(0.02, symmetric), (q, d), name="bf16")
+    compare_fwd_bwd(_fn(0.02, symmetric, chunk), _ref(0.02, symmetric), (q, d), name="bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [None, 1024 * 1024 * 4 - 1])
+def test_bf16_embedder_shape(device, chunk):
+    """An LLM embedder's width and a batch of 1024 (with 64 hard negatives) on both paths."""
+    q, d = _embeddings(1024, 2048, torch.bfloat16, device, 11), _embeddings(1088, 2048, torch.bfloat16, device, 12)
+    compare_fwd_bwd(_fn(0.05, False, chunk), _ref(0.05, False), (q, d), name="bf16 2048")

@@ -797,3 +797,21 @@ def test_instance_patch_survives_transformers_hub_kernels(tmp_path):
     assert_same_run(run(model), want)
     tigon.unpatch(model)
     assert model.use_kernels and "forward" not in vars(norm)
+
+
+def test_a_sequence_classifier_has_no_lm_head_to_fuse():
+    """Instance patching names only what it bound: a sequence classifier's line has no
+    linear_cross_entropy (and its packed-sequence companion stays unswapped), a causal LM's has."""
+    from transformers import LlamaForSequenceClassification
+
+    from tests.patch.tiny import tiny_model
+
+    causal = tiny_model("llama")
+    classifier = LlamaForSequenceClassification(causal.config)
+    applied = tigon.patch(classifier).applied
+    try:
+        assert "rms_norm" in applied and "linear_cross_entropy" not in applied, applied
+    finally:
+        tigon.unpatch(classifier)
+    assert "linear_cross_entropy" in tigon.patch(causal).applied
+    tigon.unpatch(causal)

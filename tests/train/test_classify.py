@@ -3,6 +3,7 @@ and whose labels are saved in its config, `tigon infer` on it (a full model and 
 the label mapping, macro F1 against its definition, and bad rows refused in one line."""
 
 import json
+import logging
 
 import pytest
 import torch
@@ -124,12 +125,20 @@ def test_eval_rows_with_an_unknown_label_are_refused(tmp_path, capsys):
                           "data's labels x, y")
 
 
-def test_builtin_default_holds_out_a_tenth_and_evaluates(tmp_path):
+def test_builtin_default_holds_out_a_tenth_and_evaluates(tmp_path, caplog):
     out = tmp_path / "out"
-    assert main(["sft", "--task", "classification", "--max-steps", "3", "--output-dir", str(out)]) == 0
+    with caplog.at_level(logging.INFO, logger="tigon"):
+        assert main(["sft", "--task", "classification", "--max-steps", "3", "--output-dir", str(out)]) == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("eval_f1" in r for r in records)
     assert json.loads((out / "final" / "config.json").read_text())["id2label"]["3"] == "weather"
+    # What the run says at its end: a classifier is tried with tigon infer, and tigon's patch line
+    # names no fused LM-head loss (a classifier has no LM head).
+    lines = [r.getMessage() for r in caplog.records]
+    finish = [line for line in lines if line.startswith("model: ") and "final" in line][-1]
+    assert "tigon infer" in finish and "tigon chat" not in finish, finish
+    patched = [line for line in lines if line.startswith("tigon: applied")]
+    assert patched and not any("linear_cross_entropy" in line for line in patched), patched
 
 
 def test_a_reranker_is_a_classifier_of_query_document_pairs(tmp_path, capsys):

@@ -28,6 +28,8 @@ def test_builtin_default_raises_recall_and_loads_back(tmp_path, caplog):
         final = run_embed(EmbedConfig(output_dir=str(tmp_path), kernels=False), {"output_dir", "kernels"})
     before, after = _recall(caplog)
     assert after >= before + 0.2, (before, after)
+    finish = [r.getMessage() for r in caplog.records if r.getMessage().startswith("model: ")][-1]
+    assert "/v1/embeddings" in finish and "tigon chat" not in finish, finish
     settings = json.loads((final / "embedding.json").read_text())
     assert settings["pooling"] == "mean"
     decoder, tokenizer, loaded = load_embedder(str(final))
@@ -99,3 +101,73 @@ def test_settings_are_checked():
 def test_matryoshka_dims_must_be_below_the_width(tmp_path, capsys):
     assert main(["embed", "--matryoshka-dims", "64,128", "--output-dir", str(tmp_path / "o")]) == 2
     assert "below the embedding's 128" in capsys.readouterr().err
+
+
+def test_offload_moves_the_decoders_checkpoints_and_changes_nothing(monkeypatch):
+    """--offload-activations reaches the embedder: the layer inputs gradient checkpointing keeps go to
+    host memory and come back bit for bit (the causal LM's wrapped forward is never called here)."""
+    from tests.patch.tiny import batch, tiny_model
+    from tigon.patch import offload
+    from tigon.train.embed import decoder_of, embed_batch
+
+    opened = []
+
+    class Recording(offload.ActivationOffload):
+        def __init__(self, *args):
+            super().__init__(*args)
+            opened.append(self)
+
+    monkeypatch.setattr(offload, "ActivationOffload", Recording)
+    model = tiny_model("llama").train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    decoder = decoder_of(model)
+    ids, mask, _ = batch(seed=4, rows=3, cols=9)
+    inputs = {"input_ids": ids, "attention_mask": mask, "lengths": mask.sum(1)}
+
+    def run(flag):
+        model.zero_grad()
+        out = embed_batch(decoder, inputs, "last", offload=flag)
+        (out * torch.arange(out.shape[1])).sum().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want = run(False)
+    assert not opened
+    got = run(True)
+    (session,) = opened
+    assert session.offloaded >= model.config.num_hidden_layers and session.held == 0
+    assert torch.equal(got[0], want[0]) and got[1].keys() == want[1].keys()
+    assert all(torch.equal(got[1][n], want[1][n]) for n in want[1])
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_checkpointed_rows_go_through_in_chunks(monkeypatch, pooling):
+    """Under gradient checkpointing the decoder embeds the rows a chunk at a time (its backward then
+    recomputes one chunk's layer at a time): the same embeddings and gradients as one call."""
+    from tests.patch.tiny import batch, tiny_model
+    from tigon.train import embed
+
+    model = tiny_model("llama").train()
+    decoder = embed.decoder_of(model)
+    ids, mask, _ = batch(seed=5, rows=5, cols=9)
+    inputs = {"input_ids": ids, "attention_mask": mask, "lengths": mask.sum(1)}
+    calls = []
+    decoder.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs["input_ids"].shape[0]),
+                                      with_kwargs=True)
+
+    def run():
+        model.zero_grad()
+        out = embed.embed_batch(decoder, inputs, pooling)
+        (out * torch.arange(out.shape[1])).sum().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want = run()
+    assert calls == [5]
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    monkeypatch.setattr(embed, "CHECKPOINTED_CHUNK_TOKENS", 2 * 9)
+    calls.clear()
+    got = run()
+    assert calls == [2, 2, 1]
+    torch.testing.assert_close(got[0], want[0])
+    assert got[1].keys() == want[1].keys()
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], rtol=1e-4, atol=1e-4)  # sums in other orders

@@ -322,3 +322,16 @@ def test_bad_ppo_and_rloo_flags_are_one_line_and_write_nothing(tmp_path, capsys,
     assert err.startswith(f"tigon rlhf: error: {message.format(tmp=tmp_path)}"), err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_builtin_default_raises_the_reward(tmp_path, monkeypatch):
+    """Issue 41's bar for PPO, as the README states it: `tigon rlhf --method ppo` with no model and
+    no data (the built-in model after its sft stage, the bundled sums, the default rewards) ends
+    its default steps with a higher mean reward than it began with."""
+    monkeypatch.setattr(builtin, "DEMO_SFT", tmp_path / "no-demo" / "final")
+    out = tmp_path / "run"
+    assert main(["rlhf", "--method", "ppo", "--output-dir", str(out), "--no-kernels"]) == 0
+    rewards = [r["reward"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "reward" in r]
+    quarter = max(1, len(rewards) // 4)
+    first, last = sum(rewards[:quarter]) / quarter, sum(rewards[-quarter:]) / quarter
+    assert last > first + 0.05, rewards

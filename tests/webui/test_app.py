@@ -245,6 +245,28 @@ def test_the_live_chart_draws_a_run_started_from_the_page(ui, client, default_ru
     page.wait_for_function("() => document.querySelector('#runs-stop')?.disabled", timeout=30_000)
 
 
+def test_an_embedding_run_started_from_the_page_finishes(ui, runs_dir, browser_page):
+    """Issue 41's tasks start from the Train tab with nothing filled in: the method "embed" picked
+    on the page, Start runs `tigon embed`'s embedded default (the built-in model, the bundled
+    pairs) to its end, and what it saved is an embedding model."""
+    page = browser_page
+    page.goto(f"{ui}?run=not-started-embed", wait_until="load", timeout=60_000)
+    page.wait_for_function("() => document.querySelector('#train-status')?.innerText.includes('not-started-embed')",
+                           timeout=60_000)
+    page.get_by_label("method").first.fill("embed")
+    page.get_by_role("option", name="embed", exact=True).click()
+    page.locator("#start").click()
+    page.wait_for_function("() => /: running/.test(document.querySelector('#train-status')?.innerText)",
+                           timeout=60_000)
+    name = page.locator("#train-run textarea, #train-run input").first.input_value()
+    assert name.endswith("-embed"), name
+    page.wait_for_function("n => document.querySelector('#train-status')?.innerText.includes(n + ': finished')",
+                           arg=name, timeout=300_000)
+    assert (runs_dir / name / "final" / "embedding.json").is_file()
+    command = (runs_dir / name / LOG_FILE).read_text().splitlines()[0]
+    assert command.startswith("$ tigon embed "), command
+
+
 def test_the_page_keeps_an_uploaded_data_file_in_the_runs_folder(ui, runs_dir, browser_page, tmp_path):
     """The page's upload (Gradio's upload route, then the UI's handler): a data file lands in
     RUNS/uploads under a name of its own and is previewed; a Python file is refused."""

@@ -48,12 +48,39 @@ def test_lora_options_are_left_out_of_a_full_run(store):
 def test_preference_methods_run_tigon_rlhf(store):
     args = store.command_arguments(TrainSettings(method="dpo", model="org/m", tuner="lora"), store.root)
     assert args[:3] == ["rlhf", "--method", "dpo"] and args[3:5] == ["--model", "org/m"]
-    with pytest.raises(WebUIError, match="method 'evil': this tigon offers sft, dpo"):
+    with pytest.raises(WebUIError, match="method 'evil': this tigon offers sft, classification, embed, dpo"):
         store.command_arguments(TrainSettings(method="evil"), store.root)
 
 
+@pytest.mark.parametrize("method, command", [
+    ("classification", ["sft", "--task", "classification"]), ("embed", ["embed"]), ("rm", ["rlhf", "--method", "rm"]),
+    ("ppo", ["rlhf", "--method", "ppo"]), ("rloo", ["rlhf", "--method", "rloo"]),
+])
+def test_the_other_tasks_start_their_embedded_defaults(store, method, command):
+    """Reward models, classifiers (and rerankers), embedders, PPO and RLOO start from the form with
+    nothing filled in: their command's embedded default (built-in model, bundled data)."""
+    out = store.root / "r"
+    assert store.command_arguments(TrainSettings(method=method), out) == [*command, "--tuner", "full", "--output-dir",
+                                                                          str(out)]
+
+
+def test_the_other_tasks_take_their_own_options(store):
+    args = store.command_arguments(TrainSettings(method="embed", extra="--pooling last --temperature 0.1 "
+                                                 "--matryoshka-dims 8,16 --symmetric"), store.root)
+    assert args[args.index("--pooling"):-2] == ["--pooling", "last", "--temperature", "0.1", "--matryoshka-dims",
+                                                "8,16", "--symmetric"]
+    args = store.command_arguments(TrainSettings(method="classification", extra="--labels no,yes"), store.root)
+    assert args[args.index("--labels"):-2] == ["--labels", "no,yes"]
+    with pytest.raises(WebUIError, match="--task: set it in the form's field \"method\""):
+        store.command_arguments(TrainSettings(extra="--task classification"), store.root)
+    with pytest.raises(WebUIError, match="packing: `tigon embed` packs no rows"):
+        store.command_arguments(TrainSettings(method="embed", packing=True), store.root)
+    with pytest.raises(WebUIError, match="--pooling"):  # embed's option, not sft's
+        store.command_arguments(TrainSettings(method="classification", extra="--pooling last"), store.root)
+
+
 def test_methods_come_from_the_train_config_without_the_command_line():
-    assert available_methods() == ["sft", *METHODS]  # TRL is installed here
+    assert available_methods() == ["sft", "classification", "embed", *METHODS]  # TRL is installed here
     # The UI reads them from tigon.train.config: it imports neither the whole command line
     # (tigon.cli imports tigon.webui: a circle) nor a parser's internals.
     code = "import sys, tigon.webui.runs; print(sorted(m for m in sys.modules if m.startswith('tigon.cli')))"

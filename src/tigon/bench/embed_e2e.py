@@ -11,7 +11,12 @@ cadence; tokens/s counts both sides. Gradient checkpointing is on by default: wi
 
 * ``eager``: transformers' model, the loss by PyTorch (the whole similarity matrix, log-softmax);
 * ``compile``: the same under ``torch.compile``;
-* ``tigon``: the model after ``tigon.patch``, the loss :func:`tigon.functional.info_nce`;
+* ``tigon``: the model after ``tigon.patch``, each side embedded by :func:`tigon.train.embed.embed_batch`
+  as `tigon embed --gradient-checkpointing --offload-activations` does: the rows through the
+  decoder in chunks of 8192 tokens, so that backward recomputes one chunk's layer at a time (0.6
+  GiB, not 2.4), and the layer inputs that checkpointing keeps (4 GiB of the 1B shape's 64 x 512 a
+  side) waiting in host memory (``--no-offload`` keeps them on the GPU); the loss
+  :func:`tigon.functional.info_nce` on the fp32 embeddings;
 * ``peer``: sentence-transformers (``models.Transformer`` + last-token ``models.Pooling``,
   ``losses.MultipleNegativesRankingLoss``) over the same weights, when the package is installed
   (a missing package is said in its row, not an error).
@@ -50,7 +55,7 @@ def _eager_loss(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 def _tigon_loss(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     from tigon.functional import info_nce
 
-    return info_nce(F.normalize(q.float(), dim=-1), F.normalize(d.float(), dim=-1), temperature=1 / SCALE).mean()
+    return info_nce(F.normalize(q, dim=-1), F.normalize(d, dim=-1), temperature=1 / SCALE).mean()
 
 
 def _last_token(decoder: Callable[..., Any], ids: torch.Tensor) -> torch.Tensor:
@@ -58,12 +63,24 @@ def _last_token(decoder: Callable[..., Any], ids: torch.Tensor) -> torch.Tensor:
     return decoder(input_ids=ids, use_cache=False).last_hidden_state[:, -1]
 
 
+def _tigon_last_token(offload: bool) -> Callable[[Callable[..., Any], torch.Tensor], torch.Tensor]:
+    from tigon.train.embed import embed_batch
+
+    def embed(decoder: Callable[..., Any], ids: torch.Tensor) -> torch.Tensor:
+        lengths = torch.full((ids.shape[0],), ids.shape[1], device=ids.device)
+        return embed_batch(decoder, {"input_ids": ids, "attention_mask": None, "lengths": lengths}, "last", offload)
+
+    return embed
+
+
 def embedding_step(decoder: Callable[..., Any], loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                   batch: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Forward + backward of one step on ``2 * batch`` rows of ids: queries, then their positives."""
+                   batch: int, embed: Callable[[Callable[..., Any], torch.Tensor], torch.Tensor] = _last_token,
+                   ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Forward + backward of one step on ``2 * batch`` rows of ids: queries, then their positives,
+    each side's last-token states by `embed`."""
 
     def step(ids: torch.Tensor) -> torch.Tensor:
-        loss = loss_fn(_last_token(decoder, ids[:batch]), _last_token(decoder, ids[batch:]))
+        loss = loss_fn(embed(decoder, ids[:batch]), embed(decoder, ids[batch:]))
         loss.backward()
         return loss.detach()
 
@@ -144,7 +161,8 @@ def peer_step(path: str, device: torch.device, batch: int, mode: str, lora_rank:
 
 
 def run_embed_case(mode: str, impl: str, device: torch.device, *, batch: int, seq: int, steps: int, warmup: int,
-                   shape: dict, lora_rank: int, checkpointing: bool, log: Callable[[str], None]) -> dict[str, Any]:
+                   shape: dict, lora_rank: int, checkpointing: bool, log: Callable[[str], None],
+                   offload: bool = True) -> dict[str, Any]:
     """Train one embedder for `warmup` + `steps` AdamW steps; throughput, peak memory and losses."""
     release_memory(device)
     record: dict[str, Any] = {"mode": mode, "impl": impl, "batch": batch, "seq": seq}
@@ -164,7 +182,7 @@ def run_embed_case(mode: str, impl: str, device: torch.device, *, batch: int, se
             if impl == "tigon":
                 record["applied"] = str(tigon.patch(model))
                 log(record["applied"])
-                step = embedding_step(model, _tigon_loss, batch)
+                step = embedding_step(model, _tigon_loss, batch, _tigon_last_token(offload and checkpointing))
             else:
                 forward = torch.compile(model) if impl == "compile" else model
                 step = embedding_step(forward, _eager_loss, batch)
@@ -189,6 +207,7 @@ def run_embed_e2e(
     warmup: int = 3,
     lora_rank: int = 16,
     checkpointing: bool = True,
+    offload: bool = True,
     shape: dict = LLAMA_1B,
     out_dir: Path | None = None,
     log: Callable[[str], None] = print,
@@ -197,16 +216,17 @@ def run_embed_e2e(
     """Every (mode, impl) pair on the current CUDA device (or `device`: a CPU run of a small
     `shape` checks the pipeline, not speed); a table, ``embed_e2e.json`` in `out_dir`, the records."""
     settings = dict(batch=batch, seq=seq, steps=steps, warmup=warmup, lora_rank=lora_rank,
-                    checkpointing=checkpointing, shape=shape)
+                    checkpointing=checkpointing, offload=offload, shape=shape)
 
     def run_one(mode: str, impl: str, device: torch.device) -> dict[str, Any]:
         return run_embed_case(mode, impl, device, batch=batch, seq=seq, steps=steps, warmup=warmup, shape=shape,
-                              lora_rank=lora_rank, checkpointing=checkpointing, log=log)
+                              lora_rank=lora_rank, checkpointing=checkpointing, log=log, offload=offload)
 
     return run_all(
         "embedding e2e bench", "the embedding end-to-end benchmark", modes, impls, (MODES, IMPLS), run_one,
         settings=settings, summary=f"{batch} queries + {batch} documents x {seq} tokens, in-batch negatives, "
-        f"{steps} timed steps after {warmup}{', gradient checkpointing' if checkpointing else ''}",
+        f"{steps} timed steps after {warmup}{', gradient checkpointing' if checkpointing else ''}"
+        f"{' (tigon: offloaded)' if checkpointing and offload else ''}",
         out_dir=out_dir, out_name="embed_e2e.json", log=log, device=device,
     )
 
@@ -222,11 +242,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True,
                         help="gradient checkpointing (default on)")
+    parser.add_argument("--offload", action=argparse.BooleanOptionalAction, default=True,
+                        help="tigon: the checkpointed layer inputs in host memory (default on)")
     parser.add_argument("--out", metavar="DIR", help="write embed_e2e.json here")
     args = parser.parse_args(argv)
     records = run_embed_e2e(
         args.modes, args.impls, batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup,
-        lora_rank=args.lora_rank, checkpointing=args.checkpointing, out_dir=Path(args.out) if args.out else None,
+        lora_rank=args.lora_rank, checkpointing=args.checkpointing, offload=args.offload, out_dir=Path(args.out) if args.out else None,
     )
     return 1 if any("error" in r and r["error"] != PEER_MISSING for r in records) else 0
 

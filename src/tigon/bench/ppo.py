@@ -12,6 +12,12 @@ the attention mask given), is:
 * ``--ppo-epochs`` updates: forward and backward of the PPO loss (clipped policy term, clipped
   value term) over the whole batch, then AdamW.
 
+Nothing is sampled: the rollout is random tokens, so the step is the training part of PPO alone,
+which a last line per mode sets against eager. ``torch.compile`` of the 1B model takes longer
+than the rest together; `tigon bench --ppo` runs eager and tigon (about a minute on an H100):
+
+    python -m tigon.bench.ppo --impls eager tigon
+
 ``eager`` is the unpatched model called as TRL's PPO trainers call it: the logits of every
 position, their log-softmax in fp32, and the last hidden states (``output_hidden_states``) for
 the value head. ``compile`` is that under ``torch.compile``. ``tigon`` is the patched model
@@ -228,6 +234,18 @@ def format_table(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def training_part(records: list[dict[str, Any]]) -> list[str]:
+    """One line per mode: the training part of the step (scoring + updates; the rollout is made up,
+    nothing is sampled) of tigon against eager, beside issue 41's target."""
+    lines = []
+    for r in records:
+        if r["impl"] == "tigon" and "error" not in r and r.get("vs_eager_speed") == r.get("vs_eager_speed"):
+            lines.append(f"{r['mode']}: the training part of the PPO step (no generation) takes {r['step_ms']:.1f} ms "
+                         f"with tigon, {r['vs_eager_speed']:.2f}x eager's speed at {r['vs_eager_peak']:.2f}x its peak "
+                         "(target >= 1.5x)")
+    return lines
+
+
 def run_ppo_bench(modes: Sequence[str] = ("lora",), impls: Sequence[str] = IMPLS, *, prompts: int = 8,
                   prompt_len: int = 128, new_tokens: int = 256, epochs: int = 1, steps: int = 5, warmup: int = 2,
                   shape: dict = LLAMA_1B, lora_rank: int = 16, out_dir: Path | None = None,
@@ -244,6 +262,8 @@ def run_ppo_bench(modes: Sequence[str] = ("lora",), impls: Sequence[str] = IMPLS
         f"{steps} timed steps after {warmup}")
     records = [run_case(mode, impl, device, shape=shape, log=log, **settings) for mode in modes for impl in impls]
     log(format_table(records))
+    for line in training_part(records):
+        log(line)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "ppo.json").write_text(json.dumps({"environment": environment(), "settings": settings,

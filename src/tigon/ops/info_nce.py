@@ -14,14 +14,30 @@ elementwise, autograd differentiates it, and Matryoshka training needs each trun
 renormalised anyway (``F.normalize(q[:, :k])``): inside the kernel it would be one more option
 for no saving.
 
-Forward: one program per block of query rows walks the documents in column tiles, forms each
-``BLOCK_M x BLOCK_N`` tile of similarities in registers (fp32 ``tl.dot`` over D in slices) and
-keeps an online softmax (running max and sum), and the positive's similarity as its tile passes:
-what it writes is the fp32 log-sum-exp and the positive of each row, O(B). Backward recomputes
-each tile from q, d and the saved log-sum-exp and writes ``dS = g_i (p_ij - [j == i]) / T`` in the
-input dtype for one chunk of rows at a time (at most `max_chunk_bytes`), which two cuBLAS GEMMs
-turn into ``dq = dS d`` and ``dd += dS^T q``: GEMMs over D are what cuBLAS does best, and the
-chunk is the only B x N-shaped memory (none in forward).
+Two paths, chosen by the size of the ``B x N`` similarity matrix against `max_chunk_bytes` (the
+most B x N-shaped memory the op may hold; 64 MiB by default):
+
+* **scores** (the matrix in fp32 fits, ``B * N * 4 <= max_chunk_bytes``: B = N <= 4096 by default):
+  one cuBLAS GEMM writes the fp32 similarities (a 16-bit GEMM accumulating in fp32), one row kernel
+  takes each row's log-sum-exp and positive in one read, and backward's row kernel turns the
+  saved matrix into ``dS = g_i (p_ij - [j == i]) / T`` for the two gradient GEMMs. Three GEMMs in
+  all, as torch.compile of the reference does, and no recomputation: for these sizes the matrix
+  is small beside the GEMMs over D (4096 x 4096 fp32 is 64 MiB; D is 2048..4096 for LLM embedders).
+* **fused** (larger matrices, or a smaller `max_chunk_bytes`): never the B x N matrix in forward.
+  One program per block of query rows (and split of the documents, for batches of few blocks)
+  walks the documents in column tiles, forms each
+  ``BLOCK_M x BLOCK_N`` tile of similarities in registers (fp32 ``tl.dot`` over D in slices) and
+  keeps an online softmax (running max and sum) and the positive as its tile passes: it writes
+  the fp32 log-sum-exp and positive of each row, O(B). Backward recomputes the tiles from q, d and
+  the saved log-sum-exp and writes dS for one chunk of rows at a time (at most `max_chunk_bytes`),
+  which two cuBLAS GEMMs turn into ``dq = dS d`` and ``dd += dS^T q``. A backward that kept dq's
+  ``BLOCK_M x D`` accumulator in registers, as flash attention does for heads of 64..256, cannot
+  hold D = 2048..4096: it would recompute each tile D / BLOCK_D times, where the chunk costs
+  memory only.
+
+The fused path does four GEMMs' work (the recomputation is the fourth) against the scores path's
+three, so at sizes where the matrix fits it is the slower one: it pays in memory, for batches
+whose B x N matrix would be large (tens of thousands of rows, cached negatives).
 """
 
 from __future__ import annotations
@@ -30,7 +46,7 @@ import torch
 
 from tigon.ops._checks import check_device, check_float
 from tigon.ops._dispatch import Op, backward_fallback, tl, triton
-from tigon.ops._launch import cdiv
+from tigon.ops._launch import cdiv, multiprocessor_count
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64  # tl.dot takes 16 rows at least
 NUM_WARPS = 4
@@ -57,14 +73,18 @@ def _similarity_tile(q_ptr, d_ptr, rows, cols, n_q, n_d, dim, q_stride, d_stride
 @triton.jit
 def _info_nce_fwd_kernel(
     q_ptr, d_ptr, lse_ptr, pos_ptr,
-    n_q, n_d, dim, q_stride, d_stride, scale,
+    n_q, n_d, dim, q_stride, d_stride, scale, split_cols,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    """Rows' log-sum-exp and positive over the documents of split ``program_id(1)`` (`split_cols`
+    columns, a multiple of BLOCK_N), written to that split's row of lse and positive."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    split = tl.program_id(1).to(tl.int64)
+    first = split * split_cols
     running_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     positive = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for n0 in range(0, n_d, BLOCK_N):
+    for n0 in range(first, tl.minimum(first + split_cols, n_d), BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
         s = _similarity_tile(q_ptr, d_ptr, rows, cols, n_q, n_d, dim, q_stride, d_stride, scale,
                              BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
@@ -74,8 +94,8 @@ def _info_nce_fwd_kernel(
         running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(s - new_max[:, None]), axis=1)
         running_max = new_max
     row_mask = rows < n_q
-    tl.store(lse_ptr + rows, running_max + tl.log(running_sum), mask=row_mask)
-    tl.store(pos_ptr + rows, positive, mask=row_mask)
+    tl.store(lse_ptr + split * n_q + rows, running_max + tl.log(running_sum), mask=row_mask)
+    tl.store(pos_ptr + split * n_q + rows, positive, mask=row_mask)
 
 
 @triton.jit
@@ -99,6 +119,40 @@ def _info_nce_bwd_kernel(
              mask=row_mask[:, None] & (cols < n_d)[None, :])
 
 
+@triton.jit
+def _scores_fwd_kernel(s_ptr, lse_ptr, pos_ptr, n_d, s_stride, scale, BLOCK_N: tl.constexpr):
+    """Row ``i`` of the fp32 similarities (unscaled): its log-sum-exp and positive, scaled."""
+    row = tl.program_id(0).to(tl.int64)
+    base = s_ptr + row * s_stride
+    # Two reads of the row (the second from cache): an online softmax per lane would meet exp(-inf - -inf)
+    # in a lane whose columns all score -inf.
+    lane_max = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    for n0 in range(0, n_d, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        lane_max = tl.maximum(lane_max, tl.load(base + cols, mask=cols < n_d, other=float("-inf")) * scale)
+    row_max = tl.max(lane_max, axis=0)
+    lane_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for n0 in range(0, n_d, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        # A NaN similarity makes the sum NaN whether or not the max skipped it.
+        lane_sum += tl.exp(tl.load(base + cols, mask=cols < n_d, other=float("-inf")) * scale - row_max)
+    total = tl.sum(lane_sum, axis=0)
+    tl.store(lse_ptr + row, row_max + tl.log(total))
+    tl.store(pos_ptr + row, tl.load(base + row) * scale)
+
+
+@triton.jit
+def _scores_bwd_kernel(s_ptr, lse_ptr, grad_ptr, ds_ptr, n_d, s_stride, ds_stride, scale, BLOCK_N: tl.constexpr):
+    """dS of row ``i`` from its saved similarities and log-sum-exp, in dS's dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < n_d
+    s = tl.load(s_ptr + row * s_stride + cols, mask=mask, other=0.0) * scale
+    p = tl.exp(s - tl.load(lse_ptr + row))
+    ds = tl.load(grad_ptr + row) * (p - tl.where(cols == row, 1.0, 0.0)) * scale
+    tl.store(ds_ptr + row * ds_stride + cols, ds.to(ds_ptr.dtype.element_ty), mask=mask)
+
+
 def _one_way_reference(q: torch.Tensor, d: torch.Tensor, temperature: float) -> torch.Tensor:
     wide = torch.promote_types(q.dtype, torch.float32)
     scores = q.to(wide) @ d.to(wide).T / temperature
@@ -119,43 +173,88 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _forward(q: torch.Tensor, d: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+ROW_BLOCK = 1024  # the scores path's row kernels: columns per step
+
+
+def _fused_forward(q: torch.Tensor, d: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     n_q, dim = q.shape
-    lse = torch.empty(n_q, dtype=torch.float32, device=q.device)
+    n_d = d.shape[0]
+    # Few row blocks (a batch of hundreds) would leave most multiprocessors idle: the documents are
+    # split among programs too, each split's log-sum-exp merged after.
+    row_blocks, tiles = cdiv(n_q, BLOCK_M), cdiv(n_d, BLOCK_N)
+    per_split = cdiv(tiles, max(1, min(tiles, cdiv(2 * multiprocessor_count(q.device), row_blocks))))
+    splits = cdiv(tiles, per_split)
+    lse = torch.empty((splits, n_q), dtype=torch.float32, device=q.device)
     positive = torch.empty_like(lse)
-    _info_nce_fwd_kernel[(cdiv(n_q, BLOCK_M),)](
-        q, d, lse, positive, n_q, d.shape[0], dim, q.stride(0), d.stride(0), scale,
+    _info_nce_fwd_kernel[(row_blocks, splits)](
+        q, d, lse, positive, n_q, n_d, dim, q.stride(0), d.stride(0), scale, per_split * BLOCK_N,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PRECISION=_precision(q.dtype), num_warps=NUM_WARPS,
     )
-    return lse, positive
+    if splits == 1:
+        return lse[0], positive[0]
+    return torch.logsumexp(lse, 0), positive.sum(0)  # the positive is in one split, 0 in the others
 
 
-def _backward(q, d, lse, grad, scale, max_chunk_bytes, needs):
-    """(dq, dd) for the upstream per-row gradient `grad` (fp32), None where `needs` says so."""
-    n_q, n_d = q.shape[0], d.shape[0]
-    rows = max(1, min(n_q, max_chunk_bytes // max(1, n_d * q.element_size())))
+def _gradients(q, d, needs, chunks, ds_of):
+    """(dq, dd) from dS in row `chunks` ((start, stop) pairs); ``ds_of(start, stop)`` gives the chunk's
+    dS in q's dtype. None where `needs` says so."""
     grad_q = torch.empty_like(q) if needs[0] else None
-    grad_d, chunked = None, rows < n_q
+    grad_d, chunked = None, len(chunks) > 1
     if needs[1]:
         # Chunks add their parts in fp32; one chunk writes the gradient directly.
         grad_d = torch.zeros(d.shape, dtype=torch.float32, device=d.device) if chunked else torch.empty_like(d)
+    for start, stop in chunks:
+        ds = ds_of(start, stop)
+        if grad_q is not None:
+            torch.mm(ds, d, out=grad_q[start:stop])
+        if grad_d is not None:
+            if chunked:
+                grad_d += (ds.T @ q[start:stop]).float()
+            else:
+                torch.mm(ds.T, q, out=grad_d)
+    return grad_q, (None if grad_d is None else grad_d.to(d.dtype))
+
+
+def _fused_backward(q, d, lse, grad, scale, max_chunk_bytes, needs):
+    """The fused path's (dq, dd) for the upstream per-row gradient `grad` (fp32)."""
+    n_q, n_d = q.shape[0], d.shape[0]
+    rows = max(1, min(n_q, max_chunk_bytes // max(1, n_d * q.element_size())))
     ds = torch.empty((rows, n_d), dtype=q.dtype, device=q.device)
-    for start in range(0, n_q, rows):
-        stop = min(n_q, start + rows)
-        chunk, q_chunk = ds[: stop - start], q[start:stop]
+
+    def ds_of(start, stop):
+        chunk = ds[: stop - start]
         _info_nce_bwd_kernel[(cdiv(stop - start, BLOCK_M), cdiv(n_d, BLOCK_N))](
-            q_chunk, d, lse[start:stop], grad[start:stop], chunk,
+            q[start:stop], d, lse[start:stop], grad[start:stop], chunk,
             start, stop - start, n_d, q.shape[1], q.stride(0), d.stride(0), chunk.stride(0), scale,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PRECISION=_precision(q.dtype), num_warps=NUM_WARPS,
         )
-        if grad_q is not None:
-            torch.mm(chunk, d, out=grad_q[start:stop])
-        if grad_d is not None:
-            if chunked:
-                grad_d += (chunk.T @ q_chunk).float()
-            else:
-                torch.mm(chunk.T, q_chunk, out=grad_d)
-    return grad_q, (None if grad_d is None else grad_d.to(d.dtype))
+        return chunk
+
+    return _gradients(q, d, needs, [(i, min(n_q, i + rows)) for i in range(0, n_q, rows)], ds_of)
+
+
+def _similarities(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``q d^T`` in fp32, by cuBLAS: 16-bit operands accumulate in fp32 and are written so."""
+    if q.dtype != torch.float32 and q.device.type == "cuda":
+        return torch.mm(q, d.T, out_dtype=torch.float32)
+    return q.float() @ d.float().T
+
+
+def _scores_forward(q, d, scale):
+    scores = _similarities(q, d)
+    lse = torch.empty(q.shape[0], dtype=torch.float32, device=q.device)
+    positive = torch.empty_like(lse)
+    _scores_fwd_kernel[(q.shape[0],)](scores, lse, positive, d.shape[0], scores.stride(0), scale, BLOCK_N=ROW_BLOCK)
+    return scores, lse, positive
+
+
+def _scores_backward(q, d, scores, lse, grad, scale, needs):
+    """The scores path's (dq, dd): dS from the saved similarities, then two GEMMs."""
+    n_q, n_d = scores.shape
+    ds = torch.empty((n_q, n_d), dtype=q.dtype, device=q.device)
+    _scores_bwd_kernel[(n_q, cdiv(n_d, ROW_BLOCK))](scores, lse, grad, ds, n_d, scores.stride(0), ds.stride(0),
+                                                     scale, BLOCK_N=ROW_BLOCK)
+    return _gradients(q, d, needs, [(0, n_q)], lambda start, stop: ds)
 
 
 def _reference_point(ctx, saved):
@@ -164,12 +263,16 @@ def _reference_point(ctx, saved):
 
 
 class _InfoNCEFunction(torch.autograd.Function):
-    """One direction's per-row loss (fp32); the symmetric loss is two of them."""
+    """One direction's per-row loss (fp32) by either path; the symmetric loss is two of them."""
 
     @staticmethod
     def forward(ctx, q, d, scale, max_chunk_bytes):
-        lse, positive = _forward(q, d, scale)
-        ctx.save_for_backward(q, d, lse)
+        if _holds_scores(q.shape[0], d.shape[0], max_chunk_bytes):
+            scores, lse, positive = _scores_forward(q, d, scale)
+            ctx.save_for_backward(q, d, lse, scores)
+        else:
+            lse, positive = _fused_forward(q, d, scale)
+            ctx.save_for_backward(q, d, lse)
         ctx.scale, ctx.max_chunk_bytes = scale, max_chunk_bytes
         return lse - positive
 
@@ -177,10 +280,18 @@ class _InfoNCEFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     @backward_fallback(_reference_point)
     def backward(ctx, saved, grad):
-        q, d, lse = saved
-        grad_q, grad_d = _backward(q, d, lse, grad.float().contiguous(), ctx.scale, ctx.max_chunk_bytes,
-                                   ctx.needs_input_grad[:2])
+        q, d, lse = saved[:3]
+        grad, needs = grad.float().contiguous(), ctx.needs_input_grad[:2]
+        if len(saved) == 4:
+            grad_q, grad_d = _scores_backward(q, d, saved[3], lse, grad, ctx.scale, needs)
+        else:
+            grad_q, grad_d = _fused_backward(q, d, lse, grad, ctx.scale, ctx.max_chunk_bytes, needs)
         return grad_q, grad_d, None, None
+
+
+def _holds_scores(n_q: int, n_d: int, max_chunk_bytes: int) -> bool:
+    """Whether the scores path runs: the fp32 (n_q, n_d) similarities fit `max_chunk_bytes`."""
+    return n_q * n_d * 4 <= max_chunk_bytes
 
 
 def _kernel(q, d, temperature, symmetric, max_chunk_bytes):
@@ -225,8 +336,8 @@ def info_nce(
     symmetric: bool = False,
     max_chunk_bytes: int | None = None,
 ) -> torch.Tensor:
-    """Per-query InfoNCE loss with in-batch negatives, ``logsumexp_j(q_i . d_j / T) - q_i . d_i / T``,
-    without the (B, N) similarity matrix in forward.
+    """Per-query InfoNCE loss with in-batch negatives, ``logsumexp_j(q_i . d_j / T) - q_i . d_i / T``;
+    for large batches without the (B, N) similarity matrix in forward (see `max_chunk_bytes`).
 
     Args:
         q: ``(B, D)`` query embeddings, float16/bfloat16/float32 (float64 runs the reference).
@@ -235,8 +346,12 @@ def info_nce(
             queries' positives, the rest (hard negatives) negatives of every query.
         temperature: similarities are divided by it (sentence-transformers' ``scale`` is 1 / T).
         symmetric: average in the document-to-query loss of document i against the B queries.
-        max_chunk_bytes: the most bytes of the backward's per-chunk gradient of the similarities
-            (``rows x N`` in q's dtype; at least one row); default ``DEFAULT_MAX_CHUNK_BYTES``.
+        max_chunk_bytes: the budget for ``B x N``-shaped memory; default
+            ``DEFAULT_MAX_CHUNK_BYTES`` (64 MiB). Where the fp32 similarity matrix fits
+            (``B * N * 4`` bytes) it is computed by one GEMM and kept for backward (which adds its
+            gradient in q's dtype beside it); otherwise the fused kernel never forms it in forward
+            and backward holds the gradient of the similarities in chunks of rows of at most this
+            many bytes (one row at least).
 
     Returns:
         ``(B,)`` fp32 losses (float64 for float64 inputs), differentiable in q and d; take

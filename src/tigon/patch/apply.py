@@ -85,6 +85,9 @@ class _Replacement:
     # is swapped for model instances only, too.
     foreign: bool = False
     planned: bool = False
+    # A module-wide swap that serves its switch's per-module replacement before it in the plan: on a
+    # model instance, taken only if that one bound a module (a sequence classifier has no LM head).
+    companion: bool = False
 
     def made(self, plan: LayerPlan) -> Callable[..., Any]:
         """The replacement, bound to `plan` where it reads one."""
@@ -337,10 +340,10 @@ def _plan(
         masking = sys.modules.get("transformers.masking_utils")
         if fused and masking is not None and hasattr(masking, "find_packed_sequence_indices"):
             finder = head.packed_sequence_finder(_original(masking, "find_packed_sequence_indices"))
-            plan.append(_Replacement(loss_switch, masking, "find_packed_sequence_indices", finder))
+            plan.append(_Replacement(loss_switch, masking, "find_packed_sequence_indices", finder, companion=True))
         if masking is not None and hasattr(masking, "_ignore_causal_mask_sdpa"):
             skip = head.captured_causal_mask_skip(_original(masking, "_ignore_causal_mask_sdpa"))
-            plan.append(_Replacement(loss_switch, masking, "_ignore_causal_mask_sdpa", skip))
+            plan.append(_Replacement(loss_switch, masking, "_ignore_causal_mask_sdpa", skip, companion=True))
     layer = find(family.layer.cls)
     if switches["add_rms_norm"] and family.layer.fuse is not None and layer is not None:
         # The layer runs its MLP in one op with the add + RMSNorm before it only where that MLP runs
@@ -453,8 +456,11 @@ def _patch_instance(model: torch.nn.Module, switches: dict[str, bool]) -> Patche
             layer_plans = {layer: LayerPlan(undo.relay, next_norm)
                            for layer, next_norm in _next_norms(model, family, module, switches["rms_norm"])}
             undo.layers = list(layer_plans.values())
+        bound: set[str] = set()
         for replacement in plan:
             if not replacement.per_module:
+                if replacement.companion and replacement.switch not in bound:
+                    continue
                 undo.shared.append(_acquire(replacement.owner, replacement.name, replacement.new))
                 applied.update(dict.fromkeys((replacement.switch, *replacement.also)))
                 continue
@@ -462,6 +468,7 @@ def _patch_instance(model: torch.nn.Module, switches: dict[str, bool]) -> Patche
                 if replacement.binds_on(sub):
                     _rebind(undo, sub, forward_attr(sub), replacement.made(layer_plans.get(sub, shared)))
                     applied.update(dict.fromkeys((replacement.switch, *replacement.also)))
+                    bound.add(replacement.switch)
         if switches["moe_experts"] and family.experts is not None:
             before = _use_tigon_experts(model, hf_model, getattr(module, family.experts))
             if before is not None:

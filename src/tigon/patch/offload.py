@@ -13,11 +13,13 @@ Tensors on the CPU (a machine without GPU) are copied to plain CPU memory instea
 nothing is saved, but the same bookkeeping runs, so it can be tested anywhere.
 
 ``tigon.patch(model, offload_activations=True)`` wraps the ``*ForCausalLM`` forward in it, on while
-training with gradient checkpointing on.
+training with gradient checkpointing on; `tigon embed`, which runs the decoder without its LM
+head, opens :func:`offload_scope` around each forward itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from typing import Any, Callable
@@ -152,17 +154,27 @@ def _tokens(args: tuple, kwargs: dict) -> int | None:
     return None if embeds is None else embeds.shape[:-1].numel()
 
 
+def checkpointed(model: torch.nn.Module) -> bool:
+    """Whether a forward of `model` now trains under gradient checkpointing (grad enabled, a module
+    recomputing)."""
+    return torch.is_grad_enabled() and any(recomputing(module) for module in model.modules())
+
+
+def offload_scope(model: torch.nn.Module, tokens: int | None) -> Any:
+    """:class:`ActivationOffload` for a forward of `model` over `tokens` tokens when it trains with
+    gradient checkpointing on (:func:`checkpointed`); a no-op context otherwise."""
+    if tokens and checkpointed(model):
+        return ActivationOffload(model.config.get_text_config().hidden_size, tokens)
+    return contextlib.nullcontext()
+
+
 def offloaded_forward(inner: Callable[..., Any]) -> Callable[..., Any]:
-    """A ``*ForCausalLM`` forward running ``inner`` inside :class:`ActivationOffload` when the
-    model is training with gradient checkpointing on, and plainly otherwise; its signature is
+    """A ``*ForCausalLM`` forward running ``inner`` inside :func:`offload_scope`; its signature is
     `inner`'s."""
 
     @functools.wraps(inner)
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        tokens = _tokens(args, kwargs)
-        if tokens and torch.is_grad_enabled() and any(recomputing(module) for module in self.modules()):
-            with ActivationOffload(self.config.get_text_config().hidden_size, tokens):
-                return inner(self, *args, **kwargs)
-        return inner(self, *args, **kwargs)
+        with offload_scope(self, _tokens(args, kwargs)):
+            return inner(self, *args, **kwargs)
 
     return forward

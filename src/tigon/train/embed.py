@@ -16,6 +16,7 @@ held-out positives, is their own) is logged before and after training.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from dataclasses import dataclass
@@ -152,15 +153,38 @@ def pool(hidden: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor | None,
     """(R, H) embeddings, fp32, not normalised, of right-padded (R, L, H) hidden states."""
     if pooling == "last":
         return hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1].float()
+    # Summed in fp32 as it is read: no fp32 copy of the (R, L, H) states (256 MiB a side at 64 x 512 x 2048).
     if mask is None:
-        return hidden.float().mean(1)
-    return (hidden.float() * mask[..., None]).sum(1) / lengths[:, None]
+        return hidden.sum(1, dtype=torch.float32) / hidden.shape[1]
+    return (hidden * mask[..., None].to(hidden.dtype)).sum(1, dtype=torch.float32) / lengths[:, None]
 
 
-def embed_batch(decoder: torch.nn.Module, batch: dict[str, torch.Tensor | None], pooling: str) -> torch.Tensor:
-    """The (R, H) fp32 embeddings (not normalised) of one padded batch (`pad`'s dict, on the model's device)."""
-    out = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-    return pool(out.last_hidden_state, batch["lengths"], batch["attention_mask"], pooling)
+# A checkpointed forward recomputes one layer of its whole input at a time in backward: the 1B
+# Llama shape's layer keeps ~75 KB a token, so 64 texts x 512 tokens recompute 2.4 GiB at once.
+# Under checkpointing the rows go through the decoder in chunks of this many tokens instead (~0.6
+# GiB): the same layer inputs are kept (or offloaded), the GEMMs stay thick.
+CHECKPOINTED_CHUNK_TOKENS = 8192
+
+
+def embed_batch(decoder: torch.nn.Module, batch: dict[str, torch.Tensor | None], pooling: str,
+                offload: bool = False) -> torch.Tensor:
+    """The (R, H) fp32 embeddings (not normalised) of one padded batch (`pad`'s dict, on the model's
+    device); under gradient checkpointing the rows in chunks of ``CHECKPOINTED_CHUNK_TOKENS``.
+    `offload`: the layer inputs gradient checkpointing keeps wait in host memory
+    (``--offload-activations``; tigon.patch's switch wraps the causal LM's forward, which an
+    embedder never calls)."""
+    from tigon.patch.offload import checkpointed, offload_scope
+
+    ids, mask, lengths = batch["input_ids"], batch["attention_mask"], batch["lengths"]
+    rows = max(1, CHECKPOINTED_CHUNK_TOKENS // ids.shape[1]) if checkpointed(decoder) else ids.shape[0]
+    parts = []
+    for start in range(0, ids.shape[0], rows):
+        part = slice(start, start + rows)
+        part_mask = None if mask is None else mask[part]
+        with offload_scope(decoder, ids[part].numel()) if offload else contextlib.nullcontext():
+            out = decoder(input_ids=ids[part], attention_mask=part_mask, use_cache=False)
+        parts.append(pool(out.last_hidden_state, lengths[part], part_mask, pooling))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def contrastive_loss(q: torch.Tensor, d: torch.Tensor, temperature: float, symmetric: bool = False,
@@ -199,15 +223,16 @@ def _trainer_class():
         """The Trainer of `tigon embed`: its loss is the InfoNCE of the batch's embeddings."""
 
         def __init__(self, *args, pooling: str, temperature: float, symmetric: bool, dims: tuple[int, ...],
-                     **kwargs):
+                     offload: bool = False, **kwargs):
             super().__init__(*args, **kwargs)
             self.pooling, self.temperature, self.symmetric, self.dims = pooling, temperature, symmetric, dims
+            self.offload = offload
             self.model_accepts_loss_kwargs = False  # the loss is a batch mean: accumulation divides it
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             decoder = decoder_of(model)
-            q = embed_batch(decoder, inputs["query"], self.pooling)
-            d = embed_batch(decoder, inputs["documents"], self.pooling)
+            q = embed_batch(decoder, inputs["query"], self.pooling, self.offload)
+            d = embed_batch(decoder, inputs["documents"], self.pooling, self.offload)
             loss = contrastive_loss(q, d, self.temperature, self.symmetric, self.dims)
             return (loss, None) if return_outputs else loss
 
@@ -269,12 +294,12 @@ def _run(cfg: EmbedConfig) -> Path:
             model=built.model, args=args, train_dataset=rows, eval_dataset=eval_rows or None,
             data_collator=PairCollator(tokenizer.pad_token_id), processing_class=tokenizer,
             save_limit=cfg.save_limit, pooling=cfg.pooling, temperature=cfg.temperature, symmetric=cfg.symmetric,
-            dims=dims)
+            dims=dims, offload=cfg.offload_activations)
         return state["trainer"]
 
     job = Job("embed", rows, tokens, sequences,
               arguments=lambda dtype: training_arguments(cfg, dtype, bool(eval_rows)), trainer=trainer,
-              prompts=lambda: [])
+              prompts=lambda: [], try_with="tigon serve {}: /v1/embeddings")
     final = train(cfg, resume_from, tokenizer, job)
     if eval_rows and "trainer" in state:
         model = state["trainer"].model

@@ -508,7 +508,7 @@ def finish(trainer: Any, built: Built, tokenizer: Any, cfg: SFTConfig, prompts: 
             log.info("sample: %s\n  before: %s\n  after:  %s", _shown(r["prompt"]), _shown(r["before"]),
                      _shown(r["after"]))
         what = "LoRA adapter" if cfg.tuner == "lora" else "model"
-        use = "tigon infer {} --prompt TEXT" if is_classifier(built.model) else "tigon chat {}"
+        use = job.try_with or ("tigon infer {} --prompt TEXT" if is_classifier(built.model) else "tigon chat {}")
         log.info("%s: %s  (%s%s)", what, final, use.format(final),
                  f"; tigon merge {final} --output {output_dir / 'merged'}" if cfg.tuner == "lora" else "")
     return final
@@ -579,6 +579,7 @@ class Job:
     build: Callable[[torch.dtype, Any, Path | None], Built] | None = None
     answer: Callable[[torch.nn.Module, Any], str] | None = None
     classifier: dict[str, Any] | None = None  # a sequence classifier's config keywords (`classifier_options`)
+    try_with: str | None = None  # the finish line's command for the saved model ({}: its path); None: chat or infer
 
 
 def train(cfg: SFTConfig, resume_from: Path | None, tokenizer: Any, job: Job) -> Path:

@@ -19,7 +19,7 @@ import pandas as pd
 
 from tigon.webui.models import ChatModel, preview_dataset
 from tigon.webui.runs import (DATASET_SUFFIXES, EXPORT_DTYPES, FINISHED, RUNNING, UPLOADS_DIR, RunInfo, RunStore,
-                              TrainSettings, WebUIError)
+                              TrainSettings, WebUIError, task_command)
 
 TABLE_HEADERS = ["run", "method", "status", "step", "final loss", "tok/s", "peak memory", "started", "last line"]
 COMPARED_RUNS = 5  # runs whose curves the Runs tab overlays when it opens
@@ -151,8 +151,9 @@ def build_app(runs_dir: str | Path, max_running: int = 4) -> gr.Blocks:
             return f"`{err}`", []
         if not result.error:
             return result.summary, result.parts
-        if method != "sft":  # preference rows are tigon rlhf's to read
-            return f"`{result.summary}` (sft's reader; `tigon rlhf` reads its preference data when it starts)", []
+        if method != "sft":  # preference, pair and labelled rows are their commands' to read
+            command = shlex.join(task_command(method))
+            return f"`{result.summary}` (sft's reader; `tigon {command}` reads its own data when it starts)", []
         return f"`{result.summary}`", []
 
     def upload(file: str | None) -> str:
@@ -235,8 +236,10 @@ def build_app(runs_dir: str | Path, max_running: int = 4) -> gr.Blocks:
         with gr.Tab("Train", id="train"):
             with gr.Row():
                 method = gr.Dropdown(methods, value="sft", label="method",
-                                     info="sft" + (", rlhf methods" if len(methods) > 1 else
-                                                   " (rlhf methods appear when TRL is installed)"))
+                                     info="sft, classification (or a reranker), embed" +
+                                     (", rlhf methods (rm: a reward model; ppo, rloo)" if "dpo" in methods else
+                                      " (rlhf methods appear when TRL is installed)") +
+                                     "; empty model and dataset: the task's built-in default")
                 model = gr.Textbox("", label="model", placeholder="empty: the built-in tiny Llama (trained from scratch)",
                                    info="hub id, or a model in the runs folder (RUN/final)")
                 name = gr.Textbox("", label="run name", placeholder="empty: date-time-method")

@@ -87,10 +87,31 @@ def _option(flag: str, value: str) -> list[str]:
     return [f"{flag}={value}"] if value.startswith("-") else [flag, value]
 
 
+# The Train tab's tasks besides sft and `tigon rlhf`'s methods: the command each starts (rm, ppo
+# and rloo are rlhf methods). Each runs its embedded default with no model and no data.
+OTHER_TASKS = {
+    "classification": ["sft", "--task", "classification"],  # also a reranker, on {query, document, label} rows
+    "embed": ["embed"],
+}
+
+
 def available_methods() -> list[str]:
-    """``sft`` and, when TRL (which `tigon rlhf` runs on) is installed, the methods `tigon rlhf
-    --method` takes."""
-    return ["sft", *METHODS] if importlib.util.find_spec("trl") is not None else ["sft"]
+    """``sft``, the other tasks of `OTHER_TASKS` and, when TRL (which `tigon rlhf` runs on) is
+    installed, the methods `tigon rlhf --method` takes (reward models, PPO and RLOO among them)."""
+    return ["sft", *OTHER_TASKS, *(METHODS if importlib.util.find_spec("trl") is not None else ())]
+
+
+def task_command(method: str) -> list[str]:
+    """The `tigon` command (and its fixed options) a Train-tab method starts."""
+    if method == "sft" or method in OTHER_TASKS:
+        return list(OTHER_TASKS.get(method, ["sft"]))
+    return ["rlhf", "--method", method]
+
+
+def _config_class(method: str) -> type:
+    from tigon.train.embed_config import EmbedConfig
+
+    return {"embed": EmbedConfig}.get(method, SFTConfig if method in ("sft", *OTHER_TASKS) else RLHFConfig)
 
 
 # The options of "more options", by what they may be given. The form's own fields, and what the
@@ -99,10 +120,10 @@ def available_methods() -> list[str]:
 _FROM_THE_FORM = {"model": "model", "dataset": "dataset", "tuner": "tuner", "lora_rank": "LoRA rank",
                   "lora_alpha": "LoRA alpha", "lr": "learning rate", "max_steps": "steps",
                   "max_length": "max length", "save_steps": "checkpoint every", "packing": "packing",
-                  "kernels": "tigon kernels", "method": "method"}
+                  "kernels": "tigon kernels", "method": "method", "task": "method"}
 _NOT_FROM_THE_UI = {"config": "a settings file", "output_dir": "the run's folder, RUNS/NAME, is the UI's",
                     "resume": "the UI starts new runs", "overwrite": "the UI starts new runs in new folders"}
-_FREE_TEXT = ("target_modules", "kernels_off", "format_regex")
+_FREE_TEXT = ("target_modules", "kernels_off", "format_regex", "labels", "matryoshka_dims")
 
 
 class _OptionParser(argparse.ArgumentParser):
@@ -327,7 +348,7 @@ class RunStore:
             raise WebUIError(f"method {settings.method!r}: this tigon offers {', '.join(self.methods)}")
         if settings.tuner not in ("lora", "full"):
             raise WebUIError(f"tuner {settings.tuner!r}: expected lora or full")
-        args = ["sft"] if settings.method == "sft" else ["rlhf", "--method", settings.method]
+        args = task_command(settings.method)
         model = self.model_source(settings.model)
         if model:
             args += ["--model", model]
@@ -346,6 +367,9 @@ class RunStore:
                     raise WebUIError(f"{flag}: {value} is not a number")
                 args += _option(flag, _num(value))
         if settings.packing:
+            if "packing" in _config_class(settings.method).LEFT_OUT:
+                raise WebUIError(f"packing: `tigon {shlex.join(task_command(settings.method))}` packs no rows: "
+                                 "leave it off")
             args.append("--packing")
         if not settings.kernels:
             args.append("--no-kernels")
@@ -356,7 +380,7 @@ class RunStore:
         anew from what was parsed, so that the process gets exactly what was checked: the form's
         own settings, files outside the runs folder and Python files (``--reward-funcs x.py:f``)
         are refused, each in one line."""
-        cls = SFTConfig if method == "sft" else RLHFConfig
+        cls = _config_class(method)
         # No -h (it exits), no @FILE arguments (argparse reads no files unless told to), no
         # abbreviations (--out for --output-dir): what is checked is what the option says.
         parser = _OptionParser(prog=f"tigon {method}", add_help=False, allow_abbrev=False)
