@@ -546,7 +546,8 @@ def rms_norm(
             scales floored to powers of two: torchao's rowwise recipes), or ``"amax"`` (only each
             row's amax, from which tensorwise scaling needs no amax pass of its own). See
             :mod:`tigon.ops._fp8`. Inside torch.compile this runs the reference, which inductor
-            fuses.
+            fuses: inductor does not round the output to its dtype before taking the amax, so
+            there the scales are those of the unrounded row (within one rounding of torchao's).
 
     Returns:
         A tensor of the shape of `x`; dtype of `x` (``"llama"``/``"none"`` promote with the
