@@ -137,7 +137,7 @@ def test_rule_sends_many_tokens_to_dequantize_and_cublas(device, monkeypatch):
     calls = _spy_dequantized(monkeypatch)
     monkeypatch.setattr(gemm_4bit, "FUSED_TOKENS_UP_TO", {(24, 64): (8, 16)})
     assert fused_4bit(8, 24, 64) and not fused_4bit(9, 24, 64) and fused_4bit(16, 24, 64, backward=True)
-    assert fused_4bit(1024, 4096, 4096) and not fused_4bit(1025, 4096, 4096)  # the default
+    assert not fused_4bit(1, 4096, 4096) and not fused_4bit(256, 4096, 4096, backward=True)  # the default: cuBLAS
     weight, _, _ = _weight((24, 64), "fp4", False, 64, device)
     x = torch.randn(12, 64, device=device, requires_grad=True)
     out = linear_4bit(x, weight)
@@ -161,8 +161,10 @@ def test_unaligned_rows_and_disabled_run_dequantize(device, monkeypatch):
 
 
 def test_qlora_group_runs_the_fused_gemm(poison_outputs, device, monkeypatch):
-    """The LoRA ops' base GEMMs on a 4-bit base (forward and input gradient) are the fused ones:
-    the weight is never dequantised; results match the reference LoRA on bitsandbytes' weight."""
+    """Where the table sends a shape to it, the LoRA ops' base GEMMs on a 4-bit base (forward and
+    input gradient) are the fused ones: the weight is never dequantised; results match the
+    reference LoRA on bitsandbytes' weight."""
+    _always_fused(monkeypatch)
     calls = _spy_dequantized(monkeypatch)
     x = torch.randn(2, 5, 128, device=device, requires_grad=True)
     projections = []

@@ -35,10 +35,12 @@ from tigon.ops.dequantize import QuantizedWeight, block_absmax, check_quantized,
 # --- Where the fused GEMM runs ------------------------------------------------------------------
 # (out_features, in_features) -> (forward, input gradient): the most tokens for which the fused GEMM
 # beats dequantise + cuBLAS on that weight shape. Shapes not listed take the default. Measured with
-# `python -m tigon.bench.gemm_4bit` (the "fused/tigon" ratio per token count); the default is a
-# guess until then.
+# `python -m tigon.bench.gemm_4bit` (the "fused/tigon" ratio per token count). On Hopper the fused
+# GEMM lost to dequantise + cuBLAS at every 8B shape from 256 to 2048 tokens (BENCHMARKS.md), so no
+# shape is listed and the default sends every GEMM to cuBLAS; `tigon sft --help` (--quant) and
+# README.md say so.
 FUSED_TOKENS_UP_TO: dict[tuple[int, int], tuple[int, int]] = {}
-DEFAULT_FUSED_TOKENS_UP_TO = (1024, 1024)  # `tigon sft --help` (--quant) and README.md say 1024
+DEFAULT_FUSED_TOKENS_UP_TO = (0, 0)
 
 
 def fused_4bit(tokens: int, out_features: int, in_features: int, backward: bool = False) -> bool:

@@ -74,11 +74,9 @@ class SFTConfig:
                                metavar="NAMES")
     quant: str | None = _opt(None, "load the base quantised by bitsandbytes (QLoRA; --tuner lora): nf4 or fp4 "
                              "(4-bit, double quantisation, computing in --dtype) or int8 (LLM.int8) "
-                             "(default: not quantised). On a GPU a 4-bit base's GEMMs (forward and input "
-                             "gradient) run tigon's fused 4-bit GEMM, which dequantises tiles in registers and "
-                             "never writes the weight in 16 bits, for up to 1024 tokens per micro-batch, and "
-                             "dequantise + cuBLAS above that (per weight shape: tigon.ops.gemm_4bit); int8 and "
-                             "DoRA bases always dequantise + cuBLAS", choices=["nf4", "fp4", "int8"])
+                             "(default: not quantised). The base's GEMMs (forward and input gradient) dequantise "
+                             "the weight into a reused buffer and run cuBLAS (tigon.ops.gemm_4bit's per-shape "
+                             "table sends none to the fused 4-bit GEMM: it was slower where measured)", choices=["nf4", "fp4", "int8"])
     lora_variant: str = _opt("lora", "lora, or dora (weight-decomposed: a learned magnitude per output feature)",
                              choices=["lora", "dora"])
     use_rslora: bool = _opt(False, "rank-stabilised LoRA: scale the adapters by alpha / sqrt(rank), not alpha / rank")
