@@ -41,16 +41,18 @@ def _local_file(source: str, policy: ImagePolicy) -> Path:
     if not policy.roots:
         raise ValueError("this server reads no image files (start it with --image-root DIR); send the image as a "
                          "data: URL")
-    candidate = Path(raw)
-    if not candidate.is_absolute():
-        candidate = policy.roots[0] / candidate
-    # realpath follows every symlink on the way: a link inside the folder to a file outside it is outside.
-    resolved = Path(os.path.realpath(candidate))
-    if not _inside(resolved, policy.roots):
+    # A relative path is looked up in each folder in turn. realpath follows every symlink on the
+    # way: a link inside a folder to a file outside it is outside.
+    candidates = [Path(os.path.realpath(Path(raw) if Path(raw).is_absolute() else root / raw))
+                  for root in policy.roots]
+    # Refused if it leads out of any folder, whether or not a file is there: the answer tells
+    # nothing about what exists outside them.
+    if not all(_inside(path, policy.roots) for path in candidates):
         raise ValueError("a path outside the folders this server reads images from")
-    if not resolved.is_file():
+    found = next((path for path in candidates if path.is_file()), None)
+    if found is None:
         raise ValueError("no such image file in the folders this server reads images from")
-    return resolved
+    return found
 
 
 def request_image(source: str, policy: ImagePolicy) -> Any:
