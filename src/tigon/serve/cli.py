@@ -59,10 +59,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         image_flags = [flag for flag, value in (("--image-root", args.image_root), ("--max-images", args.max_images),
                                                 ("--max-image-mb", args.max_image_mb),
                                                 ("--max-image-pixels", args.max_image_pixels)) if value is not None]
-        if args.backend == "vllm" and ((args.max_body_mb, args.max_inflight_mb, args.max_choices) != (None,) * 3
-                                       or image_flags):
-            raise ValueError("--max-body-mb, --max-inflight-mb, --max-choices and the image limits are limits of "
-                             "tigon's own server; vLLM's server (--backend vllm) has its own and does not take these")
+        if args.backend == "vllm" and (args.max_body_mb, args.max_inflight_mb, args.max_choices) != (None,) * 3:
+            raise ValueError("--max-body-mb, --max-inflight-mb and --max-choices are limits of tigon's own server; "
+                             "vLLM's server (--backend vllm) has its own and does not take these")
+        if args.backend == "vllm" and image_flags:
+            raise ValueError(f"{image_flags[0]}: a setting of tigon's own server; vLLM's server (--backend vllm) has "
+                             "its own for images")
         if args.path is not None and args.modality is not None:
             raise ValueError("--modality picks the built-in demo model when PATH is left out; a PATH says what it is")
         path = resolve_model_path(args.path, args.modality)
