@@ -10,6 +10,7 @@ import zlib
 import pytest
 import torch
 
+from tests.helpers import save_tiny_vlm
 from tests.serve.test_server import NAME, start_server
 from tigon.train import tiny_vlm
 from tigon.train.vision import VisionPrompt, load_vision_for_inference, user_turn, vision_generate
@@ -51,10 +52,7 @@ def place(tmp_path_factory):
     """The model's folder; an image folder (--image-root) with a picture, a link out of it and a
     secret picture beside it, outside."""
     root = tmp_path_factory.mktemp("vision-serve")
-    model = root / "model"
-    processor = tiny_vlm.build_processor()
-    tiny_vlm.build_model(processor, seed=0).save_pretrained(model)
-    processor.save_pretrained(model)
+    model = save_tiny_vlm(root / "model")
     images = root / "images"
     images.mkdir()
     picture = tiny_vlm.shapes_task(1, seed=3)[0].images[0]
@@ -96,6 +94,7 @@ def test_an_image_gets_the_models_answer_about_it(client, place):
     """A data: URL, a file of the image folder by relative path, by file:// URL: the answer the
     model gives in process (greedy), its prompt counting the image's tokens; streamed alike."""
     want = in_process(place, place["picture"], 6)
+    assert want and want != in_process(place, tiny_vlm.shapes_task(2, seed=3)[1].images[0], 6)  # it reads the image
     reply = ask(client, data_url(place["picture"]))
     assert reply.choices[0].message.content.strip() == want
     assert reply.choices[0].finish_reason in ("stop", "length")

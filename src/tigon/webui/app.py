@@ -365,9 +365,10 @@ def build_app(runs_dir: str | Path, max_running: int = 4) -> gr.Blocks:
                 temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature", info="0: greedy")
             chatbot = gr.Chatbot(label="chat", height=320, elem_id="chatbot")
             with gr.Row():
-                chat_image = gr.Image(type="filepath", sources=["upload", "clipboard"], label="image",
-                                      height=110, scale=1, elem_id="chat-image",
-                                      show_label=True)  # for a vision-language model
+                # A file, not gr.Image: Gradio would decode an image before the handler bounds it.
+                chat_image = gr.File(label="image (vision-language models)", file_types=[".png", ".jpg", ".jpeg",
+                                                                                         ".webp"],
+                                     type="filepath", height=110, scale=1, elem_id="chat-image")
                 message = gr.Textbox("", placeholder="Who are you?", show_label=False, scale=4, elem_id="chat-message")
                 send = gr.Button("Send", variant="primary", scale=1, elem_id="chat-send")
                 clear = gr.Button("Clear", scale=1)
