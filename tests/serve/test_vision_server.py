@@ -62,19 +62,26 @@ def place(tmp_path_factory):
     return {"root": root, "model": model, "images": images, "picture": picture}
 
 
+def stop(started):
+    started["proc"].kill()
+    started["proc"].wait()
+
+
+def openai_client(started):
+    return openai.OpenAI(base_url=started["base"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
 @pytest.fixture(scope="module")
 def server(place):
     started = start_server(place["model"], "--image-root", str(place["images"]), "--max-images", str(MAX_IMAGES),
                            "--dtype", "fp32")
     yield started
-    if started["proc"].poll() is None:
-        started["proc"].kill()
-        started["proc"].wait()
+    stop(started)
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server["base"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def ask(client, *urls, text=QUESTION, max_tokens=6, **options):
@@ -162,15 +169,14 @@ def test_the_server_answers_after_every_refusal(client, place):
 def test_an_image_to_a_text_only_model_is_a_400(tiny_dir, place):
     started = start_server(tiny_dir)
     try:
-        client = openai.OpenAI(base_url=started["base"] + "/v1", api_key="unused", max_retries=0, timeout=60)
+        client = openai_client(started)
         with pytest.raises(openai.BadRequestError) as refused:
             ask(client, data_url(place["picture"]))
         assert "an image, but this server's model is text-only" in refused.value.body["message"]
         assert refused.value.body["param"] == "messages[0].content[0].image_url.url"
         assert ask(client, text="Hi").choices[0].message.content is not None  # text still answered
     finally:
-        started["proc"].kill()
-        started["proc"].wait()
+        stop(started)
 
 
 def test_image_flags_on_a_text_model_are_one_line(tiny_dir, place, capsys):
