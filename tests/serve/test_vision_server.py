@@ -186,3 +186,26 @@ def test_image_flags_on_a_text_model_are_one_line(tiny_dir, place, capsys):
     assert main(["serve", str(tiny_dir), "--image-root", str(place["images"]), "--port", str(_free_port())]) == 2
     err = capsys.readouterr().err
     assert "--image-root: only for a vision-language model" in err and err.count("\n") == 1, err
+
+
+def test_requests_past_the_waiting_bound_are_a_503(place):
+    """In process: with as many requests waiting as the engine takes, one more is refused before
+    its image is decoded; once they are done, it is answered."""
+    from fastapi.testclient import TestClient
+
+    from tigon.serve.engine import VisionEngine
+    from tigon.serve.server import ServedModel, build_app
+
+    model, encoder = load_vision_for_inference(str(place["model"]), torch.float32)
+    engine = VisionEngine(model, encoder.processor.tokenizer, max_waiting=1)
+    served = ServedModel(engine, encoder.processor.tokenizer, NAME, 512, vision=encoder)
+    content = [{"type": "image_url", "image_url": {"url": data_url(place["picture"])}}, {"type": "text", "text": QUESTION}]
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 6, "temperature": 0}
+    with TestClient(build_app(served)) as http:
+        engine.running.add(-1)  # one request already there
+        busy = http.post("/v1/chat/completions", json=body)
+        assert busy.status_code == 503 and busy.json()["error"]["code"] == "server_busy", busy.text
+        engine.running.discard(-1)
+        answer = http.post("/v1/chat/completions", json=body)
+        assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"].strip() == in_process(
+            place, place["picture"], 6)

@@ -200,10 +200,11 @@ class VisionEngine:
     continuous batching takes no images), in a worker thread, each new token handed to the asyncio
     loop as it comes. Sampling is the same seeded Gumbel-max draw as `Engine`'s: a seeded request
     gets the same tokens from both. The interface is `Engine`'s, with the processor's image
-    tensors (`pixels`) beside the prompt's token ids."""
+    tensors (`pixels`) beside the prompt's token ids. Requests wait their turn holding their
+    images' tensors: past `max_waiting` of them (running included), `full` says to refuse more."""
 
-    def __init__(self, model: Any, tokenizer: Any):
-        self.model, self.tokenizer = model, tokenizer
+    def __init__(self, model: Any, tokenizer: Any, max_waiting: int = 16):
+        self.model, self.tokenizer, self.max_waiting = model, tokenizer, max_waiting
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.running: set[int] = set()
         self._one_at_a_time = threading.Lock()  # the model is not shared between threads
@@ -217,6 +218,9 @@ class VisionEngine:
 
     def alive(self) -> bool:
         return True  # a failed generation fails its own request only
+
+    def full(self) -> bool:
+        return len(self.running) >= self.max_waiting
 
     def _processors(self, sampling: Sampling) -> Any:
         from transformers import LogitsProcessor, LogitsProcessorList

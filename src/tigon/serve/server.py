@@ -320,6 +320,10 @@ def build_app(served: ServedModel, api_key: str | None = None, limits: Limits = 
         check_model(served, body.model)
         check_choices(limits, 1, body.n)
         if served.vision is not None:
+            if served.engine.full():  # before its images are decoded: each waiting request holds its own
+                raise APIError(503, f"the server has {served.engine.max_waiting} requests with images running or "
+                                    "waiting, as many as it takes; retry shortly", kind="server_error",
+                               code="server_busy")
             prompt, pixels = await anyio.to_thread.run_sync(partial(vision_chat_prompt, served, body),
                                                             limiter=tokenising)
             return await respond(request, body, [prompt], chat=True, pixels=pixels)
