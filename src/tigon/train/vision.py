@@ -435,7 +435,7 @@ def vision_config_of(path: str, base: str | None = None) -> Any:
     vision-language model's, else None."""
     from tigon.train.infer import _adapter_base, is_adapter
 
-    return vision_config(base or _adapter_base(path) if is_adapter(path) else path)
+    return vision_config((base or _adapter_base(path)) if is_adapter(path) else path)
 
 
 def vision_config(model_id: str) -> Any:
