@@ -185,3 +185,20 @@ def kernel_launches():
                 del cls.__getitem__
             else:
                 cls.__getitem__ = own
+
+
+def save_tiny_vlm(path, seed: int = 1):
+    """The built-in tiny Qwen2-VL with its processor, saved to `path`: random weights drawn wider
+    than the default (which answer every image with newlines), so that greedy answers are words
+    that change with the image."""
+    from transformers import AutoModelForImageTextToText
+
+    from tigon.train import tiny, tiny_vlm
+
+    processor = tiny_vlm.build_processor()
+    config = tiny_vlm.build_model(processor, seed).config
+    for part in (config, config.text_config, config.vision_config):
+        part.initializer_range = 0.2
+    tiny.random_model(config, seed, auto=AutoModelForImageTextToText).save_pretrained(path)
+    processor.save_pretrained(path)
+    return path

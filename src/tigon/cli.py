@@ -183,6 +183,17 @@ def _cmd_infer(args: argparse.Namespace) -> int:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
+    from tigon.train.vision import vision_config_of
+
+    if args.image or vision_config_of(args.model, args.base) is not None:
+        from tigon.train.modeling import pick_dtype
+        from tigon.train.vision import image_files, load_vision_for_inference
+
+        images = image_files(args.image or [])  # before the model loads: a bad path is said at once
+        model, encoder = load_vision_for_inference(args.model, pick_dtype(args.dtype), args.base)
+        _train().chat(model, None, args.max_new_tokens, args.temperature, args.system, sys.stdin, sys.stdout,
+                      encoder, images)
+        return 0
     model, tokenizer = _load_for_generation(args)
     _train().chat(model, tokenizer, args.max_new_tokens, args.temperature, args.system, sys.stdin, sys.stdout)
     return 0
@@ -261,9 +272,9 @@ def _add_train_commands(sub: argparse._SubParsersAction) -> None:
         if name == "infer":
             p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
             p.add_argument("--raw", action="store_true", help="continue the text as is, without the chat template")
-            p.add_argument("--image", action="append", metavar="PATH",
-                           help="an image the prompts are about, for a vision-language model directory (repeatable; "
-                                "shown in order before each prompt)")
+        p.add_argument("--image", action="append", metavar="PATH",
+                       help="an image the prompts are about, for a vision-language model (repeatable; shown in "
+                            "order before each prompt; in chat, with the first message, and /image PATH adds one)")
         p.add_argument("--system", help="system message")
         p.add_argument("--base", metavar="MODEL", help="base model for an adapter (default: the one it names)")
         p.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="length of each answer")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tigon.serve.server import Limits
@@ -56,10 +56,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         # before the demo model is trained or any model loaded: a refusal comes at once
         check_listen_address("serve", args.host, api_key is not None, args.insecure,
                              f"--api-key KEY (or {API_KEY_ENV})")
+        image_flags = [flag for flag, value in (("--image-root", args.image_root), ("--max-images", args.max_images),
+                                                ("--max-image-mb", args.max_image_mb),
+                                                ("--max-image-pixels", args.max_image_pixels)) if value is not None]
         if args.backend == "vllm" and (args.max_body_mb, args.max_inflight_mb, args.max_choices) != (None,) * 3:
             raise ValueError("--max-body-mb, --max-inflight-mb and --max-choices are limits of tigon's own server; "
                              "vLLM's server (--backend vllm) has its own and does not take these")
-        path = resolve_model_path(args.path)
+        if args.backend == "vllm" and image_flags:
+            raise ValueError(f"{image_flags[0]}: a setting of tigon's own server; vLLM's server (--backend vllm) has "
+                             "its own for images")
+        if args.path is not None and args.modality is not None:
+            raise ValueError("--modality picks the built-in demo model when PATH is left out; a PATH says what it is")
+        path = resolve_model_path(args.path, args.modality)
         name = args.served_model_name or path
         if args.backend == "vllm":
             from tigon.serve.vllm import serve_with_vllm
@@ -76,19 +84,32 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from tigon.serve.engine import Engine
         from tigon.serve.loading import context_length, load_model_for_serving
         from tigon.serve.server import ServedModel, serve_forever
+        from tigon.train.vision import load_vision_for_inference, vision_config_of
 
+        vision = None if embedding_model(path) else vision_config_of(path, args.base)
+        if image_flags and vision is None:
+            raise ValueError(f"{image_flags[0]}: only for a vision-language model, and {path} is text-only")
         if embedding_model(path):
             from tigon.serve.embeddings import load_embedder_for_serving
 
             embedder = load_embedder_for_serving(path, args.dtype, args.base)
             model, tokenizer, engine = embedder.decoder, embedder.tokenizer, None
+        elif vision is not None:
+            from tigon.serve.engine import VisionEngine
+            from tigon.train.modeling import pick_dtype
+
+            model, encoder = load_vision_for_inference(path, pick_dtype(args.dtype), args.base, "tigon serve")
+            tokenizer, embedder = encoder.processor.tokenizer, None
+            engine = VisionEngine(model, tokenizer)
         else:
             model, tokenizer = load_model_for_serving(path, args.dtype, args.base)
             embedder, engine = None, Engine(model, tokenizer)
         served = ServedModel(engine, tokenizer, name, context_length(model, args.max_model_len), embedder)
+        if vision is not None:
+            served.vision, served.images = encoder, _image_policy(args, path)
         print(f"tigon serve: {name} ({type(model).__name__}, {model.dtype}, {model.device}, context "
               f"{served.max_model_len}) on http://{args.host}:{args.port}/v1 ("
-              f"{'/v1/embeddings, ' + embedder.settings['pooling'] + ' pooling' if embedder else 'transformers continuous batching'}; "
+              f"{_serving_what(served)}; "
               f"{'API key required' if api_key else 'no API key'})",
               file=sys.stderr, flush=True)
         serve_forever(served, args.host, args.port, api_key, limits)
@@ -96,6 +117,40 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print("tigon serve: stopped (Ctrl-C)", file=sys.stderr)
         return 130
     return 0
+
+
+def _serving_what(served: Any) -> str:
+    if served.embedder is not None:
+        return f"/v1/embeddings, {served.embedder.settings['pooling']} pooling"
+    if served.vision is not None:
+        roots = ", ".join(map(str, served.images.roots)) or "none"
+        return (f"images: data: URLs, files under {roots}, at most {served.images.max_images} per request; "
+                "one request at a time")
+    return "transformers continuous batching"
+
+
+def _image_policy(args: argparse.Namespace, path: str) -> Any:
+    """What images requests may send: files in the model's folder (a local one) and under each
+    --image-root, within the limits given."""
+    from tigon.serve.images import ImagePolicy
+
+    roots = [path] if os.path.isdir(path) else []
+    for root in args.image_root or []:
+        if not os.path.isdir(root):
+            raise ValueError(f"--image-root {root}: no such folder")
+        roots.append(root)
+    bounds: dict[str, int] = {}
+    for flag, field, value, least in (("--max-images", "max_images", args.max_images, 0),
+                                      ("--max-image-pixels", "max_pixels", args.max_image_pixels, 1)):
+        if value is not None:
+            if value < least:
+                raise ValueError(f"{flag} must be >= {least}, got {value}")
+            bounds[field] = value
+    if args.max_image_mb is not None:
+        if not 0 < args.max_image_mb < 2**20:
+            raise ValueError(f"--max-image-mb must be a number of MiB above 0 and below {2**20}, got {args.max_image_mb}")
+        bounds["max_bytes"] = max(1, int(args.max_image_mb * 2**20))
+    return ImagePolicy.over(roots, **bounds)
 
 
 def embedding_model(path: str) -> bool:
@@ -180,6 +235,16 @@ def add_serve_commands(sub: argparse._SubParsersAction) -> None:
                             "(default 64)")
     serve.add_argument("--max-choices", type=int, metavar="N",
                        help="most completions one request may ask for, prompts times n (default 128)")
+    serve.add_argument("--modality", choices=["vision"],
+                       help="vision: with no PATH, the built-in vision-language demo model (demo-vision-out/final, "
+                            "trained first by tigon sft --modality vision if missing)")
+    serve.add_argument("--image-root", action="append", metavar="DIR",
+                       help="a vision-language model may be sent image files (file:// or paths) under DIR "
+                            "(repeatable; the model's own folder always)")
+    serve.add_argument("--max-images", type=int, metavar="N", help="most images in one request (default 8)")
+    serve.add_argument("--max-image-mb", type=float, metavar="MB", help="largest image in MiB (default 16)")
+    serve.add_argument("--max-image-pixels", type=int, metavar="N",
+                       help="largest image in pixels, read from its header before decoding (default 16777216)")
     serve.add_argument("--backend", choices=["transformers", "vllm"], default="transformers",
                        help="transformers: its continuous batching (default); vllm: vLLM's OpenAI server, if installed")
     serve.add_argument("--served-model-name", metavar="NAME", help="the model's name in the API (default: PATH)")

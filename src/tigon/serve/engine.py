@@ -18,6 +18,7 @@ import itertools
 import logging
 import math
 import secrets
+import threading
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -113,11 +114,7 @@ class Engine:
         # Its per-start INFO lines (cache sizes, seeds) describe transformers' internals, not the server.
         logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
         self.model, self.tokenizer = model, tokenizer
-        eos = model.generation_config.eos_token_id
-        eos = [eos] if isinstance(eos, int) else list(eos or [])
-        if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
-            eos.append(tokenizer.eos_token_id)
-        self.eos_token_ids = eos
+        self.eos_token_ids = eos = eos_token_ids(model, tokenizer)
         if cb_config is None:
             cb_config = ContinuousBatchingConfig(**default_cache_size(model))
         cb_config.per_request_processors = True
@@ -187,6 +184,124 @@ class Engine:
                 self.manager.cancel_request(request_id)
                 with self.manager.output_router._lock:  # a cancelled request gets no last output to clear it
                     self.manager.output_router.result_handlers.pop(request_id, None)
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
+    """The tokens that end a completion: the generation config's and the tokenizer's EOS."""
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos.append(tokenizer.eos_token_id)
+    return eos
+
+
+class VisionEngine:
+    """A vision-language model generating one request at a time with `generate` (transformers'
+    continuous batching takes no images), in a worker thread, each new token handed to the asyncio
+    loop as it comes. Sampling is the same seeded Gumbel-max draw as `Engine`'s: a seeded request
+    gets the same tokens from both. The interface is `Engine`'s, with the processor's image
+    tensors (`pixels`) beside the prompt's token ids. Requests wait their turn holding their
+    images' tensors: past `max_waiting` of them (running included), `full` says to refuse more."""
+
+    def __init__(self, model: Any, tokenizer: Any, max_waiting: int = 16):
+        self.model, self.tokenizer, self.max_waiting = model, tokenizer, max_waiting
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
+        self.running: set[int] = set()
+        self._one_at_a_time = threading.Lock()  # the model is not shared between threads
+        self._ids = itertools.count()
+
+    def start(self) -> None:
+        """Nothing runs between requests."""
+
+    def stop(self) -> None:
+        """Nothing runs between requests."""
+
+    def alive(self) -> bool:
+        return True  # a failed generation fails its own request only
+
+    def full(self) -> bool:
+        return len(self.running) >= self.max_waiting
+
+    def _processors(self, sampling: Sampling) -> Any:
+        from transformers import LogitsProcessor, LogitsProcessorList
+        from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+        if sampling.temperature == 0.0:
+            return LogitsProcessorList()
+        seed = sampling.seed if sampling.seed is not None else secrets.randbits(31)
+
+        class Noise(LogitsProcessor):
+            def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+                keys = torch.tensor([noise_key(seed, input_ids.shape[1])] * scores.shape[0], device=scores.device)
+                return scores.float() + gumbel_noise(keys, scores.shape[1])
+
+        return LogitsProcessorList([TemperatureLogitsWarper(float(sampling.temperature)),
+                                    TopPLogitsWarper(float(sampling.top_p)), Noise()])
+
+    async def generate(self, prompt_ids: list[int], sampling: Sampling,
+                       pixels: dict[str, Any] | None = None) -> AsyncIterator[Output]:
+        """The completion of `prompt_ids` with the image tensors `pixels`, one `Output` per new
+        token until it finishes. Closing the iterator early stops the generation at its next token."""
+        from transformers import StoppingCriteria, StoppingCriteriaList
+        from transformers.generation.streamers import BaseStreamer
+
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        left = threading.Event()
+        tokens: list[int] = []
+
+        class Stream(BaseStreamer):
+            prompt_seen = False
+
+            def put(self, value: torch.Tensor) -> None:
+                if not self.prompt_seen:  # generate hands over the prompt first
+                    self.prompt_seen = True
+                    return
+                loop.call_soon_threadsafe(queue.put_nowait, ("token", value.reshape(-1).tolist()))
+
+            def end(self) -> None:
+                pass
+
+        class Left(StoppingCriteria):
+            def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+                return torch.full((input_ids.shape[0],), left.is_set(), dtype=torch.bool, device=input_ids.device)
+
+        device = next(self.model.parameters()).device
+        inputs = {k: v.to(device) for k, v in (pixels or {}).items()}
+
+        def work() -> None:
+            try:
+                with self._one_at_a_time, torch.no_grad():
+                    if left.is_set():
+                        return
+                    ids = torch.tensor([prompt_ids], device=device)
+                    self.model.generate(
+                        input_ids=ids, attention_mask=torch.ones_like(ids), **inputs, do_sample=False,
+                        max_new_tokens=sampling.max_tokens, eos_token_id=self.eos_token_ids or None,
+                        pad_token_id=self.tokenizer.pad_token_id, logits_processor=self._processors(sampling),
+                        stopping_criteria=StoppingCriteriaList([Left()]), streamer=Stream(), use_cache=True)
+                loop.call_soon_threadsafe(queue.put_nowait, ("done", None))
+            except Exception as err:  # reported to the request, whose handler answers it
+                loop.call_soon_threadsafe(queue.put_nowait, ("error", err))
+
+        request_id = next(self._ids)
+        self.running.add(request_id)
+        threading.Thread(target=work, name=f"tigon-vision-{request_id}", daemon=True).start()
+        try:
+            while True:
+                kind, value = await queue.get()
+                if kind == "error":
+                    raise RuntimeError(f"generation failed: {value}")
+                if kind == "done":
+                    stop = bool(tokens) and tokens[-1] in self.eos_token_ids
+                    yield Output(tokens[:-1] if stop else list(tokens), "stop" if stop else "length")
+                    return
+                tokens += value
+                if tokens[-1] not in self.eos_token_ids:
+                    yield Output(list(tokens))
+        finally:
+            left.set()
+            self.running.discard(request_id)
 
 
 def default_cache_size(model: Any) -> dict[str, int]:

@@ -11,21 +11,25 @@ from typing import Any
 log = logging.getLogger("tigon.serve")
 
 DEMO_DIR = Path("demo-out")
+VISION_DEMO_DIR = Path("demo-vision-out")
 
 
-def resolve_model_path(path: str | None) -> str:
+def resolve_model_path(path: str | None, modality: str | None = None) -> str:
     """`path`, or the demo model's final directory, training it (the run `tigon sft --output-dir
-    demo-out` makes, as `make demo` does) when it does not exist yet."""
+    demo-out` makes, as `make demo` does; with `modality` "vision", `tigon sft --modality vision
+    --output-dir demo-vision-out`) when it does not exist yet."""
     if path is not None:
         return path
     from tigon.train import SFTConfig, run_sft
     from tigon.train.run import FINAL_DIR
 
-    final = DEMO_DIR / FINAL_DIR
+    folder = VISION_DEMO_DIR if modality == "vision" else DEMO_DIR
+    final = folder / FINAL_DIR
     if not final.is_dir():
-        log.info("tigon: no demo model in %s yet: training it first, as `tigon sft --output-dir %s` does",
-                 final, DEMO_DIR)
-        run_sft(SFTConfig(output_dir=str(DEMO_DIR)), {"output_dir"})
+        given = {"output_dir"} | ({"modality"} if modality else set())
+        log.info("tigon: no demo model in %s yet: training it first, as `tigon sft %s--output-dir %s` does",
+                 final, f"--modality {modality} " if modality else "", folder)
+        run_sft(SFTConfig(output_dir=str(folder), modality=modality), given)
     return str(final)
 
 
@@ -46,7 +50,10 @@ def load_model_for_serving(path: str, dtype: str = "auto", base: str | None = No
 
 def context_length(model: Any, limit: int | None = None) -> int:
     """The longest prompt + completion served: the model's context, or `limit` if smaller."""
-    native = getattr(model.config, "max_position_embeddings", None)
+    config = model.config
+    # a vision-language model's context is its language model's
+    native = getattr(config, "max_position_embeddings", None) or getattr(
+        getattr(config, "get_text_config", lambda: None)(), "max_position_embeddings", None)
     if limit is not None and limit < 1:
         raise ValueError(f"--max-model-len must be >= 1, got {limit}")
     if native is None and limit is None:

@@ -121,16 +121,49 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+    detail: Optional[Literal["auto", "low", "high"]] = None  # accepted; the processor sizes images itself
+
+
+class ImagePart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+Part = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")  # e.g. "name": harmless, and passed to the template
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, Items[TextPart]]
+    content: Union[str, Items[Part]]
+
+    @property
+    def role_in_template(self) -> str:
+        return "system" if self.role == "developer" else self.role  # OpenAI's "developer" is the system prompt
+
+    def image_urls(self) -> list[str]:
+        return [] if isinstance(self.content, str) else [p.image_url.url for p in self.content
+                                                         if isinstance(p, ImagePart)]
 
     def as_chat(self) -> dict[str, str]:
-        """The message as chat templates take it: OpenAI's "developer" role is the system prompt."""
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        """The message as text chat templates take it (its image parts are the caller's to refuse)."""
+        text = self.content if isinstance(self.content, str) else "".join(
+            p.text for p in self.content if isinstance(p, TextPart))
+        return {"role": self.role_in_template, "content": text}
+
+    def as_vision_chat(self) -> dict[str, Any]:
+        """The message as processors' chat templates take it: text and ``{"type": "image"}`` parts."""
+        parts = ([{"type": "text", "text": self.content}] if isinstance(self.content, str) else
+                 [{"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
+                  for p in self.content])
+        return {"role": self.role_in_template, "content": parts}
 
 
 class ChatRequest(_Request):

@@ -34,7 +34,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tigon.serve.engine import Engine, Sampling
-from tigon.serve.protocol import APIError, ChatRequest, CompletionRequest, EmbeddingRequest
+from tigon.serve.images import ImagePolicy, request_images
+from tigon.serve.protocol import APIError, ChatRequest, CompletionRequest, EmbeddingRequest, ImagePart
 from tigon.train.template import render
 
 log = logging.getLogger("tigon.serve")
@@ -85,6 +86,7 @@ class Choice:
     index: int
     prompt_ids: list[int]
     sampling: Sampling
+    pixels: dict[str, Any] | None = None  # a vision-language model's image tensors for this prompt
     text: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     completion_tokens: int = 0
@@ -96,7 +98,8 @@ async def run_choice(engine: Engine, tokenizer: Any, choice: Choice, stops: list
     the last one). Leaving early, by a stop string or by cancellation, cancels the request."""
     stream = TextStream(tokenizer, stops)
     reason = None
-    async with contextlib.aclosing(engine.generate(choice.prompt_ids, choice.sampling)) as outputs:
+    images = {} if choice.pixels is None else {"pixels": choice.pixels}
+    async with contextlib.aclosing(engine.generate(choice.prompt_ids, choice.sampling, **images)) as outputs:
         async for output in outputs:
             if stream.feed(output.token_ids, final=output.finish_reason is not None):
                 reason = "stop"
@@ -114,7 +117,8 @@ async def run_choice(engine: Engine, tokenizer: Any, choice: Choice, stops: list
 @dataclass
 class ServedModel:
     """What the app serves: the engine (None for an embedding model, which `embedder` serves
-    instead), its tokenizer, the model's name and context length.
+    instead), its tokenizer, the model's name and context length; for a vision-language model,
+    `vision` (the `VisionEncoder` over its processor) and the `images` requests may send.
     `max_prompt_chars` follows from them: a token of a causal LM's tokenizer (byte-level BPE or
     SentencePiece, which keep every character) stands for no more characters than the longest entry
     of its vocabulary, so a text longer than the context times that length cannot fit, and is
@@ -125,6 +129,8 @@ class ServedModel:
     name: str
     max_model_len: int
     embedder: Any = None  # tigon.serve.embeddings.Embedder
+    vision: Any = None  # tigon.train.vision.VisionEncoder
+    images: ImagePolicy = ImagePolicy()
     max_prompt_chars: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -313,6 +319,14 @@ def build_app(served: ServedModel, api_key: str | None = None, limits: Limits = 
         body.check_supported()
         check_model(served, body.model)
         check_choices(limits, 1, body.n)
+        if served.vision is not None:
+            if served.engine.full():  # before its images are decoded: each waiting request holds its own
+                raise APIError(503, f"the server has {served.engine.max_waiting} requests with images running or "
+                                    "waiting, as many as it takes; retry shortly", kind="server_error",
+                               code="server_busy")
+            prompt, pixels = await anyio.to_thread.run_sync(partial(vision_chat_prompt, served, body),
+                                                            limiter=tokenising)
+            return await respond(request, body, [prompt], chat=True, pixels=pixels)
         prompt = await anyio.to_thread.run_sync(partial(chat_prompt, served, body), limiter=tokenising)
         return await respond(request, body, [prompt], chat=True)
 
@@ -350,7 +364,7 @@ def build_app(served: ServedModel, api_key: str | None = None, limits: Limits = 
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     async def respond(request: Request, body: ChatRequest | CompletionRequest, prompts: list[list[int]],
-                      chat: bool) -> Any:
+                      chat: bool, pixels: dict[str, Any] | None = None) -> Any:
         if not served.engine.alive():
             raise APIError(503, "the generation engine has stopped after an error; restart the server",
                            kind="server_error")
@@ -361,7 +375,7 @@ def build_app(served: ServedModel, api_key: str | None = None, limits: Limits = 
                 # n choices of one seeded request are n different draws, each reproducible.
                 seed = None if body.seed is None else body.seed + i
                 sampling = Sampling(limit, body.temperature, body.top_p, seed)
-                choices.append(Choice(p * body.n + i, prompt, sampling))
+                choices.append(Choice(p * body.n + i, prompt, sampling, pixels))
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         if body.stream:
             events = stream_events(served, body, choices, ident, chat)
@@ -433,17 +447,48 @@ def check_choices(limits: Limits, prompts: int, n: int) -> None:
                             f"server generates at most {limits.max_choices} per request", param="n")
 
 
-def encode_text(served: ServedModel, text: str, add_special_tokens: bool, param: str) -> list[int]:
-    """The token ids of `text`, refused unread when it is too long for any tokenisation of it to fit."""
+def check_chars(served: ServedModel, text: str, param: str) -> None:
+    """Refuse `text` unread when it is too long for any tokenisation of it to fit."""
     if len(text) > served.max_prompt_chars:
         raise APIError(400, f"{param} is {len(text)} characters long, more than this model's context of "
                             f"{served.max_model_len} tokens can hold (at most {served.max_prompt_chars} characters)",
                        param=param, code="context_length_exceeded")
+
+
+def encode_text(served: ServedModel, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    """The token ids of `text`, refused unread when it is too long for any tokenisation of it to fit."""
+    check_chars(served, text, param)
     return served.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+
+def image_parts(body: ChatRequest) -> list[tuple[str, str]]:
+    """The ``(param, url)`` of every image part of a chat, in order."""
+    return [(f"messages[{i}].content[{j}].image_url.url", part.image_url.url)
+            for i, message in enumerate(body.messages) if not isinstance(message.content, str)
+            for j, part in enumerate(message.content) if isinstance(part, ImagePart)]
+
+
+def vision_chat_prompt(served: ServedModel, body: ChatRequest) -> tuple[list[int], dict[str, Any]]:
+    """A chat with images through a vision-language model's processor: its token ids (each
+    image's placeholder expanded) and the image tensors that go with them."""
+    images = request_images(image_parts(body), served.images)
+    messages = [m.as_vision_chat() for m in body.messages]
+    try:
+        check_chars(served, served.vision.render(messages, True), "messages")
+        batch = served.vision.prompt(messages, images)
+    except APIError:
+        raise
+    except Exception as err:  # a template or processor raises whatever its author chose
+        raise APIError(400, f"the processor failed on these messages: {err}", param="messages") from None
+    return batch["input_ids"][0].tolist(), {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask")}
 
 
 def chat_prompt(served: ServedModel, body: ChatRequest) -> list[int]:
     """The token ids of a chat's messages through the model's chat template."""
+    parts = image_parts(body)
+    if parts:
+        raise APIError(400, f"{parts[0][0]}: an image, but this server's model is text-only (not a vision-language "
+                            "model): send text only", param=parts[0][0], code="images_not_supported")
     try:
         text = render(served.tokenizer, [m.as_chat() for m in body.messages], True)
     except Exception as err:  # a template raises whatever its author chose

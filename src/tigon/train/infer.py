@@ -16,7 +16,8 @@ from tigon.train.config import SFTError
 from tigon.train.modeling import (DTYPES, LABELS_FILE, check_bitsandbytes, classifier_options, load_model,
                                   load_tokenizer, pick_dtype, quantization_name, recorded_quantization, source_kwargs)
 from tigon.train.template import ensure_chat_template, render
-from tigon.train.vision import is_vision_config, load_processor, load_vision_model, model_config
+from tigon.train.vision import (VisionPrompt, image_files, load_processor, load_vision_model, user_turn, vision_config,
+                                vision_generate)
 
 log = logging.getLogger("tigon.train")
 # torch's load_state_dict names each tensor whose shape differs, the first one first; PEFT loads an
@@ -51,12 +52,6 @@ def _inference_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _vision_config(model_id: str) -> Any:
-    """`model_id`'s config if it is a vision-language model's, else None."""
-    config = model_config(model_id)
-    return config if is_vision_config(config) else None
-
-
 def _adapter_model(adapter: str, base: str, dtype: torch.dtype, dequantize: bool) -> Any:
     """PEFT's model of `adapter` on `base`. A base the adapter was trained quantised (QLoRA, see
     QUANT_FILE) is quantised the same way again, so that the adapter meets the weights it learned
@@ -69,7 +64,7 @@ def _adapter_model(adapter: str, base: str, dtype: torch.dtype, dequantize: bool
     classifier = (classifier_options(list(json.loads(labels.read_text()).values())) if labels.is_file()
                   else None)
     if quantization is None:
-        vision = _vision_config(base)
+        vision = vision_config(base)
         model = load_vision_model(base, dtype) if vision is not None else load_model(base, dtype, classifier=classifier)
     else:
         device = _inference_device()
@@ -135,11 +130,16 @@ def generate(model: Any, tokenizer: Any, prompt: Sequence[dict[str, str]] | str,
 
 
 def chat(model: Any, tokenizer: Any, max_new_tokens: int, temperature: float, system: str | None,
-         stdin: TextIO, stdout: TextIO) -> None:
-    """A conversation on the terminal: each line is a user turn; /reset forgets, /exit (or EOF) ends."""
-    history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+         stdin: TextIO, stdout: TextIO, encoder: Any = None, images: Sequence[Any] = ()) -> None:
+    """A conversation on the terminal: each line is a user turn; /reset forgets, /exit (or EOF) ends.
+    With `encoder` (a vision-language model's `VisionEncoder`), `images` go with the first message
+    and ``/image PATH`` attaches an image to the next one."""
+    history: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
     start = list(history)
-    stdout.write("tigon chat: type a message; /reset starts over, /exit quits\n")
+    shown: list[Any] = []  # the images of the turns in `history`, in order
+    pending = list(images)
+    stdout.write("tigon chat: type a message; " + ("/image PATH attaches an image, " if encoder else "")
+                 + "/reset starts over, /exit quits\n")
     while True:
         stdout.write("you> ")
         stdout.flush()
@@ -147,13 +147,26 @@ def chat(model: Any, tokenizer: Any, max_new_tokens: int, temperature: float, sy
         if not line or line.strip() == "/exit":
             return
         if line.strip() == "/reset":
-            history = list(start)
+            history, shown, pending = list(start), [], []
+            continue
+        if encoder is not None and line.startswith("/image "):
+            try:
+                pending += image_files([line[len("/image "):].strip()], "/image")
+            except SFTError as err:  # the conversation goes on without it
+                stdout.write(f"{err}\n")
             continue
         if not line.strip():
             continue
-        history.append({"role": "user", "content": line.rstrip("\n")})
-        reply = generate(model, tokenizer, history, max_new_tokens, temperature)
-        history.append({"role": "assistant", "content": reply})
+        text = line.rstrip("\n")
+        if encoder is None:
+            history.append({"role": "user", "content": text})
+            reply = generate(model, tokenizer, history, max_new_tokens, temperature)
+        else:
+            history.append(user_turn(text, len(pending)))
+            shown, pending = shown + pending, []
+            reply = vision_generate(model, encoder, VisionPrompt(tuple(history), tuple(shown), text), max_new_tokens,
+                                    temperature)
+        history.append({"role": "assistant", "content": reply if encoder is None else [{"type": "text", "text": reply}]})
         stdout.write(f"model> {reply}\n")
 
 
@@ -184,7 +197,7 @@ def merge(adapter: str, output: str, base: str | None = None, dtype: str = "auto
     else:
         target = DTYPES[dtype]
     merged = model.merge_and_unload().to(device="cpu", dtype=target)
-    vision = _vision_config(base)
+    vision = vision_config(base)
     with written_atomically(out) as staging:
         merged.save_pretrained(staging)
         tokenizer.save_pretrained(staging)

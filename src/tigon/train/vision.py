@@ -193,6 +193,11 @@ class VisionEncoder:
         nested = images if any(images) else None
         return self.processor(text=texts, images=nested, padding=True, return_tensors="pt")
 
+    def prompt(self, messages: Any, images: list[Any]) -> Any:
+        """The processor's batch of one chat up to a generation prompt, with its (opened) images:
+        what a model answering it is given."""
+        return self.inputs([self.render(messages, True)], [images])
+
     def token_ids(self, text: str, images: list[Any]) -> list[int]:
         return self.inputs([text], [images])["input_ids"][0].tolist()
 
@@ -395,19 +400,76 @@ def pick_vision_prompts(samples: list[VisionSample], n: int, label: Any = None) 
 
 
 @torch.no_grad()
-def vision_generate(model: Any, encoder: VisionEncoder, prompt: VisionPrompt, max_new_tokens: int) -> str:
-    """The model's greedy answer to `prompt` (its chat and images)."""
-    text = encoder.render(prompt.messages, True)
-    inputs = encoder.inputs([text], [encoder.images(prompt.images)]).to(next(model.parameters()).device)
+def vision_generate(model: Any, encoder: VisionEncoder, prompt: VisionPrompt, max_new_tokens: int,
+                    temperature: float = 0.0) -> str:
+    """The model's answer to `prompt` (its chat and images), greedy at `temperature` 0."""
+    inputs = encoder.prompt(prompt.messages, encoder.images(prompt.images)).to(next(model.parameters()).device)
     was_training = model.training
     model.eval()
     tokenizer = encoder.processor.tokenizer
+    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
     try:
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, use_cache=True,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **sampling)
     finally:
         model.train(was_training)
     return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
+def image_files(paths: list[str], flag: str = "--image") -> list[ImageRef]:
+    """The image files `paths` (relative to the working directory), each opened once to check it
+    decodes; what is wrong is an SFTError naming `flag` and the path."""
+    refs = []
+    for path in paths:
+        try:
+            ref = image_ref(path, Path.cwd())
+            open_image(ref)
+        except (ValueError, OSError) as err:  # PIL's errors are OSErrors
+            raise SFTError(f"{flag} {path}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+        refs.append(ref)
+    return refs
+
+
+def vision_config_of(path: str, base: str | None = None) -> Any:
+    """The config of the model in `path` (of its base, for a LoRA adapter) when it is a
+    vision-language model's, else None."""
+    from tigon.train.infer import _adapter_base, is_adapter
+
+    return vision_config((base or _adapter_base(path)) if is_adapter(path) else path)
+
+
+def vision_config(model_id: str) -> Any:
+    """`model_id`'s config if it is a vision-language model's, else None."""
+    config = model_config(model_id)
+    return config if is_vision_config(config) else None
+
+
+def load_vision_for_inference(path: str, dtype: torch.dtype, base: str | None = None,
+                              what: str = "--image") -> tuple[Any, VisionEncoder]:
+    """The vision-language model in `path` (a model directory, or a LoRA adapter merged on its
+    base) in eval mode on the GPU if there is one, and an encoder over its processor (the
+    adapter's, else the base's). A text-only model is an SFTError naming `what`."""
+    from tigon.train.infer import _adapter_base, is_adapter, load_for_inference
+
+    adapter = is_adapter(path)
+    source = (base or _adapter_base(path)) if adapter else path
+    config = vision_config(source)
+    if config is None:
+        raise SFTError(f"{what}: {path} is not a vision-language model (its config has no vision_config)")
+    if adapter:
+        model, _ = load_for_inference(path, dtype, base, dequantize=True)
+        model = model.merge_and_unload()
+    else:
+        model = load_vision_model(path, dtype)
+    has_processor = any((Path(path) / name).is_file() for name in ("processor_config.json", "preprocessor_config.json"))
+    processor = load_processor(path if has_processor else source, config)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    return model.to(device).eval(), VisionEncoder(processor)
+
+
+def user_turn(text: str, images: int) -> dict[str, Any]:
+    """A user message in the processors' form: `images` image parts, then the text."""
+    return {"role": "user", "content": [*({"type": "image"} for _ in range(images)), {"type": "text", "text": text}]}
 
 
 def answer_about_images(model_id: str, prompts: list[str], images: list[str], dtype: torch.dtype,
@@ -415,25 +477,12 @@ def answer_about_images(model_id: str, prompts: list[str], images: list[str], dt
     """`tigon infer MODEL --image PATH`: the vision-language model in `model_id` (a saved model
     directory) answers each prompt about `images` (files, shown in order before the prompt),
     greedily. Every image is opened before the model loads; what is wrong is an SFTError."""
-    config = model_config(model_id)
-    if not is_vision_config(config):
+    if vision_config_of(model_id) is None:
         raise SFTError(f"--image: {model_id} is not a vision-language model (its config has no vision_config)")
-    refs = []
-    for path in images:
-        try:
-            ref = image_ref(path, Path.cwd())
-            open_image(ref)
-        except (ValueError, OSError) as err:  # PIL's errors are OSErrors
-            raise SFTError(f"--image {path}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
-        refs.append(ref)
-    model = load_vision_model(model_id, dtype).to(torch.device("cuda") if torch.cuda.is_available() else "cpu")
-    encoder = VisionEncoder(load_processor(model_id, config))
-    answers = []
-    for prompt in prompts:
-        content = [*({"type": "image"} for _ in refs), {"type": "text", "text": prompt}]
-        messages = ({"role": "user", "content": content},)
-        answers.append(vision_generate(model, encoder, VisionPrompt(messages, tuple(refs), prompt), max_new_tokens))
-    return answers
+    refs = image_files(images)
+    model, encoder = load_vision_for_inference(model_id, dtype)
+    return [vision_generate(model, encoder, VisionPrompt((user_turn(prompt, len(refs)),), tuple(refs), prompt),
+                            max_new_tokens) for prompt in prompts]
 
 
 def packing_refusal(family: str) -> SFTError:

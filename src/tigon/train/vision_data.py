@@ -213,6 +213,40 @@ def open_image(ref: ImageRef) -> Any:
         return image.convert("RGB")
 
 
+# What an image from a network client may be: the formats decoded (Pillow tries no other plugin
+# on such bytes), and the defaults of its bounds.
+UNTRUSTED_FORMATS = ("PNG", "JPEG", "WEBP")
+MAX_IMAGE_BYTES = 16 << 20
+MAX_IMAGE_PIXELS = 4096 * 4096
+
+
+def open_untrusted(ref: ImageRef, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = MAX_IMAGE_PIXELS) -> Any:
+    """`ref` (bytes, or a file the caller has checked it may read) decoded as an RGB PIL image,
+    when it is a PNG, JPEG or WebP of at most `max_bytes` bytes and `max_pixels` pixels; else a
+    ValueError naming what is wrong. The pixel count is read from the header, before anything is
+    decompressed: a small file that would decode to gigabytes (a decompression bomb) is refused
+    unread."""
+    from PIL import Image
+
+    size = len(ref) if isinstance(ref, bytes) else ref.stat().st_size
+    if size > max_bytes:
+        raise ValueError(f"the image is {size} bytes, more than the {max_bytes} allowed")
+    try:
+        with Image.open(io.BytesIO(ref) if isinstance(ref, bytes) else ref, formats=UNTRUSTED_FORMATS) as image:
+            width, height = image.size
+            if width * height > max_pixels:
+                raise ValueError(f"the image is {width}x{height} pixels, more than the {max_pixels} allowed")
+            image.load()
+            return image.convert("RGB")
+    except ValueError:
+        raise
+    except Image.DecompressionBombError as err:  # Pillow's own bound, where it is below ours
+        raise ValueError(f"the image is too large to decode: {err}") from None
+    except Exception as err:  # PIL raises several kinds for damaged or foreign bytes
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(f"not a readable PNG, JPEG or WebP image ({reason})") from None
+
+
 def bounded(image: Any, max_pixels: int | None, image_size: int | None) -> Any:
     """`image` scaled down (aspect kept) to at most `max_pixels` pixels and `image_size` on its
     longer side; as it is when within both."""

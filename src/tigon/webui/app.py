@@ -17,7 +17,7 @@ from typing import Any
 import gradio as gr
 import pandas as pd
 
-from tigon.webui.models import ChatModel, preview_dataset
+from tigon.webui.models import ChatModel, preview_dataset, preview_images
 from tigon.webui.runs import (DATASET_SUFFIXES, EXPORT_DTYPES, FINISHED, RUNNING, UPLOADS_DIR, RunInfo, RunStore,
                               TrainSettings, WebUIError, task_command)
 
@@ -69,16 +69,31 @@ def _summary(info: RunInfo) -> dict[str, Any]:
     return {k: v for k, v in info.as_dict().items() if k in keep}
 
 
-def _messages(history: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """Chatbot history as role/content text messages (Gradio keeps content as a list of parts)."""
-    out = []
+def _is_image(part: Any) -> bool:
+    return isinstance(part, dict) and (part.get("type") == "file" or "path" in part or "file" in part)
+
+
+def _messages(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chatbot history as role/content text messages (Gradio keeps content as a list of parts);
+    the images shown in the chat before a user's text counted on it as ``images``."""
+    out: list[dict[str, Any]] = []
+    images = 0
     for m in history or []:
         content = m.get("content")
+        parts = content if isinstance(content, list) else [content]
+        if m.get("role") == "user":
+            images += sum(map(_is_image, parts))
         if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        if isinstance(content, str):
-            out.append({"role": m["role"], "content": content})
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and not _is_image(p))
+        if isinstance(content, str) and content:
+            out.append({"role": m["role"], "content": content, **({"images": images} if m["role"] == "user" else {})})
+            images = 0 if m["role"] == "user" else images
     return out
+
+
+# An image uploaded to the chat: read whole into the UI's memory, so bounded (Gradio bounds the upload itself
+# by MAX_UPLOAD only).
+CHAT_IMAGE_BYTES = 16 << 20
 
 
 def build_app(runs_dir: str | Path, max_running: int = 4) -> gr.Blocks:
@@ -214,16 +229,45 @@ def build_app(runs_dir: str | Path, max_running: int = 4) -> gr.Blocks:
         return export(path, "gguf", dtype)
 
     def chat(path: str | None, message: str, history: list[dict[str, Any]], system: str, max_new_tokens: float,
-             temperature: float) -> tuple:
+             temperature: float, image: str | None = None, shown: list[bytes] | None = None) -> tuple:
+        """The model's answer, with the uploaded `image` (a file in Gradio's cache) shown before
+        the message. `shown` (the session's state, never the client's) holds the bytes of the
+        images of this conversation: the history a client sends names no file the UI reads."""
+        from tigon.train.vision_data import open_untrusted
+
+        shown = list(shown or [])
         if not (message or "").strip():
-            return history, message, ""
-        turns = _messages(history) + [{"role": "user", "content": message}]
-        prompt = ([{"role": "system", "content": system}] if (system or "").strip() else []) + turns
-        try:  # Gradio holds max_new_tokens and temperature to their sliders' ranges
-            reply = chat_model.reply(str(store.model_dir(path or "")), prompt, int(max_new_tokens), float(temperature))
+            return history, message, "", shown
+        try:
+            new = []
+            if image:
+                with open(image, "rb") as f:
+                    data = f.read(CHAT_IMAGE_BYTES + 1)
+                open_untrusted(data, CHAT_IMAGE_BYTES)  # bounded before the model sees it
+                new = [data]
+            turns = _messages(history)
+            if sum(t.get("images", 0) for t in turns) != len(shown):  # a history not this session's
+                turns, shown = [{**t, "images": 0} for t in turns], []
+            turns.append({"role": "user", "content": message, "images": len(new)})
+            prompt = ([{"role": "system", "content": system}] if (system or "").strip() else []) + turns
+            # Gradio holds max_new_tokens and temperature to their sliders' ranges
+            reply = chat_model.reply(str(store.model_dir(path or "")), prompt, int(max_new_tokens), float(temperature),
+                                     shown + new)
         except (ValueError, OSError) as err:
-            return history, message, f"`{str(err).splitlines()[0] if str(err) else type(err).__name__}`"
-        return turns + [{"role": "assistant", "content": reply}], "", f"answered by `{path}`"
+            return history, message, f"`{str(err).splitlines()[0] if str(err) else type(err).__name__}`", shown
+        shown_turn = [{"role": "user", "content": {"path": image}}] if image else []
+        return (list(history or []) + shown_turn + [{"role": "user", "content": message},
+                                                     {"role": "assistant", "content": reply}],
+                "", f"answered by `{path}`", shown + new)
+
+    def thumbnails(dataset: str) -> gr.Gallery:
+        """The first images of an image + text data file, small; none for any other file."""
+        try:
+            files = store.data_files(dataset or "")
+        except (WebUIError, OSError):
+            files = []
+        shown, line = preview_images(files[0], store.root) if files else ([], "")
+        return gr.Gallery(value=shown, label=f"images: {line}" if line else "images", visible=bool(shown))
 
     def on_load(request: gr.Request) -> tuple:
         """The run a page opens on: ``?run=NAME``, else the newest (a reopened page keeps watching)."""
@@ -252,6 +296,8 @@ def build_app(runs_dir: str | Path, max_running: int = 4) -> gr.Blocks:
             preview_summary = gr.Markdown(elem_id="preview-summary")
             preview_text = gr.HighlightedText(label="first sample, as the model sees it", color_map={"trained": "green"},
                                               show_legend=True, elem_id="preview-sample")
+            preview_gallery = gr.Gallery(label="images", columns=8, height=190, visible=False, elem_id="preview-images",
+                                         object_fit="contain")
             with gr.Row():
                 tuner = gr.Radio(["lora", "full"], value="full", label="tuner",
                                  info="full: every weight; lora: adapters (rank and alpha below)")
@@ -322,10 +368,15 @@ def build_app(runs_dir: str | Path, max_running: int = 4) -> gr.Blocks:
                 temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature", info="0: greedy")
             chatbot = gr.Chatbot(label="chat", height=320, elem_id="chatbot")
             with gr.Row():
-                message = gr.Textbox("", placeholder="Who are you?", show_label=False, scale=5, elem_id="chat-message")
+                # A file, not gr.Image: Gradio would decode an image before the handler bounds it.
+                chat_image = gr.File(label="image (vision-language models)", file_types=[".png", ".jpg", ".jpeg",
+                                                                                         ".webp"],
+                                     type="filepath", height=110, scale=1, elem_id="chat-image")
+                message = gr.Textbox("", placeholder="Who are you?", show_label=False, scale=4, elem_id="chat-message")
                 send = gr.Button("Send", variant="primary", scale=1, elem_id="chat-send")
                 clear = gr.Button("Clear", scale=1)
             chat_status = gr.Markdown(elem_id="chat-status")
+            chat_images = gr.State([])  # the bytes of the images shown in this conversation
 
         view = [status, summary, plot, log, timer, stop_button]
         preview_outputs = [preview_summary, preview_text]
@@ -341,8 +392,10 @@ def build_app(runs_dir: str | Path, max_running: int = 4) -> gr.Blocks:
               show_progress="hidden")
         gr.on([dataset.submit, dataset.blur, model.submit, model.blur, method.change], preview,
               [dataset, model, method], preview_outputs, api_name="preview")
+        gr.on([dataset.submit, dataset.blur], thumbnails, dataset, preview_gallery, api_name="preview_images")
         upload_file.upload(upload, upload_file, dataset, api_name=False).then(
-            preview, [dataset, model, method], preview_outputs, api_name=False)
+            preview, [dataset, model, method], preview_outputs, api_name=False).then(
+            thumbnails, dataset, preview_gallery, api_name=False)
         model.change(lambda m: "lora" if m.strip() else "full", model, tuner, api_name=False, show_progress="hidden")
         start_button.click(start, settings_inputs, [run, *view], api_name="start")
         gr.on([timer.tick, run.submit], watch, run, view, api_name="run_status", concurrency_limit=None,
@@ -357,10 +410,12 @@ def build_app(runs_dir: str | Path, max_running: int = 4) -> gr.Blocks:
         merged_button.click(export_merged, [export_model, export_dtype], export_result, api_name="export_merged")
         gguf_button.click(export_gguf, [export_model, export_dtype], export_result, api_name="export_gguf")
 
-        chat_inputs = [chat_path, message, chatbot, system, max_new, temperature]
-        gr.on([message.submit, send.click], chat, chat_inputs, [chatbot, message, chat_status], api_name="chat")
-        clear.click(lambda: ([], ""), None, [chatbot, chat_status], api_name=False)
-        chat_path.change(lambda _: ([], ""), chat_path, [chatbot, chat_status], api_name=False)
+        chat_inputs = [chat_path, message, chatbot, system, max_new, temperature, chat_image, chat_images]
+        gr.on([message.submit, send.click], chat, chat_inputs, [chatbot, message, chat_status, chat_images],
+              api_name="chat").then(lambda text, image: None if not text else gr.skip(), [message, chat_image],
+                                    chat_image, api_name=False)  # an answered message takes its image along
+        clear.click(lambda: ([], "", []), None, [chatbot, chat_status, chat_images], api_name=False)
+        chat_path.change(lambda _: ([], "", []), chat_path, [chatbot, chat_status, chat_images], api_name=False)
     return app
 
 
