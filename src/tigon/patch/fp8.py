@@ -44,7 +44,7 @@ def unsupported(device: torch.device | None = None) -> str | None:
     if device is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     if device is None or device.type != "cuda":
-        where = "no CUDA GPU is visible" if device is None else f"the model is on {device.type}"
+        where = "here is only the CPU (no CUDA GPU is visible)" if device is None else f"the model is on {device.type}"
         return f"FP8 matmuls need a CUDA GPU of compute capability >= 8.9 (Ada, Hopper or newer), and {where}"
     capability = torch.cuda.get_device_capability(device)
     if capability >= MIN_CAPABILITY:
