@@ -300,9 +300,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "python -m tigon.bench.e2e --help")
     bench.add_argument("--e2e-impls", nargs="+", metavar="IMPL",
                        choices=["eager", "tigon", "compile", "tigon+compile", "tigon+graphs", "tigon+reduce-overhead",
-                                "peer"],
+                                "peer", "torchao-fp8", "torchao-fp8-rowwise", "tigon+fp8", "tigon+fp8-rowwise",
+                                "tigon+scaled-mm"],
                        help="with --e2e: what to run (default eager tigon; tigon+graphs: the steps replayed from "
-                            "CUDA graphs, as --cuda-graphs does; tigon+reduce-overhead: torch.compile's CUDA-graph mode)")
+                            "CUDA graphs, as --cuda-graphs does; tigon+reduce-overhead: torch.compile's CUDA-graph mode; "
+                            "FP8 linears: torchao-fp8[-rowwise] on the unpatched model, tigon+fp8[-rowwise], "
+                            "tigon+scaled-mm: torch._scaled_mm rowwise without torchao)")
     bench.add_argument("--ppo", action="store_true",
                        help="PPO's training step without sampling (8 prompts x 256 new tokens, 1B Llama shape, LoRA): "
                             "eager, torch.compile and tigon; full fine-tuning and more knobs: python -m tigon.bench.ppo "

@@ -30,6 +30,9 @@ plain runs.
 ``tigon+reduce-overhead`` reaches replays through ``torch.compile(mode="reduce-overhead")`` of the
 patched model instead.
 
+The FP8 rows (``torchao-fp8``, ``tigon+fp8`` and their ``-rowwise`` recipes, ``tigon+scaled-mm``)
+are :mod:`tigon.bench.fp8`'s; on a GPU every row then reports its % of the matmul floor.
+
 ``tigon bench --e2e`` runs the defaults; ``python -m tigon.bench.e2e --help`` lists the knobs
 (long-context runs: ``--modes lora --batch 1 --seq 65536 --checkpointing``).
 """
@@ -47,6 +50,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 import tigon
+from tigon.bench import fp8
 from tigon.bench.harness import environment
 from tigon.timing import BusyMeter
 
@@ -56,7 +60,7 @@ BUSY_SETTLE_S, BUSY_MIN_TIMED_S = 1.0, 3.0
 MODES = ("full", "lora")
 # "tigon+compile" is the patched model under torch.compile, "tigon+reduce-overhead" under its CUDA-graph
 # mode; "tigon+graphs" replays the patched model's micro-steps from CUDA graphs (tigon sft --cuda-graphs).
-IMPLS = ("eager", "tigon", "compile", "tigon+compile", "tigon+graphs", "tigon+reduce-overhead", "peer")
+IMPLS = ("eager", "tigon", "compile", "tigon+compile", "tigon+graphs", "tigon+reduce-overhead", "peer", *fp8.IMPLS)
 COMPILE_MODES = {"compile": None, "tigon+compile": None, "tigon+reduce-overhead": "reduce-overhead"}
 LLAMA_1B = dict(
     hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -272,7 +276,10 @@ def run_case(
     try:
         if impl == "peer":
             undo_peer = apply_peer(model)
-        if impl.startswith("tigon"):
+        if impl in fp8.IMPLS:
+            record["applied"] = fp8.prepare(model, impl)
+            log(record["applied"])
+        elif impl.startswith("tigon"):
             record["applied"] = str(tigon.patch(model))
             log(record["applied"])
         if impl == "tigon+graphs":
@@ -281,6 +288,7 @@ def run_case(
             step = micro_step(torch.compile(model, mode=COMPILE_MODES[impl]) if impl in COMPILE_MODES else model)
         record.update(measure_training(model, step, shape["vocab_size"], batch, seq, warmup, steps, sync_steps,
                                        captured_update=impl == "tigon+graphs"))
+        record.update(fp8.floor_pct(model, seq, record["tokens_per_s"], device))
     except Exception as err:  # one failing case must not hide the others' numbers
         record["error"] = f"{type(err).__name__}: {err}"
     finally:
@@ -305,17 +313,18 @@ def compare(records: list[dict[str, Any]]) -> None:
 
 
 def format_table(records: list[dict[str, Any]]) -> str:
-    lines = [f"{'mode':<6}{'impl':<15}{'tok/s':>10}{'step ms':>9}{'peak GiB':>10}{'speed-up':>10}"
-             f"{'peak/eager':>11}{'first loss':>11}{'max |dloss|':>12}{'GPU busy':>9}"]
+    lines = [f"{'mode':<6}{'impl':<20}{'tok/s':>10}{'step ms':>9}{'peak GiB':>10}{'speed-up':>10}"
+             f"{'peak/eager':>11}{'first loss':>11}{'max |dloss|':>12}{'GPU busy':>9}{'floor':>7}"]
     for r in records:
         if "error" in r:
-            lines.append(f"{r['mode']:<6}{r['impl']:<15}  {r['error']}")
+            lines.append(f"{r['mode']:<6}{r['impl']:<20}  {r['error']}")
             continue
         lines.append(
-            f"{r['mode']:<6}{r['impl']:<15}{r['tokens_per_s']:>10.0f}{r['step_ms']:>9.1f}{r['peak_gib']:>10.2f}"
+            f"{r['mode']:<6}{r['impl']:<20}{r['tokens_per_s']:>10.0f}{r['step_ms']:>9.1f}{r['peak_gib']:>10.2f}"
             f"{r.get('vs_eager_speed', float('nan')):>9.2f}x{r.get('vs_eager_peak', float('nan')):>11.2f}"
             f"{r['losses'][0]:>11.4f}{r.get('max_loss_diff', float('nan')):>12.4f}"
             + (f"{r['gpu_busy_pct']:>8.0f}%" if "gpu_busy_pct" in r else f"{'-':>9}")
+            + (f"{r['floor_pct']:>6.0f}%" if "floor_pct" in r else f"{'-':>7}")
         )
     return "\n".join(lines)
 

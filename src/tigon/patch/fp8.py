@@ -20,11 +20,12 @@ in bf16 under its name.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import types
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -111,16 +112,21 @@ def candidates(
                     yield f"{names[id(owner)]}.{attr}", owner, attr, child
 
 
-def _aligned_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A Float8Linear's forward on tokens padded with zero rows to a multiple of :data:`ALIGN`
-    (the weight gradient's GEMM contracts over them); the zero rows add nothing to any gradient
-    and leave every scale as it was. Aligned inputs are not copied."""
+def padded_rows(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``forward(x)`` of an FP8 linear, its tokens padded with zero rows to a multiple of
+    :data:`ALIGN` (the weight gradient's GEMM contracts over them); zero rows add nothing to any
+    gradient and leave every scale as it was. Aligned inputs are not copied."""
     rows = x.numel() // x.shape[-1]
     short = -rows % ALIGN
     if not short:
-        return type(self).forward(self, x)
+        return forward(x)
     padded = torch.nn.functional.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, short))
-    return type(self).forward(self, padded)[:rows].reshape(*x.shape[:-1], self.out_features)
+    return forward(padded)[:rows].reshape(*x.shape[:-1], out_features)
+
+
+def _aligned_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A Float8Linear's forward through :func:`padded_rows`."""
+    return padded_rows(functools.partial(type(self).forward, self), x, self.out_features)
 
 
 def convert(
