@@ -153,7 +153,10 @@ def convert(
     if weight.dtype != torch.bfloat16:
         raise ValueError(f"{what}: FP8 training keeps bf16 weights, and the decoder's are "
                          f"{str(weight.dtype).replace('torch.', '')}: model.to(torch.bfloat16) first")
-    float8 = torchao_float8()
+    try:
+        float8 = torchao_float8()
+    except ValueError as err:
+        raise ValueError(f"{what}: {err}") from None
     wanted = {id(linear) for _, _, linear in chosen}
     float8.convert_to_float8_training(model, module_filter_fn=lambda module, fqn: id(module) in wanted,
                                       config=config(recipe, all_gather))
@@ -184,11 +187,11 @@ def restore(done: Conversion) -> None:
 
 
 def plain_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor`, less torchao's FSDP2 float8 all-gather wrapper where it has one (a checkpoint
-    holds the bf16 weight it wraps)."""
+    """`tensor`, less torchao's FSDP2 float8 all-gather wrapper where it has one: the bf16 weight
+    it wraps, detached (what a checkpoint holds)."""
     inner = getattr(tensor, "_tensor", None)
     if type(tensor).__name__ == "WeightWithDynamicFloat8CastTensor" and isinstance(inner, torch.Tensor):
-        return inner
+        return inner.detach()
     return tensor
 
 
