@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.patch.test_fp8 import fp8_anywhere  # noqa: F401  (a fixture)
 from tigon.patch import fp8 as patch_fp8
 
 pytest.importorskip("torchao")
@@ -15,13 +16,7 @@ TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atten
             vocab_size=1000, tie_word_embeddings=True)
 
 
-@pytest.fixture
-def fp8_here(monkeypatch):
-    monkeypatch.setattr(patch_fp8, "unsupported", lambda device=None: None)
-    monkeypatch.setenv("TIGON_DISABLE", "all")
-
-
-def test_e2e_fp8_rows_run_and_follow_eager(fp8_here):
+def test_e2e_fp8_rows_run_and_follow_eager(fp8_anywhere):
     from tigon.bench import fp8
     from tigon.bench.e2e import run_e2e
 

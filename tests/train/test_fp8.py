@@ -17,20 +17,13 @@ from tigon.cli import main
 from tigon.patch import fp8
 from tigon.train import tiny
 from tigon.train.config import RLHFConfig, SFTConfig, SFTError, resolve, resolve_rlhf
+from tests.patch.test_fp8 import fp8_anywhere  # noqa: F401  (a fixture)
 from tests.train.test_config import parse
 
 pytest.importorskip("torchao")
 pytest.importorskip("peft")
 
 SHORT = ["--dataset", f"{tiny.BUNDLED_DATASET}#40", "--batch-size", "4", "--max-length", "48", "--samples", "0"]
-
-
-@pytest.fixture
-def fp8_here(monkeypatch):
-    """This machine passes for one with FP8; tigon's ops run their references (the Triton
-    interpreter has no bf16 dot)."""
-    monkeypatch.setattr(fp8, "unsupported", lambda device=None: None)
-    monkeypatch.setenv("TIGON_DISABLE", "all")
 
 
 def test_the_option_and_its_config_file_key(tmp_path):
@@ -68,12 +61,12 @@ def test_refused_on_a_gpu_without_fp8_naming_it_and_its_capability(monkeypatch):
     (dict(kernels=False), "--fp8 rowwise: applied by tigon.patch, which --no-kernels turns off"),
     (dict(dtype="fp32"), "--fp8 rowwise: FP8 training keeps bf16 weights, not --dtype fp32: use --dtype bf16"),
 ])
-def test_settings_that_would_not_train_in_fp8_are_refused(fp8_here, changes, message):
+def test_settings_that_would_not_train_in_fp8_are_refused(fp8_anywhere, changes, message):
     with pytest.raises(SFTError, match="^" + re.escape(message)):
         resolve(SFTConfig(fp8="rowwise", **changes))
 
 
-def test_missing_torchao_names_the_extra(fp8_here, monkeypatch):
+def test_missing_torchao_names_the_extra(fp8_anywhere, monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao.float8", None)
     with pytest.raises(SFTError) as err:
         resolve(SFTConfig(fp8="rowwise"))
@@ -81,7 +74,7 @@ def test_missing_torchao_names_the_extra(fp8_here, monkeypatch):
                               "pip install 'tigon[fp8]'")
 
 
-def test_fp8_trains_bf16_weights_the_builtin_model_too(fp8_here):
+def test_fp8_trains_bf16_weights_the_builtin_model_too(fp8_anywhere):
     assert resolve(SFTConfig(fp8="tensorwise")).dtype == "bf16"
     assert resolve(SFTConfig(fp8="tensorwise", model="m", tuner="full", dtype="bf16")).dtype == "bf16"
     assert resolve_rlhf(RLHFConfig(fp8="rowwise")).dtype == "bf16"
@@ -116,7 +109,7 @@ def _losses(out):
     return [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
-def test_sft_fp8_trains_and_saves_plain_bf16_weights(fp8_here, tmp_path, caplog):
+def test_sft_fp8_trains_and_saves_plain_bf16_weights(fp8_anywhere, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="tigon"):
         assert main(["sft", *SHORT, "--fp8", "tensorwise", "--max-steps", "4", "--lr", "3e-3",
                      "--output-dir", str(tmp_path / "fp8")]) == 0
