@@ -214,8 +214,8 @@ def test_plain_tensor_unwraps_torchao_fsdp_weights():
 @pytest.mark.parametrize("recipe", fp8.RECIPES)
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
 def test_gpu_fp8_training_follows_bf16(recipe, checkpointing):
-    """On an FP8 GPU, with tigon's kernels around torchao's linears: 20 AdamW steps whose losses
-    stay within 3% of the bf16 run's, under gradient checkpointing too."""
+    """On an FP8 GPU, with tigon's kernels around torchao's linears: 10 AdamW steps whose losses
+    stay within 5% of the bf16 run's, under gradient checkpointing too."""
     if fp8.unsupported() is not None:
         pytest.skip(fp8.unsupported())
     shape = dict(hidden_size=256, intermediate_size=688, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
@@ -225,6 +225,6 @@ def test_gpu_fp8_training_follows_bf16(recipe, checkpointing):
         applied = tigon.patch(model, fp8=kind)
         if kind is not None:
             assert f"fp8 {kind} (14 linears)" in str(applied)
-        runs.append(_train(model, 20, checkpointing))
-    assert runs[1][-1] < runs[1][0] - 0.5
-    assert runs[1] == pytest.approx(runs[0], rel=0.03)
+        runs.append(_train(model, 10, checkpointing))
+    assert runs[1][-1] < runs[1][0] - 0.3
+    assert runs[1] == pytest.approx(runs[0], rel=0.05)
