@@ -162,3 +162,21 @@ def test_gpu_rlhf_fp8_trains(tmp_path, caplog):
     assert any("fp8 rowwise" in line for line in lines)
     assert not any("fp8" in line for line in lines if "frozen reference" in line)
     assert all(loss == loss for loss in _losses(tmp_path))
+
+
+def test_apply_kernels_converts_the_trained_model_only_and_never_trains_unpatched(fp8_anywhere):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tigon.train.modeling import apply_kernels
+    from tests.patch.tiny import tiny_model
+
+    cfg = SFTConfig(fp8="tensorwise")
+    reference = tiny_model("llama", 0, dtype=torch.bfloat16, intermediate_size=96)
+    assert "fp8" not in apply_kernels(reference, cfg, role="the frozen reference")
+    policy = tiny_model("llama", 0, dtype=torch.bfloat16, intermediate_size=96)
+    assert "fp8 tensorwise (14 linears)" in apply_kernels(policy, cfg)
+    # A family tigon.patch lacks trains unpatched without --fp8, with it is refused.
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100))
+    assert apply_kernels(gpt2, SFTConfig()).startswith("tigon: kernels off: tigon.patch does not support")
+    with pytest.raises(SFTError, match="^--fp8 tensorwise: tigon.patch does not support model_type 'gpt2'"):
+        apply_kernels(gpt2, cfg)
