@@ -77,6 +77,9 @@ def config(recipe: str, all_gather: bool = False) -> Any:
     made = float8.Float8LinearConfig.from_recipe_name(recipe)
     if all_gather and recipe == "tensorwise":
         made = dataclasses.replace(made, enable_fsdp_float8_all_gather=True)
+    elif all_gather:
+        log.info("tigon: fp8 %s: FSDP2 all-gathers the weights in bf16 (torchao's FP8 all-gather takes tensorwise "
+                 "scales only)", recipe)
     return made
 
 
