@@ -81,7 +81,7 @@ class ScaledMMLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         def run(rows: torch.Tensor) -> torch.Tensor:
-            flat = rows.reshape(-1, rows.shape[-1])
+            flat = rows.reshape(-1, rows.shape[-1]).contiguous()  # _scaled_mm takes a row-major first operand
             return _ScaledMM.apply(flat, self.weight).reshape(*rows.shape[:-1], self.out_features)
 
         return fp8.padded_rows(run, x, self.out_features)
