@@ -27,8 +27,9 @@ def test_e2e_fp8_rows_run_and_follow_eager(fp8_anywhere):
     by = {r["impl"]: r for r in records}
     assert by["torchao-fp8"]["applied"] == "torchao fp8 tensorwise (14 linears) on the unpatched model"
     assert "fp8 rowwise (14 linears)" in by["tigon+fp8-rowwise"]["applied"]
-    assert by["tigon+scaled-mm"]["applied"].endswith("qkv_group to LlamaForCausalLM (2 layers), "
-                                                     "torch._scaled_mm rowwise (14 linears)")
+    scaled_mm = by["tigon+scaled-mm"]["applied"]  # tigon's kernels, then the linears swapped
+    assert scaled_mm.startswith("tigon: applied rms_norm") and "fp8" not in scaled_mm
+    assert scaled_mm.endswith(" to LlamaForCausalLM (2 layers), torch._scaled_mm rowwise (14 linears)")
     for record in records:
         assert record["max_loss_diff"] < 0.02 and "floor_pct" not in record  # no floor off CUDA
     assert "torchao-fp8-rowwise " in lines[-1]  # the whole table, the impl names in full
