@@ -93,3 +93,23 @@ def test_accuracy_script_reports_relative_differences_and_plots(tmp_path, monkey
     assert "fp8 tensorwise   final loss 1.0100  (+1.00% vs bf16)" in out
     assert "fp8 rowwise      final loss 0.9800  (-2.00% vs bf16)" in out
     assert png.stat().st_size > 1000
+
+
+@pytest.mark.gpu
+def test_gpu_e2e_fp8_rows_report_their_floor():
+    """On an FP8 GPU: every FP8 row runs, follows tigon's bf16 losses, and reports a % of its
+    matmul floor (FP8 linears at the FP8 rate) below 100."""
+    from tigon.bench import fp8
+    from tigon.bench.e2e import run_e2e
+
+    if patch_fp8.unsupported() is not None:
+        pytest.skip(patch_fp8.unsupported())
+    shape = dict(TINY, hidden_size=512, intermediate_size=1536, vocab_size=32000)
+    records = run_e2e(modes=["full"], impls=["tigon", *fp8.IMPLS], batch=2, seq=512, steps=3, warmup=2, shape=shape,
+                      log=lambda line: None)
+    assert not [r["error"] for r in records if "error" in r]
+    bf16 = records[0]
+    for record in records:
+        assert 0 < record["floor_pct"] < 100 and record["fp8_tflops"] > record["bf16_tflops"]
+        assert record["losses"] == pytest.approx(bf16["losses"], rel=3e-2)
+    assert all(r["floor_tokens_per_s"] > bf16["floor_tokens_per_s"] for r in records[1:])
