@@ -111,5 +111,6 @@ def test_gpu_e2e_fp8_rows_report_their_floor():
     bf16 = records[0]
     for record in records:
         assert 0 < record["floor_pct"] < 100 and record["fp8_tflops"] > record["bf16_tflops"]
-        assert record["losses"] == pytest.approx(bf16["losses"], rel=3e-2)
+        both = min(len(record["losses"]), len(bf16["losses"]))  # with NVML the timed steps run >= 3 s
+        assert record["losses"][:both] == pytest.approx(bf16["losses"][:both], rel=3e-2)
     assert all(r["floor_tokens_per_s"] > bf16["floor_tokens_per_s"] for r in records[1:])
