@@ -127,9 +127,11 @@ def fp8_matmul_rate(device: torch.device) -> float:
 
 
 @functools.cache
-def matmul_rates(device: torch.device) -> tuple[float, float]:
-    """(bf16, FP8) dense matmul FLOP/s on `device`, measured once per run."""
-    return measure_matmul_rate(device, torch.bfloat16), fp8_matmul_rate(device)
+def matmul_rates(device: torch.device) -> tuple[float, float | None]:
+    """(bf16, FP8) dense matmul FLOP/s on `device`, measured once per run (FP8: None on a GPU
+    without it, whose bf16 rows still get their floor)."""
+    fp8_rate = fp8_matmul_rate(device) if fp8.unsupported(device) is None else None
+    return measure_matmul_rate(device, torch.bfloat16), fp8_rate
 
 
 def is_fp8_linear(module: torch.nn.Module) -> bool:
@@ -137,14 +139,14 @@ def is_fp8_linear(module: torch.nn.Module) -> bool:
     return isinstance(module, torch.nn.Linear) and type(module).__name__ in ("Float8Linear", "ScaledMMLinear")
 
 
-def floor_tokens_per_s(model: torch.nn.Module, seq: int, rates: tuple[float, float]) -> float:
+def floor_tokens_per_s(model: torch.nn.Module, seq: int, rates: tuple[float, float | None]) -> float:
     """Tokens/s at which `model`'s training step would run its FLOPs at `rates` (bf16, FP8): its
     FP8 linears' three GEMMs at the FP8 rate, the rest at bf16's."""
     from tigon.train.modeling import flops_per_token
 
     total = flops_per_token(model, seq)
     in_fp8 = sum(6.0 * m.weight.numel() for m in model.modules() if is_fp8_linear(m))
-    return 1.0 / ((total - in_fp8) / rates[0] + in_fp8 / rates[1])
+    return 1.0 / ((total - in_fp8) / rates[0] + (in_fp8 / rates[1] if in_fp8 else 0.0))
 
 
 def floor_pct(model: torch.nn.Module, seq: int, tokens_per_s: float, device: torch.device) -> dict[str, Any]:
@@ -153,5 +155,5 @@ def floor_pct(model: torch.nn.Module, seq: int, tokens_per_s: float, device: tor
         return {}
     rates = matmul_rates(device)
     floor = floor_tokens_per_s(model, seq, rates)
-    return {"floor_tokens_per_s": floor, "floor_pct": 100 * tokens_per_s / floor,
-            "bf16_tflops": rates[0] / 1e12, "fp8_tflops": rates[1] / 1e12}
+    record = {"floor_tokens_per_s": floor, "floor_pct": 100 * tokens_per_s / floor, "bf16_tflops": rates[0] / 1e12}
+    return record if rates[1] is None else {**record, "fp8_tflops": rates[1] / 1e12}
