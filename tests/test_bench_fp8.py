@@ -1,22 +1,116 @@
-"""The fused FP8 op benchmarks compare like with like: on their CPU inputs every column returns the
-same output and the same rowwise scales (the payload bytes are compared on the GPU, in
-tests/ops/test_fp8_quant.py)."""
+"""The FP8 rows of the end-to-end benchmark (tigon.bench.fp8) and the accuracy script
+(tigon.bench.fp8_accuracy): their pipelines on the CPU, where torch._scaled_mm runs too (their
+numbers mean nothing there), and torch._scaled_mm's rowwise linear against torchao's."""
+
+from __future__ import annotations
 
 import pytest
 import torch
 
-pytest.importorskip("torchao.float8")
-from tigon.bench.registry import BENCH_OPS  # noqa: E402
-import tigon.bench.ops  # noqa: E402,F401  (registers the cases)
+from tests.patch.test_fp8 import fp8_anywhere  # noqa: F401  (a fixture)
+from tigon.patch import fp8 as patch_fp8
+
+pytest.importorskip("torchao")
+
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=1000, tie_word_embeddings=True)
 
 
-@pytest.mark.parametrize("name", ["rms_norm_fp8", "add_rms_norm_fp8", "swiglu_fp8"])
-def test_columns_agree(name):
-    op = BENCH_OPS[name]
+def test_e2e_fp8_rows_run_and_follow_eager(fp8_anywhere):
+    from tigon.bench import fp8
+    from tigon.bench.e2e import run_e2e
+
+    lines = []
+    records = run_e2e(modes=["full"], impls=["eager", *fp8.IMPLS], batch=2, seq=8, steps=2, warmup=1, shape=TINY,
+                      device=torch.device("cpu"), log=lines.append)
+    assert not [r["error"] for r in records if "error" in r]
+    by = {r["impl"]: r for r in records}
+    assert by["torchao-fp8"]["applied"] == "torchao fp8 tensorwise (14 linears) on the unpatched model"
+    assert "fp8 rowwise (14 linears)" in by["tigon+fp8-rowwise"]["applied"]
+    scaled_mm = by["tigon+scaled-mm"]["applied"]  # tigon's kernels, then the linears swapped
+    assert scaled_mm.startswith("tigon: applied rms_norm") and "fp8" not in scaled_mm
+    assert scaled_mm.endswith(" to LlamaForCausalLM (2 layers), torch._scaled_mm rowwise (14 linears)")
+    for record in records:
+        assert record["max_loss_diff"] < 0.02 and "floor_pct" not in record  # no floor off CUDA
+    assert "torchao-fp8-rowwise " in lines[-1]  # the whole table, the impl names in full
+
+
+def test_scaled_mm_linear_computes_what_torchao_rowwise_does():
+    """Both scale each row of each operand's contracted side by a power of two into e4m3: the same
+    GEMMs, so the same outputs and gradients (up to the GEMM's summation order)."""
+    from tigon.bench.fp8 import ScaledMMLinear
+
+    float8 = patch_fp8.torchao_float8()
     torch.manual_seed(0)
-    args = op.make_inputs(op.cpu_sizes[0], torch.float32, torch.device("cpu"))
-    out, rows = op.tigon(*args)[0], op.tigon(*args)[-1]
-    for column in (op.eager, op.peer()):
-        theirs = column(*args)
-        torch.testing.assert_close(theirs[0], out, rtol=1e-6, atol=1e-6)
-        assert torch.equal(theirs[2], rows.scale), f"{name}: the columns' scales differ"
+    linear = torch.nn.Linear(64, 48, bias=False, dtype=torch.bfloat16)
+    ours = ScaledMMLinear(64, 48, bias=False, dtype=torch.bfloat16)
+    ours.weight = torch.nn.Parameter(linear.weight.detach().clone())
+    theirs = float8.float8_linear.Float8Linear.from_float(linear, config=patch_fp8.config("rowwise"))
+    x = torch.randn(3, 16, 64, dtype=torch.bfloat16) * torch.logspace(-2, 2, 64).to(torch.bfloat16)
+    grad = torch.randn(3, 16, 48, dtype=torch.bfloat16)
+    results = []
+    for module in (ours, theirs):
+        leaf = x.clone().requires_grad_()
+        out = module(leaf)
+        out.backward(grad)
+        results.append((out, leaf.grad, module.weight.grad))
+    exact = (x.float() @ linear.weight.float().t())
+    assert (results[0][0].float() - exact).norm() < 0.1 * exact.norm()  # FP8, not noise
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-2)
+
+
+def test_floor_counts_fp8_linears_at_the_fp8_rate():
+    from tigon.bench.fp8 import floor_tokens_per_s
+    from tigon.train.modeling import flops_per_token
+    from tests.patch.tiny import tiny_model
+
+    model = tiny_model("llama", 0, intermediate_size=96)
+    total = flops_per_token(model, 8)
+    assert floor_tokens_per_s(model, 8, (1e12, 2e12)) == pytest.approx(1e12 / total)
+    float8 = patch_fp8.torchao_float8()
+    float8.convert_to_float8_training(model.model.layers, config=patch_fp8.config("tensorwise"))
+    in_fp8 = 6.0 * sum(m.weight.numel() for layer in model.model.layers for m in layer.modules()
+                       if isinstance(m, torch.nn.Linear))
+    assert floor_tokens_per_s(model, 8, (1e12, 2e12)) == pytest.approx(1 / ((total - in_fp8) / 1e12 + in_fp8 / 2e12))
+
+
+def test_accuracy_script_reports_relative_differences_and_plots(tmp_path, monkeypatch, capsys):
+    import tigon.bench.fp8_accuracy as accuracy
+
+    runs = []
+
+    def train(model, out, recipe, args):
+        runs.append((model, out.name, recipe, args.steps))
+        return [3.0, 2.0, 1.0] if recipe is None else [3.0, 2.0, 1.01 if recipe == "tensorwise" else 0.98]
+
+    monkeypatch.setattr(accuracy, "train", train)
+    png = tmp_path / "curves.png"
+    assert accuracy.main(["--model", str(tmp_path), "--steps", "3", "--last", "1", "--png", str(png)]) == 0
+    assert runs == [(tmp_path, "bf16", None, 3), (tmp_path, "fp8-tensorwise", "tensorwise", 3),
+                    (tmp_path, "fp8-rowwise", "rowwise", 3)]
+    out = capsys.readouterr().out
+    assert "fp8 tensorwise   final loss 1.0100  (+1.00% vs bf16)" in out
+    assert "fp8 rowwise      final loss 0.9800  (-2.00% vs bf16)" in out
+    assert png.stat().st_size > 1000
+
+
+@pytest.mark.gpu
+def test_gpu_e2e_fp8_rows_report_their_floor():
+    """On an FP8 GPU: every FP8 row runs, follows tigon's bf16 losses, and reports a % of its
+    matmul floor (FP8 linears at the FP8 rate) below 100."""
+    from tigon.bench import fp8
+    from tigon.bench.e2e import run_e2e
+
+    if patch_fp8.unsupported() is not None:
+        pytest.skip(patch_fp8.unsupported())
+    shape = dict(TINY, hidden_size=512, intermediate_size=1536, vocab_size=32000)
+    records = run_e2e(modes=["full"], impls=["tigon", *fp8.IMPLS], batch=2, seq=512, steps=3, warmup=2, shape=shape,
+                      log=lambda line: None)
+    assert not [r["error"] for r in records if "error" in r]
+    bf16 = records[0]
+    for record in records:
+        assert 0 < record["floor_pct"] < 100 and record["fp8_tflops"] > record["bf16_tflops"]
+        both = min(len(record["losses"]), len(bf16["losses"]))  # with NVML the timed steps run >= 3 s
+        assert record["losses"][:both] == pytest.approx(bf16["losses"][:both], rel=3e-2)
+    assert all(r["floor_tokens_per_s"] > bf16["floor_tokens_per_s"] for r in records[1:])

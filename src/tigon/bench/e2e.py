@@ -52,6 +52,9 @@ is built (use it with ``--steps 1 --warmup 1``) and writes ``DIR/MODE-IMPL.pickl
 pytorch.org/memory_viz) and ``DIR/MODE-IMPL.txt``: what is live at the peak, by allocating code and by
 block (:mod:`tigon.bench.memory`).
 
+The FP8 rows (``torchao-fp8``, ``tigon+fp8`` and their ``-rowwise`` recipes, ``tigon+scaled-mm``)
+are :mod:`tigon.bench.fp8`'s; on a GPU every row then reports its % of the matmul floor.
+
 ``tigon bench --e2e`` runs the defaults; ``python -m tigon.bench.e2e --help`` lists the knobs
 (long-context runs: ``--modes lora --batch 1 --seq 65536 --checkpointing``).
 """
@@ -72,6 +75,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 import tigon
+from tigon.bench import fp8
 from tigon.bench.harness import environment, run_isolated
 from tigon.timing import BusyMeter
 
@@ -82,7 +86,8 @@ MODES = ("full", "lora", "qlora")
 DEFAULT_MODES = ("full", "lora")
 # "tigon+compile" is the patched model under torch.compile, "tigon+reduce-overhead" under its CUDA-graph
 # mode; "tigon+graphs" replays the patched model's micro-steps from CUDA graphs (tigon sft --cuda-graphs).
-IMPLS = ("eager", "tigon", "compile", "tigon+compile", "tigon+graphs", "tigon+reduce-overhead", "peer", "unsloth")
+IMPLS = ("eager", "tigon", "compile", "tigon+compile", "tigon+graphs", "tigon+reduce-overhead", "peer", "unsloth",
+         *fp8.IMPLS)
 COMPILE_MODES = {"compile": None, "tigon+compile": None, "tigon+reduce-overhead": "reduce-overhead"}
 LLAMA_1B = dict(
     hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -387,7 +392,10 @@ def run_case(
             model = build_model(mode, seq, device, shape=shape, lora_rank=lora_rank, checkpointing=checkpointing)
         if impl == "peer":
             undo_peer = apply_peer(model)
-        if impl.startswith("tigon"):
+        if impl in fp8.IMPLS:
+            record["applied"] = fp8.prepare(model, impl)
+            log(record["applied"])
+        elif impl.startswith("tigon"):
             record["applied"] = str(tigon.patch(model))
             log(record["applied"])
         if impl == "tigon+graphs":
@@ -396,6 +404,7 @@ def run_case(
             step = micro_step(torch.compile(model, mode=COMPILE_MODES[impl]) if impl in COMPILE_MODES else model)
         record.update(measure_training(model, step, shape["vocab_size"], batch, seq, warmup, steps, sync_steps,
                                        captured_update=impl == "tigon+graphs"))
+        record.update(fp8.floor_pct(model, seq, record["tokens_per_s"], device))
     except ImportError as err:  # a peer is measured where it is installed
         if impl not in ("peer", "unsloth"):
             raise
@@ -455,10 +464,10 @@ def compare(records: list[dict[str, Any]]) -> None:
 
 def format_table(records: list[dict[str, Any]]) -> str:
     """One line per record; the spread column is over its rounds ((max - min) / median tokens/s)."""
-    lines = [f"{'mode':<6}{'impl':<15}{'tok/s':>10}{'spread':>8}{'step ms':>9}{'peak GiB':>10}{'speed-up':>10}"
-             f"{'peak/eager':>11}{'vs unsloth':>11}{'first loss':>11}{'max |dloss|':>12}{'GPU busy':>9}"]
+    lines = [f"{'mode':<6}{'impl':<20}{'tok/s':>10}{'spread':>8}{'step ms':>9}{'peak GiB':>10}{'speed-up':>10}"
+             f"{'peak/eager':>11}{'vs unsloth':>11}{'first loss':>11}{'max |dloss|':>12}{'GPU busy':>9}{'floor':>7}"]
     for r in records:
-        head = f"{r['mode']:<6}{r['impl']:<15}"
+        head = f"{r['mode']:<6}{r['impl']:<20}"
         if "skipped" in r or "error" in r:
             lines.append(f"{head}  {'skipped: ' + r['skipped'] if 'skipped' in r else r['error']}")
             continue
@@ -469,6 +478,7 @@ def format_table(records: list[dict[str, Any]]) -> str:
             f"{r.get('vs_unsloth_speed', float('nan')):>10.2f}x"
             f"{r['losses'][0]:>11.4f}{r.get('max_loss_diff', float('nan')):>12.4f}"
             + (f"{r['gpu_busy_pct']:>8.0f}%" if "gpu_busy_pct" in r else f"{'-':>9}")
+            + (f"{r['floor_pct']:>6.0f}%" if "floor_pct" in r else f"{'-':>7}")
             + (f"  ({len(r['failed_rounds'])} of {r['rounds']} rounds failed: {r['failed_rounds'][0]})"
                if "failed_rounds" in r else "")
         )

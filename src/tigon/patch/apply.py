@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from tigon.patch import forwards, head, offload, tiled, trl_head, vision
+from tigon.patch import forwards, fp8 as float8, head, offload, tiled, trl_head, vision
 from tigon.patch import lora as peft_lora
 from tigon.patch.families import FAMILIES, VLM_FAMILIES, VLM_OVER_TEXT, Family, modeling_module, vision_over_text
 from tigon.patch.handoff import LayerPlan, Relay
@@ -55,6 +55,7 @@ class Patched:
         lora: on a PEFT model with the ``lora`` switch on, what its LoRA layers run (its line is
             logged before this one).
         role: what the line calls the model besides its class (a run's frozen reference, say).
+        fp8: what :mod:`tigon.patch.fp8` swapped for FP8 linears (``"fp8 rowwise (112 linears)"``).
     """
 
     target: str
@@ -63,9 +64,10 @@ class Patched:
     layers: int | None = None
     lora: peft_lora.LoraSummary | None = None
     role: str | None = None
+    fp8: str | None = None
 
     def __str__(self) -> str:
-        what = ", ".join(self.applied) if self.applied else "nothing"
+        what = ", ".join((*self.applied, *(() if self.fp8 is None else (self.fp8,)))) or "nothing"
         layers = f" ({self.layers} layers)" if self.layers is not None else ""
         role = f" ({self.role})" if self.role else ""
         return f"tigon: applied {what} to {self.target}{layers}{role}"
@@ -139,8 +141,11 @@ class _Undo:
     shared: list[tuple[int, str]] = field(default_factory=list)
     experts: tuple[weakref.ref, str] | None = None  # (the HF model, its experts implementation before)
     hub_kernels: weakref.ref | None = None  # the HF model whose transformers hub kernels were switched off
+    fp8: float8.Conversion | None = None  # the linears swapped for FP8 ones
 
     def run(self) -> None:
+        if self.fp8 is not None:
+            float8.restore(self.fp8)
         if self.experts is not None:
             hf_model, previous = self.experts[0](), self.experts[1]
             if hf_model is not None:
@@ -433,7 +438,9 @@ def _patch_classes(model_type: str, switches: dict[str, bool]) -> Patched:
     return Patched(f"{model_type} classes", model_type, tuple(dict.fromkeys(applied)))
 
 
-def _patch_instance(model: torch.nn.Module, switches: dict[str, bool]) -> Patched:
+def _patch_instance(
+    model: torch.nn.Module, switches: dict[str, bool], fp8: str | None = None, fp8_all_gather: bool = False
+) -> Patched:
     hf_model = _find_hf_model(model)
     model_type = hf_model.config.model_type
     text_config = hf_model.config.get_text_config()
@@ -474,6 +481,10 @@ def _patch_instance(model: torch.nn.Module, switches: dict[str, bool]) -> Patche
             if before is not None:
                 undo.experts = (weakref.ref(before[0]), before[1])
                 applied["moe_experts"] = None
+        if fp8 is not None:
+            decoder = [sub for sub in model.modules() if isinstance(sub, getattr(module, family.layer.cls))]
+            mlp_cls = getattr(module, family.mlp.cls, None) if family.mlp is not None else None
+            undo.fp8 = float8.convert(model, decoder, family.layer.mixers, mlp_cls, fp8, fp8_all_gather)
     except BaseException:
         undo.run()
         raise
@@ -485,7 +496,8 @@ def _patch_instance(model: torch.nn.Module, switches: dict[str, bool]) -> Patche
         log.info("%s", summary)
     layer_cls = getattr(module, family.layer.cls)
     layers = sum(isinstance(sub, layer_cls) for sub in model.modules())
-    return Patched(type(hf_model).__name__, model_type, tuple(applied), layers, summary)
+    return Patched(type(hf_model).__name__, model_type, tuple(applied), layers, summary,
+                   fp8=None if undo.fp8 is None else str(undo.fp8))
 
 
 def _use_tigon_experts(model: torch.nn.Module, hf_model: Any, experts_cls: type) -> tuple[Any, str] | None:
@@ -666,6 +678,8 @@ def patch(
     moe_experts: bool = True,
     gelu_mlp: bool = True,
     role: str | None = None,
+    fp8: str | None = None,
+    fp8_all_gather: bool = False,
     **others: bool,
 ) -> Patched:
     """Make a Hugging Face decoder model run tigon's kernels; outputs, loss and gradients unchanged.
@@ -695,6 +709,13 @@ def patch(
             (:mod:`tigon.patch.vision`).
         role: what the logged line calls the model besides its class, for a second model of one
             run (``"the frozen reference"``), whose line would otherwise read as the first's again.
+        fp8: ``"tensorwise"`` or ``"rowwise"``: the decoder's trained projections (attention and
+            dense MLP, not the LM head, LoRA adapters, frozen or quantised bases, experts) become
+            torchao's Float8Linear of that recipe (:mod:`tigon.patch.fp8`): FP8 GEMMs, bf16
+            weights. A model instance only, in bf16 on a GPU of compute capability >= 8.9, with
+            torchao installed (``pip install 'tigon[fp8]'``); undone by :func:`unpatch`.
+        fp8_all_gather: with ``fp8="tensorwise"``, for a model FSDP2 will shard: its weights are
+            all-gathered in FP8 (torchao's ``enable_fsdp_float8_all_gather``).
         others: nothing; a name here is no switch, and raises.
 
     Returns:
@@ -705,9 +726,14 @@ def patch(
     Raises:
         ValueError: an unsupported model type (the message lists the supported ones), a target
             that is neither, both loss switches, or a name that is no switch (an op name is told
-            the switch covering it); nothing is patched then.
+            the switch covering it); an `fp8` that cannot run (no torchao, no FP8 on the model's
+            device, not bf16, a string target); nothing is patched then.
     """
     check_switch_names(others, "tigon.patch")
+    if fp8 is not None:
+        float8.check_recipe(fp8)
+        if not isinstance(target, torch.nn.Module):
+            raise ValueError(f"tigon.patch(fp8={fp8!r}) swaps a model instance's linears: pass the model, not {target!r}")
     switches = _switches(dict(
         rms_norm=rms_norm, rope=rope, swiglu=swiglu, geglu=geglu, layer_norm=layer_norm,
         add_rms_norm=add_rms_norm, qkv_group=qkv_group, linear_cross_entropy=linear_cross_entropy,
@@ -717,7 +743,7 @@ def patch(
     if isinstance(target, str):
         result = _patch_classes(target, switches)
     elif isinstance(target, torch.nn.Module):
-        result = _patch_instance(target, switches)
+        result = _patch_instance(target, switches, fp8, fp8_all_gather)
     else:
         raise ValueError(
             f"target must be a model_type string or a torch.nn.Module, got {type(target).__name__}"

@@ -23,6 +23,7 @@ from typing import Iterable, Iterator
 
 from transformers import Trainer
 
+from tigon.patch.fp8 import plain_state_dict
 from tigon.train.config import SFTError
 
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
@@ -252,7 +253,9 @@ class AtomicTrainer(Trainer):
         self._staging: str | None = None
 
     def _save(self, output_dir: str | None = None, state_dict=None):
-        super()._save(output_dir, state_dict)
+        # FSDP2's gathered state dict of an --fp8 run may hold torchao's all-gather wrappers: the
+        # files hold the bf16 weights inside them.
+        super()._save(output_dir, None if state_dict is None else plain_state_dict(state_dict))
         if self.args.should_save:
             target = Path(output_dir or self.args.output_dir)
             for name, text in self.model_files.items():

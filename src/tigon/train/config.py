@@ -126,6 +126,9 @@ class SFTConfig:
     cuda_graphs: bool = _opt(False, "capture each micro-step's forward and backward, and the optimizer's update, "
                              "as CUDA graphs and replay them, so a small batch does not leave the GPU waiting "
                              "for Python; every batch is padded to --max-length (one shape); needs a CUDA GPU")
+    fp8: str | None = _opt(None, "run the decoder's linears' GEMMs in FP8 (torchao float8 training, scales per "
+                           "tensor or per row; bf16 weights; --tuner full; needs a GPU of compute capability >= 8.9 "
+                           "and pip install 'tigon[fp8]') (default: off)", choices=["tensorwise", "rowwise"])
     task: str = _opt("causal_lm", "what to train: causal_lm (next tokens), or classification (a sequence "
                      "classifier on rows {text, label})", choices=["causal_lm", "classification"])
     labels: list[str] | None = _opt(None, "classification: the labels, in id order; a row with another is refused "
@@ -370,6 +373,8 @@ def resolve(cfg: SFTConfig, given: set[str] = frozenset()) -> SFTConfig:
         check_cuda_graphs(cfg)
     if cfg.kernels_off and not cfg.kernels:
         raise SFTError("--kernels-off has no effect with --no-kernels: give one or the other")
+    if cfg.fp8 is not None:
+        cfg = check_fp8(cfg)
     package = TRACKERS.get(cfg.report_to)
     if package and importlib.util.find_spec(package) is None:
         raise SFTError(f"--report-to {cfg.report_to}: the {package} package is not installed (pip install {package})")
@@ -380,6 +385,30 @@ def resolve(cfg: SFTConfig, given: set[str] = frozenset()) -> SFTConfig:
     except ValueError as err:
         raise SFTError(str(err)) from None
     return cfg
+
+
+def check_fp8(cfg: SFTConfig) -> SFTConfig:
+    """Refuse, in one line, an --fp8 run that would not train in FP8; `cfg` with --dtype auto as
+    bf16, the weights FP8 training keeps."""
+    flag = f"--fp8 {cfg.fp8}"
+    if cfg.tuner != "full":
+        raise SFTError(f"{flag}: FP8 linears train the full model's weights: add --tuner full (LoRA on an FP8 base is "
+                       "--quant fp8)")
+    if not cfg.kernels:
+        raise SFTError(f"{flag}: applied by tigon.patch, which --no-kernels turns off (leave out single kernels with "
+                       "--kernels-off)")
+    if cfg.dtype not in ("auto", "bf16"):
+        raise SFTError(f"{flag}: FP8 training keeps bf16 weights, not --dtype {cfg.dtype}: use --dtype bf16")
+    from tigon.patch import fp8
+
+    reason = fp8.unsupported()
+    if reason is not None:
+        raise SFTError(f"{flag}: {reason}: train without --fp8")
+    try:
+        fp8.torchao_float8()
+    except ValueError as err:
+        raise SFTError(f"{flag}: {err}") from None
+    return dataclasses.replace(cfg, dtype="bf16")
 
 
 def _check_lora_options(cfg: SFTConfig) -> None:
@@ -579,7 +608,7 @@ def resolve_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> RLHFConfig:
         lr=cfg.lr if cfg.lr is not None else own.get("lr", 1e-4 if builtin else 5e-6 if lora else 5e-7),
         batch_size=cfg.batch_size if cfg.batch_size is not None else own.get("batch_size", 16 if builtin else 4),
         # The built-in model is tiny: fp32, where bf16 would only lose the small updates.
-        dtype="fp32" if builtin and cfg.dtype == "auto" else cfg.dtype,
+        dtype="fp32" if builtin and cfg.dtype == "auto" and cfg.fp8 is None else cfg.dtype,
         beta=cfg.beta if cfg.beta is not None else _DEFAULT_BETA.get(method, 0.1),
         nll_weight=cfg.nll_weight if cfg.nll_weight is not None else _DEFAULT_NLL_WEIGHT.get(method, 0.0),
         max_completion_length=(cfg.max_completion_length if cfg.max_completion_length is not None

@@ -355,11 +355,12 @@ def kernel_switches(kernels_off: list[str]) -> dict[str, bool]:
     return switches
 
 
-def apply_kernels(model: torch.nn.Module, cfg: SFTConfig, role: str | None = None) -> str:
+def apply_kernels(model: torch.nn.Module, cfg: SFTConfig, role: str | None = None, fp8_all_gather: bool = False) -> str:
     """Patch `model` in place with tigon's kernels (or not, with ``--no-kernels``); logs and
-    returns the line saying what was applied (naming `role`, for a run's second model). A model
+    returns the line saying what was applied (naming `role`, for a run's second model, which is
+    frozen: ``--fp8`` is for the trained one, with `fp8_all_gather` under FSDP2). A model
     tigon.patch cannot handle (an unsupported family) trains unpatched, with a warning: the run
-    is still worth having."""
+    is still worth having; not under ``--fp8``, which is then refused."""
     if not cfg.kernels:
         line = "tigon: kernels off (--no-kernels): plain PyTorch / transformers code"
         log.info("%s", line)
@@ -369,8 +370,12 @@ def apply_kernels(model: torch.nn.Module, cfg: SFTConfig, role: str | None = Non
     try:
         switches = dict(kernel_switches(cfg.kernels_off), offload_activations=cfg.offload_activations,
                         tiled_mlp=cfg.tiled_mlp, recompute_mlp=cfg.recompute_mlp)
-        return str(tigon.patch(model, role=role, **switches))  # patch logs the line itself
+        fp8 = cfg.fp8 if role is None else None
+        # patch logs the line itself
+        return str(tigon.patch(model, role=role, fp8=fp8, fp8_all_gather=fp8_all_gather and fp8 is not None, **switches))
     except ValueError as err:
+        if cfg.fp8 is not None and role is None:
+            raise SFTError(f"--fp8 {cfg.fp8}: {err}") from None
         line = f"tigon: kernels off: {err}"
         log.warning("%s", line)
         return line

@@ -340,9 +340,9 @@ def build_model(cfg: SFTConfig, tokenizer: Any, dtype: torch.dtype, args: Any, r
     log.info("model: %s, %s%s, %s tuning: %.2fM of %.2fM parameters trainable",
              cfg.model or "built-in tiny Llama", str(dtype).replace("torch.", ""),
              f" (base {cfg.quant}, bitsandbytes)" if cfg.quant else "", _tuning(cfg), trainable / 1e6, total / 1e6)
-    apply_kernels(model, cfg)
     if quantization is None:  # a quantised model is on its device already, and moves no further
         model.to(args.device)
+    apply_kernels(model, cfg, fp8_all_gather=_fsdp2(args))  # on its device: --fp8 checks the GPU's FP8
     if frozen is not None:
         apply_kernels(frozen, cfg, role="the frozen reference")
         if quantization is None:
@@ -521,6 +521,15 @@ def _sharded(args: Any) -> bool:
     `accelerate launch` config): generating on rank 0 alone would then wait forever for the others."""
     launched = any(os.environ.get(f"ACCELERATE_USE_{name}", "").lower() in ("1", "true") for name in ("FSDP", "DEEPSPEED"))
     return launched or bool(getattr(args, "fsdp", None)) or bool(getattr(args, "deepspeed", None))
+
+
+def _fsdp2(args: Any) -> bool:
+    """Whether the Trainer will shard the model with FSDP2 (``fully_shard``): `accelerate launch`
+    with ``fsdp_version: 2``, or the Trainer's own fsdp arguments asking for version 2."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true"):
+        return os.environ.get("FSDP_VERSION", "1") == "2"
+    options = getattr(args, "fsdp_config", None) or {}
+    return bool(getattr(args, "fsdp", None)) and str(options.get("version", options.get("fsdp_version", 1))) == "2"
 
 
 def _stopped_line(output_dir: Path) -> str:
