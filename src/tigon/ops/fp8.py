@@ -38,12 +38,13 @@ import torch
 
 from tigon.ops._checks import check_float
 from tigon.ops._dispatch import Op, capturing, tl, triton
-from tigon.ops._launch import next_power_of_2
+from tigon.ops._launch import cdiv, next_power_of_2
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # The smallest absmax a row's scale is taken from: a row of zeros gets this scale, not 0/0.
 AMAX_FLOOR = 1e-12
 MAX_ROW = 32768  # widest row the one-pass kernel keeps in registers; wider rows run the reference
+ROW_TILE = 4096  # elements of a program's tile when rows are shorter than this
 
 
 @triton.jit
@@ -65,21 +66,23 @@ def _e4m3_bits(v):
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, m_ptr, q_ptr, scale_ptr, n_cols, stride_x, HAS_M: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _quantize_rows_kernel(x_ptr, m_ptr, q_ptr, scale_ptr, n_rows, n_cols, stride_x,
+                          HAS_M: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    # ROWS whole rows per program, one per row of the tile: the row's absmax is a reduction along it.
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_M:
-        x = x * tl.load(m_ptr + cols, mask=mask, other=0.0)
-    amax = tl.max(tl.abs(x), axis=0)
+        x = x * tl.load(m_ptr + cols, mask=cols < n_cols, other=0.0)[None, :]
+    amax = tl.max(tl.abs(x), axis=1)
     # A NaN anywhere makes the row's scale NaN, as torch's amax does (tl.max may skip it).
-    amax = tl.where(tl.max((x != x).to(tl.int32), axis=0) > 0, float("nan"), amax)
+    amax = tl.where(tl.max((x != x).to(tl.int32), axis=1) > 0, float("nan"), amax)
     amax = tl.maximum(amax, 1e-12, propagate_nan=tl.PropagateNan.ALL)  # AMAX_FLOOR
-    inv = tl.math.div_rn(448.0, amax)
-    clamped = tl.clamp(x * inv, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
-    tl.store(q_ptr + row * n_cols + cols, _e4m3_bits(clamped).to(tl.uint8), mask=mask)
-    tl.store(scale_ptr + row, tl.math.div_rn(amax, 448.0))
+    inv = tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax)
+    clamped = tl.clamp(x * inv[:, None], -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    tl.store(q_ptr + rows[:, None] * n_cols + cols[None, :], _e4m3_bits(clamped).to(tl.uint8), mask=mask)
+    tl.store(scale_ptr + rows, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), mask=rows < n_rows)
 
 
 def quantize_rows_reference(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,9 +102,10 @@ def _quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None) -> tuple[tor
     q = torch.empty((n_rows, n_cols), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     block = next_power_of_2(n_cols)
-    _quantize_rows_kernel[(n_rows,)](
-        x, x if col_scale is None else col_scale, q.view(torch.uint8), scale, n_cols, x.stride(0),
-        HAS_M=col_scale is not None, BLOCK=block, num_warps=min(16, max(4, block // 1024)),
+    rows = max(1, ROW_TILE // block)  # short rows share a program (a weight's quantisation, the CPU tests)
+    _quantize_rows_kernel[(cdiv(n_rows, rows),)](
+        x, x if col_scale is None else col_scale, q.view(torch.uint8), scale, n_rows, n_cols, x.stride(0),
+        HAS_M=col_scale is not None, ROWS=rows, BLOCK=block, num_warps=min(16, max(4, block * rows // 1024)),
     )
     return q, scale
 
@@ -237,8 +241,14 @@ def fp8_matmul_reference(x: torch.Tensor, weight: Fp8Weight, x_fp8: tuple | None
     return torch.mm(x, dequantize_fp8(weight, x.dtype).t())
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """`t` with unit stride along its columns, as the quantisation kernel reads rows (a gradient
+    may come expanded)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def _fp8_matmul(x: torch.Tensor, weight: Fp8Weight, x_fp8: tuple | None = None) -> torch.Tensor:
-    q, scale = x_fp8 if x_fp8 is not None else quantize_rows(x)
+    q, scale = x_fp8 if x_fp8 is not None else quantize_rows(_rows(x))
     return torch._scaled_mm(q, weight.data.t(), scale_a=scale.view(-1, 1), scale_b=weight.scale.view(1, -1),
                             out_dtype=x.dtype)
 
@@ -249,7 +259,7 @@ def fp8_matmul_grad_reference(grad: torch.Tensor, weight: Fp8Weight) -> torch.Te
 
 
 def _fp8_matmul_grad(grad: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
-    q, scale = quantize_rows(grad, weight.scale.view(-1))
+    q, scale = quantize_rows(_rows(grad), weight.scale.view(-1))
     ones = torch.ones((1, weight.shape[1]), dtype=torch.float32, device=grad.device)
     return torch._scaled_mm(q, _transposed(weight.data).t(), scale_a=scale.view(-1, 1), scale_b=ones,
                             out_dtype=grad.dtype)

@@ -210,7 +210,7 @@ def fp8_rows(x2d: torch.Tensor, projections: Sequence[LoraProjection]) -> tuple[
     """`x2d` quantised per row (:func:`tigon.ops.fp8.quantize_rows`) once for every FP8 GEMM of
     the group, or None when none of its projections runs one."""
     if any(isinstance(p.weight, Fp8Weight) and fp8_gemm_reason(x2d, p.weight) is None for p in projections):
-        return quantize_rows(x2d)
+        return quantize_rows(x2d if x2d.stride(-1) == 1 else x2d.contiguous())
     return None
 
 
