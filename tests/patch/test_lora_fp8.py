@@ -110,3 +110,15 @@ def test_bf16_lora_on_fp8_trains_on_gpu(dora):
         optimizer.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.1, losses
+
+
+def test_e2e_bench_lora_fp8_mode_runs():
+    """The end-to-end benchmark's LoRA-on-FP8 rows, on a tiny Llama on the CPU (numbers mean nothing)."""
+    from tigon.bench.e2e import run_e2e
+
+    shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=500, tie_word_embeddings=True)
+    records = run_e2e(modes=["lora-fp8"], impls=["eager", "tigon"], batch=1, seq=8, steps=2, warmup=1, shape=shape,
+                      device=torch.device("cpu"), log=lambda line: None)
+    assert not [r["error"] for r in records if "error" in r]
+    assert "lora" in records[-1]["applied"] and records[-1]["max_loss_diff"] < 0.02

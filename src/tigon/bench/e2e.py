@@ -5,7 +5,12 @@ The model is a 1B Llama shape (hidden 2048, intermediate 8192, 16 layers, 32 hea
 SDPA attention, trained by AdamW on random tokens:
 
 * ``full``: every parameter trains;
-* ``lora``: PEFT LoRA r=16 (alpha 32, no dropout) on every linear layer of the decoder.
+* ``lora``: PEFT LoRA r=16 (alpha 32, no dropout) on every linear layer of the decoder;
+* ``lora-fp8``: the same LoRA on a frozen FP8 base (``tigon sft --quant fp8``: the decoder's
+  linears in e4m3 with a scale per output row, :class:`tigon.nn.Fp8Linear`; its peak counts from
+  after the quantisation, as a model loaded from an FP8 checkpoint would start).
+
+``--shape 8b`` is the 8B Llama shape (hidden 4096, intermediate 14336, 32 layers, untied head).
 
 Each (mode, implementation) gets a fresh model from the same seed and the same batches, so the
 per-step losses are comparable: they are reported next to eager's. Throughput is tokens per
@@ -53,7 +58,8 @@ from tigon.timing import BusyMeter
 # NVML's utilisation sample covers up to the last second: the busy reading skips that much of the
 # timed steps, which run at least BUSY_MIN_TIMED_S where it is read.
 BUSY_SETTLE_S, BUSY_MIN_TIMED_S = 1.0, 3.0
-MODES = ("full", "lora")
+MODES = ("full", "lora", "lora-fp8")
+DEFAULT_MODES = ("full", "lora")
 # "tigon+compile" is the patched model under torch.compile, "tigon+reduce-overhead" under its CUDA-graph
 # mode; "tigon+graphs" replays the patched model's micro-steps from CUDA graphs (tigon sft --cuda-graphs).
 IMPLS = ("eager", "tigon", "compile", "tigon+compile", "tigon+graphs", "tigon+reduce-overhead", "peer")
@@ -62,6 +68,11 @@ LLAMA_1B = dict(
     hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
     num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0,
 )
+LLAMA_8B = dict(
+    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0,
+)
+SHAPES = {"1b": LLAMA_1B, "8b": LLAMA_8B}
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -78,7 +89,12 @@ def build_model(
     model = random_model(config, seed, device=device, dtype=torch.bfloat16)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if mode == "lora":
+    if mode == "lora-fp8":
+        from tigon.nn.fp8 import quantize_linears
+
+        quantize_linears(model)
+        release_memory(device)
+    if mode.startswith("lora"):
         from peft import LoraConfig, get_peft_model
 
         torch.manual_seed(seed)  # the adapters' initialisation, the same for every implementation
@@ -305,14 +321,14 @@ def compare(records: list[dict[str, Any]]) -> None:
 
 
 def format_table(records: list[dict[str, Any]]) -> str:
-    lines = [f"{'mode':<6}{'impl':<15}{'tok/s':>10}{'step ms':>9}{'peak GiB':>10}{'speed-up':>10}"
+    lines = [f"{'mode':<9}{'impl':<15}{'tok/s':>10}{'step ms':>9}{'peak GiB':>10}{'speed-up':>10}"
              f"{'peak/eager':>11}{'first loss':>11}{'max |dloss|':>12}{'GPU busy':>9}"]
     for r in records:
         if "error" in r:
-            lines.append(f"{r['mode']:<6}{r['impl']:<15}  {r['error']}")
+            lines.append(f"{r['mode']:<9}{r['impl']:<15}  {r['error']}")
             continue
         lines.append(
-            f"{r['mode']:<6}{r['impl']:<15}{r['tokens_per_s']:>10.0f}{r['step_ms']:>9.1f}{r['peak_gib']:>10.2f}"
+            f"{r['mode']:<9}{r['impl']:<15}{r['tokens_per_s']:>10.0f}{r['step_ms']:>9.1f}{r['peak_gib']:>10.2f}"
             f"{r.get('vs_eager_speed', float('nan')):>9.2f}x{r.get('vs_eager_peak', float('nan')):>11.2f}"
             f"{r['losses'][0]:>11.4f}{r.get('max_loss_diff', float('nan')):>12.4f}"
             + (f"{r['gpu_busy_pct']:>8.0f}%" if "gpu_busy_pct" in r else f"{'-':>9}")
@@ -321,7 +337,7 @@ def format_table(records: list[dict[str, Any]]) -> str:
 
 
 def run_e2e(
-    modes: Sequence[str] = MODES,
+    modes: Sequence[str] = DEFAULT_MODES,
     impls: Sequence[str] = ("eager", "tigon"),
     *,
     batch: int = 4,
@@ -403,7 +419,8 @@ def run_all(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tigon.bench.e2e", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES))
+    parser.add_argument("--shape", choices=SHAPES, default="1b", help="the Llama shape (default 1b)")
     parser.add_argument("--impls", nargs="+", choices=IMPLS, default=["eager", "tigon"])
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
@@ -418,7 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     records = run_e2e(
         args.modes, args.impls, batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup,
         lora_rank=args.lora_rank, checkpointing=args.checkpointing, sync_steps=args.sync_steps,
-        out_dir=Path(args.out) if args.out else None,
+        out_dir=Path(args.out) if args.out else None, shape=SHAPES[args.shape],
     )
     return 1 if any("error" in r for r in records) else 0
 
