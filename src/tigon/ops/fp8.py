@@ -32,6 +32,7 @@ x's dtype, said once. Block-scaled (hub) weights are dequantised the same way on
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -219,16 +220,23 @@ def release_workspaces() -> None:
     _workspaces.clear()
 
 
+@functools.lru_cache(maxsize=None)  # asked before every GEMM
+def _device_reason(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return f"tensors are on {device.type}; FP8 GEMMs need a CUDA GPU of compute capability 8.9+"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}: FP8 GEMMs need 8.9+"
+    return None
+
+
 def fp8_gemm_reason(x: torch.Tensor, weight: Fp8Weight) -> str | None:
     """Why ``torch._scaled_mm`` cannot run the GEMMs of `x` (2-D rows) and `weight` (None if it can)."""
     if not weight.rowwise:
         return f"a {weight.block[0]}x{weight.block[1]}-block-scaled FP8 weight is dequantised for a {x.dtype} GEMM"
-    if x.device.type != "cuda":
-        return f"tensors are on {x.device.type}; FP8 GEMMs need a CUDA GPU of compute capability 8.9+"
-    major, minor = torch.cuda.get_device_capability(x.device)
-    if (major, minor) < (8, 9):
-        return (f"{torch.cuda.get_device_name(x.device)} has compute capability {major}.{minor}: FP8 GEMMs need "
-                "8.9+ (Ada, Hopper)")
+    device_reason = _device_reason(x.device)
+    if device_reason is not None:
+        return device_reason
     if x.dtype != torch.bfloat16:
         return f"rowwise-scaled FP8 GEMMs write bfloat16; {x.dtype} inputs run the dequantised weight"
     if any(n % 16 for n in weight.shape):
@@ -249,8 +257,9 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def _fp8_matmul(x: torch.Tensor, weight: Fp8Weight, x_fp8: tuple | None = None) -> torch.Tensor:
     q, scale = x_fp8 if x_fp8 is not None else quantize_rows(_rows(x))
+    # Hopper's fast accumulation in the forward GEMM, as torchao's float8 recipes use it there.
     return torch._scaled_mm(q, weight.data.t(), scale_a=scale.view(-1, 1), scale_b=weight.scale.view(1, -1),
-                            out_dtype=x.dtype)
+                            out_dtype=x.dtype, use_fast_accum=True)
 
 
 def fp8_matmul_grad_reference(grad: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:

@@ -214,14 +214,6 @@ def fp8_rows(x2d: torch.Tensor, projections: Sequence[LoraProjection]) -> tuple[
     return None
 
 
-def _base_product(x2d: torch.Tensor, weight: torch.Tensor | QuantizedWeight | Fp8Weight, x_fp8: tuple | None,
-                  out: torch.Tensor) -> torch.Tensor:
-    """``out += x2d Wᵀ``."""
-    if isinstance(weight, Fp8Weight):
-        return out.add_(fp8_matmul(x2d, weight, x_fp8))
-    return out.addmm_(x2d, dequantized(weight, x2d.dtype).t())
-
-
 def lora_forward(
     x2d: torch.Tensor, xa: torch.Tensor, projection: LoraProjection, adapters: LoraProjection | None = None,
     x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -235,9 +227,15 @@ def lora_forward(
     their own dtype; default `projection`).
     """
     weight, _, lora_b, scaling, bias, magnitude = projection
-    if magnitude is None and bias is not None:
-        return _base_product(x2d, weight, x_fp8, torch.addmm(bias, xa, lora_b.t(), alpha=scaling)), None
-    z = _base_product(x2d, weight, x_fp8, _scaled_mm(xa, lora_b.t(), scaling))
+    if isinstance(weight, Fp8Weight):
+        # The FP8 GEMM cannot accumulate: it writes z, and the K = r GEMM accumulates onto it.
+        z = fp8_matmul(x2d, weight, x_fp8).addmm_(xa, lora_b.t(), alpha=scaling)
+        if magnitude is None:
+            return z if bias is None else z.add_(bias), None
+    elif magnitude is None and bias is not None:
+        return torch.addmm(bias, xa, lora_b.t(), alpha=scaling).addmm_(x2d, dequantized(weight, x2d.dtype).t()), None
+    else:
+        z = _scaled_mm(xa, lora_b.t(), scaling).addmm_(x2d, dequantized(weight, x2d.dtype).t())
     if magnitude is None:
         return z, None
     adapters = adapters or projection
