@@ -9,6 +9,7 @@ import torch
 
 import tigon.functional as F
 from tigon.ops import Fp8Weight, LoraProjection, dequantize_fp8, lora_linear_reference, quantize_weight
+from tigon.ops import fp8
 from tigon.ops.fp8 import (
     FP8_MAX, fp8_gemm_reason, fp8_matmul, fp8_matmul_grad, quantize_rows, quantize_rows_reference,
 )
@@ -157,6 +158,23 @@ def test_cpu_fallback_is_said_once(fresh_dispatch, caplog, device):
     lines = [r.getMessage() for r in caplog.records if "fp8_matmul" in r.getMessage()]
     assert lines == ["tigon: fp8_matmul runs its PyTorch reference: tensors are on cpu; FP8 GEMMs need a CUDA GPU "
                      "of compute capability 8.9+"]
+
+
+def test_scaled_mm_path_math_where_torch_runs_it_on_the_cpu(device):
+    """The FP8 GEMM path's operands, layouts and scales (the weight's row scales folded into dy for
+    dx) on torch's own CPU ``_scaled_mm`` where this torch has one: the products of the quantised
+    operands, formed in fp32."""
+    weight = _weight(48, 64, device)
+    x = torch.randn(33, 64, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(33, 48, device=device, dtype=torch.bfloat16)
+    try:
+        out = fp8._fp8_matmul(x, weight)
+    except (RuntimeError, NotImplementedError) as err:
+        pytest.skip(f"torch._scaled_mm does not run here: {err}")
+    assert_close(out.float(), _emulated(*quantize_rows_reference(x), weight.data, weight.scale), tol=8e-3, name="x Wᵀ")
+    q_dy, s_dy = quantize_rows_reference(dy, weight.scale.view(-1))
+    assert_close(fp8._fp8_matmul_grad(dy, weight).float(), (q_dy.float() * s_dy.view(-1, 1)) @ weight.data.float(),
+                 tol=8e-3, name="dy W")
 
 
 # --- on a GPU with FP8 tensor cores --------------------------------------------------------------
