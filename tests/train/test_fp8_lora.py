@@ -37,7 +37,9 @@ def test_fp8_is_refused_where_there_is_no_fp8(tmp_path, capsys, monkeypatch):
                                        r"need 8\.9\+ \(Ada, Hopper or newer\): use --quant nf4 \(QLoRA\) on this GPU$"):
         check_fp8(torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    check_fp8(torch.device("cuda", 0))  # an H100 / H200 is let through
+    check_fp8(torch.device("cuda", 0))  # an H100 / H200 is let through, in bf16
+    with pytest.raises(SFTError, match=r"^--quant fp8 computes in bfloat16 \(what FP8 GEMMs write\), not float16: "):
+        check_fp8(torch.device("cuda", 0), torch.float16)
 
 
 def test_fp8_with_full_tuning_is_refused(tmp_path, capsys):
@@ -176,3 +178,11 @@ def test_sft_on_an_fp8_checkpoint(fp8_checkpoint_dir, tmp_path, caplog, monkeypa
     assert main(["sft", *SHORT, "--model", str(path), "--quant", "fp8", "--dtype", "fp32", "--output-dir", str(out)]) == 0
     assert "(base fp8), QLoRA tuning" in caplog.text
     assert (out / "final" / "adapter_model.safetensors").is_file()
+
+
+def test_rlhf_takes_quant_fp8_and_refuses_it_alike(fp8_checkpoint_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv(FP8_EMULATE, raising=False)
+    path, _ = fp8_checkpoint_dir
+    assert main(["rlhf", "--model", str(path), "--max-steps", "1", "--quant", "fp8", "--no-kernels",
+                 "--output-dir", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.startswith("tigon rlhf: error: --quant fp8: this run is on the cpu, which has no FP8")

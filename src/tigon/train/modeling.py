@@ -189,12 +189,16 @@ class Fp8Quantization:
 FP8_EMULATE = "TIGON_FP8_EMULATE"
 
 
-def check_fp8(device: torch.device) -> None:
+def check_fp8(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> None:
     """One SFTError line where `device` has no FP8 tensor cores (a CPU, a GPU below compute
-    capability 8.9): ``--quant fp8`` never trains there on the dequantised weights unasked."""
+    capability 8.9), or the run's `dtype` is not the bfloat16 FP8 GEMMs write: ``--quant fp8``
+    never trains on the dequantised weights unasked."""
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) >= (8, 9):
+            if dtype != torch.bfloat16:
+                raise SFTError(f"--quant fp8 computes in bfloat16 (what FP8 GEMMs write), not "
+                               f"{str(dtype).replace('torch.', '')}: use --dtype bf16 (or auto)")
             return
         raise SFTError(f"--quant fp8: {torch.cuda.get_device_name(device)} has compute capability {major}.{minor}; "
                        "FP8 GEMMs need 8.9+ (Ada, Hopper or newer): use --quant nf4 (QLoRA) on this GPU")

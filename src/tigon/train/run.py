@@ -305,7 +305,7 @@ def build_model(cfg: SFTConfig, tokenizer: Any, dtype: torch.dtype, args: Any, r
     builtin = cfg.model is None
     quantization = quantization_config(cfg.quant, dtype) if cfg.quant else None
     if cfg.quant == "fp8":
-        check_fp8(args.device)
+        check_fp8(args.device, dtype)
     elif quantization is not None:
         check_bitsandbytes(cfg.quant, args.device)
     if not builtin and cfg.quant != "fp8" and fp8_checkpoint(cfg.model) is not None:
