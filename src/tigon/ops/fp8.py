@@ -2,7 +2,7 @@
 
     quantize_rows(x, m):  s[i] = max_j |x[i, j] · m[j]| / 448,  q[i, j] = e4m3(x[i, j] · m[j] · (448 / max_j |…|))
 
-One program per row reads the row once, takes its absmax and writes the e4m3 payload and the
+Each row is read once (short rows several to a program): its absmax, then the e4m3 payload and the
 row's fp32 scale (the dequantisation multiplier: ``x ≈ q · s``). The optional per-column
 multiplier `m` folds a weight's row scales into an output gradient (see below). The cast to e4m3
 is done on the bits, rounding to nearest even with saturation at ±448 (NaN stays NaN), which is the
@@ -14,10 +14,12 @@ A frozen base weight is an :class:`Fp8Weight`: the ``(out, in)`` e4m3 payload an
 is per output row (``(1, in)`` blocks, one scale per row); FP8 checkpoints on the hub
 (``quantization_config.weight_block_size``) are ``(128, 128)`` blocks, their ``weight_scale_inv``.
 
-The GEMMs (:func:`fp8_linear`, :func:`fp8_grad_input`) run on ``torch._scaled_mm`` with rowwise
+The GEMMs (:func:`fp8_matmul`, :func:`fp8_matmul_grad`; :func:`fp8_linear` is the differentiable
+layer over them) run on ``torch._scaled_mm`` with rowwise
 scales for a row-scaled weight on a GPU with FP8 tensor cores (compute capability 8.9+):
 
-* forward ``x Wᵀ``: x quantised per token row on the fly, times the weight per output row;
+* forward ``x Wᵀ``: x quantised per token row on the fly, times the weight per output row (Hopper's
+  fast accumulation, as torchao's float8 recipes use it in forward);
 * input gradient ``dy W = dy (diag(s) q) = (dy · s) q``: the weight's row scales are folded into dy
   before it is quantised per row, and the e4m3 payload is the other operand as it is — no second
   weight copy is kept. cuBLAS takes FP8 operands only as row-major × column-major, so the payload is
@@ -249,15 +251,14 @@ def fp8_matmul_reference(x: torch.Tensor, weight: Fp8Weight, x_fp8: tuple | None
     return torch.mm(x, dequantize_fp8(weight, x.dtype).t())
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
+def unit_stride_rows(t: torch.Tensor) -> torch.Tensor:
     """`t` with unit stride along its columns, as the quantisation kernel reads rows (a gradient
     may come expanded)."""
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _fp8_matmul(x: torch.Tensor, weight: Fp8Weight, x_fp8: tuple | None = None) -> torch.Tensor:
-    q, scale = x_fp8 if x_fp8 is not None else quantize_rows(_rows(x))
-    # Hopper's fast accumulation in the forward GEMM, as torchao's float8 recipes use it there.
+    q, scale = x_fp8 if x_fp8 is not None else quantize_rows(unit_stride_rows(x))
     return torch._scaled_mm(q, weight.data.t(), scale_a=scale.view(-1, 1), scale_b=weight.scale.view(1, -1),
                             out_dtype=x.dtype, use_fast_accum=True)
 
@@ -268,7 +269,7 @@ def fp8_matmul_grad_reference(grad: torch.Tensor, weight: Fp8Weight) -> torch.Te
 
 
 def _fp8_matmul_grad(grad: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
-    q, scale = quantize_rows(_rows(grad), weight.scale.view(-1))
+    q, scale = quantize_rows(unit_stride_rows(grad), weight.scale.view(-1))
     ones = torch.ones((1, weight.shape[1]), dtype=torch.float32, device=grad.device)
     return torch._scaled_mm(q, _transposed(weight.data).t(), scale_a=scale.view(-1, 1), scale_b=ones,
                             out_dtype=grad.dtype)

@@ -61,7 +61,8 @@ import torch
 from tigon.ops._checks import check_device, check_float, check_input, check_vector, rows_view
 from tigon.ops._dispatch import Op, autocast_dtype
 from tigon.ops.dequantize import QuantizedWeight, check_quantized, dequantize_reference, dequantized
-from tigon.ops.fp8 import Fp8Weight, check_fp8_weight, dequantize_fp8, fp8_gemm_reason, fp8_matmul, fp8_matmul_grad, quantize_rows
+from tigon.ops.fp8 import (Fp8Weight, check_fp8_weight, dequantize_fp8, fp8_gemm_reason, fp8_matmul, fp8_matmul_grad,
+                           quantize_rows, unit_stride_rows)
 from tigon.ops.dora import DORA_NORM, DORA_SCALE, DORA_SCALE_BACKWARD, dora_norm_reference, dora_scale_reference
 from tigon.ops.rms_norm import NormedInput, check_normed_input, keep_normed, restore_normed
 
@@ -210,7 +211,7 @@ def fp8_rows(x2d: torch.Tensor, projections: Sequence[LoraProjection]) -> tuple[
     """`x2d` quantised per row (:func:`tigon.ops.fp8.quantize_rows`) once for every FP8 GEMM of
     the group, or None when none of its projections runs one."""
     if any(isinstance(p.weight, Fp8Weight) and fp8_gemm_reason(x2d, p.weight) is None for p in projections):
-        return quantize_rows(x2d if x2d.stride(-1) == 1 else x2d.contiguous())
+        return quantize_rows(unit_stride_rows(x2d))
     return None
 
 
