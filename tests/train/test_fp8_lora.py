@@ -21,8 +21,12 @@ pytest.importorskip("peft")
 SHORT = ["--dataset", f"{tiny.BUNDLED_DATASET}#8", "--batch-size", "2", "--max-length", "32", "--samples", "0",
          "--save-steps", "0", "--max-steps", "2", "--lr", "2e-2", "--no-kernels"]
 BLOCK = 128
+# The flows a machine without an FP8 GPU takes (refusal, the emulated reference, transformers'
+# own dequantisation of an FP8 checkpoint); a GPU machine runs the gpu-marked tests instead.
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the flow of a machine without a GPU")
 
 
+@cpu_only
 def test_fp8_is_refused_where_there_is_no_fp8(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv(FP8_EMULATE, raising=False)
     assert main(["sft", *SHORT, "--quant", "fp8", "--output-dir", str(tmp_path / "out")]) == 2
@@ -47,6 +51,7 @@ def test_fp8_with_full_tuning_is_refused(tmp_path, capsys):
     assert "--quant fp8 with --tuner full: quantised weights cannot be trained" in capsys.readouterr().err
 
 
+@cpu_only
 def test_sft_on_an_fp8_base_trains_and_merges_to_bf16(tmp_path, caplog, monkeypatch):
     """Two steps of LoRA on the built-in model's FP8 base, then `tigon merge`: the merged bf16
     model is the adapter on the dequantised FP8 base (not on the original weights)."""
@@ -127,6 +132,7 @@ def fp8_checkpoint_dir(tmp_path_factory):
     return path, state
 
 
+@cpu_only
 def test_fp8_checkpoint_loads_its_fp8_weights_as_they_are(fp8_checkpoint_dir):
     path, state = fp8_checkpoint_dir
     assert fp8_checkpoint(str(path))["weight_block_size"] == [BLOCK, BLOCK]
@@ -170,6 +176,7 @@ def test_an_fp8_checkpoint_needs_the_flag(fp8_checkpoint_dir, tmp_path, capsys):
         capsys.readouterr().err)
 
 
+@cpu_only
 def test_sft_on_an_fp8_checkpoint(fp8_checkpoint_dir, tmp_path, caplog, monkeypatch):
     path, _ = fp8_checkpoint_dir
     monkeypatch.setenv(FP8_EMULATE, "1")
@@ -180,9 +187,28 @@ def test_sft_on_an_fp8_checkpoint(fp8_checkpoint_dir, tmp_path, caplog, monkeypa
     assert (out / "final" / "adapter_model.safetensors").is_file()
 
 
+@cpu_only
 def test_rlhf_takes_quant_fp8_and_refuses_it_alike(fp8_checkpoint_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv(FP8_EMULATE, raising=False)
     path, _ = fp8_checkpoint_dir
     assert main(["rlhf", "--model", str(path), "--max-steps", "1", "--quant", "fp8", "--no-kernels",
                  "--output-dir", str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err.startswith("tigon rlhf: error: --quant fp8: this run is on the cpu, which has no FP8")
+
+
+@pytest.mark.gpu
+def test_sft_quant_fp8_trains_on_the_gpu_and_merges(tmp_path, caplog):
+    """`tigon sft --quant fp8` on the built-in model with tigon's kernels on an FP8 GPU: every LoRA
+    layer fused on its FP8 base, a finite loss, and `tigon merge` writes bf16."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs a GPU of compute capability 8.9+")
+    caplog.set_level(logging.INFO)
+    out = tmp_path / "run"
+    short = [arg for arg in SHORT if arg != "--no-kernels"]
+    assert main(["sft", *short, "--quant", "fp8", "--output-dir", str(out)]) == 0
+    assert "(base fp8), QLoRA tuning" in caplog.text and " on fp8 bases" in caplog.text
+    losses = [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    assert main(["merge", str(out / "final"), "--output", str(tmp_path / "merged")]) == 0
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert merged.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
