@@ -164,8 +164,10 @@ CASES = {
     ),
     "info_nce": (lambda q, d: F.info_nce(q, d, temperature=0.1), lambda q, d: ops.info_nce_reference(q, d, 0.1),
                  lambda: (_t(5, 24), _t(9, 24))),
+    "fp8_quantize": (lambda x: [t.float() for t in F.quantize_rows(x)],
+                     lambda x: [t.float() for t in ops.quantize_rows_reference(x)], lambda: (_t(9, 24, grad=False),)),
 }
-NO_GRADIENT = ("dequantize", "gemm_4bit", "dora_norm", "dora_scale_backward")  # ops whose outputs have no gradient
+NO_GRADIENT = ("dequantize", "gemm_4bit", "dora_norm", "dora_scale_backward", "fp8_quantize")  # ops whose outputs have no gradient
 
 
 def test_every_op_with_kernels_has_a_case():

@@ -5,7 +5,10 @@ The model is a 1B Llama shape (hidden 2048, intermediate 8192, 16 layers, 32 hea
 SDPA attention, trained by AdamW on random tokens:
 
 * ``full``: every parameter trains;
-* ``lora``: PEFT LoRA r=16 (alpha 32, no dropout) on every linear layer of the decoder.
+* ``lora``: PEFT LoRA r=16 (alpha 32, no dropout) on every linear layer of the decoder;
+* ``lora-fp8``: the same LoRA on a frozen FP8 base (``tigon sft --quant fp8``: the decoder's
+  linears in e4m3 with a scale per output row, :class:`tigon.nn.Fp8Linear`; its peak counts from
+  after the quantisation, as a model loaded from an FP8 checkpoint would start).
 
 Each (mode, implementation) gets a fresh model from the same seed and the same batches, so the
 per-step losses are comparable: they are reported next to eager's. Throughput is tokens per
@@ -82,7 +85,7 @@ from tigon.timing import BusyMeter
 # NVML's utilisation sample covers up to the last second: the busy reading skips that much of the
 # timed steps, which run at least BUSY_MIN_TIMED_S where it is read.
 BUSY_SETTLE_S, BUSY_MIN_TIMED_S = 1.0, 3.0
-MODES = ("full", "lora", "qlora")
+MODES = ("full", "lora", "qlora", "lora-fp8")
 DEFAULT_MODES = ("full", "lora")
 # "tigon+compile" is the patched model under torch.compile, "tigon+reduce-overhead" under its CUDA-graph
 # mode; "tigon+graphs" replays the patched model's micro-steps from CUDA graphs (tigon sft --cuda-graphs).
@@ -184,7 +187,12 @@ def build_model(
         model = random_model(_config(shape, seq), seed, device=device, dtype=torch.bfloat16)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if mode in ("lora", "qlora"):
+    if mode == "lora-fp8":
+        from tigon.nn.fp8 import quantize_linears
+
+        quantize_linears(model)
+        release_memory(device)
+    if mode in ("lora", "qlora", "lora-fp8"):
         from peft import LoraConfig, get_peft_model
 
         torch.manual_seed(seed)  # the adapters' initialisation, the same for every implementation
@@ -464,10 +472,10 @@ def compare(records: list[dict[str, Any]]) -> None:
 
 def format_table(records: list[dict[str, Any]]) -> str:
     """One line per record; the spread column is over its rounds ((max - min) / median tokens/s)."""
-    lines = [f"{'mode':<6}{'impl':<20}{'tok/s':>10}{'spread':>8}{'step ms':>9}{'peak GiB':>10}{'speed-up':>10}"
+    lines = [f"{'mode':<9}{'impl':<20}{'tok/s':>10}{'spread':>8}{'step ms':>9}{'peak GiB':>10}{'speed-up':>10}"
              f"{'peak/eager':>11}{'vs unsloth':>11}{'first loss':>11}{'max |dloss|':>12}{'GPU busy':>9}{'floor':>7}"]
     for r in records:
-        head = f"{r['mode']:<6}{r['impl']:<20}"
+        head = f"{r['mode']:<9}{r['impl']:<20}"
         if "skipped" in r or "error" in r:
             lines.append(f"{head}  {'skipped: ' + r['skipped'] if 'skipped' in r else r['error']}")
             continue
@@ -608,7 +616,7 @@ def shape_arg(text: str) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tigon.bench.e2e", description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES),
-                        help="full, lora, qlora (LoRA on an NF4 base; default full lora)")
+                        help="full, lora, qlora (LoRA on an NF4 base), lora-fp8 (LoRA on an FP8 base; default full lora)")
     parser.add_argument("--impls", nargs="+", choices=IMPLS, default=["eager", "tigon"])
     parser.add_argument("--shape", type=shape_arg, default=LLAMA_1B, help="1b (default) or 8b: the Llama shape")
     parser.add_argument("--batch", type=int, default=4)

@@ -35,6 +35,7 @@ OP_MODULES: dict[str, tuple[str, ...]] = {
     "linear_distill": ("linear_distill_loss",),
     "info_nce": ("info_nce",),
     "composite.linear_group": ("linear_group",),
+    "fp8": ("quantize_rows", "fp8_linear"),
     "dequantize": ("dequantize",),
     "gemm_4bit": ("linear_4bit",),
     "dora": ("dora_norm", "dora_scale"),
@@ -69,6 +70,7 @@ from tigon.ops.composite.lora_mlp import lora_gated_mlp_reference
 from tigon.ops.composite.norm_mlp import add_rms_norm_glu_mlp_reference
 from tigon.ops.cross_entropy import LossOptions, LossOutput, check_flags, check_loss_options, cross_entropy_reference
 from tigon.ops.dequantize import QuantizedWeight, dequantize_reference
+from tigon.ops.fp8 import Fp8Weight, dequantize_fp8, fp8_linear_reference, quantize_rows_reference, quantize_weight
 from tigon.ops.dora import dora_norm_reference, dora_scale_reference
 from tigon.ops._fp8 import FP8_MODES, Float8Rows, fp8_rows_reference
 from tigon.ops.gelu import gelu_reference
@@ -81,12 +83,12 @@ from tigon.ops.mrope import mrope_reference, vision_rope_reference
 from tigon.ops.rope import rope_reference
 
 __all__ = [
-    "FP8_MODES", "FUNCTIONS", "Float8Rows", "INTERPRET", "OP_MODULES", "LoraProjection", "LossOptions", "LossOutput", "NormedInput", "QuantizedWeight", "autocast_dtype",
+    "FP8_MODES", "FUNCTIONS", "Float8Rows", "INTERPRET", "OP_MODULES", "Fp8Weight", "LoraProjection", "LossOptions", "LossOutput", "NormedInput", "QuantizedWeight", "autocast_dtype",
     "check_flags", "check_loss_options",
     "disabled", "op_names", "placement", "reset", "why_not_triton",
     "add_rms_norm_glu_mlp_reference", "add_rms_norm_reference", "cross_entropy_reference", "dequantize_reference",
-    "dora_norm_reference", "dora_scale_reference", "fp8_rows_reference", "geglu_reference", "gelu_mlp_reference", "gelu_reference",
+    "dequantize_fp8", "dora_norm_reference", "dora_scale_reference", "fp8_linear_reference", "fp8_rows_reference", "geglu_reference", "gelu_mlp_reference", "gelu_reference",
     "glu_mlp_reference", "info_nce_reference", "layer_norm_reference", "linear_cross_entropy_reference",
     "linear_group_reference", "lora_gated_mlp_reference", "lora_linear_group_reference", "lora_linear_reference",
-    "mrope_reference", "rms_norm_reference", "rope_reference", "swiglu_reference", "vision_rope_reference",
+    "mrope_reference", "quantize_rows_reference", "quantize_weight", "rms_norm_reference", "rope_reference", "swiglu_reference", "vision_rope_reference",
 ]

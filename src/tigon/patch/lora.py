@@ -14,7 +14,7 @@
 Each call checks that the fused path computes what PEFT would (:func:`active_adapter`,
 :func:`projection`): one active adapter, not merged, not disabled, plain LoRA or DoRA (no other
 LoRA variant), no ``lora_bias``, no ``fan_in_fan_out``, dropout 0 (or the module in eval mode), a
-plain ``nn.Linear`` base or a bitsandbytes 4-bit / 8-bit one (:mod:`tigon.patch.quantized`), no
+plain ``nn.Linear`` base, a bitsandbytes 4-bit / 8-bit one or tigon's FP8 one (:mod:`tigon.patch.quantized`), no
 hooks that the fused path would bypass, no extra forward arguments, and dtypes that PEFT's path
 would compute in. Anything else runs PEFT's forward, so toggling adapters, merging,
 ``disable_adapter()`` and PEFT's mixed-batch inference keep working. Parameters, the state dict and

@@ -1,4 +1,5 @@
-"""bitsandbytes' quantised linears in the terms of tigon's dequantisation (:class:`tigon.ops.QuantizedWeight`).
+"""bitsandbytes' quantised linears in the terms of tigon's dequantisation (:class:`tigon.ops.QuantizedWeight`),
+and tigon's FP8 linears (:class:`tigon.nn.Fp8Linear`, an :class:`tigon.ops.Fp8Weight`).
 
 A PEFT LoRA layer on a bitsandbytes base (``peft.tuners.lora.bnb.Linear4bit`` / ``Linear8bitLt``,
 what ``from_pretrained(..., quantization_config=BitsAndBytesConfig(...))`` and PEFT make) runs
@@ -13,7 +14,8 @@ from typing import Any
 
 import torch
 
-from tigon.ops import QuantizedWeight
+from tigon.nn import Fp8Linear
+from tigon.ops import Fp8Weight, QuantizedWeight
 
 
 def from_4bit(data: torch.Tensor, quant_state: Any) -> QuantizedWeight:
@@ -47,13 +49,17 @@ def _bnb_linears() -> tuple[type, type] | None:
 
 
 def is_quantized_linear(module: torch.nn.Module) -> bool:
-    """Whether `module` is a bitsandbytes 4-bit or 8-bit linear (exactly those classes)."""
+    """Whether `module` is a bitsandbytes 4-bit or 8-bit linear or tigon's FP8 one (exactly those classes)."""
+    if type(module) is Fp8Linear:
+        return True
     classes = _bnb_linears()
     return classes is not None and type(module) in classes
 
 
 def why_not(module: torch.nn.Module) -> str | None:
-    """Why the fused path cannot read this bitsandbytes linear's weight as it is (None if it can)."""
+    """Why the fused path cannot read this quantised linear's weight as it is (None if it can)."""
+    if type(module) is Fp8Linear:
+        return None
     linear4, linear8 = _bnb_linears()
     weight = module.weight
     if type(module) is linear4:
@@ -73,8 +79,10 @@ def why_not(module: torch.nn.Module) -> str | None:
     return None
 
 
-def module_weight(module: torch.nn.Module) -> QuantizedWeight:
-    """The weight of a bitsandbytes linear for which :func:`why_not` is None."""
+def module_weight(module: torch.nn.Module) -> QuantizedWeight | Fp8Weight:
+    """The weight of a quantised linear for which :func:`why_not` is None."""
+    if type(module) is Fp8Linear:
+        return module.fp8_weight()
     weight = module.weight
     if hasattr(weight, "quant_state"):
         return from_4bit(weight.data, weight.quant_state)
@@ -82,6 +90,8 @@ def module_weight(module: torch.nn.Module) -> QuantizedWeight:
 
 
 def kind(module: torch.nn.Module) -> str:
-    """``"nf4"``, ``"fp4"`` or ``"int8"``."""
+    """``"nf4"``, ``"fp4"``, ``"int8"`` or ``"fp8"``."""
+    if type(module) is Fp8Linear:
+        return "fp8"
     state = getattr(module.weight, "quant_state", None)
     return "int8" if state is None else state.quant_type

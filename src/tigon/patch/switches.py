@@ -55,9 +55,9 @@ TABLE: tuple[Switch, ...] = (
            ("cross_entropy",)),
     Switch("trl_log_probs", True, "TRL's fused LM head (its trainers' per-token log-probs) on linear_log_probs: no "
            "logits; only when TRL is imported", ("linear_log_probs",)),
-    Switch("lora", True, "PEFT LoRA linears (DoRA, 4-/8-bit bases too), gated MLPs and q/k/v groups on the fused LoRA ops",
+    Switch("lora", True, "PEFT LoRA linears (DoRA, 4-/8-bit and FP8 bases too), gated MLPs and q/k/v groups on the fused LoRA ops",
            ("lora_linear", "lora_linear_group", "lora_gated_mlp", "dequantize", "gemm_4bit", "dora_norm", "dora_scale",
-            "dora_scale_backward")),
+            "dora_scale_backward", "fp8_quantize", "fp8_matmul", "fp8_matmul_grad")),
     Switch("offload_activations", False, "under gradient checkpointing, the checkpointed hidden states in host memory"),
     Switch("tiled_mlp", False, "the MLP over chunks of tokens: its intermediates never exist whole"),
     Switch("recompute_mlp", False, "gated MLPs keep only their input for backward, which forms gate and up again "

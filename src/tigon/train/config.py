@@ -73,10 +73,12 @@ class SFTConfig:
     target_modules: str = _opt("all-linear", "modules LoRA adapts: all-linear, or names such as q_proj,v_proj",
                                metavar="NAMES")
     quant: str | None = _opt(None, "load the base quantised by bitsandbytes (QLoRA; --tuner lora): nf4 or fp4 "
-                             "(4-bit, double quantisation, computing in --dtype) or int8 (LLM.int8) "
-                             "(default: not quantised). The base's GEMMs (forward and input gradient) dequantise "
-                             "the weight into a reused buffer and run cuBLAS (tigon.ops.gemm_4bit's per-shape "
-                             "table sends none to the fused 4-bit GEMM: it was slower where measured)", choices=["nf4", "fp4", "int8"])
+                             "(4-bit, double quantisation, computing in --dtype) or int8 (LLM.int8); or fp8 "
+                             "(e4m3 base, FP8 GEMMs; GPU of compute capability 8.9+; an FP8 checkpoint's own "
+                             "weights) (default: not quantised). A bitsandbytes base's GEMMs (forward and input "
+                             "gradient) dequantise the weight into a reused buffer and run cuBLAS "
+                             "(tigon.ops.gemm_4bit's per-shape table sends none to the fused 4-bit GEMM: it was "
+                             "slower where measured)", choices=["nf4", "fp4", "int8", "fp8"])
     lora_variant: str = _opt("lora", "lora, or dora (weight-decomposed: a learned magnitude per output feature)",
                              choices=["lora", "dora"])
     use_rslora: bool = _opt(False, "rank-stabilised LoRA: scale the adapters by alpha / sqrt(rank), not alpha / rank")
@@ -418,7 +420,7 @@ def _check_lora_options(cfg: SFTConfig) -> None:
         if value is not None and not value > 0:
             raise SFTError(f"--{name.replace('_', '-')} must be > 0, got {value}")
     init, quant = cfg.init_lora_weights, cfg.quant
-    if quant is not None and importlib.util.find_spec("bitsandbytes") is None:
+    if quant not in (None, "fp8") and importlib.util.find_spec("bitsandbytes") is None:
         raise SFTError(f"--quant {quant}: bitsandbytes is not installed (pip install bitsandbytes)")
     if init in ("pissa", "olora") and quant is not None:
         raise SFTError(f"--init-lora-weights {init} rewrites the base weights (less the adapters' start), which a "

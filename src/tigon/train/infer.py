@@ -13,8 +13,8 @@ import torch
 
 from tigon.train.checkpoint import check_output, damage, written_atomically
 from tigon.train.config import SFTError
-from tigon.train.modeling import (DTYPES, LABELS_FILE, check_bitsandbytes, classifier_options, load_model,
-                                  load_tokenizer, pick_dtype, quantization_name, recorded_quantization, source_kwargs)
+from tigon.train.modeling import (DTYPES, LABELS_FILE, Fp8Quantization, check_bitsandbytes, classifier_options,
+                                  dequantize_fp8_linears, load_model, load_tokenizer, pick_dtype, quantization_name, recorded_quantization, source_kwargs)
 from tigon.train.template import ensure_chat_template, render
 from tigon.train.vision import (VisionPrompt, image_files, load_processor, load_vision_model, user_turn, vision_config,
                                 vision_generate)
@@ -66,6 +66,11 @@ def _adapter_model(adapter: str, base: str, dtype: torch.dtype, dequantize: bool
     if quantization is None:
         vision = vision_config(base)
         model = load_vision_model(base, dtype) if vision is not None else load_model(base, dtype, classifier=classifier)
+    elif isinstance(quantization, Fp8Quantization):
+        # Quantised again as in training (the same bits on any device); merging needs no FP8 GPU.
+        model = load_model(base, quantization.dtype, quantization, _inference_device(), classifier)
+        if dequantize:
+            model = dequantize_fp8_linears(model, dtype)
     else:
         device = _inference_device()
         check_bitsandbytes(quantization_name(quantization), device)
@@ -104,7 +109,7 @@ def load_for_inference(path: str, dtype: torch.dtype, base: str | None = None,
         model, tokenizer = load_model(path, dtype), load_tokenizer(path)
     ensure_chat_template(tokenizer)
     if is_adapter(path) and recorded_quantization(path) is not None:
-        return model.eval(), tokenizer  # bitsandbytes placed it on its device as it loaded; it moves no further
+        return model.eval(), tokenizer  # placed on its device as it was quantised; it moves no further
     return model.to(_inference_device()).eval(), tokenizer
 
 
@@ -188,7 +193,8 @@ def merge(adapter: str, output: str, base: str | None = None, dtype: str = "auto
     quantization = recorded_quantization(adapter)
     model, tokenizer = load_for_inference(adapter, torch.float32, base, dequantize=True)
     if quantization is not None:
-        log.info("dequantised the %s base (bitsandbytes) %s was trained on", quantization_name(quantization), adapter)
+        log.info("dequantised the %s base (%s) %s was trained on", quantization_name(quantization),
+                 "tigon" if isinstance(quantization, Fp8Quantization) else "bitsandbytes", adapter)
     if dtype == "auto" and quantization is not None:
         target = torch.bfloat16
     elif dtype == "auto":

@@ -1,5 +1,5 @@
 """Models for `tigon sft`: load a tokenizer and model (or build the tiny default), quantised by
-bitsandbytes if asked (QLoRA), wrap it with LoRA (or a PEFT variant of it), and switch on tigon's
+bitsandbytes (QLoRA) or to FP8 if asked, wrap it with LoRA (or a PEFT variant of it), and switch on tigon's
 kernels. Loading failures become one-line SFTErrors."""
 
 from __future__ import annotations
@@ -158,13 +158,154 @@ QUANT_FILE = "tigon_quantization.json"
 
 def quantization_config(quant: str, dtype: torch.dtype) -> Any:
     """transformers' BitsAndBytesConfig for ``--quant``: 4-bit with double quantisation (the
-    absmaxes quantised too: ~0.4 bits per weight less) computing in `dtype`, or LLM.int8."""
+    absmaxes quantised too: ~0.4 bits per weight less) computing in `dtype`, or LLM.int8; or
+    tigon's :class:`Fp8Quantization`."""
+    if quant == "fp8":
+        return Fp8Quantization(dtype)
     from transformers import BitsAndBytesConfig
 
     if quant == "int8":
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant, bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=dtype)
+
+
+class Fp8Quantization:
+    """``--quant fp8``: the base's linears (all but the LM head) in e4m3 under tigon's FP8 ops
+    (:class:`tigon.nn.Fp8Linear`): quantised per output row as they load, or an FP8 checkpoint's
+    block-scaled weights as they are (:func:`load_fp8_checkpoint`)."""
+
+    name = "fp8"
+
+    def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
+        self.dtype = dtype  # what the weights were loaded in before they were quantised
+
+    def to_dict(self) -> dict[str, str]:
+        return {"quant_method": "fp8", "dtype": str(self.dtype).replace("torch.", "")}
+
+
+# Lets `tigon sft --quant fp8` run the FP8 ops' reference (dequantise + matmul) where no FP8 GPU is:
+# for tests and trying the flow on a CPU, never chosen for a user who asked for FP8 on a GPU.
+FP8_EMULATE = "TIGON_FP8_EMULATE"
+
+
+def check_fp8(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> None:
+    """One SFTError line where `device` has no FP8 tensor cores (a CPU, a GPU below compute
+    capability 8.9), or the run's `dtype` is not the bfloat16 FP8 GEMMs write: ``--quant fp8``
+    never trains on the dequantised weights unasked."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) >= (8, 9):
+            if dtype != torch.bfloat16:
+                raise SFTError(f"--quant fp8 computes in bfloat16 (what FP8 GEMMs write), not "
+                               f"{str(dtype).replace('torch.', '')}: use --dtype bf16 (or auto)")
+            return
+        raise SFTError(f"--quant fp8: {torch.cuda.get_device_name(device)} has compute capability {major}.{minor}; "
+                       "FP8 GEMMs need 8.9+ (Ada, Hopper or newer): use --quant nf4 (QLoRA) on this GPU")
+    if os.environ.get(FP8_EMULATE, "") != "1":
+        raise SFTError(f"--quant fp8: this run is on the {device.type}, which has no FP8 GEMMs: it needs a GPU of "
+                       f"compute capability 8.9+ ({FP8_EMULATE}=1 runs the dequantised reference, for tests)")
+
+
+def fp8_checkpoint(model_id: str) -> dict[str, Any] | None:
+    """The ``quantization_config`` of `model_id` when it is an FP8 checkpoint (quant_method fp8,
+    as transformers' FineGrainedFP8 writes and DeepSeek-V3, Qwen3 and others ship), else None."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_id, **source_kwargs(model_id))
+    except (OSError, ValueError) as err:
+        raise _not_found(model_id, err) from None
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is not None and not isinstance(quantization, dict):
+        quantization = quantization.to_dict()
+    return quantization if quantization is not None and quantization.get("quant_method") == "fp8" else None
+
+
+def _skipped(name: str, skip: list[str]) -> bool:
+    return any(name == s or name.endswith("." + s) or name.startswith(s + ".") for s in skip)
+
+
+def load_fp8_checkpoint(model_id: str, dtype: torch.dtype, device: torch.device,
+                        classifier: dict[str, Any] | None = None) -> torch.nn.Module:
+    """An FP8 checkpoint (:func:`fp8_checkpoint`) with its quantised linears as
+    :class:`tigon.nn.Fp8Linear` holding the e4m3 weights and 128x128 block scales
+    (``weight_scale_inv``) as stored, never dequantised; every other weight in `dtype`. The model
+    is built without memory (meta parameters) and each tensor read once, onto `device`."""
+    from accelerate import init_empty_weights
+    from huggingface_hub import snapshot_download
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from tigon.nn import Fp8Linear
+
+    quantization = fp8_checkpoint(model_id)
+    block = quantization.get("weight_block_size")
+    if not block or len(block) != 2:
+        raise SFTError(f"{model_id}: an FP8 checkpoint without 2-D weight_block_size (got {block!r}); tigon loads "
+                       "block-scaled ones (e.g. [128, 128])")
+    if quantization.get("activation_scheme", "dynamic") != "dynamic":
+        raise SFTError(f"{model_id}: FP8 activation_scheme {quantization['activation_scheme']!r}; tigon quantises "
+                       "activations itself (dynamic) and has no use for static input scales")
+    kwargs = source_kwargs(model_id)
+    directory = Path(model_id) if Path(model_id).expanduser().is_dir() else Path(snapshot_download(
+        model_id, allow_patterns=["*.json", "*.safetensors"], local_files_only=kwargs.get("local_files_only", False)))
+    config = AutoConfig.from_pretrained(model_id, **kwargs)
+    del config.quantization_config
+    auto = AutoModelForCausalLM
+    if classifier is not None or is_classifier(config):
+        auto = AutoModelForSequenceClassification
+        for key, value in (classifier or {}).items():
+            setattr(config, key, value)
+    skip = list(quantization.get("modules_to_not_convert") or []) + ["lm_head", "score"]
+    with init_empty_weights(include_buffers=False):  # buffers (rotary frequencies) are computed, not loaded
+        model = auto.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        for name, module in list(model.named_modules()):
+            if type(module) is torch.nn.Linear and not _skipped(name, skip):
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent), child, Fp8Linear(
+                    module.in_features, module.out_features, module.bias is not None, tuple(block), dtype, "meta"))
+    state = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt", device=str(device)) as f:
+            for key in f.keys():
+                tensor = f.get_tensor(key)
+                keep = tensor.dtype == torch.float8_e4m3fn or key.endswith("weight_scale_inv")
+                state[key] = tensor if keep else tensor.to(dtype)
+    missing, _ = model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    unloaded = [name for name, p in model.named_parameters() if p.is_meta]
+    if unloaded:
+        raise SFTError(f"{model_id}: the checkpoint holds no {unloaded[0]} ({len(unloaded)} weights missing)")
+    return model.to(device)
+
+
+def quantize_to_fp8(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """`model` on `device` with its linears but the LM head in e4m3, one scale per output row
+    (:func:`tigon.nn.fp8.quantize_linears`, quantised on the device)."""
+    from tigon.nn.fp8 import quantize_linears
+
+    model.to(device)
+    quantize_linears(model, skip=("lm_head", "score"))
+    return model
+
+
+def dequantize_fp8_linears(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`model` with every :class:`tigon.nn.Fp8Linear` replaced by an nn.Linear of its dequantised
+    weight in `dtype` (for merging an adapter trained on it)."""
+    from tigon.nn import Fp8Linear
+
+    for name, module in list(model.named_modules()):
+        if type(module) is Fp8Linear:
+            linear = torch.nn.Linear(module.in_features, module.out_features, module.bias is not None,
+                                     device=module.weight.device, dtype=dtype)
+            with torch.no_grad():
+                linear.weight.copy_(module.dequantize(dtype))
+                if module.bias is not None:
+                    linear.bias.copy_(module.bias)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, linear)
+    return model.to(dtype)
 
 
 def check_bitsandbytes(quant: str, device: torch.device) -> None:
@@ -248,6 +389,10 @@ def load_model(model_id: str, dtype: torch.dtype, quantization: Any = None,
         device = torch.device(device or "cpu")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        if isinstance(quantization, Fp8Quantization):
+            if fp8_checkpoint(model_id) is not None:
+                return load_fp8_checkpoint(model_id, dtype, device, classifier)
+            return quantize_to_fp8(load_model(model_id, dtype, classifier=classifier), device)
         kwargs.update(quantization_config=quantization, device_map={"": str(device)})
     try:
         with quiet:
@@ -279,17 +424,23 @@ def quantization_record(quantization: Any) -> str:
 
 
 def recorded_quantization(adapter: str | Path) -> Any:
-    """The BitsAndBytesConfig a LoRA adapter's base was trained quantised with, or None."""
+    """The BitsAndBytesConfig (or :class:`Fp8Quantization`) a LoRA adapter's base was trained
+    quantised with, or None."""
     path = Path(adapter) / QUANT_FILE
     if not path.is_file():
         return None
     from transformers import BitsAndBytesConfig
 
-    return BitsAndBytesConfig.from_dict(json.loads(path.read_text())["quantization_config"])
+    recorded = json.loads(path.read_text())["quantization_config"]
+    if recorded.get("quant_method") == "fp8":
+        return Fp8Quantization(getattr(torch, recorded.get("dtype", "bfloat16")))
+    return BitsAndBytesConfig.from_dict(recorded)
 
 
 def quantization_name(quantization: Any) -> str:
-    """nf4, fp4 or int8."""
+    """nf4, fp4, int8 or fp8."""
+    if isinstance(quantization, Fp8Quantization):
+        return quantization.name
     return "int8" if quantization.load_in_8bit else quantization.bnb_4bit_quant_type
 
 

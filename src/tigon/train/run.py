@@ -38,8 +38,8 @@ from tigon.train.checkpoint import (STAGING_PREFIX, damage, list_checkpoints, pu
 from tigon.train.config import Interrupted, SFTConfig, SFTError, resolve
 from tigon.train.data import Sample, load_samples
 from tigon.train.infer import generate
-from tigon.train.modeling import (LABELS_FILE, QUANT_FILE, add_lora, apply_kernels, check_bitsandbytes,
-                                  count_parameters, flops_per_token, is_classifier, load_model, load_tokenizer,
+from tigon.train.modeling import (LABELS_FILE, QUANT_FILE, add_lora, apply_kernels, check_bitsandbytes, check_fp8,
+                                  count_parameters, flops_per_token, fp8_checkpoint, is_classifier, load_model, load_tokenizer,
                                   loraplus_optimizer, pick_dtype, prepare_quantized, quantization_config,
                                   quantization_record, quiet_transformers)
 from tigon.train.stop import StopOnSignal, signal_name
@@ -304,8 +304,13 @@ def build_model(cfg: SFTConfig, tokenizer: Any, dtype: torch.dtype, args: Any, r
     backbone (its labels also written beside a LoRA adapter, whose base may not hold them)."""
     builtin = cfg.model is None
     quantization = quantization_config(cfg.quant, dtype) if cfg.quant else None
-    if quantization is not None:
+    if cfg.quant == "fp8":
+        check_fp8(args.device, dtype)
+    elif quantization is not None:
         check_bitsandbytes(cfg.quant, args.device)
+    if not builtin and cfg.quant != "fp8" and fp8_checkpoint(cfg.model) is not None:
+        raise SFTError(f"{cfg.model} is an FP8 checkpoint (quantization_config fp8): train LoRA on its FP8 weights "
+                       "with --quant fp8")
     model = tiny.build_model(tokenizer, cfg.seed, classifier).to(dtype) if builtin else load_model(
         cfg.model, dtype, quantization, args.device, classifier)
     if classifier is not None:  # where its rows end: the last token that is not padding
@@ -329,7 +334,7 @@ def build_model(cfg: SFTConfig, tokenizer: Any, dtype: torch.dtype, args: Any, r
         frozen = copy.deepcopy(model).eval().requires_grad_(False) if reference else None  # before LoRA and patching
         # DDP's search for unused parameters costs a graph walk per step; only routed experts need it.
         args.ddp_find_unused_parameters = any(getattr(model.config, k, None) for k in ("num_local_experts", "num_experts"))
-        if quantization is not None:
+        if quantization is not None and cfg.quant != "fp8":  # FP8 bases are frozen modules already
             prepare_quantized(model, cfg.gradient_checkpointing)
         if cfg.gradient_checkpointing:
             # Non-reentrant checkpointing needs no input that requires grad, so frozen embeddings (LoRA) work.
@@ -339,7 +344,7 @@ def build_model(cfg: SFTConfig, tokenizer: Any, dtype: torch.dtype, args: Any, r
     trainable, total = count_parameters(model)
     log.info("model: %s, %s%s, %s tuning: %.2fM of %.2fM parameters trainable",
              cfg.model or "built-in tiny Llama", str(dtype).replace("torch.", ""),
-             f" (base {cfg.quant}, bitsandbytes)" if cfg.quant else "", _tuning(cfg), trainable / 1e6, total / 1e6)
+             f" (base {cfg.quant}{'' if cfg.quant == 'fp8' else ', bitsandbytes'})" if cfg.quant else "", _tuning(cfg), trainable / 1e6, total / 1e6)
     if quantization is None:  # a quantised model is on its device already, and moves no further
         model.to(args.device)
     apply_kernels(model, cfg, fp8_all_gather=_fsdp2(args))  # on its device: --fp8 checks the GPU's FP8

@@ -43,6 +43,11 @@ tokens, int8, DoRA) dequantised, bit for bit as bitsandbytes does, into a reused
 before the GEMM (:func:`tigon.ops.dequantize.dequantized`). Either way no full-precision copy
 outlives its GEMM, and nothing of size N × out is saved.
 
+FP8 bases (an :class:`~tigon.ops.Fp8Weight`: e4m3 with fp32 scales) run their GEMMs in FP8 where
+the GPU can (:mod:`tigon.ops.fp8`): x is quantised per row once for all the projections that read
+it, and dx's base GEMMs take dy with the weight's row scales folded in. Elsewhere they are
+dequantised for each GEMM like a QLoRA base.
+
 DoRA (a projection with a `magnitude`) scales each output feature of ``z = x Wᵀ + s · (x Aᵀ) Bᵀ``
 by ``m / ‖W + s B A‖`` and adds the bias (:mod:`tigon.ops.dora`; the norm detached, as PEFT does).
 Saved for it: z (N × out) and the norm; backward forms ``dz = dy · m / ‖·‖`` and the magnitude's
@@ -59,9 +64,15 @@ import torch
 from tigon.ops._checks import check_device, check_float, check_input, check_vector, rows_view
 from tigon.ops._dispatch import Op, autocast_dtype
 from tigon.ops.dequantize import QuantizedWeight, check_quantized, dequantize_reference, dequantized
+from tigon.ops.fp8 import (Fp8Weight, check_fp8_weight, dequantize_fp8, fp8_gemm_reason, fp8_matmul, fp8_matmul_grad,
+                           quantize_rows, unit_stride_rows)
 from tigon.ops.dora import DORA_NORM, DORA_SCALE, DORA_SCALE_BACKWARD, dora_norm_reference, dora_scale_reference
 from tigon.ops.gemm_4bit import base_gemm
 from tigon.ops.rms_norm import NormedInput, check_normed_input, keep_normed, restore_normed
+
+
+# Frozen base weights that are not tensors: kept on the autograd ctx, never saved for backward.
+FROZEN_WEIGHTS = (QuantizedWeight, Fp8Weight)
 
 
 class LoraProjection(NamedTuple):
@@ -69,7 +80,8 @@ class LoraProjection(NamedTuple):
     ``(x Wᵀ + scaling · (x Aᵀ) Bᵀ) · magnitude / ‖W + scaling · B A‖ + bias`` per output feature.
 
     Attributes:
-        weight: ``(out, in)`` base weight, or a frozen :class:`~tigon.ops.QuantizedWeight` (QLoRA).
+        weight: ``(out, in)`` base weight, or a frozen :class:`~tigon.ops.QuantizedWeight` (QLoRA)
+            or :class:`~tigon.ops.Fp8Weight` (an FP8 base).
         lora_a: ``(r, in)`` down-projection A.
         lora_b: ``(out, r)`` up-projection B.
         scaling: the LoRA scale (``alpha / r`` in PEFT).
@@ -78,7 +90,7 @@ class LoraProjection(NamedTuple):
             for plain LoRA.
     """
 
-    weight: torch.Tensor | QuantizedWeight
+    weight: torch.Tensor | QuantizedWeight | Fp8Weight
     lora_a: torch.Tensor
     lora_b: torch.Tensor
     scaling: float
@@ -99,6 +111,8 @@ def lora_linear_reference(
     dtype; a quantised base dequantised first): the oracle and fallback."""
     if isinstance(weight, QuantizedWeight):
         weight = dequantize_reference(weight, x.dtype)
+    elif isinstance(weight, Fp8Weight):
+        weight = dequantize_fp8(weight, x.dtype)
     lora = torch.nn.functional.linear(torch.nn.functional.linear(x, lora_a.to(x.dtype)), lora_b.to(x.dtype))
     if magnitude is None:
         return torch.nn.functional.linear(x, weight, bias) + scaling * lora
@@ -161,7 +175,7 @@ def save_projections(ctx, leading: Sequence, projections: Sequence[LoraProjectio
     quantised weights (frozen parameters, not activations) kept on ctx; :func:`load_projections`
     gives them back."""
     fields = saved_tensors(projections)
-    ctx.quantized = {i: f for i, f in enumerate(fields) if isinstance(f, QuantizedWeight)}
+    ctx.quantized = {i: f for i, f in enumerate(fields) if isinstance(f, FROZEN_WEIGHTS)}
     ctx.save_for_backward(*leading, *(None if i in ctx.quantized else f for i, f in enumerate(fields)), *trailing)
     ctx.scalings = [p.scaling for p in projections]
     ctx.layout = (len(leading), len(fields))
@@ -191,25 +205,45 @@ def _scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: float, out: torch.Tensor
     return out.addmm_(a, b, beta=0, alpha=alpha)
 
 
+def base_weight(weight: torch.Tensor | QuantizedWeight | Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
+    """A base weight as a tensor of `dtype` for a GEMM or DoRA's norm (a quantised one dequantised:
+    see :func:`tigon.ops.dequantize.dequantized`)."""
+    return dequantize_fp8(weight, dtype) if isinstance(weight, Fp8Weight) else dequantized(weight, dtype)
+
+
+def fp8_rows(x2d: torch.Tensor, projections: Sequence[LoraProjection]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`x2d` quantised per row (:func:`tigon.ops.fp8.quantize_rows`) once for every FP8 GEMM of
+    the group, or None when none of its projections runs one."""
+    if any(isinstance(p.weight, Fp8Weight) and fp8_gemm_reason(x2d, p.weight) is None for p in projections):
+        return quantize_rows(unit_stride_rows(x2d))
+    return None
+
+
 def lora_forward(
-    x2d: torch.Tensor, xa: torch.Tensor, projection: LoraProjection, adapters: LoraProjection | None = None
+    x2d: torch.Tensor, xa: torch.Tensor, projection: LoraProjection, adapters: LoraProjection | None = None,
+    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """One projection's output, written once: ``bias + s · xa Bᵀ``, then the base GEMM on top; and
     its DoRA state (z, weight norm), or None without a magnitude.
 
-    `xa` is ``x Aᵀ`` for this projection (may be a column slice of a wider tensor). A DoRA weight
-    norm is taken from the base as the GEMM reads it and the adapters of `adapters` (the
-    projection with its adapters in their own dtype; default `projection`).
+    `xa` is ``x Aᵀ`` for this projection (may be a column slice of a wider tensor); `x_fp8` is
+    x quantised for an FP8 base's GEMM (:func:`fp8_rows`). A DoRA weight norm is taken from the
+    base as the GEMM reads it and the adapters of `adapters` (the projection with its adapters in
+    their own dtype; default `projection`).
     """
     weight, _, lora_b, scaling, bias, magnitude = projection
-    if magnitude is None:
+    if isinstance(weight, Fp8Weight):
+        # The FP8 GEMM cannot accumulate: it writes z, and the K = r GEMM accumulates onto it.
+        z = fp8_matmul(x2d, weight, x_fp8).addmm_(xa, lora_b.t(), alpha=scaling)
+        if magnitude is None:
+            return z if bias is None else z.add_(bias), None
+    elif magnitude is None:
         out = _scaled_mm(xa, lora_b.t(), scaling) if bias is None else torch.addmm(bias, xa, lora_b.t(), alpha=scaling)
         return base_gemm(x2d, weight, add=out), None
-    base = dequantized(weight, x2d.dtype)
-    z = _scaled_mm(xa, lora_b.t(), scaling).addmm_(x2d, base.t())
+    else:
+        z = _scaled_mm(xa, lora_b.t(), scaling).addmm_(x2d, dequantized(weight, x2d.dtype).t())
     adapters = adapters or projection
-    # Read before anything else is dequantised into the buffer `base` may be.
-    weight_norm = DORA_NORM(None, base, adapters.lora_a, adapters.lora_b, scaling)
+    weight_norm = DORA_NORM(None, base_weight(weight, x2d.dtype), adapters.lora_a, adapters.lora_b, scaling)
     return DORA_SCALE(None, z, magnitude, weight_norm, bias), (z, weight_norm)
 
 
@@ -238,7 +272,8 @@ def lora_group_forward(
     if xa is None:
         xa = torch.mm(x2d, stacked(lora_as).t())
     adapters = adapters or projections
-    results = [lora_forward(x2d, xa[:, cols], p, own)
+    x_fp8 = fp8_rows(x2d, projections)
+    results = [lora_forward(x2d, xa[:, cols], p, own, x_fp8)
                for p, own, cols in zip(projections, adapters, lora_rank_slices(lora_as))]
     return [out for out, _ in results], xa, [state for _, state in results]
 
@@ -327,7 +362,11 @@ def lora_backward_without_input(
         # dx = Σ dxaᵢ Aᵢ + Σ dzᵢ Wᵢ: the K = Σr GEMM writes dx, each base GEMM accumulates into it.
         grad_x = torch.mm(grad_xa, stacked(lora_as))
         for projection, dz in zip(projections, grads_z):
-            if dz is not None:
+            if dz is None:
+                continue
+            if isinstance(projection.weight, Fp8Weight):
+                grad_x.add_(fp8_matmul_grad(dz, projection.weight))
+            else:
                 grad_x = base_gemm(dz, projection.weight, backward=True, add=grad_x)
     return grad_x, grad_xa, flat_grads, grads_z
 
@@ -391,9 +430,11 @@ def check_projection(
         )
     weight, lora_a, lora_b, scaling, bias, magnitude = projection
     in_features = x.shape[-1] if in_features is None else in_features
-    quantized = isinstance(weight, QuantizedWeight)
-    if quantized:
+    quantized = isinstance(weight, FROZEN_WEIGHTS)
+    if isinstance(weight, QuantizedWeight):
         check_quantized(f"{name} weight", weight, x.device)
+    elif quantized:
+        check_fp8_weight(f"{name} weight", weight, x.device)
     for arg, t in (((f"{name} weight", weight),) if not quantized else ()) + (
         (f"{name} lora_a", lora_a), (f"{name} lora_b", lora_b)
     ):
@@ -435,7 +476,7 @@ def projections_for_autocast(
     host-bound ~10 ms under the HF Trainer's bf16 autocast)."""
     if dtype is None:
         return x, flatten_projections(projections)
-    cast = [p._replace(weight=p.weight if isinstance(p.weight, QuantizedWeight) else p.weight.to(dtype),
+    cast = [p._replace(weight=p.weight if isinstance(p.weight, FROZEN_WEIGHTS) else p.weight.to(dtype),
                        bias=None if p.bias is None else p.bias.to(dtype))
             for p in projections]
     return x.to(dtype), flatten_projections(cast)
@@ -452,7 +493,7 @@ LORA_LINEAR_GROUP = Op(
 
 def lora_linear(
     x: torch.Tensor,
-    weight: torch.Tensor | QuantizedWeight,
+    weight: torch.Tensor | QuantizedWeight | Fp8Weight,
     lora_a: torch.Tensor,
     lora_b: torch.Tensor,
     scaling: float,
@@ -466,7 +507,8 @@ def lora_linear(
         x: input ``(..., in)``, float16/bfloat16/float32 (float64 runs the reference).
         weight: ``(out, in)`` base weight; its gradient (a full GEMM) is computed only if it
             requires grad. Or a :class:`~tigon.ops.QuantizedWeight` (QLoRA: frozen, dequantised
-            into a reused buffer for each GEMM).
+            into a reused buffer for each GEMM), or a :class:`~tigon.ops.Fp8Weight` (an FP8 base:
+            FP8 GEMMs where the GPU has them, see :mod:`tigon.ops.fp8`).
         lora_a: ``(r, in)`` adapter A (PEFT's ``lora_A.weight``).
         lora_b: ``(out, r)`` adapter B (PEFT's ``lora_B.weight``).
         scaling: the adapter's scale (``lora_alpha / r`` in PEFT).

@@ -1,0 +1,224 @@
+"""FP8 rows and weights (tigon.ops.fp8): the quantisation kernel against torch's own e4m3 cast, bit
+for bit; the FP8 linear and LoRA on an FP8 base against the dequantised weight's math; on a GPU
+with FP8, the torch._scaled_mm GEMMs against the same products formed in fp32."""
+
+import logging
+
+import pytest
+import torch
+
+import tigon.functional as F
+from tigon.ops import Fp8Weight, LoraProjection, dequantize_fp8, lora_linear_reference, quantize_weight
+from tigon.ops import fp8
+from tigon.ops.fp8 import (
+    FP8_MAX, fp8_gemm_reason, fp8_matmul, fp8_matmul_grad, quantize_rows, quantize_rows_reference,
+)
+from tests.helpers import assert_close, compare_fwd_bwd
+from tests.ops.composite.test_lora import one_cpu_thread  # noqa: F401 (autouse fixture)
+
+
+def _bits(q):
+    return q.view(torch.uint8)
+
+
+def _assert_same_rows(got, want):
+    (q, scale), (ref_q, ref_scale) = got, want
+    assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+    assert torch.equal(_bits(q), _bits(ref_q)), f"{(_bits(q) != _bits(ref_q)).sum()} payloads differ"
+    assert torch.equal(scale, ref_scale) or torch.equal(scale.isnan(), ref_scale.isnan())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(7, 40), (5, 97), (3, 1000)])
+@pytest.mark.parametrize("with_col_scale", [False, True])
+def test_quantize_rows_bit_for_bit(device, dtype, shape, with_col_scale):
+    # Rows spanning nine decades, so that payloads land in e4m3's subnormals as well as its normals.
+    x = (torch.randn(shape, device=device) * torch.logspace(-4, 4, shape[0], device=device)[:, None]).to(dtype)
+    col_scale = torch.rand(shape[1], device=device) * 3 + 0.01 if with_col_scale else None
+    got = quantize_rows(x, col_scale)
+    _assert_same_rows(got, quantize_rows_reference(x, col_scale))
+    q, scale = got
+    # The payload is the row over its scale, to e4m3's precision.
+    want = x.float() * (col_scale if with_col_scale else 1)
+    assert_close(q.float() * scale[:, None], want, tol=0.07, name="dequantised rows")
+    assert (q.float().abs().amax(1) == FP8_MAX).all()
+
+
+def test_quantize_rows_rounds_half_to_even_and_subnormals(device):
+    """A row whose absmax is 448 is its own payload (scale 1): every midpoint between two e4m3
+    values, normal and subnormal, rounds as torch's cast rounds it (half to even)."""
+    codes = torch.arange(0, 0x7F, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn).float()
+    mids = (codes[:-1] + codes[1:]) / 2
+    x = torch.cat([mids, -mids, codes, torch.tensor([FP8_MAX], device=device)]).view(1, -1)
+    q, scale = quantize_rows(x)
+    assert scale.item() == 1.0
+    assert torch.equal(_bits(q), _bits(x.to(torch.float8_e4m3fn)))
+
+
+def test_quantize_rows_nonfinite_and_zero_rows(device):
+    x = torch.randn(4, 48, device=device)
+    x[1, 5] = float("nan")
+    x[2, 0] = float("inf")
+    x[3] = 0.0
+    x[3, 1] = -0.0
+    q, scale = quantize_rows(x)
+    _assert_same_rows((q, scale), quantize_rows_reference(x))
+    assert scale[1].isnan() and q[1].float().isnan().all()  # NaN in, NaN out: the whole row
+    assert scale[2].isinf() and q[2, 0].float().isnan()
+    assert (q[3].float() == 0).all() and scale[3] > 0  # zeros stay zeros: no 0/0
+
+
+def test_quantize_rows_checks(device):
+    x = torch.randn(3, 32, device=device)
+    with pytest.raises(ValueError, match="col_scale"):
+        quantize_rows(x, torch.ones(31, device=device))
+    with pytest.raises(ValueError, match="unit stride"):
+        quantize_rows(x.t())
+
+
+def test_dequantize_fp8_blocks():
+    """Block scales as HF's checkpoints lay them out: one per (bo, bi) block, the last ones partial."""
+    data = torch.randn(10, 19).to(torch.float8_e4m3fn)
+    scale = torch.rand(3, 3) + 0.5
+    weight = Fp8Weight(data, scale, (4, 8))
+    want = torch.empty(10, 19)
+    for r in range(10):
+        for c in range(19):
+            want[r, c] = data[r, c].float() * scale[r // 4, c // 8]
+    assert torch.equal(dequantize_fp8(weight, torch.float32), want)
+    rowwise = quantize_weight(torch.randn(6, 40))
+    assert rowwise.rowwise and rowwise.scale.shape == (6, 1) and not weight.rowwise
+
+
+def _weight(out_features, in_features, device, block=None):
+    if block is None:
+        return quantize_weight(torch.randn(out_features, in_features, device=device) / in_features**0.5)
+    blocks = (-(-out_features // block[0]), -(-in_features // block[1]))
+    data = (torch.randn(out_features, in_features, device=device) * 100).to(torch.float8_e4m3fn)
+    return Fp8Weight(data, torch.rand(blocks, device=device) / 1000 + 1e-4, block)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("block", [None, (16, 32)])
+def test_fp8_linear_matches_dequantised_linear(poison_outputs, device, bias, block):
+    weight = _weight(48, 64, device, block)
+    x = torch.randn(3, 5, 64, device=device, requires_grad=True)
+    b = torch.randn(48, device=device, requires_grad=True) if bias else None
+    compare_fwd_bwd(
+        lambda x, b: F.fp8_linear(x, weight, b),
+        lambda x, b: torch.nn.functional.linear(x, dequantize_fp8(weight, x.dtype), b),
+        (x, b), name="fp8_linear",
+    )
+
+
+def test_fp8_linear_checks(device):
+    weight = _weight(48, 64, device)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        F.fp8_linear(torch.randn(2, 64, device=device), weight._replace(data=weight.data.float()))
+    with pytest.raises(ValueError, match="scale must be a float32 \\(48, 1\\)"):
+        F.fp8_linear(torch.randn(2, 64, device=device), weight._replace(scale=weight.scale[:4]))
+    with pytest.raises(ValueError, match="shape \\(out, 63\\)"):
+        F.fp8_linear(torch.randn(2, 63, device=device), weight)
+
+
+@pytest.mark.parametrize("dora", [False, True])
+def test_lora_group_on_fp8_bases_matches_dequantised_math(poison_outputs, device, dora):
+    """q/k/v-like projections (one with a bias) on FP8 bases: outputs, dx and the adapters'
+    gradients equal those of the same LoRA on the dequantised weights."""
+    widths = (64, 32, 32)
+    weights = [_weight(w, 48, device) for w in widths]
+    bias = torch.randn(32, device=device)
+    x = torch.randn(2, 7, 48, device=device, requires_grad=True)
+    adapters = []
+    for w in widths:
+        adapters += [(torch.randn(4, 48, device=device) / 7).requires_grad_(),
+                     (torch.randn(w, 4, device=device) / 2).requires_grad_(),
+                     (torch.rand(w, device=device) + 0.5).requires_grad_() if dora else None]
+
+    def projections(base, tensors):
+        return [LoraProjection(weight, a, b, 0.75, bias if i == 1 else None, m)
+                for i, (weight, (a, b, m)) in enumerate(zip(base, zip(*[iter(tensors)] * 3)))]
+
+    dequantised = [dequantize_fp8(w, torch.float32) for w in weights]
+    compare_fwd_bwd(
+        lambda x, *t: F.lora_linear_group(x, projections(weights, t)),
+        lambda x, *t: [lora_linear_reference(x, *p._replace(bias=None if p.bias is None else p.bias.to(x.dtype)))
+                       for p in projections([d.to(x.dtype) for d in dequantised], t)],
+        (x, *adapters), name="lora on fp8",
+    )
+
+
+def test_cpu_fallback_is_said_once(fresh_dispatch, caplog, device):
+    if device.type != "cpu":
+        pytest.skip("the CPU's fallback")
+    weight = _weight(48, 64, device)
+    with caplog.at_level(logging.WARNING, logger="tigon"):
+        for _ in range(2):
+            fp8_matmul(torch.randn(3, 64), weight)
+    lines = [r.getMessage() for r in caplog.records if "fp8_matmul" in r.getMessage()]
+    assert lines == ["tigon: fp8_matmul runs its PyTorch reference: tensors are on cpu; FP8 GEMMs need a CUDA GPU "
+                     "of compute capability 8.9+"]
+
+
+def test_scaled_mm_path_math_where_torch_runs_it_on_the_cpu(device):
+    """The FP8 GEMM path's operands, layouts and scales (the weight's row scales folded into dy for
+    dx) on torch's own CPU ``_scaled_mm`` where this torch has one: the products of the quantised
+    operands, formed in fp32."""
+    weight = _weight(48, 64, device)
+    x = torch.randn(33, 64, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(33, 48, device=device, dtype=torch.bfloat16)
+    try:
+        out = fp8._fp8_matmul(x, weight)
+    except (RuntimeError, NotImplementedError) as err:
+        pytest.skip(f"torch._scaled_mm does not run here: {err}")
+    assert_close(out.float(), _emulated(*quantize_rows_reference(x), weight.data, weight.scale), tol=8e-3, name="x Wᵀ")
+    q_dy, s_dy = quantize_rows_reference(dy, weight.scale.view(-1))
+    assert_close(fp8._fp8_matmul_grad(dy, weight).float(), (q_dy.float() * s_dy.view(-1, 1)) @ weight.data.float(),
+                 tol=8e-3, name="dy W")
+
+
+# --- on a GPU with FP8 tensor cores --------------------------------------------------------------
+
+def _fp8_gpu():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs a GPU of compute capability 8.9+")
+    return torch.device("cuda")
+
+
+def _emulated(q_a, scale_a, q_b, scale_b):
+    """``(q_a · s_a) (q_b · s_b)ᵀ`` in fp32: the product an FP8 GEMM with rowwise scales forms."""
+    return (q_a.float() * scale_a.view(-1, 1)) @ (q_b.float() * scale_b.view(-1, 1)).t()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,out_features,in_features", [(333, 256, 384), (2048, 4096, 4096), (2048, 1024, 4096),
+                                                           (2048, 14336, 4096), (2048, 4096, 14336)])
+def test_scaled_mm_gemms_match_their_fp32_emulation(rows, out_features, in_features):
+    """Forward ``x Wᵀ`` and input gradient ``dy W`` on torch._scaled_mm (8B Llama projection
+    shapes among them) against the same quantised operands multiplied in fp32, and within FP8's
+    error of the bf16 GEMMs of the dequantised weight."""
+    device = _fp8_gpu()
+    weight = quantize_weight(torch.randn(out_features, in_features, device=device, dtype=torch.bfloat16) / 50)
+    x = torch.randn(rows, in_features, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(rows, out_features, device=device, dtype=torch.bfloat16)
+    assert fp8_gemm_reason(x, weight) is None
+
+    out = fp8_matmul(x, weight)
+    assert_close(out.float(), _emulated(*quantize_rows_reference(x), weight.data, weight.scale), tol=8e-3, name="x Wᵀ")
+    q_dy, s_dy = quantize_rows_reference(dy, weight.scale.view(-1))
+    want = (q_dy.float() * s_dy.view(-1, 1)) @ weight.data.float()
+    grad = fp8_matmul_grad(dy, weight)
+    assert_close(grad.float(), want, tol=8e-3, name="dy W")
+
+    dense = dequantize_fp8(weight, torch.bfloat16)
+    assert_close(out, x @ dense.t(), tol=0.06, name="against bf16")
+    assert_close(grad, dy @ dense, tol=0.06, name="grad against bf16")
+
+
+@pytest.mark.gpu
+def test_quantize_rows_bf16_on_gpu():
+    device = _fp8_gpu()
+    x = torch.randn(257, 4096, device=device, dtype=torch.bfloat16) * 3
+    col_scale = torch.rand(4096, device=device) + 0.1
+    for scale in (None, col_scale):
+        _assert_same_rows(quantize_rows(x, scale), quantize_rows_reference(x, scale))
