@@ -124,6 +124,8 @@ class SFTConfig:
     cuda_graphs: bool = _opt(False, "capture each micro-step's forward and backward, and the optimizer's update, "
                              "as CUDA graphs and replay them, so a small batch does not leave the GPU waiting "
                              "for Python; every batch is padded to --max-length (one shape); needs a CUDA GPU")
+    sequence_parallel: int = _opt(1, "split each sequence over N processes (DeepSpeed Ulysses; launch with torchrun, "
+                                  "processes a multiple of N; rows padded to a multiple of N tokens)", metavar="N")
     task: str = _opt("causal_lm", "what to train: causal_lm (next tokens), or classification (a sequence "
                      "classifier on rows {text, label})", choices=["causal_lm", "classification"])
     labels: list[str] | None = _opt(None, "classification: the labels, in id order; a row with another is refused "
@@ -366,6 +368,7 @@ def resolve(cfg: SFTConfig, given: set[str] = frozenset()) -> SFTConfig:
                        "(leave out single kernels with --kernels-off)")
     if cfg.cuda_graphs:
         check_cuda_graphs(cfg)
+    _check_sequence_parallel(cfg)
     if cfg.kernels_off and not cfg.kernels:
         raise SFTError("--kernels-off has no effect with --no-kernels: give one or the other")
     package = TRACKERS.get(cfg.report_to)
@@ -378,6 +381,15 @@ def resolve(cfg: SFTConfig, given: set[str] = frozenset()) -> SFTConfig:
     except ValueError as err:
         raise SFTError(str(err)) from None
     return cfg
+
+
+def _check_sequence_parallel(cfg: SFTConfig) -> None:
+    from tigon.train import seqpar
+
+    seqpar.check_settings(cfg.sequence_parallel, cuda_graphs=cfg.cuda_graphs)
+    if cfg.sequence_parallel > 1 and (cfg.task != "causal_lm" or cfg.modality == "vision"):
+        what = "--modality vision" if cfg.modality == "vision" else f"--task {cfg.task}"
+        raise SFTError(f"--sequence-parallel: not for {what} (text causal LM training only)")
 
 
 def _check_lora_options(cfg: SFTConfig) -> None:
@@ -567,6 +579,10 @@ def resolve_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> RLHFConfig:
     method = cfg.method
     if method not in METHODS:
         raise SFTError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
+    if cfg.sequence_parallel > 1:
+        from tigon.train.seqpar import method_refusal
+
+        raise method_refusal(method)
     own = _BUILTIN.get(method, {}) if builtin else {}
     cfg = dataclasses.replace(
         cfg,
