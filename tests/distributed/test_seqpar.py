@@ -123,3 +123,56 @@ def test_split_packed_lora_step_equals_the_whole_one(tmp_path):
     """LoRA, packed rows (per-sample positions, samples kept apart across the all-to-all), two
     rows a step padded to a multiple of 2."""
     _compare(tmp_path, packing=True, lora=True)
+
+
+# --- refusals, one line each, before anything loads ---------------------------------------------
+
+@pytest.mark.parametrize("world, n, words", [("1", "2", "processes (1) must be a multiple"),
+                                             ("4", "3", "processes (4) must be a multiple"),
+                                             ("2", "0", "must be >= 1")])
+def test_sequence_parallel_refuses_a_group_it_cannot_split(monkeypatch, capsys, tmp_path, world, n, words):
+    from tigon.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", world)
+    assert main(["sft", "--sequence-parallel", n, "--output-dir", str(tmp_path / "out")]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0] and "--sequence-parallel" in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_sequence_parallel_refusals(monkeypatch):
+    from transformers import LlamaConfig
+
+    from tigon.train import seqpar
+    from tigon.train.config import RLHFConfig, SFTConfig, SFTError, resolve, resolve_rlhf
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SFTError, match="--cuda-graphs with --sequence-parallel"):
+        resolve(SFTConfig(sequence_parallel=2, cuda_graphs=True))
+    with pytest.raises(SFTError, match="not for --task classification"):
+        resolve(SFTConfig(sequence_parallel=2, task="classification"))
+    for method in ("dpo", "kto", "orpo", "rm"):
+        with pytest.raises(SFTError, match=f"--method {method} scores each whole sequence"):
+            resolve_rlhf(RLHFConfig(method=method, sequence_parallel=2))
+    resolve(SFTConfig(sequence_parallel=2))  # what the tests above run
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    with pytest.raises(SFTError, match=r"not installed \(pip install deepspeed\)"):
+        resolve(SFTConfig(sequence_parallel=2))
+    with pytest.raises(SFTError, match="6 attention heads do not divide among 4"):
+        seqpar.check_model(4, LlamaConfig(hidden_size=48, num_attention_heads=6, num_key_value_heads=2))
+    with pytest.raises(SFTError, match="3 key/value heads neither divide among 2"):
+        seqpar.check_model(2, LlamaConfig(hidden_size=48, num_attention_heads=6, num_key_value_heads=3))
+    seqpar.check_model(4, LlamaConfig(num_attention_heads=8, num_key_value_heads=2))  # kv heads replicated
+
+
+def test_collator_pads_to_whole_shards_with_positions():
+    from tigon.train.batching import Collator
+
+    rows = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8] * 6, "labels": [8] * 6}]
+    batch = Collator(0, shards=4)(rows)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 0, 0, 0, 0, 0], [8] * 6 + [0, 0]]
+    assert batch["labels"].tolist() == [[-100, 6, 7] + [-100] * 5, [8] * 6 + [-100] * 2]
+    assert batch["position_ids"].tolist() == [list(range(8))] * 2 and "attention_mask" not in batch
+    packed = [{"input_ids": [1, 2, 3], "labels": [1, 2, 3], "position_ids": [0, 1, 0]}]
+    assert Collator(0, shards=2)(packed)["position_ids"].tolist() == [[0, 1, 0, 0]]

@@ -366,9 +366,9 @@ def resolve(cfg: SFTConfig, given: set[str] = frozenset()) -> SFTConfig:
     if memory and not cfg.kernels:
         raise SFTError(f"{', '.join(memory)}: applied by tigon.patch, which --no-kernels turns off "
                        "(leave out single kernels with --kernels-off)")
+    _check_sequence_parallel(cfg)  # before --cuda-graphs' own checks: its line names the conflict
     if cfg.cuda_graphs:
         check_cuda_graphs(cfg)
-    _check_sequence_parallel(cfg)
     if cfg.kernels_off and not cfg.kernels:
         raise SFTError("--kernels-off has no effect with --no-kernels: give one or the other")
     package = TRACKERS.get(cfg.report_to)

@@ -50,6 +50,8 @@ def check_text_run(cfg: SFTConfig) -> None:
 
 
 def _check(cfg: SFTConfig, family: str) -> None:
+    if cfg.sequence_parallel > 1:
+        raise SFTError("--sequence-parallel: not for vision-language models (text causal LM training only)")
     if cfg.packing:
         raise packing_refusal(family)
     if cfg.quant is not None:
