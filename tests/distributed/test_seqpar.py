@@ -125,6 +125,43 @@ def test_split_packed_lora_step_equals_the_whole_one(tmp_path):
     _compare(tmp_path, packing=True, lora=True)
 
 
+
+def _sft_worker(rank: int, world: int, port: int, argv: list[str]) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from tigon.cli import main
+
+    assert main(argv) == 0
+
+
+def test_sft_command_splits_packed_rows_as_one_process_trains_them(tmp_path):
+    """`tigon sft --sequence-parallel 2 --packing` on the built-in model, kernels on, under two
+    processes: its logged losses and final weights are those of `tigon sft` in one process."""
+    import torch.multiprocessing as mp
+    from safetensors.torch import load_file
+
+    from tigon.cli import main
+    from tigon.train import tiny
+
+    def argv(out: Path) -> list[str]:
+        return ["sft", "--dataset", f"{tiny.BUNDLED_DATASET}#24", "--packing", "--max-length", "40", "--batch-size",
+                "2", "--max-steps", "2", "--save-steps", "0", "--samples", "0", "--output-dir", str(out)]
+
+    mp.spawn(_sft_worker, args=(2, _free_port(), argv(tmp_path / "split") + ["--sequence-parallel", "2"]),
+             nprocs=2, join=True)
+    assert main(argv(tmp_path / "whole")) == 0
+    logged = [[json.loads(line)["loss"] for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()
+               if "loss" in json.loads(line)] for d in ("split", "whole")]
+    assert len(logged[1]) == 2 and logged[0] == pytest.approx(logged[1], rel=1e-5), logged
+    split, whole = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("split", "whole"))
+    # DeepSpeed's save writes the tied output matrix too: the embedding's, as the model loads it.
+    torch.testing.assert_close(split.pop("lm_head.weight", split["model.embed_tokens.weight"]),
+                               split["model.embed_tokens.weight"], rtol=0, atol=0)
+    assert split.keys() == whole.keys()
+    for name in whole:
+        torch.testing.assert_close(split[name], whole[name], rtol=1e-4, atol=1e-5)
+
+
 # --- refusals, one line each, before anything loads ---------------------------------------------
 
 @pytest.mark.parametrize("world, n, words", [("1", "2", "processes (1) must be a multiple"),
