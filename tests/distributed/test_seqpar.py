@@ -52,7 +52,7 @@ def _rows(packing: bool) -> list[dict[str, list[int]]]:
     return rows
 
 
-def _train(out: str, sp: int, packing: bool, lora: bool) -> None:
+def _train(out: str, sp: int, packing: bool, lora: bool) -> None:  # unpacked: with the long-context switches
     """Two steps of the run (sp > 1: this process is one of the Ulysses group); writes the logged
     losses and the trained parameters (rank 0)."""
     from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
@@ -76,7 +76,9 @@ def _train(out: str, sp: int, packing: bool, lora: bool) -> None:
         seqpar.check_model(sp, model.config)
         seqpar.prepare_model(model, packing)
         extra = seqpar.trainer_arguments(sp)
-    tigon.patch(model)
+    if not packing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    tigon.patch(model, offload_activations=not packing, tiled_mlp=not packing)
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=2 if packing else 1, max_steps=2,
                              learning_rate=LR, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0,
                              use_cpu=True, report_to=[], logging_steps=1, save_strategy="no", disable_tqdm=True,
@@ -115,7 +117,8 @@ def _compare(tmp_path: Path, packing: bool, lora: bool, world: int = 2) -> None:
 
 def test_split_sequence_step_equals_the_whole_one(tmp_path):
     """Full fine-tuning, one row a step: prompt tokens ignored, the first label at the shards'
-    border, a shard without labels, a row padded to a multiple of 2."""
+    border, a shard without labels, a row padded to a multiple of 2; gradient checkpointing with
+    the activations offloaded and the tiled MLP."""
     _compare(tmp_path, packing=False, lora=False)
 
 
