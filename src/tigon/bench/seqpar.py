@@ -6,6 +6,7 @@ The setting of issue 45's targets: the Llama-3-8B shape (bf16, SDPA), PEFT LoRA 
 linear layer, gradient checkpointing, batch 1, random tokens, AdamW, one warm-up step and timed
 steps after it. Variants (each on the same engine):
 
+* ``eager``: transformers' and PEFT's own code;
 * ``tigon``: ``tigon.patch(model)``;
 * ``long``: ``tigon.patch(model, offload_activations=True, tiled_mlp=True)``;
 * ``peer``: Liger-Kernel's patch (`tigon.bench.e2e.apply_peer`).
@@ -39,7 +40,9 @@ LLAMA_8B = dict(
     num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0,
 )
 SHAPES = {"1b": LLAMA_1B, "8b": LLAMA_8B}
-VARIANTS: dict[str, dict[str, bool]] = {"tigon": {}, "long": {"offload_activations": True, "tiled_mlp": True}, "peer": {}}
+# tigon.patch's switches per variant (eager and peer are not tigon's).
+VARIANTS: dict[str, dict[str, bool]] = {"eager": {}, "tigon": {}, "long": {"offload_activations": True, "tiled_mlp": True},
+                                        "peer": {}}
 RESULTS = "seqpar.json"
 
 
@@ -86,7 +89,7 @@ def run(seq: int, variant: str, shape: str, lora_rank: int, steps: int, out: Pat
         extra = seqpar.trainer_arguments(gpus)
     if variant == "peer":
         apply_peer(model)
-    else:
+    elif variant != "eager":
         tigon.patch(model, **VARIANTS[variant])
     total = 1 + steps
     gen = torch.Generator().manual_seed(0)
