@@ -129,6 +129,14 @@ def test_split_packed_lora_step_equals_the_whole_one(tmp_path):
 
 
 
+
+def test_four_way_split_lora_step_equals_the_whole_one(tmp_path):
+    """LoRA over 4 ranks, more than the model's 2 key/value heads (Ulysses replicates them): the
+    first label of the first row at the border of shards 1 and 2, the second row's labels all in
+    its last shards."""
+    _compare(tmp_path, packing=False, lora=True, world=4)
+
+
 def _sft_worker(rank: int, world: int, port: int, argv: list[str]) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
