@@ -203,6 +203,12 @@ def test_sequence_parallel_refusals(monkeypatch):
         with pytest.raises(SFTError, match=f"--method {method} scores each whole sequence"):
             resolve_rlhf(RLHFConfig(method=method, sequence_parallel=2))
     resolve(SFTConfig(sequence_parallel=2))  # what the tests above run
+    import transformers.integrations.deepspeed as hf_deepspeed
+
+    with monkeypatch.context() as patched:  # transformers before its Trainer took DeepSpeed's SP
+        patched.delattr(hf_deepspeed, "deepspeed_sp_compute_loss")
+        with pytest.raises(SFTError, match=r"this transformers has no DeepSpeed sequence parallelism \(pip install -U"):
+            resolve(SFTConfig(sequence_parallel=2))
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
     with pytest.raises(SFTError, match=r"not installed \(pip install deepspeed\)"):

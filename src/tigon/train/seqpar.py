@@ -48,6 +48,13 @@ def check_settings(n: int, *, cuda_graphs: bool) -> None:
     if importlib.util.find_spec("deepspeed") is None:
         raise SFTError(f"--sequence-parallel {n}: runs on DeepSpeed's Ulysses, which is not installed "
                        "(pip install deepspeed)")
+    try:
+        from accelerate.utils import DeepSpeedSequenceParallelConfig  # noqa: F401
+        from transformers.integrations.deepspeed import deepspeed_sp_compute_loss  # noqa: F401
+    except ImportError as err:
+        package = "accelerate" if "accelerate" in str(err) else "transformers"
+        raise SFTError(f"--sequence-parallel {n}: this {package} has no DeepSpeed sequence parallelism "
+                       f"(pip install -U {package})") from None
     if cuda_graphs:
         raise SFTError("--cuda-graphs with --sequence-parallel: a captured step cannot hold the all-to-alls "
                        "between the processes; give one or the other")
