@@ -147,7 +147,8 @@ def _sft_worker(rank: int, world: int, port: int, argv: list[str]) -> None:
 
 def test_sft_command_splits_packed_rows_as_one_process_trains_them(tmp_path):
     """`tigon sft --sequence-parallel 2 --packing` on the built-in model, kernels on, under two
-    processes: its logged losses and final weights are those of `tigon sft` in one process."""
+    processes: its logged losses, evaluation loss and final weights are those of `tigon sft` in one
+    process."""
     import torch.multiprocessing as mp
     from safetensors.torch import load_file
 
@@ -156,14 +157,15 @@ def test_sft_command_splits_packed_rows_as_one_process_trains_them(tmp_path):
 
     def argv(out: Path) -> list[str]:
         return ["sft", "--dataset", f"{tiny.BUNDLED_DATASET}#24", "--packing", "--max-length", "40", "--batch-size",
-                "2", "--max-steps", "2", "--save-steps", "0", "--samples", "0", "--output-dir", str(out)]
+                "2", "--max-steps", "2", "--save-steps", "0", "--samples", "0", "--eval-split", "0.25", "--output-dir", str(out)]
 
     mp.spawn(_sft_worker, args=(2, _free_port(), argv(tmp_path / "split") + ["--sequence-parallel", "2"]),
              nprocs=2, join=True)
     assert main(argv(tmp_path / "whole")) == 0
-    logged = [[json.loads(line)["loss"] for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()
-               if "loss" in json.loads(line)] for d in ("split", "whole")]
-    assert len(logged[1]) == 2 and logged[0] == pytest.approx(logged[1], rel=1e-5), logged
+    for key, count in (("loss", 2), ("eval_loss", 1)):  # evaluation runs each rank's rows whole
+        logged = [[json.loads(line)[key] for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()
+                   if key in json.loads(line)] for d in ("split", "whole")]
+        assert len(logged[1]) == count and logged[0] == pytest.approx(logged[1], rel=1e-5), (key, logged)
     split, whole = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("split", "whole"))
     # DeepSpeed's save writes the tied output matrix too: the embedding's, as the model loads it.
     torch.testing.assert_close(split.pop("lm_head.weight", split["model.embed_tokens.weight"]),

@@ -129,6 +129,8 @@ def trainer_arguments(n: int) -> dict[str, Any]:
     config = {"zero_optimization": {"stage": 0}, "bf16": {"enabled": auto}, "fp16": {"enabled": auto},
               "train_micro_batch_size_per_gpu": auto, "gradient_accumulation_steps": auto,
               "gradient_clipping": auto}
-    handler = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa")
+    # Only the training dataloader is sharded: evaluation runs each rank's batches whole, as DDP would.
+    handler = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa",
+                                              sp_disable_in_eval=True)
     return {"deepspeed": config,
             "parallelism_config": ParallelismConfig(sp_backend="deepspeed", sp_size=n, sp_handler=handler)}
