@@ -27,7 +27,8 @@ from tigon.train.config import SFTError
 
 # The Ulysses all-to-all drops every attention mask and attends causally over the gathered
 # sequence; packed rows need their samples kept apart, which `_packed_sdpa` does from positions.
-# The sdpa it wraps, once installed in this process.
+# Its wrapper of sdpa, once installed in this process (an n x n mask per row: packing is for
+# rows of ordinary length, a long single sequence needs none).
 _installed: list[Any] = []
 
 
