@@ -67,20 +67,27 @@ class Collator:
     values, so it would build and apply the full causal mask, a masked attention several times
     slower than a causal one; padding on the right is after every real token, which causal
     attention never lets a real token see, and its labels are ignored, so the loss and gradients
-    are those of the masked batch."""
+    are those of the masked batch.
 
-    def __init__(self, pad_token_id: int, width: int | None = None):
+    With `shards` > 1 (``--sequence-parallel``) the width is rounded up to a multiple of it (the
+    sequence is cut into that many equal shards) and every row gets ``position_ids``, which the
+    shards need to know where they sit, and no attention mask (the all-to-all drops masks): an
+    unpacked row's padding follows its tokens as above, so plain causal attention is exact."""
+
+    def __init__(self, pad_token_id: int, width: int | None = None, shards: int = 1):
         self.pad_token_id = pad_token_id
         self.width = width
+        self.shards = shards
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         lengths = [len(f["input_ids"]) for f in features]
         width = self.width or max(lengths)
         if width < max(lengths):
             raise ValueError(f"a row of {max(lengths)} tokens does not fit the collator's width {width}")
+        width = -(-width // self.shards) * self.shards
         packed = "position_ids" in features[0]
         batch: dict[str, list[list[int]]] = {"input_ids": [], "labels": []}
-        if packed:
+        if packed or self.shards > 1:
             batch["position_ids"] = []
         elif min(lengths) < width and not self.width:
             batch["attention_mask"] = []
@@ -90,6 +97,8 @@ class Collator:
             batch["labels"].append(f["labels"] + [IGNORE] * pad)
             if packed:
                 batch["position_ids"].append(f["position_ids"] + list(range(pad)))
+            elif "position_ids" in batch:
+                batch["position_ids"].append(list(range(width)))
             elif "attention_mask" in batch:
                 batch["attention_mask"].append([1] * n + [0] * pad)
         return {**{k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}, NUM_TOKENS: sum(lengths)}

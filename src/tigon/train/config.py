@@ -131,6 +131,8 @@ class SFTConfig:
     fp8: str | None = _opt(None, "run the decoder's linears' GEMMs in FP8 (torchao float8 training, scales per "
                            "tensor or per row; bf16 weights; --tuner full; needs a GPU of compute capability >= 8.9 "
                            "and pip install 'tigon[fp8]') (default: off)", choices=["tensorwise", "rowwise"])
+    sequence_parallel: int = _opt(1, "split each sequence over N processes (DeepSpeed Ulysses; launch with torchrun, "
+                                  "processes a multiple of N; rows padded to a multiple of N tokens)", metavar="N")
     task: str = _opt("causal_lm", "what to train: causal_lm (next tokens), or classification (a sequence "
                      "classifier on rows {text, label})", choices=["causal_lm", "classification"])
     labels: list[str] | None = _opt(None, "classification: the labels, in id order; a row with another is refused "
@@ -371,6 +373,7 @@ def resolve(cfg: SFTConfig, given: set[str] = frozenset()) -> SFTConfig:
     if memory and not cfg.kernels:
         raise SFTError(f"{', '.join(memory)}: applied by tigon.patch, which --no-kernels turns off "
                        "(leave out single kernels with --kernels-off)")
+    _check_sequence_parallel(cfg)  # before --cuda-graphs' own checks: its line names the conflict
     if cfg.cuda_graphs:
         check_cuda_graphs(cfg)
     if cfg.kernels_off and not cfg.kernels:
@@ -411,6 +414,15 @@ def check_fp8(cfg: SFTConfig) -> SFTConfig:
     except ValueError as err:
         raise SFTError(f"{flag}: {err}") from None
     return dataclasses.replace(cfg, dtype="bf16")
+
+
+def _check_sequence_parallel(cfg: SFTConfig) -> None:
+    from tigon.train import seqpar
+
+    seqpar.check_settings(cfg.sequence_parallel, cuda_graphs=cfg.cuda_graphs)
+    if cfg.sequence_parallel > 1 and (cfg.task != "causal_lm" or cfg.modality == "vision"):
+        what = "--modality vision" if cfg.modality == "vision" else f"--task {cfg.task}"
+        raise SFTError(f"--sequence-parallel: not for {what} (text causal LM training only)")
 
 
 def _check_lora_options(cfg: SFTConfig) -> None:
@@ -601,6 +613,10 @@ def resolve_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> RLHFConfig:
     method = cfg.method
     if method not in METHODS:
         raise SFTError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
+    if cfg.sequence_parallel > 1:
+        from tigon.train.seqpar import method_refusal
+
+        raise method_refusal(method)
     own = (_BUILTIN_VISION_RLHF if cfg.modality == "vision" else _BUILTIN.get(method, {})) if builtin else {}
     cfg = dataclasses.replace(
         cfg,

@@ -20,7 +20,8 @@ class EmbedConfig(SFTConfig):
     """Every `tigon embed` setting: sft's (less those of generating and packing) with the embedding
     model's. ``None`` means "the default for this run"."""
 
-    LEFT_OUT: ClassVar[tuple[str, ...]] = ("packing", "samples", "max_new_tokens", "cuda_graphs", "neftune_alpha")
+    LEFT_OUT: ClassVar[tuple[str, ...]] = ("packing", "samples", "max_new_tokens", "cuda_graphs", "neftune_alpha",
+                                         "sequence_parallel")
 
     dataset: list[str] | None = _opt(
         None, "pair files (.jsonl .json .csv .parquet): query/positive (or anchor/positive, as sentence-transformers) "

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 
 from tigon.timing import measure_matmul_rate
-from tigon.train import tiny
+from tigon.train import seqpar, tiny
 from tigon.train.batching import Collator, TokenDataset, pack
 from tigon.train.callbacks import METRICS_FILE, PLOT_FILE, Reporter, read_metrics
 from tigon.train.checkpoint import (STAGING_PREFIX, damage, list_checkpoints, publish, remove_path,
@@ -235,6 +235,8 @@ def training_arguments(cfg: SFTConfig, dtype: torch.dtype, has_eval: bool, cls: 
     from transformers import TrainingArguments
 
     steps = cfg.save_steps or None
+    if cfg.sequence_parallel > 1:
+        extra.update(seqpar.trainer_arguments(cfg.sequence_parallel))
     args = (cls or TrainingArguments)(
         output_dir=str(cfg.output_dir),
         per_device_train_batch_size=cfg.batch_size,
@@ -315,6 +317,9 @@ def build_model(cfg: SFTConfig, tokenizer: Any, dtype: torch.dtype, args: Any, r
         cfg.model, dtype, quantization, args.device, classifier)
     if classifier is not None:  # where its rows end: the last token that is not padding
         model.config.pad_token_id = tokenizer.pad_token_id
+    if cfg.sequence_parallel > 1:
+        seqpar.check_model(cfg.sequence_parallel, model.config)
+        seqpar.prepare_model(model, cfg.packing)
     base_model = None
     if builtin and cfg.tuner == "lora":
         # The adapter needs its base on disk to be loadable, and a resumed run the same base.
@@ -657,10 +662,14 @@ def _run(cfg: SFTConfig) -> Path:
         log.info("--cuda-graphs: every batch padded to %d tokens a row (one shape; a last, smaller batch of an "
                  "epoch is a second one); rows are %.0f%% full%s", cfg.max_length, 100 * fill,
                  "" if cfg.packing or fill > 0.8 else ": --packing would fill them")
+    if cfg.sequence_parallel > 1:
+        log.info("--sequence-parallel %d: each batch padded to a multiple of %d tokens, cut into %d shards",
+                 cfg.sequence_parallel, cfg.sequence_parallel, cfg.sequence_parallel)
 
     def trainer(built: Built, args: Any) -> TigonTrainer:
         return TigonTrainer(model=built.model, args=args, train_dataset=train_data, eval_dataset=eval_data,
-                            data_collator=Collator(tokenizer.pad_token_id, cfg.max_length if cfg.cuda_graphs else None),
+                            data_collator=Collator(tokenizer.pad_token_id, cfg.max_length if cfg.cuda_graphs else None,
+                                                   cfg.sequence_parallel),
                             processing_class=tokenizer, save_limit=cfg.save_limit,
                             cuda_graphs=cfg.cuda_graphs, token_accuracy=True)
 

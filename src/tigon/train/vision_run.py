@@ -74,6 +74,8 @@ def vision_settings(cfg: SFTConfig) -> tuple[Any, str, Any]:
 
 def check_vision_settings(cfg: SFTConfig, family: str) -> None:
     """Refuse, in one line, the settings a vision-language run does not take."""
+    if cfg.sequence_parallel > 1:
+        raise SFTError("--sequence-parallel: not for vision-language models (text causal LM training only)")
     if cfg.packing:
         raise packing_refusal(family)
     if cfg.quant is not None:
