@@ -189,7 +189,7 @@ def test_unsloth_rows_are_skipped_where_it_cannot_be_imported():
     assert records[0]["skipped"] == "unsloth is measured in lora and qlora modes"
     assert records[1]["skipped"].startswith("unsloth cannot be imported here (")
     assert not [r for r in records if "error" in r]
-    assert "lora  unsloth          skipped: unsloth cannot be imported here" in lines[-1]
+    assert "lora     unsloth               skipped: unsloth cannot be imported here" in lines[-1]
 
 
 def test_unsloth_gets_the_saved_random_model_and_the_cases_adapters(monkeypatch, tmp_path):
