@@ -215,7 +215,8 @@ def test_plain_tensor_unwraps_torchao_fsdp_weights():
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
 def test_gpu_fp8_training_follows_bf16(recipe, checkpointing):
     """On an FP8 GPU, with tigon's kernels around torchao's linears: 10 AdamW steps whose losses
-    stay within 5% of the bf16 run's, under gradient checkpointing too."""
+    stay within 5% of the first loss of the bf16 run's, under gradient checkpointing too (the tiny
+    model memorises its batch: near zero, each step's relative gap says nothing)."""
     if fp8.unsupported() is not None:
         pytest.skip(fp8.unsupported())
     shape = dict(hidden_size=256, intermediate_size=688, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
@@ -227,4 +228,4 @@ def test_gpu_fp8_training_follows_bf16(recipe, checkpointing):
             assert f"fp8 {kind} (14 linears)" in str(applied)
         runs.append(_train(model, 10, checkpointing))
     assert runs[1][-1] < runs[1][0] - 0.3
-    assert runs[1] == pytest.approx(runs[0], rel=0.05)
+    assert runs[1] == pytest.approx(runs[0], rel=0, abs=0.05 * runs[0][0])
