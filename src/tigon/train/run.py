@@ -224,7 +224,10 @@ def pick_prompts(tokenizer: Any, samples: list[Sample], n: int, max_length: int)
 # --- model ------------------------------------------------------------------------------------
 
 def run_dtype(cfg: SFTConfig) -> torch.dtype:
-    # The built-in model is tiny and trained from scratch: fp32, where bf16 would only lose updates.
+    # An FP8 base computes in bf16, what its GEMMs write. The built-in model is tiny and trained
+    # from scratch: otherwise fp32, where bf16 would only lose updates.
+    if cfg.dtype == "auto" and cfg.quant == "fp8":
+        return torch.bfloat16
     return torch.float32 if cfg.model is None and cfg.dtype == "auto" else pick_dtype(cfg.dtype)
 
 
