@@ -265,9 +265,9 @@ def encode_all(collator: VisionPreferenceCollator, items: list[Any], max_length:
 
 def check(cfg: RLHFConfig) -> None:
     """What tigon rlhf does not do with images yet, refused in one line."""
-    if cfg.method not in PREFERENCE_METHODS:
+    if cfg.method not in (*PREFERENCE_METHODS, "grpo"):
         raise SFTError(f"--method {cfg.method}: tigon rlhf trains vision-language models with the preference methods "
-                       f"({', '.join(PREFERENCE_METHODS)}) only for now")
+                       f"({', '.join(PREFERENCE_METHODS)}) and grpo only for now")
     if cfg.nll_on_prompt:
         raise SFTError("--nll-on-prompt: a prompt with images holds their tokens, which are never scored; leave it out")
     if cfg.precompute_ref_log_probs:
@@ -278,6 +278,10 @@ def check(cfg: RLHFConfig) -> None:
 def run(cfg: RLHFConfig) -> Path:
     """`tigon rlhf` for a vision-language model (`cfg` resolved)."""
     check(cfg)
+    if cfg.method == "grpo":
+        from tigon.train import vision_grpo
+
+        return vision_grpo.run(cfg)
     cfg, family, config = vision_settings(cfg)
     builtin = cfg.model is None
     kto = cfg.method == "kto"
