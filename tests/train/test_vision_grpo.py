@@ -50,6 +50,17 @@ def test_grpo_trains_the_tiny_vlm_with_its_images_in_the_loss_forward(tmp_path, 
     assert (out / "final" / "config.json").is_file()
 
 
+def test_grpo_trains_a_saved_vlm_given_as_model(tmp_path):
+    processor = tiny_vlm.build_processor()
+    tiny_vlm.build_model(processor, seed=1).save_pretrained(tmp_path / "m")
+    processor.save_pretrained(tmp_path / "m")
+    out = tmp_path / "run"
+    assert main(["rlhf", "--model", str(tmp_path / "m"), "--method", "grpo", "--output-dir", str(out), "--max-steps",
+                 "1", "--batch-size", "4", "--num-generations", "4", "--max-completion-length", "3", "--samples", "0",
+                 "--tuner", "lora"]) == 0
+    assert (out / "final" / "adapter_config.json").is_file()
+
+
 def test_grpo_default_rewards_the_right_colour(tmp_path):
     out = tmp_path / "run"
     assert main(["rlhf", "--modality", "vision", "--method", "grpo", "--output-dir", str(out), "--max-steps", "1",

@@ -3,9 +3,11 @@ prompts that show images (the processor as its processing class: each prompt's i
 generation) and tigon's fused policy loss scores them through the language head, its forward
 given the same pixels (`tigon.train.grpo.TigonGRPOTrainer`).
 
-With no --model the policy is the built-in tiny Qwen2-VL and with no --dataset the prompts are
-the shapes task's images asked "What colour is the shape?", rewarded 1 where the answer names the
-colour drawn (`names_answer`). Prompt files with images are not read yet: --dataset is refused."""
+With no --model the policy is the built-in tiny Qwen2-VL (random weights: its answers rarely name a
+colour, so the default shows the pipeline, not learning). The prompts are the shapes task's images
+asked "What colour is the shape?", rewarded 1 where the answer names the colour drawn
+(`names_answer`) or by --reward-funcs. Prompt files with images are not read yet: --dataset is
+refused."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from tigon.train.config import RLHFConfig, SFTError
 from tigon.train.grpo import GRPO, _completions
 from tigon.train.rewards import load_rewards, text_of
 from tigon.train.run import Built, Job, start, train
-from tigon.train.vision import VisionEncoder, bound_pixels, pick_vision_prompts, vision_generate
+from tigon.train.vision import VisionEncoder, bound_pixels, load_processor, pick_vision_prompts, vision_generate
 from tigon.train.vision_data import VisionSample
 from tigon.train.vision_run import build_vision_model, vision_settings
 
@@ -64,13 +66,10 @@ def run(cfg: RLHFConfig) -> Path:
     """`tigon rlhf --method grpo` for a vision-language model (`cfg` resolved)."""
     check(cfg)
     cfg, family, config = vision_settings(cfg)
-    if cfg.model is not None:
-        raise SFTError("--model: tigon rlhf --method grpo with images runs the built-in tiny vision-language model "
-                       "only for now; leave --model out")
     resume_from = start(cfg)
     rewards = load_rewards(cfg.reward_funcs, cfg.format_regex, cfg.max_completion_length) if cfg.reward_funcs else []
     reward_fns = [r.fn for r in rewards] or [names_answer]
-    processor = tiny_vlm.build_processor()
+    processor = tiny_vlm.build_processor() if cfg.model is None else load_processor(cfg.model, config)
     bound_pixels(processor, family, cfg.min_pixels, cfg.max_pixels)
     encoder = VisionEncoder(processor, cfg.max_pixels, cfg.image_size)
     samples = colour_samples(BUILTIN_PROMPTS, cfg.seed)
