@@ -24,8 +24,8 @@ def varied(prompts, completions, **kwargs):
 
 
 def test_names_answer_scores_the_colour_as_a_word():
-    completions = [[{"role": "assistant", "content": c}] for c in ("It is Red.", "redish", "blue", "")]
-    assert names_answer([None] * 4, completions, ["red", "red", "red", "red"]) == [1.0, 0.0, 0.0, 0.0]
+    completions = [[{"role": "assistant", "content": c}] for c in ("It is Red.", "redish", "blue", "", "red")]
+    assert names_answer([None] * 5, completions, ["red", "red", "red", "red", None]) == [1.0, 0.0, 0.0, 0.0, None]
 
 
 def test_grpo_trains_the_tiny_vlm_with_its_images_in_the_loss_forward(tmp_path, monkeypatch):
@@ -69,17 +69,50 @@ def test_grpo_default_rewards_the_right_colour(tmp_path):
     assert "rewards/names_answer/mean" in steps[0]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--dataset", "d.jsonl"], "--dataset: tigon rlhf --method grpo reads no prompt files with images yet"),
-    (["--beta", "0.1", "--tuner", "full"], "--beta 0.1: a full fine-tune of a vision-language model has no reference"),
+def test_grpo_reads_prompt_files_with_images_in_each_layout(tmp_path, monkeypatch):
+    """A prompt with an <image> placeholder, one with an image part, one with neither (its image
+    shown before its text): each rollout's loss forward gets the four images."""
+    from PIL import Image
+
+    Image.new("RGB", (56, 56), (220, 40, 40)).save(tmp_path / "r.png")
+    Image.new("RGB", (56, 56), (50, 80, 220)).save(tmp_path / "b.png")
+    rows = [{"prompt": "<image>What colour?", "images": ["r.png"], "answer": "red"},
+            {"prompt": [{"role": "user", "content": [{"type": "image", "image": "b.png"},
+                                                     {"type": "text", "text": "Colour?"}]}], "answer": "blue"},
+            {"prompt": "Which colour?", "images": ["b.png"], "answer": "blue"},
+            {"prompt": "<image>Which?", "images": ["r.png"], "answer": "red"}]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    seen = []
+    hidden = grpo.TigonGRPOTrainer._hidden
+    monkeypatch.setattr(grpo.TigonGRPOTrainer, "_hidden", lambda self, model, ids, mask, **kw: (
+        seen.append(kw["image_grid_thw"].shape), hidden(self, model, ids, mask, **kw))[1])
+    out = tmp_path / "run"
+    assert main(["rlhf", "--modality", "vision", "--method", "grpo", "--dataset", str(tmp_path / "d.jsonl"),
+                 "--output-dir", str(out), "--max-steps", "2", "--batch-size", "4", "--num-generations", "4",
+                 "--max-completion-length", "3", "--samples", "0"]) == 0
+    assert seen == [(4, 3), (4, 3)]
+
+
+@pytest.mark.parametrize("rows, argv, message", [
+    ([{"prompt": "<image>q", "images": ["nope.png"], "answer": "a"}], [],
+     "{tmp}/d.jsonl line 1: image 1 (nope.png): no such file ({tmp}/nope.png)"),
+    ([{"prompt": "<image>q<image>", "images": ["a.png"], "answer": "a"}], [],
+     "{tmp}/d.jsonl line 1: has 2 <image> placeholders (or image parts) but 1 image"),
+    ([{"prompt": "<image>q", "images": ["a.png"]}], [], "{tmp}/d.jsonl: no answer column for the default reward"),
+    ([{"prompt": "<image>q", "images": ["a.png"], "answer": "a"}], ["--eval-split", "0.5"],
+     "--eval-dataset / --eval-split: tigon rlhf --method grpo does not evaluate on images yet"),
+    ([{"prompt": "<image>q", "images": ["a.png"], "answer": "a"}], ["--beta", "0.1", "--tuner", "full"],
+     "--beta 0.1: a full fine-tune of a vision-language model has no reference"),
 ])
-def test_grpo_with_images_refuses_what_it_does_not_do_in_one_line(tmp_path, capsys, argv, message):
-    (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": "q", "images": ["a.png"]}) + "\n")
-    argv = [a if a != "d.jsonl" else str(tmp_path / a) for a in argv]
-    code = main(["rlhf", "--modality", "vision", "--method", "grpo", "--output-dir", str(tmp_path / "out"),
-                 *argv])
+def test_grpo_with_images_refuses_bad_input_in_one_line(tmp_path, capsys, rows, argv, message):
+    from PIL import Image
+
+    Image.new("RGB", (28, 28)).save(tmp_path / "a.png")
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code = main(["rlhf", "--modality", "vision", "--method", "grpo", "--dataset", str(tmp_path / "d.jsonl"),
+                 "--output-dir", str(tmp_path / "out"), *argv])
     err = capsys.readouterr().err
-    assert code == 2 and err.startswith(f"tigon rlhf: error: {message}"), err
+    assert code == 2 and err.startswith(f"tigon rlhf: error: {message.format(tmp=tmp_path)}"), err
     assert err.count("\n") == 1 and not (tmp_path / "out").exists()
 
 

@@ -3,26 +3,33 @@ prompts that show images (the processor as its processing class: each prompt's i
 generation) and tigon's fused policy loss scores them through the language head, its forward
 given the same pixels (`tigon.train.grpo.TigonGRPOTrainer`).
 
+Data: rows of a ``prompt`` (a text with one ``<image>`` per image, or messages with image parts)
+with an ``images`` list (paths relative to the file, ``data:`` URLs, bytes; read and checked as
+`tigon sft` reads them; a prompt without placeholders shows its images before its first user turn's
+text), and whatever other columns the reward functions read (``answer`` for the default reward).
+
 With no --model the policy is the built-in tiny Qwen2-VL (random weights: its answers rarely name a
-colour, so the default shows the pipeline, not learning). The prompts are the shapes task's images
-asked "What colour is the shape?", rewarded 1 where the answer names the colour drawn
-(`names_answer`) or by --reward-funcs. Prompt files with images are not read yet: --dataset is
-refused."""
+colour, so the default shows the pipeline, not learning); with no --dataset the prompts are the
+shapes task's images asked "What colour is the shape?". The default reward is 1 where the answer
+names the row's ``answer`` as a word (`names_answer`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tigon.train import tiny_vlm
 from tigon.train.config import RLHFConfig, SFTError
-from tigon.train.grpo import GRPO, _completions
+from tigon.train.grpo import GRPO, _columns, _completions
 from tigon.train.rewards import load_rewards, text_of
 from tigon.train.run import Built, Job, start, train
 from tigon.train.vision import VisionEncoder, bound_pixels, load_processor, pick_vision_prompts, vision_generate
 from tigon.train.vision_data import VisionSample
+from tigon.train.vision_rlhf import _prompt, prompt_images, read_image_rows
 from tigon.train.vision_run import build_vision_model, vision_settings
 
 log = logging.getLogger("tigon.train")
@@ -32,9 +39,10 @@ HELD_OUT_ROWS = 12
 COLOUR_QUESTION = "What colour is the shape?"
 
 
-def names_answer(prompts: list, completions: list, answer: list, **kwargs: Any) -> list[float]:
-    """1 where the completion names the row's answer as a word of its own (any case), else 0."""
-    return [float(re.search(rf"\b{re.escape(str(a).lower())}\b", text_of(c).lower()) is not None)
+def names_answer(prompts: list, completions: list, answer: list, **kwargs: Any) -> list[float | None]:
+    """1 where the completion names the row's answer as a word of its own (any case), else 0;
+    None (unscored) for a row without one."""
+    return [None if a is None else float(re.search(rf"\b{re.escape(str(a).lower())}\b", text_of(c).lower()) is not None)
             for c, a in zip(completions, answer)]
 
 
@@ -49,11 +57,38 @@ def colour_samples(n: int, seed: int) -> list[VisionSample]:
     return samples
 
 
+@dataclass(frozen=True)
+class ImagePrompt(VisionSample):
+    """A prompt with images (`messages`: the turns the answer follows) and the row's other columns."""
+
+    columns: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def _from_prompt(row: dict) -> ImagePrompt:
+    sources: list[Any] = []
+    prompt = _prompt(row["prompt"], "prompt", sources)
+    images, videos = prompt_images(row, prompt, sources)
+    others = {k: v for k, v in row.items() if k not in ("images", "videos")}  # the media are read above
+    return ImagePrompt("", tuple(prompt), images, videos, _columns(others, ("prompt",)))
+
+
+FORMATS = [("prompt + images (+ columns)", ("prompt",), _from_prompt)]
+
+
+def load_image_prompts(specs: list[str], seed: int, max_pixels: int | None) -> list[ImagePrompt]:
+    """The rows of every file in `specs`, their images found and checked; a video refused."""
+    items = read_image_rows(specs, seed, FORMATS, max_pixels)
+    video = next((item for item in items if item.videos), None)
+    if video is not None:
+        raise SFTError(f"{video.where}: a video: tigon rlhf trains on images only; give the video's frames as images")
+    return items
+
+
 def check(cfg: RLHFConfig) -> None:
     """What GRPO with images does not do yet, refused in one line."""
-    if cfg.dataset or cfg.eval_dataset:
-        raise SFTError("--dataset: tigon rlhf --method grpo reads no prompt files with images yet; leave it out for "
-                       "the built-in shapes task")
+    if cfg.eval_dataset or cfg.eval_split:
+        raise SFTError("--eval-dataset / --eval-split: tigon rlhf --method grpo does not evaluate on images yet; leave "
+                       "them out")
     if cfg.use_vllm:
         raise SFTError("--use-vllm: tigon rlhf --method grpo samples vision-language models with transformers' "
                        "generate only; leave it out")
@@ -72,11 +107,21 @@ def run(cfg: RLHFConfig) -> Path:
     processor = tiny_vlm.build_processor() if cfg.model is None else load_processor(cfg.model, config)
     bound_pixels(processor, family, cfg.min_pixels, cfg.max_pixels)
     encoder = VisionEncoder(processor, cfg.max_pixels, cfg.image_size)
-    samples = colour_samples(BUILTIN_PROMPTS, cfg.seed)
-    rows = [{"prompt": [{"role": "user", "content": COLOUR_QUESTION}], "images": encoder.images(s.images),
-             "answer": s.messages[1]["content"][0]["text"]} for s in samples]
-    log.info("data: the synthetic shapes task's images asked their colour: %d prompts (%s); reward: %s",
-             len(rows), "/".join(tiny_vlm.COLOURS), ", ".join(r.spec for r in rewards) or "names the right colour")
+    if cfg.dataset:
+        samples = load_image_prompts(cfg.dataset, cfg.seed, cfg.max_pixels)
+    else:
+        samples = [ImagePrompt(s.where, s.messages[:1], s.images, columns={"answer": s.messages[1]["content"][0]["text"]})
+                   for s in colour_samples(BUILTIN_PROMPTS, cfg.seed)]
+        log.info("data: the synthetic shapes task's images asked their colour: %d prompts (%s)", len(samples),
+                 "/".join(tiny_vlm.COLOURS))
+    names = sorted({k for s in samples for k in s.columns})
+    if not rewards and "answer" not in names:
+        raise SFTError(f"{cfg.dataset[0]}: no answer column for the default reward (the answer named); add one, or "
+                       "give --reward-funcs")
+    # TRL fills each image part of a prompt from the row's images, in order.
+    rows = [{"prompt": list(s.messages), "images": encoder.images(s.images), **{k: s.columns.get(k) for k in names}}
+            for s in samples]
+    log.info("reward: %s", ", ".join(r.spec for r in rewards) or "names the answer column's word")
     from datasets import Dataset
 
     train_data = Dataset.from_list(rows)
@@ -86,10 +131,13 @@ def run(cfg: RLHFConfig) -> Path:
                             processing_class=processor, save_limit=cfg.save_limit)
 
     def prompts() -> list[Any]:
+        if cfg.dataset:
+            return pick_vision_prompts([dataclasses.replace(s, messages=(*s.messages, {"role": "assistant"}))
+                                        for s in samples], cfg.samples)
         return pick_vision_prompts(colour_samples(HELD_OUT_ROWS, cfg.seed + 1), cfg.samples, label=tiny_vlm.drawn)
 
     completions = _completions(len(rows), cfg, 1)
-    prompt_tokens = len(encoder.token_ids(encoder.render(samples[0].messages[:1], True), encoder.images(samples[0].images)))
+    prompt_tokens = len(encoder.token_ids(encoder.render(samples[0].messages, True), encoder.images(samples[0].images)))
     job = Job("rlhf", train_data, (prompt_tokens + cfg.max_completion_length) * completions, completions,
               arguments=lambda dtype: GRPO.arguments(cfg, dtype, False), trainer=trainer, prompts=prompts,
               metrics={**GRPO.metrics, **{f"rewards/{getattr(fn, '__name__', 'reward')}/mean": "" for fn in reward_fns}},
