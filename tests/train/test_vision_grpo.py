@@ -26,6 +26,9 @@ def varied(prompts, completions, **kwargs):
 def test_names_answer_scores_the_colour_as_a_word():
     completions = [[{"role": "assistant", "content": c}] for c in ("It is Red.", "redish", "blue", "", "red")]
     assert names_answer([None] * 5, completions, ["red", "red", "red", "red", None]) == [1.0, 0.0, 0.0, 0.0, None]
+    listed = [[{"role": "assistant", "content": c}] for c in ("red", "red blue", "Blue", "red")]
+    choices = [["red", "blue"], ["red", "blue"], ["blue", "red"], None]
+    assert names_answer([None] * 4, listed, ["red", "red", "blue", "red"], choices) == [1.0, 0.0, 1.0, 1.0]
 
 
 def test_grpo_trains_the_tiny_vlm_with_its_images_in_the_loss_forward(tmp_path, monkeypatch):

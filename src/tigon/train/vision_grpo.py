@@ -8,10 +8,10 @@ with an ``images`` list (paths relative to the file, ``data:`` URLs, bytes; read
 `tigon sft` reads them; a prompt without placeholders shows its images before its first user turn's
 text), and whatever other columns the reward functions read (``answer`` for the default reward).
 
-With no --model the policy is the built-in tiny Qwen2-VL (random weights: its answers rarely name a
-colour, so the default shows the pipeline, not learning); with no --dataset the prompts are the
-shapes task's images asked "What colour is the shape?". The default reward is 1 where the answer
-names the row's ``answer`` as a word (`names_answer`)."""
+With no --model the policy is the built-in tiny Qwen2-VL (random weights) and with no --dataset
+the prompts are the shapes task's images asked "What colour is the shape?". The default reward is 1
+where the answer names the row's ``answer`` as a word and, when the row lists ``choices``, no other
+of them (`names_answer`)."""
 
 from __future__ import annotations
 
@@ -39,11 +39,21 @@ HELD_OUT_ROWS = 12
 COLOUR_QUESTION = "What colour is the shape?"
 
 
-def names_answer(prompts: list, completions: list, answer: list, **kwargs: Any) -> list[float | None]:
-    """1 where the completion names the row's answer as a word of its own (any case), else 0;
-    None (unscored) for a row without one."""
-    return [None if a is None else float(re.search(rf"\b{re.escape(str(a).lower())}\b", text_of(c).lower()) is not None)
-            for c, a in zip(completions, answer)]
+def _named(word: Any, text: str) -> bool:
+    return re.search(rf"\b{re.escape(str(word).lower())}\b", text) is not None
+
+
+def names_answer(prompts: list, completions: list, answer: list, choices: list | None = None,
+                 **kwargs: Any) -> list[float | None]:
+    """1 where the completion names the row's answer as a word of its own (any case) and, when the
+    row lists `choices`, no other of them (naming every colour earns nothing); else 0. None
+    (unscored) for a row without an answer."""
+    scores: list[float | None] = []
+    for i, (completion, right) in enumerate(zip(completions, answer)):
+        text = text_of(completion).lower()
+        wrong = [c for c in (choices[i] if choices and choices[i] else []) if str(c).lower() != str(right).lower()]
+        scores.append(None if right is None else float(_named(right, text) and not any(_named(c, text) for c in wrong)))
+    return scores
 
 
 def colour_samples(n: int, seed: int) -> list[VisionSample]:
@@ -110,8 +120,9 @@ def run(cfg: RLHFConfig) -> Path:
     if cfg.dataset:
         samples = load_image_prompts(cfg.dataset, cfg.seed, cfg.max_pixels)
     else:
-        samples = [ImagePrompt(s.where, s.messages[:1], s.images, columns={"answer": s.messages[1]["content"][0]["text"]})
-                   for s in colour_samples(BUILTIN_PROMPTS, cfg.seed)]
+        samples = [ImagePrompt(s.where, s.messages[:1], s.images, columns={
+            "answer": s.messages[1]["content"][0]["text"], "choices": list(tiny_vlm.COLOURS)})
+            for s in colour_samples(BUILTIN_PROMPTS, cfg.seed)]
         log.info("data: the synthetic shapes task's images asked their colour: %d prompts (%s)", len(samples),
                  "/".join(tiny_vlm.COLOURS))
     names = sorted({k for s in samples for k in s.columns})
