@@ -235,7 +235,7 @@ def test_lora_on_images_keeps_the_vision_tower_frozen(vlm_run, tmp_path, caplog)
     ([{"images": ["a.png"], "prompt": "<image>q", "chosen": "a", "rejected": "a"}], [],
      "{tmp}/d.jsonl line 1: the chosen and rejected answers are the same"),
     ([{"images": ["a.png"], "prompt": "<image>q", "chosen": "a", "rejected": "b"}], ["--method", "grpo"],
-     "--method grpo: tigon rlhf trains vision-language models with the preference methods"),
+     "{tmp}/d.jsonl: no answer column for the default reward"),
     ([{"images": ["a.png"], "prompt": "<image>q", "chosen": "a", "rejected": "b"}], ["--precompute-ref-log-probs"],
      "--precompute-ref-log-probs: not for images"),
 ])

@@ -50,6 +50,10 @@ BUNDLED_PROMPTS = Path(__file__).parent / "data" / "arithmetic.jsonl"
 # Columns TRL reads itself (images: a vision-language batch), or passes under these names.
 _RESERVED = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments",
              "image", "images", "completion")
+# A rollout batch's model inputs beside its tokens (TRL's names): a vision-language model's pixels,
+# image grids and token types, given to the loss's forward as TRL gives them to its own.
+MEDIA = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes", "token_type_ids",
+         "mm_token_type_ids", "image_position_ids")
 # TRL's metrics of a GRPO step (its names) that the progress bar shows (those with a label) and
 # metrics.jsonl records.
 METRICS = {"reward": "reward", "reward_std": "", "frac_reward_zero_std": "", "completions/mean_length": "len",
@@ -185,7 +189,8 @@ class TigonGRPOTrainer(OnlineFused, TigonTrainer, GRPOTrainer):
         attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
         weight, bias = self._head(model)
         # Position i predicts token i + 1: the completion's tokens come from the positions before them.
-        hidden = self._hidden(model, input_ids, attention_mask)[:, prompt_ids.shape[1] - 1:].to(weight.dtype)
+        media = {k: inputs[k] for k in MEDIA if inputs.get(k) is not None}
+        hidden = self._hidden(model, input_ids, attention_mask, **media)[:, prompt_ids.shape[1] - 1:].to(weight.dtype)
         loss_type = self._policy_loss_type()
         options: dict[str, Any] = {}
         if self.use_vllm and self.vllm_importance_sampling_correction:

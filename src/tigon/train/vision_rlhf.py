@@ -119,6 +119,23 @@ def _kto(row: dict, sources: list[Any]) -> tuple[list[dict[str, Any]], dict[str,
             {"completion": _answer(row["completion"], "completion"), "label": preference._label(row["label"])})
 
 
+def prompt_images(row: dict, prompt: list[dict[str, Any]], sources: list[Any]) -> tuple[tuple[Any, ...], int]:
+    """The images of `row`'s `prompt` (its image parts' `sources`, or the row's images list, put
+    before the first user turn's text when the prompt has no placeholder: `prompt` is changed in
+    place) and its number of videos; a RowError when they do not match."""
+    listed, videos = listed_media(row)
+    videos += count_parts(prompt, "video")
+    slots = count_parts(prompt, "image")
+    if not slots and (listed or sources):
+        first = next((i for i, m in enumerate(prompt) if m["role"] == "user"), None)
+        if first is None:
+            raise RowError("has images but its prompt has no user turn to show them in")
+        n = len(listed or sources)
+        prompt[first] = {**prompt[first], "content": [{"type": "image"}] * n + prompt[first]["content"]}
+        slots = n
+    return matched_images(slots, sources, listed), videos
+
+
 def _with_images(split: Callable[[dict, list[Any]], tuple[list[dict[str, Any]], dict[str, Any]]]) -> Callable[[dict], Any]:
     """A layout's converter: its prompt and answers, with the row's images matched to the prompt's
     placeholders or image parts (put before the first user turn's text when it has none)."""
@@ -126,17 +143,7 @@ def _with_images(split: Callable[[dict, list[Any]], tuple[list[dict[str, Any]], 
     def converted(row: dict) -> VisionPair | VisionJudged:
         sources: list[Any] = []
         prompt, answers = split(row, sources)
-        listed, videos = listed_media(row)
-        videos += count_parts(prompt, "video")
-        slots = count_parts(prompt, "image")
-        if not slots and (listed or sources):
-            first = next((i for i, m in enumerate(prompt) if m["role"] == "user"), None)
-            if first is None:
-                raise RowError("has images but its prompt has no user turn to show them in")
-            n = len(listed or sources)
-            prompt[first] = {**prompt[first], "content": [{"type": "image"}] * n + prompt[first]["content"]}
-            slots = n
-        images = matched_images(slots, sources, listed)
+        images, videos = prompt_images(row, prompt, sources)
         if "label" in answers:
             return VisionJudged("", tuple(prompt), answers["completion"], answers["label"], images, videos)
         return VisionPair("", tuple(prompt), answers["chosen"], answers["rejected"], images=images, videos=videos)
@@ -162,17 +169,23 @@ def judged(pair: VisionPair, desirable: bool) -> VisionJudged:
                         pair.videos)
 
 
-def load_vision_preferences(specs: list[str], seed: int, method: str, max_pixels: int | None = None) -> list[Any]:
-    """The rows of every file in `specs`, their images found and checked (`resolve_images`): pairs,
-    or for kto judged answers (each pair giving a desirable and an undesirable one)."""
+def read_image_rows(specs: list[str], seed: int, formats: list[Any], max_pixels: int | None) -> list[Any]:
+    """The rows of every file in `specs` in one of `formats`, their images found and checked
+    (`resolve_images`); each file's layout and counts logged."""
     items: list[Any] = []
     for spec in specs:
-        rows, fmt = read_file(spec, seed, FORMATS)
+        rows, fmt = read_file(spec, seed, formats)
         rows, large = resolve_images(rows, spec, max_pixels)
         log.info("data: %s: %d rows, %s, %d images%s", spec, len(rows), fmt, sum(len(r.images) for r in rows),
                  f" ({large} larger than --max-pixels {max_pixels}: scaled down to it)" if large else "")
         items += rows
-    return preference.for_method(items, method, judged)
+    return items
+
+
+def load_vision_preferences(specs: list[str], seed: int, method: str, max_pixels: int | None = None) -> list[Any]:
+    """The rows of every file in `specs`, their images found and checked (`read_image_rows`): pairs,
+    or for kto judged answers (each pair giving a desirable and an undesirable one)."""
+    return preference.for_method(read_image_rows(specs, seed, FORMATS, max_pixels), method, judged)
 
 
 def shapes_pairs(n: int, seed: int) -> list[VisionPair]:
@@ -265,9 +278,9 @@ def encode_all(collator: VisionPreferenceCollator, items: list[Any], max_length:
 
 def check(cfg: RLHFConfig) -> None:
     """What tigon rlhf does not do with images yet, refused in one line."""
-    if cfg.method not in PREFERENCE_METHODS:
+    if cfg.method not in (*PREFERENCE_METHODS, "grpo"):
         raise SFTError(f"--method {cfg.method}: tigon rlhf trains vision-language models with the preference methods "
-                       f"({', '.join(PREFERENCE_METHODS)}) only for now")
+                       f"({', '.join(PREFERENCE_METHODS)}) and grpo only for now")
     if cfg.nll_on_prompt:
         raise SFTError("--nll-on-prompt: a prompt with images holds their tokens, which are never scored; leave it out")
     if cfg.precompute_ref_log_probs:
@@ -278,6 +291,10 @@ def check(cfg: RLHFConfig) -> None:
 def run(cfg: RLHFConfig) -> Path:
     """`tigon rlhf` for a vision-language model (`cfg` resolved)."""
     check(cfg)
+    if cfg.method == "grpo":
+        from tigon.train import vision_grpo
+
+        return vision_grpo.run(cfg)
     cfg, family, config = vision_settings(cfg)
     builtin = cfg.model is None
     kto = cfg.method == "kto"
