@@ -204,14 +204,14 @@ class Reporter(TrainerCallback):
             logs.update(speed)  # for the trackers of --report-to, which run after this callback
             self.losses.append(logs["loss"])
             for key, values in self.series.items():
-                if key in logs:
+                if logs.get(key) is not None:  # None: nothing to measure this step (e.g. no row scored)
                     values.append(logs[key])
             self._show(record)
         elif "eval_loss" in logs:
             record["eval_loss"] = logs["eval_loss"]
             record.update({f"eval_{key}": logs[f"eval_{key}"] for key in self.metrics if f"eval_{key}" in logs})
             shown = [f"{label} {logs['eval_' + key]:.4f}" for key, label in self.metrics.items()
-                     if label and f"eval_{key}" in logs]
+                     if label and logs.get(f"eval_{key}") is not None]
             log_line = ", ".join([f"step {state.global_step}: eval loss {logs['eval_loss']:.4f}", *shown])
             (self.bar.write if self.bar is not None else log.info)(log_line)
         else:
@@ -221,7 +221,7 @@ class Reporter(TrainerCallback):
 
     def _show(self, r: dict[str, Any]) -> None:
         parts = [f"loss {r['loss']:.4f}"]
-        parts += [f"{label} {r[key]:.3f}" for key, label in self.metrics.items() if label and key in r]
+        parts += [f"{label} {r[key]:.3f}" for key, label in self.metrics.items() if label and r.get(key) is not None]
         if r.get("lr") is not None:
             parts.append(f"lr {r['lr']:.2e}")
         if "tokens_per_s" in r:
