@@ -45,8 +45,9 @@ def model_config(model_id: str) -> Any:
 
     from tigon.train.modeling import _not_found, source_kwargs
 
+    source = source_kwargs(model_id)  # its own line for a model that is nowhere
     try:
-        return AutoConfig.from_pretrained(model_id, **source_kwargs(model_id))
+        return AutoConfig.from_pretrained(model_id, **source)
     except (OSError, ValueError) as err:
         raise _not_found(model_id, err) from None
 
