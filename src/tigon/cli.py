@@ -356,6 +356,14 @@ def main(argv: list[str] | None = None) -> int:
     # Its kernel loader then warns, with HF_HUB_OFFLINE set, that it cannot check a hub kernel's
     # publisher: bitsandbytes' own business, and the first line a user would see.
     logging.getLogger("kernels._internals.hf_hub").setLevel(logging.ERROR)
+    # torchao (transformers imports it wherever it is installed) warns at import that its compiled
+    # extensions do not match this torch: none of them is what --fp8 uses, and it would open every
+    # command's output.
+    logging.getLogger("torchao").addFilter(
+        lambda record: not record.getMessage().startswith(("Failed to load", "Skipping import of cpp extensions")))
+    # ... and registers enums as pytree constants, which newer torch deprecates, once per enum.
+    logging.getLogger("torch.utils._pytree").addFilter(
+        lambda record: "is an Enum subclass and is now natively supported" not in record.getMessage())
     run: Callable[[argparse.Namespace], int] = args.run
     # A line of its own, also when Ctrl-C arrives at chat's "you> " prompt.
     start = "\n" if args.command == "chat" else ""
