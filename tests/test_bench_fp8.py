@@ -30,7 +30,6 @@ def test_e2e_fp8_rows_run_and_follow_eager(fp8_anywhere):
     scaled_mm = by["tigon+scaled-mm"]["applied"]  # tigon's kernels, then the linears swapped
     assert scaled_mm.startswith("tigon: applied rms_norm") and "fp8" not in scaled_mm
     assert scaled_mm.endswith(" to LlamaForCausalLM (2 layers), torch._scaled_mm rowwise (14 linears)")
-    assert by["tigon+fp8+compiled-linears"]["applied"].endswith(", 14 FP8 linears under torch.compile")
     for record in records:
         assert record["max_loss_diff"] < 0.02 and "floor_pct" not in record  # no floor off CUDA
     assert "torchao-fp8-rowwise " in lines[-1]  # the whole table, the impl names in full

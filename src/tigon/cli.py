@@ -313,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--e2e-impls", nargs="+", metavar="IMPL",
                        choices=["eager", "tigon", "compile", "tigon+compile", "tigon+graphs", "tigon+reduce-overhead",
                                 "peer", "unsloth", "torchao-fp8", "torchao-fp8-rowwise", "tigon+fp8", "tigon+fp8-rowwise",
-                                "tigon+fp8+compiled-linears", "tigon+scaled-mm"],
+                                "tigon+scaled-mm"],
                        help="with --e2e: what to run (default eager tigon; tigon+graphs: the steps replayed from "
                             "CUDA graphs, as --cuda-graphs does; tigon+reduce-overhead: torch.compile's CUDA-graph mode; "
                             "unsloth: Unsloth's FastLanguageModel, LoRA modes only, where it is installed; "

@@ -90,6 +90,8 @@ def test_the_decoder_projections_convert_and_unpatch_restores_them(fp8_anywhere,
     assert str(applied).startswith("tigon: applied rms_norm") and f"fp8 {recipe} (14 linears)" in str(applied)
     assert type(model.lm_head) is torch.nn.Linear  # the head stays in tigon's fused linear + cross-entropy
     assert model.model.layers[0].mlp.down_proj.config == fp8.config(recipe)
+    # Each FP8 linear is a compiled region of its own, where torchao's casts fuse.
+    assert all(model.get_submodule(name)._compiled_call_impl is not None for name in _converted(model))
     # The same parameters: the optimizer, the state dict and the checkpoints see what they did.
     assert all(p is params[name] for name, p in model.named_parameters())
     assert list(model.state_dict()) == list(params)

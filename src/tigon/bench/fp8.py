@@ -7,8 +7,6 @@ Implementations (``--e2e-impls``), each on a fresh model as the bf16 rows:
   head), what a user of torchao alone gets;
 * ``tigon+fp8`` / ``tigon+fp8-rowwise``: ``tigon.patch(model, fp8=...)``, tigon's kernels around
   torchao's FP8 linears;
-* ``tigon+fp8+compiled-linears``: as ``tigon+fp8``, each FP8 linear compiled as a region of its
-  own (torchao's casts fused), to tell what torch.compile's fusion of the casts is worth;
 * ``tigon+scaled-mm``: tigon's kernels around :class:`ScaledMMLinear`, rowwise scales straight
   through ``torch._scaled_mm`` with the quantisation in plain PyTorch: what the library's own
   overhead costs, measured against the same GEMMs.
@@ -36,7 +34,6 @@ IMPLS = {
     "torchao-fp8-rowwise": ("rowwise", False),
     "tigon+fp8": ("tensorwise", True),
     "tigon+fp8-rowwise": ("rowwise", True),
-    "tigon+fp8+compiled-linears": ("tensorwise", True),
     "tigon+scaled-mm": ("rowwise", True),
 }
 E4M3 = torch.float8_e4m3fn
@@ -113,14 +110,6 @@ def prepare(model: torch.nn.Module, impl: str) -> str:
             setattr(parent, attr, replacement)
             swapped += 1
         return f"{line}, torch._scaled_mm rowwise ({swapped} linears)"
-    if impl == "tigon+fp8+compiled-linears":
-        # torchao's casts fused by torch.compile, each FP8 linear a region of its own (one graph per
-        # projection shape), the rest of the step tigon's kernels as in tigon+fp8.
-        line = str(tigon.patch(model, fp8=recipe))
-        from torchao.float8 import float8_linear
-
-        compiled = [m.compile() for m in model.modules() if isinstance(m, float8_linear.Float8Linear)]
-        return f"{line}, {len(compiled)} FP8 linears under torch.compile"
     if kernels:
         return str(tigon.patch(model, fp8=recipe))
     layers, mlp_cls = _layers(model)
