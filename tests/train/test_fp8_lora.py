@@ -214,12 +214,17 @@ def test_sft_quant_fp8_trains_on_the_gpu_and_merges(tmp_path, caplog):
     assert merged.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
 
 
-def test_an_fp8_base_computes_in_bf16_on_the_built_in_model_too():
-    """--dtype auto is fp32 for the built-in model, but an FP8 base's GEMMs write bf16: auto picks
-    bf16 there (the H100 run of `tigon sft --quant fp8` on the built-in model was refused for fp32)."""
+def test_an_fp8_base_computes_in_bf16_on_the_built_in_model_too(monkeypatch):
+    """--dtype auto is fp32 for the built-in model, but an FP8 base's GEMMs write bf16: on a GPU
+    auto picks bf16 there (the H100 run of `tigon sft --quant fp8` on the built-in model was
+    refused for fp32); on a CPU (the emulated reference) it stays fp32."""
     from tigon.train.config import SFTConfig
     from tigon.train.run import run_dtype
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert run_dtype(SFTConfig(quant="fp8")) == torch.float32
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
     assert run_dtype(SFTConfig(quant="fp8")) == torch.bfloat16
     assert run_dtype(SFTConfig()) == torch.float32
     assert run_dtype(SFTConfig(quant="fp8", dtype="fp32")) == torch.float32  # asked for: refused later by name

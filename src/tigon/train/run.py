@@ -224,11 +224,10 @@ def pick_prompts(tokenizer: Any, samples: list[Sample], n: int, max_length: int)
 # --- model ------------------------------------------------------------------------------------
 
 def run_dtype(cfg: SFTConfig) -> torch.dtype:
-    # An FP8 base computes in bf16, what its GEMMs write. The built-in model is tiny and trained
-    # from scratch: otherwise fp32, where bf16 would only lose updates.
-    if cfg.dtype == "auto" and cfg.quant == "fp8":
-        return torch.bfloat16
-    return torch.float32 if cfg.model is None and cfg.dtype == "auto" else pick_dtype(cfg.dtype)
+    # The built-in model is tiny and trained from scratch: fp32, where bf16 would only lose updates;
+    # but an FP8 base computes in what its GEMMs write (auto: bf16 on such a GPU).
+    builtin_fp32 = cfg.model is None and cfg.dtype == "auto" and cfg.quant != "fp8"
+    return torch.float32 if builtin_fp32 else pick_dtype(cfg.dtype)
 
 
 def training_arguments(cfg: SFTConfig, dtype: torch.dtype, has_eval: bool, cls: type | None = None,
