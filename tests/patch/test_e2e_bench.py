@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -179,10 +180,11 @@ def test_a_case_process_that_ends_without_a_result_is_that_cases_error():
     assert record["error"].startswith("process ended (exit code 2) without a result: ") and "--shape" in record["error"]
 
 
-def test_unsloth_rows_are_skipped_where_it_cannot_be_imported():
+def test_unsloth_rows_are_skipped_where_it_cannot_be_imported(monkeypatch):
     """Unsloth is not installable without a GPU: its rows say so in one line (its LoRA case in a
     process of its own, as Unsloth patches transformers on import) and the run succeeds."""
     pytest.importorskip("peft")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     lines = []
     records = run_e2e(modes=["full", "lora"], impls=["unsloth"], batch=1, seq=8, steps=1, warmup=0, shape=TINY,
                       device=torch.device("cpu"), log=lines.append)
@@ -190,6 +192,7 @@ def test_unsloth_rows_are_skipped_where_it_cannot_be_imported():
     assert records[1]["skipped"].startswith("unsloth cannot be imported here (")
     assert not [r for r in records if "error" in r]
     assert "lora     unsloth               skipped: unsloth cannot be imported here" in lines[-1]
+    assert "HF_HUB_OFFLINE" not in os.environ  # set for Unsloth's import alone; this process goes on
 
 
 def test_unsloth_gets_the_saved_random_model_and_the_cases_adapters(monkeypatch, tmp_path):

@@ -155,10 +155,13 @@ def build_unsloth(mode: str, seq: int, device: torch.device, *, shape: dict, lor
     ``unsloth_tiled_mlp``). Raises ImportError where Unsloth cannot be imported."""
     if mode not in ("lora", "qlora"):
         raise ValueError(f"unsloth is measured in lora and qlora modes, not {mode}")
+    offline = os.environ.get("HF_HUB_OFFLINE")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local folder: nothing to fetch, no statistics to send
     try:  # first: it patches transformers as it is imported
         from unsloth import FastLanguageModel
     except Exception as err:  # without a GPU it raises at import, not only ImportError
+        if offline is None:  # the process goes on without Unsloth: as it was
+            del os.environ["HF_HUB_OFFLINE"]
         raise ImportError(f"{type(err).__name__}: {err}", name="unsloth") from err
 
     path = saved_model(shape, seq, device, seed)
