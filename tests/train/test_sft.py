@@ -268,8 +268,13 @@ def test_unreachable_hub_fails_fast_in_one_line(tmp_path, capsys, monkeypatch, o
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    # huggingface_hub reads HF_HUB_OFFLINE once, when first imported: in a test process that first
+    # imported it under another test's HF_HUB_OFFLINE=1 (the web UI's), the constant says offline.
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
     if offline:
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    else:
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     start = time.perf_counter()
     assert main(["sft", "--model", "made-up/model-name", "--output-dir", str(tmp_path / "out")]) == 2
     assert time.perf_counter() - start < 10
