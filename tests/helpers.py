@@ -202,3 +202,19 @@ def save_tiny_vlm(path, seed: int = 1):
     tiny.random_model(config, seed, auto=AutoModelForImageTextToText).save_pretrained(path)
     processor.save_pretrained(path)
     return path
+
+
+def record_offload_sessions(monkeypatch) -> list:
+    """Every tigon.patch.offload.ActivationOffload opened from now on (this test's), to see what
+    it moved."""
+    from tigon.patch import offload
+
+    opened = []
+
+    class Recording(offload.ActivationOffload):
+        def __init__(self, *args):
+            super().__init__(*args)
+            opened.append(self)
+
+    monkeypatch.setattr(offload, "ActivationOffload", Recording)
+    return opened

@@ -16,7 +16,7 @@ pytest.importorskip("bitsandbytes")
 import tigon  # noqa: E402
 from tigon.patch.lora import active_adapter  # noqa: E402
 from tests.patch.test_lora import FUSED, _assert_same_step, _ids, _run, apply_lora, spy  # noqa: E402,F401
-from tests.helpers import assert_close  # noqa: E402
+from tests.helpers import assert_close, record_offload_sessions  # noqa: E402
 from tests.ops.composite.test_lora import one_cpu_thread  # noqa: E402,F401 (autouse fixture)
 
 VOCAB = 101
@@ -177,17 +177,9 @@ def test_offload_and_tiled_mlp_on_a_4bit_base_take_the_same_step(checkpoint, swi
     --quant nf4 --gradient-checkpointing` prepares it): the checkpointed hidden states do go to
     the host, and loss and adapter gradients are the plain fused QLoRA step's (the tiled MLP's
     weight gradients are sums over chunks: equal up to rounding)."""
-    from tigon.patch import offload
     from tigon.train.modeling import prepare_quantized
 
-    opened = []
-
-    class Recording(offload.ActivationOffload):
-        def __init__(self, *args):
-            super().__init__(*args)
-            opened.append(self)
-
-    monkeypatch.setattr(offload, "ActivationOffload", Recording)
+    opened = record_offload_sessions(monkeypatch)
     models = []
     for _ in range(2):
         base = _load(checkpoint, "nf4-double")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tigon
-from tests.helpers import assert_close
+from tests.helpers import assert_close, record_offload_sessions
 from tests.patch.tiny import batch, tiny_model
 from tigon.patch import offload
 from tigon.train.config import SFTError, SFTConfig, resolve
@@ -16,15 +16,7 @@ from tigon.train.modeling import apply_kernels
 @pytest.fixture
 def sessions(monkeypatch):
     """Every ActivationOffload the patched forwards open, to see what they moved."""
-    opened = []
-
-    class Recording(offload.ActivationOffload):
-        def __init__(self, *args):
-            super().__init__(*args)
-            opened.append(self)
-
-    monkeypatch.setattr(offload, "ActivationOffload", Recording)
-    return opened
+    return record_offload_sessions(monkeypatch)
 
 
 def _loss_and_grads(model, ids, mask, labels):

@@ -107,18 +107,11 @@ def test_matryoshka_dims_must_be_below_the_width(tmp_path, capsys):
 def test_offload_moves_the_decoders_checkpoints_and_changes_nothing(monkeypatch):
     """--offload-activations reaches the embedder: the layer inputs gradient checkpointing keeps go to
     host memory and come back bit for bit (the causal LM's wrapped forward is never called here)."""
+    from tests.helpers import record_offload_sessions
     from tests.patch.tiny import batch, tiny_model
-    from tigon.patch import offload
     from tigon.train.embed import decoder_of, embed_batch
 
-    opened = []
-
-    class Recording(offload.ActivationOffload):
-        def __init__(self, *args):
-            super().__init__(*args)
-            opened.append(self)
-
-    monkeypatch.setattr(offload, "ActivationOffload", Recording)
+    opened = record_offload_sessions(monkeypatch)
     # A model an earlier test patched and dropped gives the family's rotary function back when the
     # collector finds it; found between this model's forward and its recomputation, that would
     # change the recomputed tensors' shapes. Collected now, it cannot.
