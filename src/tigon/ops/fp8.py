@@ -101,8 +101,12 @@ def quantize_rows_reference(x: torch.Tensor, col_scale: torch.Tensor | None = No
         x = x * col_scale.float()
     amax = x.abs().amax(dim=-1, keepdim=True)
     amax = torch.where(amax.isnan(), amax, amax.clamp_min(AMAX_FLOOR))
-    q = (x * (FP8_MAX / amax)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, (amax / FP8_MAX).view(-1)
+    # Tensor over tensor, both ways: torch takes a number over a tensor as the tensor's reciprocal
+    # times the number (and on CUDA a tensor over a number as a product with its reciprocal), an ulp
+    # off the correctly rounded quotients the kernel's div_rn computes.
+    fp8_max = amax.new_tensor(FP8_MAX)
+    q = (x * (fp8_max / amax)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, (amax / fp8_max).view(-1)
 
 
 def _quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
