@@ -149,10 +149,11 @@ def test_the_browser_uploads_an_image_to_the_chat_and_sees_thumbnails(ui, client
     dataset = page.locator("#train-dataset textarea, #train-dataset input").first
     dataset.fill("uploads/shapes.jsonl")
     dataset.press("Enter")
+    # generous: CI's other worker keeps both cores busy while the UI reads and shrinks twelve images
     page.wait_for_function(f"() => document.querySelectorAll('#preview-images img').length === {THUMBNAILS - 1}",
-                           timeout=60_000)
+                           timeout=180_000)
     page.wait_for_function("() => document.querySelector('#preview-summary')?.innerText.includes('12 images')",
-                           timeout=60_000)
+                           timeout=180_000)
     widths = page.locator("#preview-images img").evaluate_all("imgs => imgs.map(i => i.naturalWidth)")
     assert widths and max(widths) <= THUMBNAIL_SIDE, widths
     page.screenshot(path=artifacts / "train-image-preview.png", full_page=True)
