@@ -96,3 +96,30 @@ def test_early_stop_leaves_no_frames_in_reference_cycles():
         gc.garbage.clear()
         gc.enable()
     assert not frames, f"frames kept alive by reference cycles: {sorted(set(frames))}"
+
+
+def test_a_patched_model_collected_mid_step_changes_no_other_models_recomputation():
+    """A patched model dropped in a reference cycle is collected whenever the collector runs: here
+    between another model's checkpointed forward and its backward. The family's RoPE function
+    that forward ran must still be the one its recomputation runs; the shared swap is given back
+    at the next patch or unpatch call instead."""
+    import gc
+
+    from tigon.patch.families import FAMILIES, modeling_module
+
+    module = __import__(modeling_module(FAMILIES["llama"]), fromlist=["_"])
+    hf_rope = module.apply_rotary_pos_emb
+    dropped = tiny_model("llama")
+    tigon.patch(dropped)
+    dropped.cycle = dropped  # only the collector frees it
+    other = tiny_model("llama").train()
+    other.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, other.config.vocab_size, (2, 7))
+    loss = other(input_ids=ids, labels=ids).loss
+    assert module.apply_rotary_pos_emb is not hf_rope, "the test needs the forward to run tigon's RoPE"
+    del dropped
+    gc.collect()
+    loss.backward()
+    assert all(p.grad is not None for p in other.parameters() if p.requires_grad)
+    tigon.unpatch(other)
+    assert module.apply_rotary_pos_emb is hf_rope, "the next unpatch call gives the function back"

@@ -1,7 +1,6 @@
 """`tigon embed`: the embedded default (recall@1 on held-out pairs rises), the model loaded back as
 it was trained, LoRA, the pair layouts, and bad rows refused in one line before training."""
 
-import gc
 import json
 import logging
 
@@ -112,10 +111,6 @@ def test_offload_moves_the_decoders_checkpoints_and_changes_nothing(monkeypatch)
     from tigon.train.embed import decoder_of, embed_batch
 
     opened = record_offload_sessions(monkeypatch)
-    # A model an earlier test patched and dropped gives the family's rotary function back when the
-    # collector finds it; found between this model's forward and its recomputation, that would
-    # change the recomputed tensors' shapes. Collected now, it cannot.
-    gc.collect()
     model = tiny_model("llama").train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     decoder = decoder_of(model)

@@ -183,10 +183,25 @@ def _previous(module: torch.nn.Module, attr: str) -> Any:
 
 def _release_all(keys: list[tuple[int, str]]) -> None:
     """Give back the replacements shared beyond one model (a class's or a module's function, e.g.
-    TRL's); also run when the model is collected unpatched, so that none outlives it."""
+    TRL's)."""
     for key in keys:
         _release(key)
     keys.clear()
+
+
+# What the models collected while patched held, given back at the next patch or unpatch call: the
+# collector runs at any allocation, and a module function swapped back between another model's
+# forward and its checkpoint recomputation would recompute that forward with other tensors.
+_collected_holds: list[tuple[int, str]] = []
+
+
+def _hold_until_next_call(keys: list[tuple[int, str]]) -> None:
+    _collected_holds.extend(keys)
+    keys.clear()
+
+
+def _release_collected() -> None:
+    _release_all(_collected_holds)
 
 
 _instance_patches: "weakref.WeakKeyDictionary[torch.nn.Module, _Undo]" = weakref.WeakKeyDictionary()
@@ -490,7 +505,7 @@ def _patch_instance(
         raise
     _instance_patches[model] = undo
     # Given the key list alone: a callback holding the record would keep the model alive.
-    weakref.finalize(model, _release_all, undo.shared)
+    weakref.finalize(model, _hold_until_next_call, undo.shared)
     summary = _lora_summary(model, family, module, switches, lora_classes) if lora_classes else None
     if summary is not None:
         log.info("%s", summary)
@@ -730,6 +745,7 @@ def patch(
             device, not bf16, a string target); nothing is patched then.
     """
     check_switch_names(others, "tigon.patch")
+    _release_collected()
     if fp8 is not None:
         float8.check_recipe(fp8)
         if not isinstance(target, torch.nn.Module):
@@ -757,8 +773,11 @@ def patch(
 def unpatch(target: str | torch.nn.Module | None = None) -> None:
     """Undo :func:`patch` for `target` (the same string or model), or for everything when None.
 
-    Undoing something that was not patched does nothing.
+    Undoing something that was not patched does nothing. Module functions that patched models
+    since collected shared (a family's RoPE, TRL's log-probs) are given back here, or by the next
+    :func:`patch`, never by the garbage collector mid-step.
     """
+    _release_collected()
     if target is None:
         for model in list(_instance_patches):
             unpatch(model)
