@@ -201,6 +201,13 @@ def test_sequence_parallel_refusals(monkeypatch):
         resolve(SFTConfig(sequence_parallel=2, cuda_graphs=True))
     with pytest.raises(SFTError, match="not for --task classification"):
         resolve(SFTConfig(sequence_parallel=2, task="classification"))
+    from tigon.train.vision_run import vision_settings
+
+    vision_refusal = "--sequence-parallel: not for vision-language models"
+    with pytest.raises(SFTError, match=vision_refusal):
+        resolve(SFTConfig(sequence_parallel=2, modality="vision"))
+    with pytest.raises(SFTError, match=vision_refusal):  # found so: a --model whose config has a vision_config
+        vision_settings(SFTConfig(sequence_parallel=2))
     for method in ("dpo", "kto", "orpo", "rm"):
         with pytest.raises(SFTError, match=f"--method {method} scores each whole sequence"):
             resolve_rlhf(RLHFConfig(method=method, sequence_parallel=2))

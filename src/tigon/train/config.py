@@ -373,7 +373,7 @@ def resolve(cfg: SFTConfig, given: set[str] = frozenset()) -> SFTConfig:
     if memory and not cfg.kernels:
         raise SFTError(f"{', '.join(memory)}: applied by tigon.patch, which --no-kernels turns off "
                        "(leave out single kernels with --kernels-off)")
-    _check_sequence_parallel(cfg)  # before --cuda-graphs' own checks: its line names the conflict
+    check_sequence_parallel(cfg)  # before --cuda-graphs' own checks: its line names the conflict
     if cfg.cuda_graphs:
         check_cuda_graphs(cfg)
     if cfg.kernels_off and not cfg.kernels:
@@ -416,12 +416,14 @@ def check_fp8(cfg: SFTConfig) -> SFTConfig:
     return dataclasses.replace(cfg, dtype="bf16")
 
 
-def _check_sequence_parallel(cfg: SFTConfig) -> None:
+def check_sequence_parallel(cfg: SFTConfig) -> None:
+    """Refuse, in one line, a --sequence-parallel the run cannot split (also run once a model
+    found to be vision-language has set `cfg.modality`)."""
     from tigon.train import seqpar
 
     seqpar.check_settings(cfg.sequence_parallel, cuda_graphs=cfg.cuda_graphs)
     if cfg.sequence_parallel > 1 and (cfg.task != "causal_lm" or cfg.modality == "vision"):
-        what = "--modality vision" if cfg.modality == "vision" else f"--task {cfg.task}"
+        what = "vision-language models" if cfg.modality == "vision" else f"--task {cfg.task}"
         raise SFTError(f"--sequence-parallel: not for {what} (text causal LM training only)")
 
 

@@ -15,7 +15,7 @@ import torch
 
 from tigon.train import tiny_vlm
 from tigon.train.batching import TokenDataset
-from tigon.train.config import VISION_KEYS, SFTConfig, SFTError
+from tigon.train.config import VISION_KEYS, SFTConfig, SFTError, check_sequence_parallel
 from tigon.train.run import (BASE_DIR, Built, Job, split_off, start, train, training_arguments)
 from tigon.train.trainer import TOKEN_ACCURACY, TigonTrainer
 from tigon.train.vision import (VisionCollator, VisionEncoder, bound_pixels, freeze, is_vision_config, load_processor,
@@ -74,8 +74,7 @@ def vision_settings(cfg: SFTConfig) -> tuple[Any, str, Any]:
 
 def check_vision_settings(cfg: SFTConfig, family: str) -> None:
     """Refuse, in one line, the settings a vision-language run does not take."""
-    if cfg.sequence_parallel > 1:
-        raise SFTError("--sequence-parallel: not for vision-language models (text causal LM training only)")
+    check_sequence_parallel(cfg)
     if cfg.packing:
         raise packing_refusal(family)
     if cfg.quant is not None:
