@@ -35,6 +35,11 @@ import tigon
 from tigon.bench.e2e import _sync, apply_peer, measure_training, release_memory, run_all
 
 MODES = ("lora", "full")
+# Special token ids: the image's, the vision start's and end's, and the first special one (a random
+# batch draws its text below it). Qwen-VL's, and the tiny shapes' inside their vocabulary.
+QWEN_SPECIALS = dict(image=151655, start=151652, end=151653, first=151643)
+TINY_SPECIALS = dict(image=1021, start=1018, end=1019, first=1016)
+GRID = 32  # patches per side of a 448-pixel image (the tiny shapes': 8)
 IMPLS = ("eager", "peer", "tigon")
 QWEN2_5_VL_VISION = dict(
     depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14, spatial_merge_size=2,
@@ -44,8 +49,10 @@ QWEN2_5_VL_VISION = dict(
 # the merger's output width, the language model's).
 QWEN2_VL_VISION = dict(depth=32, embed_dim=1280, mlp_ratio=4, num_heads=16, patch_size=14, spatial_merge_size=2,
                        temporal_patch_size=2, in_channels=3, hidden_act="quick_gelu")
+# (A vocabulary of 1024 with the image tokens at its top: a CPU check's head over Qwen's 152k
+# would be most of its run.)
 TINY_TEXT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 vocab_size=152064)
+                 vocab_size=1024)
 SHAPES = {
     "7b": dict(family="qwen2_5_vl",
                text=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
@@ -54,15 +61,12 @@ SHAPES = {
                text=dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                          num_key_value_heads=2, vocab_size=151936), vision=dict(QWEN2_VL_VISION, hidden_size=1536)),
     # (CPU checks of the pipeline, not of speed: the 7b's family and the 2b's.)
-    "tiny": dict(family="qwen2_5_vl", text=TINY_TEXT,
+    "tiny": dict(family="qwen2_5_vl", text=TINY_TEXT, grid=8, specials=TINY_SPECIALS,
                  vision=dict(QWEN2_5_VL_VISION, depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
                              fullatt_block_indexes=[1], out_hidden_size=64)),
-    "tiny-2b": dict(family="qwen2_vl", text=TINY_TEXT,
+    "tiny-2b": dict(family="qwen2_vl", text=TINY_TEXT, grid=8, specials=TINY_SPECIALS,
                     vision=dict(QWEN2_VL_VISION, depth=2, embed_dim=32, num_heads=2, hidden_size=64)),
 }
-# Qwen-VL's special tokens: the ids above the text vocabulary a random batch must not draw.
-IMAGE, START, END, FIRST_SPECIAL = 151655, 151652, 151653, 151643
-GRID = 32  # patches per side of a 448-pixel image
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -78,11 +82,13 @@ def build_vlm(mode: str, seq: int, device: torch.device, *, shape: str, lora_ran
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     sizes = SHAPES[shape]
+    specials = sizes.get("specials", QWEN_SPECIALS)
     config = AutoConfig.for_model(
         sizes["family"], text_config=dict(sizes["text"], max_position_embeddings=max(seq, 32768), use_cache=False,
                                        rope_scaling={"type": "mrope", "mrope_section": _sections(sizes["text"])}),
         vision_config=sizes["vision"],
-        image_token_id=IMAGE, vision_start_token_id=START, vision_end_token_id=END,
+        image_token_id=specials["image"], vision_start_token_id=specials["start"],
+        vision_end_token_id=specials["end"],
     )
     config._attn_implementation = "sdpa"
     for sub in (config.get_text_config(), config.vision_config):
@@ -102,29 +108,31 @@ def build_vlm(mode: str, seq: int, device: torch.device, *, shape: str, lora_ran
     return model
 
 
-def image_batch(device: torch.device, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+def image_batch(device: torch.device, batch: int, grid: int = GRID) -> tuple[torch.Tensor, torch.Tensor]:
     """The pixels (patches flattened, as Qwen-VL's processor gives them) and grids of `batch`
-    448 x 448 images, the same on every call."""
+    images of `grid` x `grid` patches (448 x 448 pixels by default), the same on every call."""
     gen = torch.Generator(device).manual_seed(99)
     patch_dim = 3 * QWEN2_5_VL_VISION["temporal_patch_size"] * QWEN2_5_VL_VISION["patch_size"] ** 2
-    pixels = torch.randn(batch * GRID * GRID, patch_dim, device=device, generator=gen, dtype=torch.bfloat16)
-    return pixels, torch.tensor([[1, GRID, GRID]] * batch, device=device)
+    pixels = torch.randn(batch * grid * grid, patch_dim, device=device, generator=gen, dtype=torch.bfloat16)
+    return pixels, torch.tensor([[1, grid, grid]] * batch, device=device)
 
 
-def image_step(model: torch.nn.Module, device: torch.device, batch: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def image_step(model: torch.nn.Module, device: torch.device, batch: int, shape: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """Forward + backward of `model` on random text ids with one image per row: ids from the
     text vocabulary, the image's tokens after the first, the loss on the text."""
-    pixels, grid = image_batch(device, batch)
-    tokens = GRID * GRID // 4
+    side = SHAPES[shape].get("grid", GRID)
+    specials = SHAPES[shape].get("specials", QWEN_SPECIALS)
+    pixels, grid = image_batch(device, batch, side)
+    tokens = side * side // 4
 
     def forward_backward(ids: torch.Tensor) -> torch.Tensor:
-        ids = ids % FIRST_SPECIAL
-        ids[:, 1], ids[:, 2:2 + tokens], ids[:, 2 + tokens] = START, IMAGE, END
+        ids = ids % specials["first"]
+        ids[:, 1], ids[:, 2:2 + tokens], ids[:, 2 + tokens] = specials["start"], specials["image"], specials["end"]
         labels = ids.clone()
         labels[:, : 3 + tokens] = -100
         extra = {}
         if "mm_token_type_ids" in _forward_parameters(model):
-            extra["mm_token_type_ids"] = (ids == IMAGE).int()
+            extra["mm_token_type_ids"] = (ids == specials["image"]).int()
         loss = model(input_ids=ids, labels=labels, pixel_values=pixels, image_grid_thw=grid, **extra).loss
         loss.backward()
         return loss.detach()
@@ -144,17 +152,17 @@ def _inner(model: torch.nn.Module) -> torch.nn.Module:
     return base.model
 
 
-def time_vision(model: torch.nn.Module, device: torch.device, batch: int, reps: int) -> float:
+def time_vision(model: torch.nn.Module, device: torch.device, batch: int, reps: int, grid: int = GRID) -> float:
     """Median ms of one forward + backward of the vision tower alone (patch embedding, blocks,
     merger) on the batch's pixels, synchronised around each; a fixed random gradient flows back."""
     visual = _inner(model).visual
-    pixels, grid = image_batch(device, batch)
+    pixels, grid_thw = image_batch(device, batch, grid)
     grad = None
     times = []
     for _ in range(reps + 1):  # the first is a warm-up (kernel compiles, allocator)
         _sync(device)
         start = time.perf_counter()
-        out = visual(pixels, grid_thw=grid).pooler_output
+        out = visual(pixels, grid_thw=grid_thw).pooler_output
         if grad is None:
             grad = torch.randn(out.shape, device=device, dtype=out.dtype, generator=torch.Generator(device).manual_seed(7))
         out.backward(grad)
@@ -179,9 +187,9 @@ def run_vlm_case(mode: str, impl: str, device: torch.device, *, batch: int, seq:
             record["applied"] = str(tigon.patch(model))
             log(record["applied"])
         vocab = SHAPES[shape]["text"]["vocab_size"]
-        record.update(measure_training(model, image_step(model, device, batch), vocab, batch, seq, warmup, steps))
+        record.update(measure_training(model, image_step(model, device, batch, shape), vocab, batch, seq, warmup, steps))
         if vision_reps and mode == "full":
-            record["vision_ms"] = time_vision(model, device, batch, vision_reps)
+            record["vision_ms"] = time_vision(model, device, batch, vision_reps, SHAPES[shape].get("grid", GRID))
     except Exception as err:  # one failing case must not hide the others' numbers
         record["error"] = f"{type(err).__name__}: {err}"
     finally:
@@ -262,9 +270,10 @@ def run_vlm_e2e(
         return run_vlm_case(mode, impl, device, batch=batch, seq=seq, steps=steps, warmup=warmup, shape=shape,
                             lora_rank=lora_rank, log=log, vision_reps=vision_reps)
 
+    side = SHAPES[shape].get("grid", GRID) * QWEN2_5_VL_VISION["patch_size"]
     records = run_all(
         "VLM e2e bench", "the VLM end-to-end benchmark", modes, impls, (MODES, IMPLS), run_one, settings=settings,
-        summary=f"{SHAPES[shape]['family']} {shape} shape, batch {batch} x {seq} tokens (one 448x448 image each), "
+        summary=f"{SHAPES[shape]['family']} {shape} shape, batch {batch} x {seq} tokens (one {side}x{side} image each), "
                 f"{steps} timed steps after {warmup}",
         out_dir=out_dir, out_name="vlm_e2e.json", log=log, device=device,
     )
