@@ -169,8 +169,9 @@ def convert(
         swapped.forward = types.MethodType(_aligned_forward, swapped)
         # Eagerly, torchao's amax, scale and cast are separate kernels over every operand, which cost
         # more than the FP8 GEMMs save; compiled, each linear a region of its own (one graph per
-        # projection shape), they fuse (BENCHMARKS.md, 2026-12-06: 0.33x -> 0.88x of bf16's step).
-        swapped.compile()
+        # projection shape), they fuse (BENCHMARKS.md has both). Off a GPU, FP8 only runs as the
+        # tests' emulation: the region is traced there, and not made C++, which takes minutes.
+        swapped.compile(backend="inductor" if weight.is_cuda else "aot_eager")
         done.swapped.append((weakref.ref(parent), attr, linear))
     if left:
         log.warning("tigon: fp8: %d projection(s) stay bf16, a side not a multiple of %d: %s", len(left), ALIGN,
