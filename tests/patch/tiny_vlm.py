@@ -46,6 +46,17 @@ SPECS = {
         image_start_token_id=START, image_end_token_id=END), 4, "patches"),
     "gemma3": (dict(text_config=dict(TEXT, sliding_window=8, final_logit_softcapping=30.0), vision_config=SIGLIP,
                     mm_tokens_per_image=4, image_token_index=IMAGE, boi_token_index=START, eoi_token_index=END), 4, "image"),
+    # Per-layer inputs and an expert block beside the MLP, as gemma4_text's tiny model; a tower of
+    # clippable linears over 16 patches pooled 2 x 2 into 4 soft tokens; the images' tokens
+    # attending to each other in the sliding layers.
+    "gemma4": (dict(text_config=dict(
+        TEXT, sliding_window=8, final_logit_softcapping=3.0, hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=VOCAB, global_head_dim=16, enable_moe_block=True, num_experts=4, top_k_experts=2,
+        moe_intermediate_size=16, use_bidirectional_attention="vision"), vision_config=dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        head_dim=8, patch_size=4, pooling_kernel_size=2, position_embedding_size=8, use_clipped_linears=True),
+        audio_config=None, image_token_id=IMAGE, video_token_id=VIDEO, boi_token_id=START, eoi_token_id=END), 4,
+        "positioned"),
     "llava": (dict(text_config=dict(TEXT, model_type="llama"), vision_config=dict(
         SIGLIP, model_type="clip_vision_model", projection_dim=32), image_token_index=IMAGE), 16, "image"),
     "paligemma": (dict(text_config=dict(TEXT, model_type="gemma"), vision_config=dict(SIGLIP, projection_dim=32),
@@ -68,14 +79,16 @@ SPECS = {
 }
 
 
-def vlm_params() -> list:
-    """Every VLM family of SPECS as a pytest parameter, skipped where transformers lacks it."""
+def vlm_params(model_types=None) -> list:
+    """`model_types` (default: every VLM family of SPECS) as pytest parameters, each skipped where
+    transformers lacks it."""
     import importlib.util
 
     def has(model_type: str) -> bool:
         return importlib.util.find_spec(f"transformers.models.{model_type}.modeling_{model_type}") is not None
 
-    return [pytest.param(t, marks=pytest.mark.skipif(not has(t), reason=f"transformers has no {t}")) for t in SPECS]
+    return [pytest.param(t, marks=pytest.mark.skipif(not has(t), reason=f"transformers has no {t}"))
+            for t in (SPECS if model_types is None else model_types)]
 
 
 def tiny_vlm(model_type: str, seed: int = 0, dtype=torch.float32) -> torch.nn.Module:
@@ -121,6 +134,11 @@ def vlm_batch(model_type: str, seed: int = 0, rows: int = 2, text: int = 9) -> d
         batch["aspect_ratio_mask"] = torch.ones(rows, 1, 1, dtype=torch.long)
         batch["cross_attention_mask"] = (torch.arange(ids.shape[1]) >= 3).long()[None, :, None, None].expand(
             rows, -1, 1, 1).contiguous()
+    elif layout == "positioned":  # one 16 x 16 image: a 4 x 4 grid of 4 x 4 patches, with each one's (x, y)
+        batch["pixel_values"] = torch.rand(rows, 16, 3 * 4 * 4, generator=gen)
+        grid = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(4), indexing="xy"), dim=-1).reshape(16, 2)
+        batch["image_position_ids"] = grid.expand(rows, 16, 2).contiguous()
+        batch["mm_token_type_ids"] = (ids == IMAGE).int()
     elif layout == "images":
         batch["pixel_values"] = torch.randn(rows, 1, 3, 32, 32, generator=gen)
     else:

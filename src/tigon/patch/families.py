@@ -508,6 +508,14 @@ VLM_FAMILIES: dict[str, Family] = {
         "gemma3", "Gemma3", norm=_norm("Gemma3", GEMMA_NORM), mlp=MLP("Gemma3MLP", "geglu"),
         norms=SANDWICH, causal_lm="Gemma3ForConditionalGeneration", other_norms=(LAYER_NORM,), other_mlps=(SIGLIP_MLP,),
     ),
+    # Gemma 4's language model as gemma4_text's; its head applies the final-logit softcap as the
+    # text-only one does. The vision tower's norms are the decoder's class (the RMSNorm before the
+    # projector, of no weight, too); its gated MLP calls clippable linears (a clamp around each
+    # nn.Linear), which run their own forwards around tigon's GeGLU. Its 2-D rotary stays HF's.
+    "gemma4": dataclasses.replace(
+        FAMILIES["gemma4_text"], causal_lm="Gemma4ForConditionalGeneration",
+        other_mlps=(MLP("Gemma4VisionMLP", "geglu"),),
+    ),
 }
 
 
