@@ -285,7 +285,9 @@ def _hf_checkpoints_in_forward() -> bool:
 
 def mlp_activation(mlp: MLP, module: torch.nn.Module) -> str | None:
     """The op's name for `module`'s activation when it is one of `mlp.switch`'s and has no hooks
-    (a fused op does not call it), else None."""
+    (a fused op does not call it) and no sparsity cuts the gate before it, else None."""
+    if mlp.sparsity is not None and getattr(module, mlp.sparsity):
+        return None
     act = getattr(module, mlp.act)
     activation = module_activation(act)
     if activation is None or glu_kind(activation) != mlp.switch or has_hooks(act):
