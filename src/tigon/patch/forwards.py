@@ -483,8 +483,9 @@ def attention_forward(
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         x = kwargs["hidden_states"] if "hidden_states" in kwargs else (args[0] if args else None)
         group = None
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and live():
-            projections = tuple(getattr(self, name, None) for name in attention.projections)
+        projections = tuple(getattr(self, name, None) for name in attention.projections)
+        # (Gemma 3n's attention that reuses another layer's keys and values has a q alone.)
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and live() and None not in projections:
             if plain:
                 group = _plain_group(projections, x)
             if group is None and lora_forward is not None:
