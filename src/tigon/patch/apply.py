@@ -527,7 +527,8 @@ def _lora_summary(
         for sub in model.modules():
             if isinstance(sub, cls) and (not activation_fused or forwards.mlp_activation(spec, sub) is not None):
                 linears = tuple(getattr(sub, name, None) for name in spec.projections)
-                # (Gemma 3n's attention that reuses another layer's keys and values has a q alone.)
+                # (Gemma 3n's and 4's attentions that reuse another layer's keys and values have a q
+                # alone; Gemma 4's whose values are its keys, no v.)
                 if None not in linears:
                     found.append(linears)
         return found

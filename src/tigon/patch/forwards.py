@@ -484,7 +484,8 @@ def attention_forward(
         x = kwargs["hidden_states"] if "hidden_states" in kwargs else (args[0] if args else None)
         group = None
         projections = tuple(getattr(self, name, None) for name in attention.projections)
-        # (Gemma 3n's attention that reuses another layer's keys and values has a q alone.)
+        # (Gemma 3n's and 4's attentions that reuse another layer's keys and values have a q alone;
+        # Gemma 4's whose values are its keys, no v.)
         if isinstance(x, torch.Tensor) and x.is_floating_point() and live() and None not in projections:
             if plain:
                 group = _plain_group(projections, x)
