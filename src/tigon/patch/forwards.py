@@ -286,7 +286,8 @@ def _hf_checkpoints_in_forward() -> bool:
 def mlp_activation(mlp: MLP, module: torch.nn.Module) -> str | None:
     """The op's name for `module`'s activation when it is one of `mlp.switch`'s and has no hooks
     (a fused op does not call it) and no sparsity cuts the gate before it, else None."""
-    if mlp.sparsity is not None and getattr(module, mlp.sparsity):
+    # (A module without the attribute, from a transformers that renamed it, may be sparse.)
+    if mlp.sparsity is not None and getattr(module, mlp.sparsity, True):
         return None
     act = getattr(module, mlp.act)
     activation = module_activation(act)
