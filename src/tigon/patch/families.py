@@ -520,13 +520,13 @@ VLM_FAMILIES: dict[str, Family] = {
         "gemma3", "Gemma3", norm=_norm("Gemma3", GEMMA_NORM), mlp=MLP("Gemma3MLP", "geglu"),
         norms=SANDWICH, causal_lm="Gemma3ForConditionalGeneration", other_norms=(LAYER_NORM,), other_mlps=(SIGLIP_MLP,),
     ),
+    # Gemma 3n's language model as gemma3n_text's, its head's softcap too; the MobileNet vision
+    # tower is timm's (its norms and blocks are not transformers' classes) and stays as it is.
+    "gemma3n": dataclasses.replace(FAMILIES["gemma3n_text"], causal_lm="Gemma3nForConditionalGeneration"),
     # Gemma 4's language model as gemma4_text's; its head applies the final-logit softcap as the
     # text-only one does. The vision tower's norms are the decoder's class (the RMSNorm before the
     # projector, of no weight, too); its gated MLP calls clippable linears (a clamp around each
     # nn.Linear), which run their own forwards around tigon's GeGLU. Its 2-D rotary stays HF's.
-    # Gemma 3n's language model as gemma3n_text's, its head's softcap too; the MobileNet vision
-    # tower is timm's (its norms and blocks are not transformers' classes) and stays as it is.
-    "gemma3n": dataclasses.replace(FAMILIES["gemma3n_text"], causal_lm="Gemma3nForConditionalGeneration"),
     "gemma4": dataclasses.replace(
         FAMILIES["gemma4_text"], causal_lm="Gemma4ForConditionalGeneration",
         other_mlps=(MLP("Gemma4VisionMLP", "geglu"),),
