@@ -36,7 +36,7 @@ def counting(monkeypatch) -> dict:
 
     counts: dict[str, int] = {}
     for name in ("rms_norm", "add_rms_norm", "layer_norm", "rope", "glu_mlp", "add_rms_norm_glu_mlp",
-                 "linear_cross_entropy", "linear_group", "gelu_mlp"):
+                 "linear_cross_entropy", "linear_group", "gelu_mlp", "geglu"):
         real = getattr(functional, name)
 
         def counted(*args, _real=real, _name=name, **kwargs):
@@ -126,3 +126,35 @@ def test_vision_tower_gelu_mlps_run_one_op(model_type, monkeypatch):
 def test_class_patch_of_a_vlm_over_a_text_family_says_what_to_do():
     with pytest.raises(ValueError, match="patch the model instance"):
         tigon.patch("llava")
+
+
+@pytest.mark.parametrize("model_type", vlm_params(["gemma4"]))
+def test_clipped_vision_mlps_run_geglu_between_their_clamps(model_type, monkeypatch):
+    """Gemma 4's tower: each gated MLP runs one GeGLU between its clippable linears, whose clamps
+    (made to bite here) still apply, and its norms (with and without a weight) run tigon's RMSNorm;
+    the tower's output and every gradient are HF's."""
+    want_model = tiny_vlm(model_type)
+    with torch.no_grad():
+        for name, buffer in want_model.named_buffers():
+            if name.endswith(("input_min", "output_min")):
+                buffer.fill_(-0.3)
+            elif name.endswith(("input_max", "output_max")):
+                buffer.fill_(0.3)
+    model = copy.deepcopy(want_model)
+    batch = vlm_batch(model_type)
+
+    def tower(model):
+        model.zero_grad(set_to_none=True)
+        out = model.model.vision_tower(batch["pixel_values"], batch["image_position_ids"]).last_hidden_state
+        out.square().sum().backward()
+        return out.detach(), {n: p.grad for n, p in model.model.vision_tower.named_parameters()}
+
+    want, want_grads = tower(want_model)
+    tigon.patch(model)
+    counts = counting(monkeypatch)
+    got, grads = tower(model)
+    assert counts.get("geglu", 0) == 2  # one per block
+    assert counts.get("rms_norm", 0) == 2 * 7  # per block: 4 around the sublayers, q, k and v (no weight)
+    assert_close(got, want, name="tower output")
+    for name, grad in grads.items():
+        assert_close(grad, want_grads[name], name=f"grad {name}")

@@ -50,6 +50,11 @@ EXTRA = {
         final_logit_softcapping=30.0, sliding_window=8, hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB,
         global_head_dim=16, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=40,
     ),
+    # (Sparse gates and layers reusing another's keys and values: tests/patch/test_gemma_layers.py.)
+    "gemma3n_text": dict(
+        SLIDING, activation_sparsity_pattern=[0.0, 0.0], num_kv_shared_layers=0, final_logit_softcapping=3.0,
+        hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB, laurel_rank=8, altup_num_inputs=2,
+    ),
     "granite": dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=4.0),
     # (No router logits: transformers 5.17's GraniteMoe records none, and its own loss then fails.)
     "granitemoe": dict(

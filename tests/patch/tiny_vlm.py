@@ -46,6 +46,28 @@ SPECS = {
         image_start_token_id=START, image_end_token_id=END), 4, "patches"),
     "gemma3": (dict(text_config=dict(TEXT, sliding_window=8, final_logit_softcapping=30.0), vision_config=SIGLIP,
                     mm_tokens_per_image=4, image_token_index=IMAGE, boi_token_index=START, eoi_token_index=END), 4, "image"),
+    # AltUp, Laurel and per-layer inputs; layer 0's MLP with a sparse gate (HF's), layer 1's dense
+    # (tigon's). The tower is timm's: its tiny test EfficientNet (MobileNet-V5 is built by the same
+    # builder) makes a 64 x 64 image 4 soft tokens of 256 channels. A small audio tower, never called.
+    "gemma3n": (dict(text_config=dict(
+        TEXT, sliding_window=8, layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=3.0,
+        activation_sparsity_pattern=[0.95, 0.0], num_kv_shared_layers=0, hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=VOCAB, laurel_rank=8, altup_num_inputs=2), vision_config=dict(
+        architecture="test_efficientnet", hidden_size=256), audio_config=dict(
+        hidden_size=16, input_feat_size=8, conf_num_hidden_layers=1, conf_num_attention_heads=2,
+        sscp_conv_channel_size=[4, 4]), vision_soft_tokens_per_image=4, image_token_id=IMAGE, boi_token_id=START,
+        eoi_token_id=END), 4, "wide"),
+    # Per-layer inputs and an expert block beside the MLP, as gemma4_text's tiny model; a tower of
+    # clippable linears over 16 patches pooled 2 x 2 into 4 soft tokens; the images' tokens
+    # attending to each other in the sliding layers.
+    "gemma4": (dict(text_config=dict(
+        TEXT, sliding_window=8, final_logit_softcapping=3.0, hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=VOCAB, global_head_dim=16, enable_moe_block=True, num_experts=4, top_k_experts=2,
+        moe_intermediate_size=16, use_bidirectional_attention="vision"), vision_config=dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        head_dim=8, patch_size=4, pooling_kernel_size=2, position_embedding_size=8, use_clipped_linears=True),
+        audio_config=None, image_token_id=IMAGE, video_token_id=VIDEO, boi_token_id=START, eoi_token_id=END), 4,
+        "positioned"),
     "llava": (dict(text_config=dict(TEXT, model_type="llama"), vision_config=dict(
         SIGLIP, model_type="clip_vision_model", projection_dim=32), image_token_index=IMAGE), 16, "image"),
     "paligemma": (dict(text_config=dict(TEXT, model_type="gemma"), vision_config=dict(SIGLIP, projection_dim=32),
@@ -68,14 +90,30 @@ SPECS = {
 }
 
 
-def vlm_params() -> list:
-    """Every VLM family of SPECS as a pytest parameter, skipped where transformers lacks it."""
+# Packages beyond transformers that a family's vision tower is built with.
+TOWER_PACKAGES = {"gemma3n": "timm"}
+
+
+def vlm_params(model_types=None) -> list:
+    """`model_types` (default: every VLM family of SPECS) as pytest parameters, each skipped where
+    transformers lacks it."""
     import importlib.util
 
-    def has(model_type: str) -> bool:
-        return importlib.util.find_spec(f"transformers.models.{model_type}.modeling_{model_type}") is not None
+    def missing(model_type: str) -> str | None:
+        if importlib.util.find_spec(f"transformers.models.{model_type}.modeling_{model_type}") is None:
+            return f"transformers has no {model_type}"
+        package = TOWER_PACKAGES.get(model_type)
+        try:
+            importlib.import_module(package or "transformers")
+        except ImportError as err:
+            return f"{model_type}'s vision tower needs {package}: {err}"
+        return None
 
-    return [pytest.param(t, marks=pytest.mark.skipif(not has(t), reason=f"transformers has no {t}")) for t in SPECS]
+    params = []
+    for model_type in SPECS if model_types is None else model_types:
+        reason = missing(model_type)
+        params.append(pytest.param(model_type, marks=pytest.mark.skipif(reason is not None, reason=reason or "")))
+    return params
 
 
 def tiny_vlm(model_type: str, seed: int = 0, dtype=torch.float32) -> torch.nn.Module:
@@ -121,8 +159,15 @@ def vlm_batch(model_type: str, seed: int = 0, rows: int = 2, text: int = 9) -> d
         batch["aspect_ratio_mask"] = torch.ones(rows, 1, 1, dtype=torch.long)
         batch["cross_attention_mask"] = (torch.arange(ids.shape[1]) >= 3).long()[None, :, None, None].expand(
             rows, -1, 1, 1).contiguous()
+    elif layout == "positioned":  # one 16 x 16 image: a 4 x 4 grid of 4 x 4 patches, with each one's (x, y)
+        batch["pixel_values"] = torch.rand(rows, 16, 3 * 4 * 4, generator=gen)
+        grid = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(4), indexing="xy"), dim=-1).reshape(16, 2)
+        batch["image_position_ids"] = grid.expand(rows, 16, 2).contiguous()
+        batch["mm_token_type_ids"] = (ids == IMAGE).int()
     elif layout == "images":
         batch["pixel_values"] = torch.randn(rows, 1, 3, 32, 32, generator=gen)
+    elif layout == "wide":
+        batch["pixel_values"] = torch.randn(rows, 3, 64, 64, generator=gen)
     else:
         batch["pixel_values"] = torch.randn(rows, 3, 32, 32, generator=gen)
     if layout == "sized":

@@ -538,10 +538,15 @@ def _lora_summary(
     that would run as one LoRA op."""
     def candidates(spec: Any, activation_fused: bool) -> list[tuple[torch.nn.Module, ...]]:
         cls = getattr(module, spec.cls)
-        return [
-            tuple(getattr(sub, name) for name in spec.projections) for sub in model.modules()
-            if isinstance(sub, cls) and (not activation_fused or forwards.mlp_activation(spec, sub) is not None)
-        ]
+        found = []
+        for sub in model.modules():
+            if isinstance(sub, cls) and (not activation_fused or forwards.mlp_activation(spec, sub) is not None):
+                linears = tuple(getattr(sub, name, None) for name in spec.projections)
+                # (Gemma 3n's and 4's attentions that reuse another layer's keys and values have a q
+                # alone; Gemma 4's whose values are its keys, no v.)
+                if None not in linears:
+                    found.append(linears)
+        return found
 
     mlps = candidates(family.mlp, True) if _lora_mlp(family, switches) else []
     groups = candidates(family.attention, False) if family.attention is not None else []

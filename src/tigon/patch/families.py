@@ -118,6 +118,9 @@ class MLP:
         dropout: attribute of the dropout probability applied to the output in training (Seed-OSS).
         module: the modeling module (directory under ``transformers.models``) holding `cls` where it
             is not the family's: a vision tower of a model type of its own (SigLIP, CLIP).
+        sparsity: attribute of a module's activation sparsity (Gemma 3n), a Gaussian top-k cut of
+            the gate before its activation, which no kernel computes: a module where it is not 0
+            keeps HF's forward, the others run tigon's.
 
     A vision tower's MLP that is not gated, ``fc2(gelu(fc1(x)))``, has the switch ``"gelu_mlp"``.
     """
@@ -129,6 +132,7 @@ class MLP:
     multipliers: tuple[str, str] | None = None
     dropout: str | None = None
     module: str | None = None
+    sparsity: str | None = None
 
     @property
     def gated(self) -> bool:
@@ -362,6 +366,14 @@ FAMILIES: dict[str, Family] = {
         norm=Norm("Gemma4RMSNorm", casting=FLOAT_WEIGHT, eps=("eps", "variance_epsilon")),  # 5.25 renamed it
         mlp=MLP("Gemma4TextMLP", "geglu"), rope=(), head=SOFTCAP_HEAD, causal_lm="Gemma4ForCausalLM", norms=None,
     ),
+    # AltUp's predict/correct around each layer, a Laurel block beside attention and per-layer inputs
+    # keep the layer HF's; so do the MLPs whose gate has activation sparsity, the RoPE applied to q
+    # and k apart and the attention of layers that reuse an earlier layer's keys and values.
+    "gemma3n_text": _family(
+        "gemma3n", "Gemma3nText", norm=Norm("Gemma3nRMSNorm", casting=FLOAT_WEIGHT, eps=("eps", "variance_epsilon")),
+        mlp=MLP("Gemma3nTextMLP", "geglu", sparsity="activation_sparsity"), rope=(), head=SOFTCAP_HEAD,
+        causal_lm="Gemma3nForCausalLM", norms=None,
+    ),
     "granite": _family("granite", "Granite", head=Head(scale="logits_scaling"), scale="residual_multiplier"),
     "granitemoe": _family(
         "granitemoe", "GraniteMoe", experts=True, mlp=None, head=Head(scale="logits_scaling", aux_loss="load_balancing_loss_func"),
@@ -507,6 +519,17 @@ VLM_FAMILIES: dict[str, Family] = {
     "gemma3": _family(
         "gemma3", "Gemma3", norm=_norm("Gemma3", GEMMA_NORM), mlp=MLP("Gemma3MLP", "geglu"),
         norms=SANDWICH, causal_lm="Gemma3ForConditionalGeneration", other_norms=(LAYER_NORM,), other_mlps=(SIGLIP_MLP,),
+    ),
+    # Gemma 3n's language model as gemma3n_text's, its head's softcap too; the MobileNet vision
+    # tower is timm's (its norms and blocks are not transformers' classes) and stays as it is.
+    "gemma3n": dataclasses.replace(FAMILIES["gemma3n_text"], causal_lm="Gemma3nForConditionalGeneration"),
+    # Gemma 4's language model as gemma4_text's; its head applies the final-logit softcap as the
+    # text-only one does. The vision tower's norms are the decoder's class (the RMSNorm before the
+    # projector, of no weight, too); its gated MLP calls clippable linears (a clamp around each
+    # nn.Linear), which run their own forwards around tigon's GeGLU. Its 2-D rotary stays HF's.
+    "gemma4": dataclasses.replace(
+        FAMILIES["gemma4_text"], causal_lm="Gemma4ForConditionalGeneration",
+        other_mlps=(MLP("Gemma4VisionMLP", "geglu"),),
     ),
 }
 

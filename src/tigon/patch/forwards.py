@@ -285,7 +285,10 @@ def _hf_checkpoints_in_forward() -> bool:
 
 def mlp_activation(mlp: MLP, module: torch.nn.Module) -> str | None:
     """The op's name for `module`'s activation when it is one of `mlp.switch`'s and has no hooks
-    (a fused op does not call it), else None."""
+    (a fused op does not call it) and no sparsity cuts the gate before it, else None."""
+    # (A module without the attribute, from a transformers that renamed it, may be sparse.)
+    if mlp.sparsity is not None and getattr(module, mlp.sparsity, True):
+        return None
     act = getattr(module, mlp.act)
     activation = module_activation(act)
     if activation is None or glu_kind(activation) != mlp.switch or has_hooks(act):
@@ -481,8 +484,10 @@ def attention_forward(
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         x = kwargs["hidden_states"] if "hidden_states" in kwargs else (args[0] if args else None)
         group = None
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and live():
-            projections = tuple(getattr(self, name, None) for name in attention.projections)
+        projections = tuple(getattr(self, name, None) for name in attention.projections)
+        # (Gemma 3n's and 4's attentions that reuse another layer's keys and values have a q alone;
+        # Gemma 4's whose values are its keys, no v.)
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and live() and None not in projections:
             if plain:
                 group = _plain_group(projections, x)
             if group is None and lora_forward is not None:
