@@ -10,14 +10,16 @@ import io
 import json
 import logging
 import math
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tests.train.fused_helpers import one_thread_and_references
 from tests.train.test_rlhf import records
 from tigon.cli import main
-from tigon.train import rlhf, tiny_vlm, vision_rlhf
+from tigon.train import builtin, rlhf, tiny_vlm, vision_rlhf
 from tigon.train.config import RLHFConfig, resolve_rlhf
 from tigon.train.vision import VisionEncoder, load_processor, model_config, vision_token_ids
 from tigon.train.vision_data import open_image
@@ -185,14 +187,36 @@ def test_every_layout_reads_into_the_same_pair(tmp_path):
     assert [(j.desirable, j.images) for j in kto] == [(True, pairs[0].images), (False, pairs[0].images)]
 
 
-def test_builtin_default_trains_dpo_on_the_shapes_pairs(tmp_path, caplog):
-    """No model, no data: DPO of the built-in tiny Qwen2-VL on the shapes task's pairs, the policy
-    starting as its reference, the margin and accuracy rising; final/ holds the processor."""
+@pytest.fixture(scope="module")
+def vision_sft_stage(tmp_path_factory):
+    """The sft stage `tigon rlhf --modality vision` trains first (shortened), with one DPO step
+    after it: the runs below find a copy in their output directories."""
+    out = tmp_path_factory.mktemp("vision-default")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(builtin, "SFT_STAGE_STEPS", 160)
+        assert main(["rlhf", "--modality", "vision", "--output-dir", str(out), "--max-steps", "1", "--samples", "0",
+                     "--no-kernels"]) == 0
+    for stage in ("sft", "."):  # the stage is tigon sft --modality vision: the model with its processor
+        assert json.loads((out / stage / "final" / "config.json").read_text())["model_type"] == "qwen2_vl"
+        assert (out / stage / "final" / "processor_config.json").is_file()
+    return out / "sft"
+
+
+def _with_stage(out, stage):
+    shutil.copytree(stage, out / "sft")
+    return out
+
+
+def test_builtin_default_trains_dpo_on_the_shapes_pairs(tmp_path, caplog, vision_sft_stage):
+    """No model, no data: DPO of the built-in tiny Qwen2-VL after its sft stage on the shapes task's
+    pairs, the policy starting as its reference, the margin and accuracy rising; final/ holds the
+    processor."""
     caplog.set_level(logging.INFO)
-    out = tmp_path / "run"
-    assert main(["rlhf", "--modality", "vision", "--output-dir", str(out), "--epochs", "3", "--samples", "1",
+    out = _with_stage(tmp_path / "run", vision_sft_stage)
+    assert main(["rlhf", "--modality", "vision", "--output-dir", str(out), "--samples", "1",
                  "--max-new-tokens", "3", "--no-kernels"]) == 0
     assert "the synthetic shapes task's pairs: 192" in caplog.text
+    assert f"policy: the built-in model after sft, from {out / 'sft' / 'final'}" in caplog.text
     steps = records(out)
     assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-4)
     assert steps[-1]["rewards/margins"] > 0.05 and steps[-1]["rewards/accuracies"] > 0.6
@@ -203,13 +227,16 @@ def test_builtin_default_trains_dpo_on_the_shapes_pairs(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("method", ["orpo", "simpo", "cpo", "kto"])
-def test_every_preference_method_trains_on_images(tmp_path, method):
-    out = tmp_path / method
+def test_every_preference_method_trains_on_images(tmp_path, method, vision_sft_stage):
+    out = _with_stage(tmp_path / method, vision_sft_stage)
     assert main(["rlhf", "--modality", "vision", "--method", method, "--output-dir", str(out), "--max-steps", "3",
                  "--samples", "0", "--no-kernels"]) == 0
     steps = records(out)
     assert len(steps) == 3 and all(math.isfinite(r["loss"]) for r in steps)
-    assert steps[-1]["loss"] < steps[0]["loss"]
+    # (From the sft stage, three batches' losses differ by their batches as much as by the updates.)
+    trained, started = (load_file(d / "final" / "model.safetensors") for d in (out, out / "sft"))
+    assert trained.keys() == started.keys() and all(t.isfinite().all() for t in trained.values())
+    assert any(not torch.equal(trained[k], started[k]) for k in trained), f"{method} changed no weight"
 
 
 def test_lora_on_images_keeps_the_vision_tower_frozen(vlm_run, tmp_path, caplog):

@@ -1,8 +1,8 @@
-"""The built-in tiny model after `tigon sft`: the policy (`tigon rlhf`) or the teacher (`tigon
-distill`, `tigon rlhf --method gkd`) of the commands' embedded defaults, which run with no model
-and no data. It is this run's own sft stage (OUTPUT_DIR/sft/final) when there is one, else `make
-demo`'s demo-out/final when that is the built-in model, else `tigon sft`'s default run, trained
-first into OUTPUT_DIR/sft."""
+"""The built-in tiny model after `tigon sft`: the policy (`tigon rlhf`; the vision-language one for
+`tigon rlhf --modality vision`), the reward model (`--method rm`) or the teacher (`--method gkd`)
+of the commands' embedded defaults, which run with no model and no data. It is this run's own sft
+stage (OUTPUT_DIR/sft/final) when there is one, else `make demo`'s demo-out/final when that is the
+built-in model, else `tigon sft`'s default run, trained first into OUTPUT_DIR/sft."""
 
 from __future__ import annotations
 
@@ -49,16 +49,19 @@ def builtin_after_sft(cfg: SFTConfig, tokenizer: Any, role: str = "policy") -> P
     """The built-in model after sft for the run of `cfg` (its `role` in it, for the log): this
     run's own sft stage (OUTPUT_DIR/sft/final) when it has one, so that a resumed run keeps it;
     else `make demo`'s demo-out/final when that is the built-in model; else the sft stage, trained
-    first (resumed with --resume, trained again with --overwrite)."""
+    first (resumed with --resume, trained again with --overwrite). With `tokenizer` None, the
+    built-in vision-language model after `tigon sft --modality vision` (which `make demo` does not
+    train)."""
     stage = Path(cfg.output_dir) / SFT_DIR
     if not cfg.overwrite and finished(stage):  # else its run says what is wrong with its final/, or completes it
         log.info("%s: the built-in model after sft, from %s", role, stage / FINAL_DIR)
         return (stage / FINAL_DIR).resolve()
-    if is_builtin_sft(DEMO_SFT, tokenizer):
+    if tokenizer is not None and is_builtin_sft(DEMO_SFT, tokenizer):
         log.info("%s: the built-in model after sft, from %s (make demo)", role, DEMO_SFT)
         return DEMO_SFT.resolve()
-    log.info("%s: the built-in model, fine-tuned first on the bundled instructions by tigon sft into %s", role, stage)
+    task = "the bundled instructions" if tokenizer is not None else "the shapes task's answers"
+    log.info("%s: the built-in model, fine-tuned first on %s by tigon sft into %s", role, task, stage)
     sft = SFTConfig(output_dir=str(stage), seed=cfg.seed, kernels=cfg.kernels, kernels_off=cfg.kernels_off,
                     max_steps=SFT_STAGE_STEPS, samples=0, resume="latest" if cfg.resume else None,
-                    overwrite=cfg.overwrite)
+                    overwrite=cfg.overwrite, modality=None if tokenizer is not None else "vision")
     return run_sft(sft).resolve()

@@ -605,7 +605,10 @@ _BUILTIN = {"grpo": {"lr": 1e-4, "batch_size": 32, "max_steps": 80},
             "ppo": {"lr": 3e-4, "batch_size": 32, "max_steps": 80, "ppo_epochs": 2},
             "rloo": {"lr": 1e-4, "batch_size": 32, "max_steps": 80}, "gkd": {"lr": 3e-3, "epochs": 10.0},
             "rm": {"lr": 1e-3, "epochs": 3.0}}
-_BUILTIN_VISION_RLHF = {"lr": 2e-3, "epochs": 8.0}  # the built-in VLM on the shapes task's pairs (vision_rlhf)
+# The built-in VLM: the preference methods' policy is it after its sft stage (vision_rlhf), grpo's
+# it from random weights.
+_BUILTIN_VISION = {"grpo": {"lr": 2e-3, "epochs": 8.0}}
+_BUILTIN_VISION_PREFERENCE = {"lr": 3e-4, "epochs": 3.0}
 
 
 def resolve_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> RLHFConfig:
@@ -619,7 +622,12 @@ def resolve_rlhf(cfg: RLHFConfig, given: set[str] = frozenset()) -> RLHFConfig:
         from tigon.train.seqpar import method_refusal
 
         raise method_refusal(method)
-    own = (_BUILTIN_VISION_RLHF if cfg.modality == "vision" else _BUILTIN.get(method, {})) if builtin else {}
+    if not builtin:
+        own = {}
+    elif cfg.modality == "vision":
+        own = _BUILTIN_VISION.get(method, _BUILTIN_VISION_PREFERENCE)
+    else:
+        own = _BUILTIN.get(method, {})
     cfg = dataclasses.replace(
         cfg,
         max_length=cfg.max_length if cfg.max_length is not None else (128 if builtin else 1024),

@@ -11,8 +11,9 @@ image per ``<image>`` placeholder of the prompt in order, or OpenAI messages wit
 prompt with neither placeholders nor image parts shows its images before the first user turn's
 text (TRL's convention). Images are read as `tigon sft` reads them (`tigon.train.vision_data`).
 
-With no --model the policy is the built-in tiny Qwen2-VL, and with no --dataset the shapes task's
-pairs: the right shape and colour chosen, a wrong one rejected."""
+With no --model the policy is the built-in tiny Qwen2-VL after its sft stage (`tigon sft --modality
+vision`, into OUTPUT_DIR/sft), and with no --dataset the shapes task's pairs: the right shape and
+colour chosen, a wrong one rejected."""
 
 from __future__ import annotations
 
@@ -24,10 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from transformers import set_seed
 from trl.trainer.dpo_trainer import DataCollatorForVisionPreference
 from trl.trainer.kto_trainer import DataCollatorForVisionUnpairedPreference
 
 from tigon.train import preference, tiny_vlm
+from tigon.train.builtin import builtin_after_sft
 from tigon.train.batching import NUM_TOKENS
 from tigon.train.config import PREFERENCE_METHODS, REFERENCE_METHODS, RLHFConfig, SFTError
 from tigon.train.data import RowError, read_file, turn_list
@@ -326,6 +329,9 @@ def run(cfg: RLHFConfig) -> Path:
     train_data = collator.dataset(train_rows)
     eval_data = collator.dataset(eval_rows) if eval_rows else None
     reference = cfg.method in REFERENCE_METHODS
+    if builtin:  # everything is checked: the sft stage may write now (preferences of random weights teach nothing)
+        cfg = dataclasses.replace(cfg, model=str(builtin_after_sft(cfg, None)))
+        set_seed(cfg.seed)  # as a run that found the sft stage done
 
     def trainer(built: Built, args: Any) -> Any:
         cls = TigonKTOTrainer if kto else TigonDPOTrainer
