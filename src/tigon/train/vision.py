@@ -56,13 +56,27 @@ def model_config(model_id: str) -> Any:
 
 def image_only(cls: type) -> type:
     """`cls` (a processor class) without its video processor: transformers builds those on
-    torchvision alone, and a processor class with one refuses to exist without it, images or not."""
+    torchvision alone, and a processor class with one refuses to exist without it, images or not.
+    Its other sub-processors (Gemma 4's audio feature extractor) are given by keyword."""
+    from transformers import ProcessorMixin
 
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        cls.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+    class _NoVideo(ProcessorMixin):
+        # Between `cls` and ProcessorMixin: takes `cls`'s video processor (None) away, whether
+        # `cls` passes it by position (the mixin drops what its attributes do not name) or by name.
+        def __init__(self, *args, **kwargs):
+            if kwargs.get("video_processor", 0) is None:
+                del kwargs["video_processor"]
+            super().__init__(*args, **kwargs)
 
-    return type(cls.__name__, (cls,), {"__init__": __init__, "attributes": ["image_processor", "tokenizer"],
-                                       "__module__": cls.__module__})
+    attributes = [a for a in cls.get_attributes() if a != "video_processor"] if hasattr(cls, "get_attributes") else [
+        "image_processor", "tokenizer"]
+
+    def __init__(self, chat_template=None, **kwargs):
+        cls.__init__(self, **kwargs, video_processor=None, chat_template=chat_template)
+
+    return type(cls.__name__, (cls, _NoVideo), {"__init__": __init__, "attributes": attributes,
+                                                "get_attributes": classmethod(lambda _: list(attributes)),
+                                                "__module__": cls.__module__})
 
 
 def _saved_chat_template(folder: Path, tokenizer: Any) -> str | None:
@@ -80,7 +94,7 @@ def load_processor(model_id: str, config: Any) -> Any:
     """The model's processor (``AutoProcessor``); where its video processor cannot be built (no
     torchvision), the same processor without it, from the image processor (PIL backend), the
     tokenizer and the chat template saved in the directory."""
-    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+    from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoProcessor, AutoTokenizer
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
     from tigon.train.modeling import _not_found, source_kwargs
@@ -95,13 +109,15 @@ def load_processor(model_id: str, config: Any) -> Any:
         cls = getattr(transformers, name, None) if isinstance(name, str) else None
         if cls is None or not Path(model_id).is_dir():
             raise _not_found(model_id, err) from None
+        cls = image_only(cls)
         try:
-            image_processor = AutoImageProcessor.from_pretrained(model_id, **kwargs)
-            tokenizer = AutoTokenizer.from_pretrained(model_id, **kwargs)
+            parts = {"image_processor": AutoImageProcessor.from_pretrained(model_id, **kwargs),
+                     "tokenizer": AutoTokenizer.from_pretrained(model_id, **kwargs)}
+            if "feature_extractor" in cls.attributes:  # Gemma 4's (audio): its processor takes one
+                parts["feature_extractor"] = AutoFeatureExtractor.from_pretrained(model_id, **kwargs)
         except (ImportError, OSError, ValueError) as inner:
             raise _not_found(model_id, inner) from None
-        processor = image_only(cls)(image_processor=image_processor, tokenizer=tokenizer,
-                                    chat_template=_saved_chat_template(Path(model_id), tokenizer))
+        processor = cls(**parts, chat_template=_saved_chat_template(Path(model_id), parts["tokenizer"]))
         log.info("processor: %s without its video processor (it needs torchvision): images only", name)
     if not hasattr(processor, "image_processor"):
         raise SFTError(f"{model_id}: its processor ({type(processor).__name__}) has no image processor")
