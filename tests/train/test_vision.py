@@ -190,12 +190,48 @@ def _save_gemma3(path: Path) -> Path:
     return path
 
 
+def _save_gemma4(path: Path) -> Path:
+    """A tiny random Gemma 4 (its own vision tower: patches pooled 2 x 2) with its processor, built
+    without torchvision (no video processor); its tokenizer names the image and audio tokens as
+    Gemma 4's does (its processor reads both)."""
+    from tigon.train.vision import image_only
+
+    tokenizer = tiny.build_tokenizer([Sample("", text="a red circle: what shape, what colour? describe the image")])
+    tokens = {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
+              "audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>"}
+    tokenizer.add_tokens(list(tokens.values()), special_tokens=True)
+    tokenizer.save_pretrained(path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "extra_special_tokens": tokens}))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    template = tiny_vlm.CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", tokens["image_token"])
+    # 4 x 4-pixel patches, at most 70 soft tokens (the fewest Gemma 4 allows) of 2 x 2 patches each
+    image_processor = transformers.Gemma4ImageProcessorPil(patch_size=4, max_soft_tokens=70, pooling_kernel_size=2)
+    processor = image_only(transformers.Gemma4Processor)(
+        feature_extractor=transformers.Gemma4AudioFeatureExtractor(), image_processor=image_processor,
+        tokenizer=tokenizer, chat_template=template)
+    ids = {f"{key[:-6]}_token_id": tokenizer.convert_tokens_to_ids(token) for key, token in tokens.items()}
+    config = transformers.Gemma4Config(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, global_head_dim=16,
+                         sliding_window=8, hidden_size_per_layer_input=16, vocab_size_per_layer_input=len(tokenizer),
+                         use_bidirectional_attention="vision", pad_token_id=tokenizer.pad_token_id),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2,
+                           position_embedding_size=32),
+        audio_config=None, video_token_id=processor.video_token_id, **ids)
+    tiny.random_model(config, 0, auto=transformers.AutoModelForImageTextToText).save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("vlms")
     return {"qwen2_vl": _save_qwen2_vl(root / "qwen2_vl"), "qwen2_5_vl": _save_qwen2_5_vl(root / "qwen2_5_vl"),
             "llava": _save_llava(root / "llava"),
-            "gemma3": _save_gemma3(root / "gemma3")}
+            "gemma3": _save_gemma3(root / "gemma3"),
+            **({"gemma4": _save_gemma4(root / "gemma4")} if hasattr(transformers, "Gemma4Processor") else {})}
 
 
 @pytest.fixture
@@ -217,7 +253,8 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "llava", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "llava", "gemma3", pytest.param("gemma4", marks=(
+    pytest.mark.skipif(not hasattr(transformers, "Gemma4Processor"), reason="transformers has no Gemma 4")))])
 @pytest.mark.parametrize("tuner", ["lora", "full"])
 def test_sft_trains_a_saved_vlm_and_its_output_loads(models, shapes_file, tmp_path, family, tuner, caplog):
     out = tmp_path / "out"
