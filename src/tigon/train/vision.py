@@ -61,22 +61,19 @@ def image_only(cls: type) -> type:
     from transformers import ProcessorMixin
 
     class _NoVideo(ProcessorMixin):
-        # Between `cls` and ProcessorMixin: takes `cls`'s video processor (None) away, whether
-        # `cls` passes it by position (the mixin drops what its attributes do not name) or by name.
+        # Between `cls` and ProcessorMixin: takes away the video processor (None) that `cls` passes
+        # on by name (one passed by position, the mixin drops: its attributes do not name it).
         def __init__(self, *args, **kwargs):
-            if kwargs.get("video_processor", 0) is None:
-                del kwargs["video_processor"]
+            kwargs.pop("video_processor", None)
             super().__init__(*args, **kwargs)
 
-    attributes = [a for a in cls.get_attributes() if a != "video_processor"] if hasattr(cls, "get_attributes") else [
-        "image_processor", "tokenizer"]
+    attributes = [a for a in cls.get_attributes() if a != "video_processor"]
 
     def __init__(self, chat_template=None, **kwargs):
         cls.__init__(self, **kwargs, video_processor=None, chat_template=chat_template)
 
-    return type(cls.__name__, (cls, _NoVideo), {"__init__": __init__, "attributes": attributes,
-                                                "get_attributes": classmethod(lambda _: list(attributes)),
-                                                "__module__": cls.__module__})
+    return type(cls.__name__, (cls, _NoVideo), {"__init__": __init__, "__module__": cls.__module__,
+                                                "get_attributes": classmethod(lambda _: list(attributes))})
 
 
 def _saved_chat_template(folder: Path, tokenizer: Any) -> str | None:
@@ -113,7 +110,7 @@ def load_processor(model_id: str, config: Any) -> Any:
         try:
             parts = {"image_processor": AutoImageProcessor.from_pretrained(model_id, **kwargs),
                      "tokenizer": AutoTokenizer.from_pretrained(model_id, **kwargs)}
-            if "feature_extractor" in cls.attributes:  # Gemma 4's (audio): its processor takes one
+            if "feature_extractor" in cls.get_attributes():  # Gemma 4's (audio): its processor takes one
                 parts["feature_extractor"] = AutoFeatureExtractor.from_pretrained(model_id, **kwargs)
         except (ImportError, OSError, ValueError) as inner:
             raise _not_found(model_id, inner) from None
