@@ -281,6 +281,23 @@ def test_sft_trains_a_saved_vlm_and_its_output_loads(models, shapes_file, tmp_pa
     assert samples[0]["prompt"].startswith("[s") and "before" in samples[0] and "after" in samples[0]
 
 
+@pytest.mark.skipif(not hasattr(transformers, "Gemma4Processor"), reason="transformers has no Gemma 4")
+def test_gemma4_batches_mark_each_images_tokens_for_its_bidirectional_attention(models):
+    """Gemma 4's batches carry mm_token_type_ids (1 on exactly the images' soft tokens): without
+    them its model would attend causally within an image, unlike the Gemma 4 being trained."""
+    path = str(models["gemma4"])
+    encoder = VisionEncoder(load_processor(path, model_config(path)))
+    batch = VisionCollator(encoder)([encoder.encode(s, 512) for s in tiny_vlm.shapes_task(2, seed=0)])
+    batch.pop("num_tokens")
+    image = batch["input_ids"] == encoder.processor.image_token_id
+    assert image.sum() > 0 and torch.equal(batch["mm_token_type_ids"].bool(), image)
+    model = transformers.AutoModelForImageTextToText.from_pretrained(path)
+    with torch.no_grad():
+        marked = model(**batch).logits
+        unmarked = model(**{k: v for k, v in batch.items() if k != "mm_token_type_ids"}).logits
+    assert not torch.allclose(marked, unmarked)
+
+
 def test_freeze_vision_leaves_the_tower_without_gradients(processor):
     model = tiny_vlm.build_model(processor, seed=0)
     parts = model_parts(model)
