@@ -8,6 +8,7 @@ import io
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -161,16 +162,22 @@ def _save_llava(path: Path) -> Path:
     return path
 
 
-def _save_gemma3(path: Path) -> Path:
-    """A tiny random Gemma 3 (SigLIP vision tower) with its processor; its tokenizer names the
-    image tokens as Gemma 3's does (extra special tokens in tokenizer_config.json)."""
+def _tokenizer_naming(path: Path, tokens: dict[str, str]) -> Any:
+    """A tiny tokenizer with `tokens` added, saved in `path` and read back naming them as Gemma's
+    do (``tokenizer.image_token`` ...: extra special tokens in tokenizer_config.json)."""
     tokenizer = tiny.build_tokenizer([Sample("", text="a red circle: what shape, what colour? describe the image")])
-    tokens = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
     tokenizer.add_tokens(list(tokens.values()), special_tokens=True)
     tokenizer.save_pretrained(path)
     config = json.loads((path / "tokenizer_config.json").read_text())
     (path / "tokenizer_config.json").write_text(json.dumps({**config, "extra_special_tokens": tokens}))
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    return transformers.AutoTokenizer.from_pretrained(path)
+
+
+def _save_gemma3(path: Path) -> Path:
+    """A tiny random Gemma 3 (SigLIP vision tower) with its processor; its tokenizer names the
+    image tokens as Gemma 3's does (extra special tokens in tokenizer_config.json)."""
+    tokens = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
+    tokenizer = _tokenizer_naming(path, tokens)
     template = tiny_vlm.CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<start_of_image>")
     image_processor = (getattr(transformers, "Gemma3ImageProcessorPil", None) or transformers.Gemma3ImageProcessor)(
         size={"height": 28, "width": 28})
@@ -193,17 +200,12 @@ def _save_gemma3(path: Path) -> Path:
 def _save_gemma4(path: Path) -> Path:
     """A tiny random Gemma 4 (its own vision tower: patches pooled 2 x 2) with its processor, built
     without torchvision (no video processor); its tokenizer names the image and audio tokens as
-    Gemma 4's does (its processor reads both)."""
+    Gemma 4's does (its processor refuses every input, images too, where the audio ones are not named)."""
     from tigon.train.vision import image_only
 
-    tokenizer = tiny.build_tokenizer([Sample("", text="a red circle: what shape, what colour? describe the image")])
     tokens = {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
               "audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>"}
-    tokenizer.add_tokens(list(tokens.values()), special_tokens=True)
-    tokenizer.save_pretrained(path)
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    (path / "tokenizer_config.json").write_text(json.dumps({**config, "extra_special_tokens": tokens}))
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    tokenizer = _tokenizer_naming(path, tokens)
     template = tiny_vlm.CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", tokens["image_token"])
     # 4 x 4-pixel patches, at most 70 soft tokens (the fewest Gemma 4 allows) of 2 x 2 patches each
     image_processor = (getattr(transformers, "Gemma4ImageProcessorPil", None) or transformers.Gemma4ImageProcessor)(
