@@ -1,6 +1,6 @@
 """`tigon sft` on vision-language models: the data layouts read into the same examples, the label
-masks, each bad input as one line before anything is written, short runs on a tiny random
-Qwen2-VL and a tiny random LLaVA (saved to disk with their processors, built offline), the
+masks, each bad input as one line before anything is written, short runs on tiny random
+Qwen2-VL, Qwen2.5-VL, LLaVA, Gemma 3 and Gemma 4 (saved to disk with their processors, built offline), the
 vision encoder frozen, and the built-in default learning its shapes task."""
 
 import base64
