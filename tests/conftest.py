@@ -36,7 +36,12 @@ def device() -> torch.device:
 
 @pytest.fixture(autouse=True)
 def fresh_dispatch():
-    """Each test starts with no logged fallbacks or broken kernels."""
+    """Each test starts with no logged fallbacks or broken kernels, and with the module functions
+    (a family's RoPE) that patched models an earlier test dropped held given back, so that its
+    unpatched references run transformers' own."""
+    from tigon.patch.apply import release_collected
+
+    release_collected()
     ops.reset()
     yield
     ops.reset()

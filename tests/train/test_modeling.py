@@ -44,6 +44,25 @@ def test_apply_kernels_follows_the_switches(caplog):
     assert apply_kernels(model, SFTConfig(kernels=False)).startswith("tigon: kernels off (--no-kernels)")
 
 
+def test_no_kernels_runs_the_familys_own_functions_after_a_dropped_patched_model():
+    """A patched model collected without unpatch leaves Llama's RoPE function swapped (given back at
+    the next patch or unpatch call, never by the collector mid-step): a --no-kernels model built
+    after it still runs transformers' own."""
+    import gc
+
+    from transformers.models.llama import modeling_llama
+
+    hf_rope = modeling_llama.apply_rotary_pos_emb
+    dropped = tiny_llama()
+    tigon.patch(dropped)
+    dropped.cycle = dropped
+    del dropped
+    gc.collect()
+    assert modeling_llama.apply_rotary_pos_emb is not hf_rope, "the test needs the swap left behind"
+    apply_kernels(tiny_llama(), SFTConfig(kernels=False))
+    assert modeling_llama.apply_rotary_pos_emb is hf_rope
+
+
 def test_unsupported_family_trains_unpatched(caplog):
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -200,7 +200,10 @@ def _hold_until_next_call(keys: list[tuple[int, str]]) -> None:
     keys.clear()
 
 
-def _release_collected() -> None:
+def release_collected() -> None:
+    """Give back the module functions that patched models since collected held (:func:`patch` and
+    :func:`unpatch` do it first): a caller that knows no forward is between its backward, such as
+    a test harness between tests, lets the models built next run their family's own functions."""
     _release_all(_collected_holds)
 
 
@@ -750,7 +753,7 @@ def patch(
             device, not bf16, a string target); nothing is patched then.
     """
     check_switch_names(others, "tigon.patch")
-    _release_collected()
+    release_collected()
     if fp8 is not None:
         float8.check_recipe(fp8)
         if not isinstance(target, torch.nn.Module):
@@ -782,7 +785,7 @@ def unpatch(target: str | torch.nn.Module | None = None) -> None:
     since collected shared (a family's RoPE, TRL's log-probs) are given back here, or by the next
     :func:`patch`, never by the garbage collector mid-step.
     """
-    _release_collected()
+    release_collected()
     if target is None:
         for model in list(_instance_patches):
             unpatch(model)

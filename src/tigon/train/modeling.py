@@ -512,11 +512,15 @@ def apply_kernels(model: torch.nn.Module, cfg: SFTConfig, role: str | None = Non
     frozen: ``--fp8`` is for the trained one, with `fp8_all_gather` under FSDP2). A model
     tigon.patch cannot handle (an unsupported family) trains unpatched, with a warning: the run
     is still worth having; not under ``--fp8``, which is then refused."""
+    import tigon
+
     if not cfg.kernels:
+        # A model of its family that this process patched and dropped leaves the family's module
+        # functions (its RoPE) swapped until the next patch or unpatch call: this one.
+        tigon.unpatch(model)
         line = "tigon: kernels off (--no-kernels): plain PyTorch / transformers code"
         log.info("%s", line)
         return line
-    import tigon
 
     try:
         switches = dict(kernel_switches(cfg.kernels_off), offload_activations=cfg.offload_activations,
