@@ -202,8 +202,8 @@ def _hold_until_next_call(keys: list[tuple[int, str]]) -> None:
 
 def release_collected() -> None:
     """Give back the module functions that patched models since collected held (:func:`patch` and
-    :func:`unpatch` do it first): a caller that knows no forward is between its backward, such as
-    a test harness between tests, lets the models built next run their family's own functions."""
+    :func:`unpatch` do it first), for a caller that knows no forward still awaits its backward (a
+    test harness between tests): the models built next run their family's own functions."""
     _release_all(_collected_holds)
 
 
