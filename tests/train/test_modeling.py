@@ -45,22 +45,24 @@ def test_apply_kernels_follows_the_switches(caplog):
 
 
 def test_no_kernels_runs_the_familys_own_functions_after_a_dropped_patched_model():
-    """A patched model collected without unpatch leaves Llama's RoPE function swapped (given back at
-    the next patch or unpatch call, never by the collector mid-step): a --no-kernels model built
-    after it still runs transformers' own."""
+    """A patched model dropped without unpatch leaves Llama's RoPE function swapped (given back once
+    collected, at the next patch or unpatch call, never by the collector mid-step): a --no-kernels
+    model built after it still runs transformers' own."""
     import gc
 
     from transformers.models.llama import modeling_llama
 
     hf_rope = modeling_llama.apply_rotary_pos_emb
-    dropped = tiny_llama()
-    tigon.patch(dropped)
-    dropped.cycle = dropped
-    del dropped
-    gc.collect()
-    assert modeling_llama.apply_rotary_pos_emb is not hf_rope, "the test needs the swap left behind"
-    apply_kernels(tiny_llama(), SFTConfig(kernels=False))
-    assert modeling_llama.apply_rotary_pos_emb is hf_rope
+    for collected in (True, False):  # found by the collector already, or only once the run asks
+        dropped = tiny_llama()
+        tigon.patch(dropped)
+        dropped.cycle = dropped
+        del dropped
+        if collected:
+            gc.collect()
+        assert modeling_llama.apply_rotary_pos_emb is not hf_rope, "the test needs the swap left behind"
+        apply_kernels(tiny_llama(), SFTConfig(kernels=False))
+        assert modeling_llama.apply_rotary_pos_emb is hf_rope
 
 
 def test_unsupported_family_trains_unpatched(caplog):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import json
 import logging
 import os
@@ -516,7 +517,9 @@ def apply_kernels(model: torch.nn.Module, cfg: SFTConfig, role: str | None = Non
 
     if not cfg.kernels:
         # A model of its family that this process patched and dropped leaves the family's module
-        # functions (its RoPE) swapped until the next patch or unpatch call: this one.
+        # functions (its RoPE) swapped until it is collected and the next patch or unpatch call
+        # comes: both now, before this model's first forward.
+        gc.collect()
         tigon.unpatch(model)
         line = "tigon: kernels off (--no-kernels): plain PyTorch / transformers code"
         log.info("%s", line)
