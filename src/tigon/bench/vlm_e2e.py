@@ -56,10 +56,12 @@ TINY_TEXT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_
 SHAPES = {
     "7b": dict(family="qwen2_5_vl",
                text=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                         num_key_value_heads=4, vocab_size=152064), vision=dict(QWEN2_5_VL_VISION, out_hidden_size=3584)),
+                         num_key_value_heads=4, vocab_size=152064), vision=dict(QWEN2_5_VL_VISION, out_hidden_size=3584),
+               grid=GRID, specials=QWEN_SPECIALS),
     "2b": dict(family="qwen2_vl",
                text=dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                         num_key_value_heads=2, vocab_size=151936), vision=dict(QWEN2_VL_VISION, hidden_size=1536)),
+                         num_key_value_heads=2, vocab_size=151936), vision=dict(QWEN2_VL_VISION, hidden_size=1536),
+               grid=GRID, specials=QWEN_SPECIALS),
     # (CPU checks of the pipeline, not of speed: the 7b's family and the 2b's.)
     "tiny": dict(family="qwen2_5_vl", text=TINY_TEXT, grid=8, specials=TINY_SPECIALS,
                  vision=dict(QWEN2_5_VL_VISION, depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
@@ -82,7 +84,7 @@ def build_vlm(mode: str, seq: int, device: torch.device, *, shape: str, lora_ran
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     sizes = SHAPES[shape]
-    specials = sizes.get("specials", QWEN_SPECIALS)
+    specials = sizes["specials"]
     config = AutoConfig.for_model(
         sizes["family"], text_config=dict(sizes["text"], max_position_embeddings=max(seq, 32768), use_cache=False,
                                        rope_scaling={"type": "mrope", "mrope_section": _sections(sizes["text"])}),
@@ -108,9 +110,9 @@ def build_vlm(mode: str, seq: int, device: torch.device, *, shape: str, lora_ran
     return model
 
 
-def image_batch(device: torch.device, batch: int, grid: int = GRID) -> tuple[torch.Tensor, torch.Tensor]:
+def image_batch(device: torch.device, batch: int, grid: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The pixels (patches flattened, as Qwen-VL's processor gives them) and grids of `batch`
-    images of `grid` x `grid` patches (448 x 448 pixels by default), the same on every call."""
+    images of `grid` x `grid` patches, the same on every call."""
     gen = torch.Generator(device).manual_seed(99)
     patch_dim = 3 * QWEN2_5_VL_VISION["temporal_patch_size"] * QWEN2_5_VL_VISION["patch_size"] ** 2
     pixels = torch.randn(batch * grid * grid, patch_dim, device=device, generator=gen, dtype=torch.bfloat16)
@@ -120,8 +122,7 @@ def image_batch(device: torch.device, batch: int, grid: int = GRID) -> tuple[tor
 def image_step(model: torch.nn.Module, device: torch.device, batch: int, shape: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """Forward + backward of `model` on random text ids with one image per row: ids from the
     text vocabulary, the image's tokens after the first, the loss on the text."""
-    side = SHAPES[shape].get("grid", GRID)
-    specials = SHAPES[shape].get("specials", QWEN_SPECIALS)
+    side, specials = SHAPES[shape]["grid"], SHAPES[shape]["specials"]
     pixels, grid = image_batch(device, batch, side)
     tokens = side * side // 4
 
@@ -152,7 +153,7 @@ def _inner(model: torch.nn.Module) -> torch.nn.Module:
     return base.model
 
 
-def time_vision(model: torch.nn.Module, device: torch.device, batch: int, reps: int, grid: int = GRID) -> float:
+def time_vision(model: torch.nn.Module, device: torch.device, batch: int, reps: int, grid: int) -> float:
     """Median ms of one forward + backward of the vision tower alone (patch embedding, blocks,
     merger) on the batch's pixels, synchronised around each; a fixed random gradient flows back."""
     visual = _inner(model).visual
@@ -189,7 +190,7 @@ def run_vlm_case(mode: str, impl: str, device: torch.device, *, batch: int, seq:
         vocab = SHAPES[shape]["text"]["vocab_size"]
         record.update(measure_training(model, image_step(model, device, batch, shape), vocab, batch, seq, warmup, steps))
         if vision_reps and mode == "full":
-            record["vision_ms"] = time_vision(model, device, batch, vision_reps, SHAPES[shape].get("grid", GRID))
+            record["vision_ms"] = time_vision(model, device, batch, vision_reps, SHAPES[shape]["grid"])
     except Exception as err:  # one failing case must not hide the others' numbers
         record["error"] = f"{type(err).__name__}: {err}"
     finally:
@@ -270,7 +271,7 @@ def run_vlm_e2e(
         return run_vlm_case(mode, impl, device, batch=batch, seq=seq, steps=steps, warmup=warmup, shape=shape,
                             lora_rank=lora_rank, log=log, vision_reps=vision_reps)
 
-    side = SHAPES[shape].get("grid", GRID) * QWEN2_5_VL_VISION["patch_size"]
+    side = SHAPES[shape]["grid"] * QWEN2_5_VL_VISION["patch_size"]
     records = run_all(
         "VLM e2e bench", "the VLM end-to-end benchmark", modes, impls, (MODES, IMPLS), run_one, settings=settings,
         summary=f"{SHAPES[shape]['family']} {shape} shape, batch {batch} x {seq} tokens (one {side}x{side} image each), "

@@ -45,23 +45,23 @@ def is_builtin_sft(path: Path, tokenizer: Any) -> bool:
     return all(getattr(config, k, None) == getattr(shape, k) for k in keys) and saved.get_vocab() == tokenizer.get_vocab()
 
 
-def builtin_after_sft(cfg: SFTConfig, tokenizer: Any, role: str = "policy") -> Path:
+def builtin_after_sft(cfg: SFTConfig, tokenizer: Any, role: str = "policy", vision: bool = False) -> Path:
     """The built-in model after sft for the run of `cfg` (its `role` in it, for the log): this
     run's own sft stage (OUTPUT_DIR/sft/final) when it has one, so that a resumed run keeps it;
     else `make demo`'s demo-out/final when that is the built-in model; else the sft stage, trained
-    first (resumed with --resume, trained again with --overwrite). With `tokenizer` None, the
-    built-in vision-language model after `tigon sft --modality vision` (which `make demo` does not
-    train)."""
+    first (resumed with --resume, trained again with --overwrite). With `vision`, the built-in
+    vision-language model after `tigon sft --modality vision` (which `make demo` does not train;
+    `tokenizer` is not read)."""
     stage = Path(cfg.output_dir) / SFT_DIR
     if not cfg.overwrite and finished(stage):  # else its run says what is wrong with its final/, or completes it
         log.info("%s: the built-in model after sft, from %s", role, stage / FINAL_DIR)
         return (stage / FINAL_DIR).resolve()
-    if tokenizer is not None and is_builtin_sft(DEMO_SFT, tokenizer):
+    if not vision and is_builtin_sft(DEMO_SFT, tokenizer):
         log.info("%s: the built-in model after sft, from %s (make demo)", role, DEMO_SFT)
         return DEMO_SFT.resolve()
-    task = "the bundled instructions" if tokenizer is not None else "the shapes task's answers"
+    task = "the shapes task's answers" if vision else "the bundled instructions"
     log.info("%s: the built-in model, fine-tuned first on %s by tigon sft into %s", role, task, stage)
     sft = SFTConfig(output_dir=str(stage), seed=cfg.seed, kernels=cfg.kernels, kernels_off=cfg.kernels_off,
                     max_steps=SFT_STAGE_STEPS, samples=0, resume="latest" if cfg.resume else None,
-                    overwrite=cfg.overwrite, modality=None if tokenizer is not None else "vision")
+                    overwrite=cfg.overwrite, modality="vision" if vision else None)
     return run_sft(sft).resolve()

@@ -30,8 +30,8 @@ from trl.trainer.dpo_trainer import DataCollatorForVisionPreference
 from trl.trainer.kto_trainer import DataCollatorForVisionUnpairedPreference
 
 from tigon.train import preference, tiny_vlm
-from tigon.train.builtin import builtin_after_sft
 from tigon.train.batching import NUM_TOKENS
+from tigon.train.builtin import builtin_after_sft
 from tigon.train.config import PREFERENCE_METHODS, REFERENCE_METHODS, RLHFConfig, SFTError
 from tigon.train.data import RowError, read_file, turn_list
 from tigon.train.preference import Judged, Pair
@@ -330,7 +330,7 @@ def run(cfg: RLHFConfig) -> Path:
     eval_data = collator.dataset(eval_rows) if eval_rows else None
     reference = cfg.method in REFERENCE_METHODS
     if builtin:  # everything is checked: the sft stage may write now (preferences of random weights teach nothing)
-        cfg = dataclasses.replace(cfg, model=str(builtin_after_sft(cfg, None)))
+        cfg = dataclasses.replace(cfg, model=str(builtin_after_sft(cfg, None, vision=True)))
         set_seed(cfg.seed)  # as a run that found the sft stage done
 
     def trainer(built: Built, args: Any) -> Any:
