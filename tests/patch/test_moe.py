@@ -189,3 +189,29 @@ def test_bf16_error_no_larger_than_the_transformers_loop_on_gpu():
     # at most the expert loop's own (which rounds and accumulates in bf16 per expert).
     ours, hf = _errors_against_float64(torch.device("cuda"), torch.bfloat16, 8192, 2048, 768, 128, 8)
     assert all(o <= 1.1 * h + 1e-3 for o, h in zip(ours, hf)), (ours, hf)
+
+
+def test_router_loss_default_follows_the_installed_head():
+    # Some transformers releases' multimodal MoE heads read `output_router_logits` only from their
+    # keyword arguments: the config's True then adds no router loss, and the patched head must not
+    # add one either. One that names the argument takes the config's default, router loss included.
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from tigon.patch.families import MOE_HEAD
+    from tigon.patch.head import causal_lm_forward
+
+    model = tiny_model("mixtral").train()
+    ids, _, labels = batch()
+    names_it = type(model).forward
+
+    def reads_kwargs(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        return names_it(self, input_ids=input_ids, attention_mask=attention_mask, labels=labels,
+                        output_router_logits=kwargs.pop("output_router_logits", False), **kwargs)
+
+    losses = []
+    for original in (names_it, reads_kwargs):
+        want = original(model, input_ids=ids, labels=labels).loss
+        patched = causal_lm_forward(MOE_HEAD, True, original, load_balancing_loss_func)
+        assert_close(patched(model, input_ids=ids, labels=labels).loss, want, name="loss")
+        losses.append(want.item())
+    assert losses[0] > losses[1]  # the router loss is in the first

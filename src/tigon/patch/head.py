@@ -242,6 +242,11 @@ def causal_lm_forward(
     from transformers.utils import can_return_tuple
 
     relay = plan.relay if plan is not None else None
+    signature = inspect.signature(original)
+    # A forward that names `output_router_logits` defaults it to the config's; one that only reads
+    # it from its keyword arguments (some multimodal MoE heads of older transformers) to off, and
+    # adds no router loss unless asked: the patched head follows whichever the installed one does.
+    router_logits_from_config = "output_router_logits" in signature.parameters
 
     dtensor = _dtensor_type()  # resolved here, once: torch.compile warns on a cached lookup per call
 
@@ -254,7 +259,9 @@ def causal_lm_forward(
 
     def linear_loss(self, head_weights, input_ids, attention_mask, position_ids, labels, logits_to_keep, kwargs):
         if aux_loss is not None and kwargs.get("output_router_logits") is None:
-            kwargs["output_router_logits"] = self.config.get_text_config().output_router_logits
+            kwargs["output_router_logits"] = (
+                self.config.get_text_config().output_router_logits if router_logits_from_config else False
+            )
         # What every family's forward calls (Llama 4's base_model_prefix names a multimodal model's).
         outputs = run_decoder(self.model, input_ids, attention_mask, position_ids, positions=head.positions, **kwargs)
         hidden = outputs.last_hidden_state
@@ -312,7 +319,6 @@ def causal_lm_forward(
         loss = add_aux_loss(self, loss, out.get("aux_loss"))
         return type(out)(loss=loss, **{key: value for key, value in out.items() if key != "loss"})
 
-    signature = inspect.signature(original)
     positional = [p.name for p in list(signature.parameters.values())[1:] if p.kind is p.POSITIONAL_OR_KEYWORD]
 
     def forward(self, *args, **kwargs):
