@@ -243,10 +243,11 @@ def causal_lm_forward(
 
     relay = plan.relay if plan is not None else None
     signature = inspect.signature(original)
-    # A forward that names `output_router_logits` defaults it to the config's; one that only reads
-    # it from its keyword arguments (some multimodal MoE heads of older transformers) to off, and
-    # adds no router loss unless asked: the patched head follows whichever the installed one does.
-    router_logits_from_config = "output_router_logits" in signature.parameters
+    # A forward that names `output_router_logits` defaults it to the config's; one that names its
+    # inputs but reads that one only from its keyword arguments (some multimodal MoE heads of older
+    # transformers) to off, adding no router loss unless asked: the patched head follows whichever
+    # the installed one does. A wrapper's bare (*args, **kwargs) tells neither: the config's.
+    router_logits_from_config = "output_router_logits" in signature.parameters or "labels" not in signature.parameters
 
     dtensor = _dtensor_type()  # resolved here, once: torch.compile warns on a cached lookup per call
 
