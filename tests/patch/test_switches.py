@@ -67,9 +67,16 @@ def test_op_names_and_unknown_names_are_refused_everywhere():
 
 def test_auto_model_patches_with_tiled_mlp_and_offload(monkeypatch):
     """The long-context switches are tigon's, not transformers' arguments."""
-    from tigon.patch import offload, tiled
+    from tigon.patch import offload, tiled, vision
 
     monkeypatch.setattr(tiled, "CHUNK_WIDTHS", 1)
+    make_embed = vision.patch_embed_forward
+
+    def embed_forward(*args):
+        forward = make_embed(*args)
+        return lambda *a: ran.add("patch_embed") or forward(*a)
+
+    monkeypatch.setattr(vision, "patch_embed_forward", embed_forward)
     tiles, sessions = [], []
     apply, session = tiled._TiledFunction.apply, offload.ActivationOffload
     monkeypatch.setattr(tiled._TiledFunction, "apply", lambda *a: tiles.append(a[1]) or apply(*a))
@@ -101,6 +108,7 @@ CASES = {
     "recompute_mlp": ("llama", {}),
     "moe_experts": ("qwen3_moe", {}),
     "gelu_mlp": ("qwen2_vl", {}),  # its vision tower's MLPs
+    "patch_embed": ("qwen2_vl", {}),  # its vision tower's Conv3d patch embedding
 }
 
 
@@ -131,7 +139,7 @@ def test_every_switch_is_in_a_case():
 def test_every_switch_changes_what_runs(name, monkeypatch):
     """Turning a switch off stops some of the ops the table says it covers and no other (a
     switch that covers no op: its wrapper)."""
-    from tigon.patch import offload, tiled
+    from tigon.patch import offload, tiled, vision
 
     ran: set[str] = set()
 
@@ -147,6 +155,13 @@ def test_every_switch_changes_what_runs(name, monkeypatch):
     monkeypatch.setattr(tiled._TiledFunction, "apply", lambda *a: ran.add("tiled_mlp") or apply(*a))
     monkeypatch.setattr(offload, "ActivationOffload", lambda *a: ran.add("offload_activations") or session(*a))
     monkeypatch.setattr(tiled, "CHUNK_WIDTHS", 1)
+    make_embed = vision.patch_embed_forward
+
+    def embed_forward(*args):
+        forward = make_embed(*args)
+        return lambda *a: ran.add("patch_embed") or forward(*a)
+
+    monkeypatch.setattr(vision, "patch_embed_forward", embed_forward)
 
     kind, others = CASES[name]
     model = _model(kind).train()

@@ -123,6 +123,38 @@ def test_vision_tower_gelu_mlps_run_one_op(model_type, monkeypatch):
     assert counts.get("gelu_mlp", 0) == blocks
 
 
+@pytest.mark.parametrize("model_type", vlm_params([t for t, family in VLM_FAMILIES.items() if family.patch_embed]))
+def test_patch_embedding_runs_as_one_gemm_not_a_convolution(model_type, monkeypatch):
+    """The Qwen-VL / GLM-4V patch embedding (a Conv3d whose stride is its kernel, with a bias in
+    Qwen3-VL's and GLM-4V's) gives the convolution's output and gradients without running it; with
+    a hook on its Conv3d it runs the module's own forward."""
+    model = tiny_vlm(model_type)
+    embed = next(m for m in model.modules() if type(m).__name__ == VLM_FAMILIES[model_type].patch_embed)
+    pixels = vlm_batch(model_type)["pixel_values"]
+    grad = torch.randn(pixels.shape[0], embed.proj.out_channels, generator=torch.Generator().manual_seed(3))
+
+    def run():
+        embed.zero_grad(set_to_none=True)
+        out = embed(pixels)
+        out.backward(grad)
+        return out.detach(), [p.grad for p in embed.parameters()]
+
+    want, want_grads = run()
+    assert "patch_embed" in tigon.patch(model).applied
+    convolutions = []
+    real = torch.nn.Conv3d._conv_forward
+    monkeypatch.setattr(torch.nn.Conv3d, "_conv_forward", lambda *a: convolutions.append(1) or real(*a))
+    got, grads = run()
+    assert not convolutions
+    assert_close(got, want, name="output")
+    assert len(grads) == len(want_grads) == (2 if embed.proj.bias is not None else 1)
+    for g, w in zip(grads, want_grads):
+        assert_close(g, w, name="gradient")
+    embed.proj.register_forward_hook(lambda *a: None)
+    assert_close(embed(pixels), want, name="hooked output")
+    assert convolutions == [1]
+
+
 def test_class_patch_of_a_vlm_over_a_text_family_says_what_to_do():
     with pytest.raises(ValueError, match="patch the model instance"):
         tigon.patch("llava")

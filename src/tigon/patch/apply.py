@@ -352,6 +352,10 @@ def _plan(
                 planned=True))
         else:
             plan.append(_Replacement(other.switch, cls, "forward", vision.gelu_mlp_forward(other, original)))
+    embed_cls = find(family.patch_embed) if family.patch_embed is not None and switches["patch_embed"] else None
+    if embed_cls is not None:
+        plan.append(_Replacement("patch_embed", embed_cls, "forward",
+                                 vision.patch_embed_forward(family.patch_embed, _original(embed_cls, "forward"))))
     loss_switch = next((name for name in ("linear_cross_entropy", "cross_entropy") if switches[name]), None)
     causal_lm = find(family.causal_lm, head_module)
     aux_loss = find(family.head.aux_loss) if family.head.aux_loss else None
@@ -700,6 +704,7 @@ def patch(
     recompute_mlp: bool = False,
     moe_experts: bool = True,
     gelu_mlp: bool = True,
+    patch_embed: bool = True,
     role: str | None = None,
     fp8: str | None = None,
     fp8_all_gather: bool = False,
@@ -728,7 +733,9 @@ def patch(
             reference in one step). `moe_experts` sets a patched model's experts
             implementation to tigon's fused experts op (:mod:`tigon.patch.moe`) for the model instance
             (its config's setting, restored by :func:`unpatch`). `gelu_mlp` runs a vision tower's
-            GELU MLPs (``fc2(gelu(fc1(x)))``, ViT, SigLIP and CLIP blocks) as one op
+            GELU MLPs (``fc2(gelu(fc1(x)))``, ViT, SigLIP and CLIP blocks) as one op, and
+            `patch_embed` a Qwen-VL or GLM-4V tower's patch embedding (a Conv3d whose stride is its
+            kernel) as one GEMM, which cuDNN's convolutions are many times slower than
             (:mod:`tigon.patch.vision`).
         role: what the logged line calls the model besides its class, for a second model of one
             run (``"the frozen reference"``), whose line would otherwise read as the first's again.
@@ -763,6 +770,7 @@ def patch(
         add_rms_norm=add_rms_norm, qkv_group=qkv_group, linear_cross_entropy=linear_cross_entropy,
         cross_entropy=cross_entropy, trl_log_probs=trl_log_probs, lora=lora, offload_activations=offload_activations,
         tiled_mlp=tiled_mlp, recompute_mlp=recompute_mlp, moe_experts=moe_experts, gelu_mlp=gelu_mlp,
+        patch_embed=patch_embed,
     ))
     if isinstance(target, str):
         result = _patch_classes(target, switches)

@@ -237,6 +237,9 @@ class Family:
         head_module: the modeling module (directory) holding `causal_lm`, where it is not
             `module`: a multimodal model's ``*ForConditionalGeneration`` over a language model
             of a text family (:data:`VLM_OVER_TEXT`).
+        patch_embed: a vision tower's patch-embedding class whose ``proj`` is a Conv3d with its
+            stride equal to its kernel over patches the processor already cut (Qwen-VL, GLM-4V):
+            one GEMM over the flattened patches, on switch ``patch_embed``.
     """
 
     module: str
@@ -251,6 +254,7 @@ class Family:
     experts: str | None = None
     other_mlps: tuple[MLP, ...] = ()
     head_module: str | None = None
+    patch_embed: str | None = None
 
     @property
     def mlps(self) -> tuple[MLP, ...]:
@@ -298,6 +302,7 @@ def _family(
     other_norms: tuple[Norm, ...] = (),
     experts: bool = False,
     other_mlps: tuple[MLP, ...] = (),
+    patch_embed: str | None = None,
     **layer,
 ) -> Family:
     return Family(
@@ -312,6 +317,7 @@ def _family(
         other_norms=other_norms,
         experts=f"{prefix}Experts" if experts else None,
         other_mlps=other_mlps,
+        patch_embed=patch_embed,
     )
 
 
@@ -481,16 +487,18 @@ VLM_FAMILIES: dict[str, Family] = {
     "qwen2_vl": _family(
         "qwen2_vl", "Qwen2VL", mlp=MLP("Qwen2MLP"), causal_lm="Qwen2VLForConditionalGeneration",
         rope=(Rope(), VISION_ROPE), head=M_ROPE_HEAD, other_norms=(LAYER_NORM,),
-        other_mlps=(_gelu_mlp("VisionMlp", act="act"),),
+        other_mlps=(_gelu_mlp("VisionMlp", act="act"),), patch_embed="PatchEmbed",
     ),
     "qwen2_5_vl": _family(
         "qwen2_5_vl", "Qwen2_5_VL", mlp=MLP("Qwen2MLP"), causal_lm="Qwen2_5_VLForConditionalGeneration",
         rope=(Rope(), VISION_ROPE), head=M_ROPE_HEAD, other_mlps=(MLP("Qwen2_5_VLMLP"),),
+        patch_embed="Qwen2_5_VisionPatchEmbed",
     ),
     "qwen3_vl": _family(
         "qwen3_vl", "Qwen3VLText", causal_lm="Qwen3VLForConditionalGeneration", rope=(Rope(), VISION_ROPE),
         head=M_ROPE_HEAD, other_norms=(LAYER_NORM,),
         other_mlps=(_gelu_mlp("Qwen3VLVisionMLP", act="act_fn", fc=("linear_fc1", "linear_fc2")),),
+        patch_embed="Qwen3VLVisionPatchEmbed",
     ),
     # Qwen3-VL's language model with Qwen3-MoE's sparse layers (experts through transformers'
     # experts interface, as qwen3_moe's; the dense MLP of its `mlp_only_layers`).
@@ -498,6 +506,7 @@ VLM_FAMILIES: dict[str, Family] = {
         "qwen3_vl_moe", "Qwen3VLMoeText", causal_lm="Qwen3VLMoeForConditionalGeneration", rope=(Rope(), VISION_ROPE),
         head=Head(aux_loss="load_balancing_loss_func", positions=False), experts=True, other_norms=(LAYER_NORM,),
         other_mlps=(_gelu_mlp("Qwen3VLMoeVisionMLP", act="act_fn", fc=("linear_fc1", "linear_fc2")),),
+        patch_embed="Qwen3VLMoeVisionPatchEmbed",
     ),
     # Llama 3.2 Vision: self-attention decoder layers (their forward, which carries the
     # cross-attention inputs along, stays HF's: no add + norm fused) between cross-attention ones,
@@ -512,7 +521,7 @@ VLM_FAMILIES: dict[str, Family] = {
         "glm4v", "Glm4vText", norm=Norm("Glm4vRMSNorm"), causal_lm="Glm4vForConditionalGeneration",
         mlp=MLP("Glm4vTextMLP", act="activation_fn", projections=("gate_up_proj", "down_proj")),
         rope=(Rope(interleaved=True, cos="pairs"), VISION_ROPE), head=M_ROPE_HEAD, other_norms=(LAYER_NORM,),
-        other_mlps=(MLP("Glm4VisionMlp"),),
+        other_mlps=(MLP("Glm4VisionMlp"),), patch_embed="Glm4vVisionPatchEmbed",
         norms=("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"),
     ),
     # (Its multimodal head applies no final-logit softcap, as the text-only one does.)

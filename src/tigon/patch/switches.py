@@ -66,6 +66,8 @@ TABLE: tuple[Switch, ...] = (
            ("moe_experts",)),
     Switch("gelu_mlp", True, "a vision tower's GELU MLPs (fc1, GELU, fc2) as one op keeping fc1's output, not the "
            "activation", ("gelu_mlp", "gelu")),
+    Switch("patch_embed", True, "a Qwen-VL / GLM-4V vision tower's patch embedding, a Conv3d whose stride is its "
+           "kernel, as the GEMM over the flattened patches it is"),
 )
 
 SWITCHES: tuple[str, ...] = tuple(switch.name for switch in TABLE)
