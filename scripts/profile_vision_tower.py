@@ -11,7 +11,7 @@ import argparse
 import torch
 
 import tigon
-from tigon.bench.vlm_e2e import SHAPES, _inner, build_vlm, image_batch, time_vision
+from tigon.bench.vlm_e2e import SHAPES, build_vlm, image_batch, time_vision
 
 from kernel_report import report_profile
 
@@ -27,7 +27,7 @@ for impl in ("eager", "tigon"):
     if impl == "tigon":
         print(tigon.patch(model))
     print(f"== {impl}: vision fwd+bwd median {time_vision(model, device, args.batch, 5, grid):.2f} ms")
-    visual = _inner(model).visual
+    visual = model.model.visual  # (a full fine-tune: no PEFT wrapper)
     pixels, grid_thw = image_batch(device, args.batch, grid)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU],
                                 record_shapes=True) as prof:

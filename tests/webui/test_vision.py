@@ -146,6 +146,9 @@ def test_the_browser_uploads_an_image_to_the_chat_and_sees_thumbnails(ui, client
     assert want
     page = browser_page
     page.goto(ui, wait_until="load", timeout=60_000)
+    # The load-time preview has drawn: the app is mounted and its listeners take the Enter below (one
+    # pressed before, on a loaded machine, reached no listener and nothing ever came).
+    page.wait_for_selector("#preview-sample .textfield", timeout=120_000)
     dataset = page.locator("#train-dataset textarea, #train-dataset input").first
     dataset.fill("uploads/shapes.jsonl")
     dataset.press("Enter")
