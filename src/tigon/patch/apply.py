@@ -735,7 +735,7 @@ def patch(
             (its config's setting, restored by :func:`unpatch`). `gelu_mlp` runs a vision tower's
             GELU MLPs (``fc2(gelu(fc1(x)))``, ViT, SigLIP and CLIP blocks) as one op, and
             `patch_embed` a Qwen-VL or GLM-4V tower's patch embedding (a Conv3d whose stride is its
-            kernel) as one GEMM, which cuDNN's convolutions are many times slower than
+            kernel) as the one GEMM it is, where cuDNN's 3-D convolution is many times slower
             (:mod:`tigon.patch.vision`).
         role: what the logged line calls the model besides its class, for a second model of one
             run (``"the frozen reference"``), whose line would otherwise read as the first's again.
