@@ -2,7 +2,7 @@
 # One device-machine call: gpu-marked tests, op benchmarks at their headline shapes, the linear-CE
 # chunk-budget sweep and the end-to-end benchmark. Everything lands in $OUT/results.tar.gz (the
 # device tool returns at most 8 files) plus the text logs.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|moetests|ab|ops|opsab|norms|rope|sweep|e2e|small|host|serve|moe|vlm|vlmprof|vlmtests|zoo|newops|tasks|rl|dpo|sft|profile|dpoprof|dpomem|maxctx ...]
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|moetests|ab|ops|opsab|norms|rope|sweep|e2e|small|host|serve|moe|vlm|vlmprof|ppo|unsloth|vlmtests|zoo|newops|tasks|rl|dpo|sft|profile|dpoprof|dpomem|maxctx ...]
 # (host: per-call host time of the small ops; small: the host-bound 1x1024 e2e with CUDA-graph replay;
 # rl: the GRPO loss against TRL's own log-prob path; dpo: tigon rlhf against TRL's DPOTrainer; dpoprof: where a `tigon rlhf --method dpo` step goes;
 # dpomem: what is live at its memory peak; DPO_ARGS: more tigon rlhf options for both)
@@ -12,14 +12,15 @@
 # the ops stage to those op cases. Wheels carried in .whl/ (the device tool's way to bring packages
 # the machine lacks: trl, liger-kernel, ...) are installed to /tmp/site first, with those of the
 # other .whl* folders carried (.whl-bnb: bitsandbytes) but .whl-serve: the serving stack (a newer
-# transformers among it) goes to its own folder, on the path of the serve stage alone.
+# transformers among it) goes to its own folder, on the path of the serve stage alone, and .whl-peers:
+# Unsloth with the trl and datasets it pins, to another, ahead on the path of the unsloth stage alone.
 # GPU_WORKERS runs the tests on that many xdist workers. E2E_IMPLS: the e2e and small stages' --e2e-impls (e.g.
 # "eager peer tigon tigon+graphs").
 # TIMEOUT_<stage> (seconds) overrides a stage's time limit: keep their sum under the call's limit.
 set -uo pipefail
 wheels=()
 for whl in .whl*/*.whl; do
-  case "$whl" in .whl-serve/*|'.whl*/*.whl') ;; *) wheels+=("$whl") ;; esac
+  case "$whl" in .whl-serve/*|.whl-peers/*|'.whl*/*.whl') ;; *) wheels+=("$whl") ;; esac
 done
 if [ ${#wheels[@]} -gt 0 ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${wheels[@]}" || exit 1
@@ -103,14 +104,22 @@ for stage in "${stages[@]}"; do
     newops) timeout ${!limit_var:-300} python3 -m tigon.cli bench --headline --out "$RES/newops" --ops mrope vision_rope \
              gelu_mlp_tanh info_nce cross_entropy linear_cross_entropy > "$RES/newops.txt" 2>&1
            grep -A16 "^op " "$RES/newops.txt" | tail -14 ;;
-    # The new training tasks against their peers: TRL's RewardTrainer, sentence-transformers, eager PPO.
+    # The new training tasks against their peers: TRL's RewardTrainer, sentence-transformers.
     tasks) timeout ${TIMEOUT_reward:-150} python3 -m tigon.bench.reward --impls peer eager tigon --out "$RES/reward" > "$RES/reward.txt" 2>&1
            tail -6 "$RES/reward.txt"
            timeout ${TIMEOUT_embed:-180} python3 -m tigon.bench.embed_e2e --impls eager tigon peer --steps 6 --warmup 2 \
              --out "$RES/embed" > "$RES/embed.txt" 2>&1
-           tail -6 "$RES/embed.txt"
-           timeout ${TIMEOUT_ppo:-150} python3 -m tigon.cli bench --ppo --out "$RES/ppo" > "$RES/ppo.txt" 2>&1
-           tail -6 "$RES/ppo.txt" ;;
+           tail -6 "$RES/embed.txt" ;;
+    # PPO's step (scoring and updates): eager, tigon, torch.compile (slowest to start: last); PPO_ARGS: more options.
+    ppo)   timeout ${!limit_var:-150} python3 -m tigon.bench.ppo --impls eager tigon compile ${PPO_ARGS:-} --out "$RES/ppo" > "$RES/ppo.txt" 2>&1
+           tail -8 "$RES/ppo.txt" ;;
+    # LoRA against Unsloth (UNSLOTH_ARGS: more tigon.bench.e2e options, e.g. the 8B QLoRA case).
+    unsloth) if compgen -G ".whl-peers/*.whl" > /dev/null && [ ! -d /tmp/peer-site ]; then
+             python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/peer-site .whl-peers/*.whl
+           fi
+           PYTHONPATH=/tmp/peer-site:$PYTHONPATH timeout ${!limit_var:-420} python3 -m tigon.bench.e2e \
+             ${UNSLOTH_ARGS:---modes lora --impls peer unsloth tigon} --out "$RES/unsloth" > "$RES/unsloth.txt" 2>&1
+           tail -12 "$RES/unsloth.txt" ;;
     vlm)   timeout ${!limit_var:-420} python3 -m tigon.bench.vlm_e2e ${VLM_ARGS:-} --out "$RES/vlm" > "$RES/vlm_e2e.txt" 2>&1
            tail -9 "$RES/vlm_e2e.txt" ;;
     # Where the vision tower's fwd+bwd goes, unpatched and patched (the 2b shape's tower).
