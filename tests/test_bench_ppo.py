@@ -2,6 +2,8 @@
 logits and tigon's fused ops from the same weights and rollout give the same PPO losses, update
 after update, full fine-tuning (a frozen reference copy) and LoRA (the adapter switched off)."""
 
+import json
+
 import pytest
 import torch
 
@@ -13,7 +15,7 @@ SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atte
 
 
 @pytest.mark.parametrize("mode", ["full", "lora"])
-def test_eager_and_tigon_take_the_same_ppo_steps(mode, monkeypatch):
+def test_eager_and_tigon_take_the_same_ppo_steps(mode, monkeypatch, tmp_path):
     if mode == "lora":
         pytest.importorskip("peft")
     monkeypatch.setenv("TIGON_DISABLE", "linear_policy_loss,linear_log_probs")  # their references, in seconds
@@ -22,7 +24,10 @@ def test_eager_and_tigon_take_the_same_ppo_steps(mode, monkeypatch):
     torch.set_num_threads(1)
     lines = []
     records = run_ppo_bench([mode], ["eager", "tigon"], prompts=3, prompt_len=5, new_tokens=7, epochs=2, steps=1,
-                            warmup=1, shape=SHAPE, lora_rank=4, device=torch.device("cpu"), log=lines.append)
+                            warmup=1, shape=SHAPE, lora_rank=4, device=torch.device("cpu"), log=lines.append,
+                            out_dir=tmp_path)
+    saved = json.loads((tmp_path / "ppo.json").read_text())
+    assert saved["environment"]["device"] == "cpu" and [r["impl"] for r in saved["records"]] == ["eager", "tigon"]
     assert not [r["error"] for r in records if "error" in r]
     eager, tigon = records
     assert len(eager["losses"]) == len(tigon["losses"]) == 4 and eager["losses"][0] != 0

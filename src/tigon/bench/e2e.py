@@ -235,6 +235,7 @@ def release_memory(device: torch.device) -> None:
     """Free what a finished case left (its model, optimizer, cached blocks) and restart the peak count."""
     gc.collect()
     if device.type == "cuda":
+        torch.cuda.init()  # a fresh case process: the allocator's statistics exist only once CUDA is set up
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
 

@@ -174,6 +174,7 @@ def run_isolated(module: str, argv: Sequence[str], record: dict[str, Any], *, ti
             return {**record, **json.loads(out.read_text())}
         lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
         status = f"killed by signal {-done.returncode}" if done.returncode < 0 else f"exit code {done.returncode}"
+        print(f"{module} {' '.join(argv)}: {status}; its last output:", *lines[-30:], sep="\n", file=sys.stderr)
         return {**record, "error": f"process ended ({status}) without a result: {lines[-1][:200] if lines else ''}"}
 
 

@@ -266,7 +266,7 @@ def run_ppo_bench(modes: Sequence[str] = ("lora",), impls: Sequence[str] = IMPLS
         log(line)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "ppo.json").write_text(json.dumps({"environment": environment(), "settings": settings,
+        (out_dir / "ppo.json").write_text(json.dumps({"environment": environment(device), "settings": settings,
                                                       "records": records}, indent=1))
     return records
 
