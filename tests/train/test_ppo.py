@@ -63,6 +63,28 @@ def test_gae_equals_a_hand_computed_example():
     torch.testing.assert_close(returns, torch.tensor([[1.0, 1.0, 1.0], [2.0, 2.0, 0.0]]))
 
 
+@pytest.mark.parametrize("tokens", [1, 5, 127, 128, 129, 300])
+@pytest.mark.parametrize("gamma, lam", [(1.0, 0.95), (0.99, 0.9), (1.0, 1.0), (0.5, 0.0)])
+def test_gae_equals_the_token_by_token_recurrence(tokens, gamma, lam):
+    """Across and inside the chunks the closed form takes: A_t = delta_t + gamma lam A_{t+1},
+    walked back one token at a time, on random completions of random lengths (one empty)."""
+    gen = torch.Generator().manual_seed(tokens)
+    rewards_, values = torch.randn(4, tokens, generator=gen), torch.randn(4, tokens, generator=gen)
+    lengths = torch.tensor([tokens, tokens // 2, 0, max(tokens - 1, 0)])
+    mask = (torch.arange(tokens) < lengths[:, None]).long()
+    scored_values, scored_rewards = values * mask, rewards_ * mask
+    expected = torch.zeros(4, tokens)
+    running = torch.zeros(4)
+    for t in reversed(range(tokens)):
+        following = scored_values[:, t + 1] if t + 1 < tokens else torch.zeros(4)
+        running = scored_rewards[:, t] + gamma * following - scored_values[:, t] + gamma * lam * running
+        expected[:, t] = running * mask[:, t]
+    got, returns = advantages.gae(rewards_, values, mask, gamma, lam)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(returns, (expected + scored_values) * mask, rtol=1e-5, atol=1e-5)
+    assert got.dtype == values.dtype and not got[2].any()
+
+
 def test_token_rewards_put_the_score_on_the_last_token_and_the_kl_on_every_one():
     logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -9.0]])
     ref = torch.tensor([[-1.5, -2.0, -0.25], [-0.3, -0.2, 4.0]])

@@ -22,19 +22,42 @@ def token_rewards(scores: torch.Tensor, log_probs: torch.Tensor, ref_log_probs: 
     return rewards, penalty
 
 
+GAE_CHUNK = 128
+
+
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation (Schulman et al. 2016) over ``(B, T)`` per-token rewards
     and value estimates, the episode ending after each completion's last scored token (values past
-    it are 0): ``(advantages, returns)``, both 0 where unscored."""
+    it are 0): ``(advantages, returns)``, both 0 where unscored.
+
+    ``A_t = delta_t + gamma lam A_{t+1}`` is a discounted sum of the TD errors to go, taken
+    ``GAE_CHUNK`` tokens at a time as one product with the ``(chunk, chunk)`` matrix of powers of
+    ``gamma lam``: a token-by-token loop is ~7 kernel launches per token, which for a few hundred
+    completion tokens costs more than the step's scoring GEMMs. In float64, so TF32 matmuls (where a
+    user enabled them) cannot round it."""
     mask = mask.to(values.dtype)
     values, rewards = values * mask, rewards * mask
-    advantages = torch.zeros_like(values)
-    running = torch.zeros_like(values[:, 0])
-    for t in reversed(range(values.shape[1])):
-        following = values[:, t + 1] if t + 1 < values.shape[1] else torch.zeros_like(running)
-        running = rewards[:, t] + gamma * following - values[:, t] + gamma * lam * running
-        advantages[:, t] = running
+    following = torch.nn.functional.pad(values[:, 1:], (0, 1))
+    deltas = (rewards + gamma * following - values).double()
+    decay = torch.tensor(gamma * lam, dtype=torch.float64, device=values.device)
+    tokens = values.shape[1]
+    span = min(GAE_CHUNK, tokens)
+    steps = torch.arange(span, device=values.device, dtype=torch.float64)
+    # powers[j, i] = decay^(j - i) for j >= i: how much the TD error j tokens on adds to A_i
+    lag = steps[:, None] - steps[None, :]
+    powers = torch.where(lag >= 0, decay ** lag.clamp(min=0), 0.0)
+    advantages = torch.empty_like(deltas)
+    carried = deltas.new_zeros(deltas.shape[0])
+    for end in range(tokens, 0, -span):
+        start = max(end - span, 0)
+        width = end - start
+        # decay^(width - i): how much A at `end` (the next chunk's first) adds to A_i
+        tail = decay ** (width - steps[:width])
+        chunk = deltas[:, start:end] @ powers[:width, :width] + carried[:, None] * tail
+        advantages[:, start:end] = chunk
+        carried = chunk[:, 0]
+    advantages = advantages.to(values.dtype)
     return advantages * mask, (advantages + values) * mask
 
 
