@@ -109,13 +109,16 @@ CASES = {
     "moe_experts": ("qwen3_moe", {}),
     "gelu_mlp": ("qwen2_vl", {}),  # its vision tower's MLPs
     "patch_embed": ("qwen2_vl", {}),  # its vision tower's Conv3d patch embedding
+    "vision_attention": ("qwen2_vl", {}),  # its vision tower's attention (SDPA: _model sets it)
 }
 
 
 def _model(kind: str) -> torch.nn.Module:
     """One decoder layer: every replacement still runs (its closing add goes with the final norm)."""
     if kind in VLM_FAMILIES:
-        return tiny_vlm(kind)
+        model = tiny_vlm(kind)
+        model.model.visual.config._attn_implementation = "sdpa"  # vision_attention replaces that path alone
+        return model
     model = tiny_model(kind if kind in FAMILIES else "llama", num_hidden_layers=1)
     if kind == "lora":
         from peft import LoraConfig, get_peft_model
@@ -155,13 +158,18 @@ def test_every_switch_changes_what_runs(name, monkeypatch):
     monkeypatch.setattr(tiled._TiledFunction, "apply", lambda *a: ran.add("tiled_mlp") or apply(*a))
     monkeypatch.setattr(offload, "ActivationOffload", lambda *a: ran.add("offload_activations") or session(*a))
     monkeypatch.setattr(tiled, "CHUNK_WIDTHS", 1)
-    make_embed = vision.patch_embed_forward
+    make_embed, make_attention = vision.patch_embed_forward, vision.vision_attention_forward
 
     def embed_forward(*args):
         forward = make_embed(*args)
         return lambda *a: ran.add("patch_embed") or forward(*a)
 
+    def attention_forward(*args):
+        make = make_attention(*args)
+        return lambda plan: (lambda *a, **k: ran.add("vision_attention") or make(plan)(*a, **k))
+
     monkeypatch.setattr(vision, "patch_embed_forward", embed_forward)
+    monkeypatch.setattr(vision, "vision_attention_forward", attention_forward)
 
     kind, others = CASES[name]
     model = _model(kind).train()

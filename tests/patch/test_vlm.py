@@ -155,6 +155,56 @@ def test_patch_embedding_runs_as_one_gemm_not_a_convolution(model_type, monkeypa
     assert convolutions == [1]
 
 
+@pytest.mark.parametrize("model_type", vlm_params([t for t, family in VLM_FAMILIES.items() if family.vision_attention]))
+@pytest.mark.parametrize("grids", [[[1, 4, 4], [1, 4, 4]], [[1, 4, 4], [1, 2, 4], [1, 4, 2]]], ids=["one-size", "sizes"])
+def test_vision_attention_reads_the_image_lengths_once_per_tower_forward(model_type, grids, monkeypatch):
+    """With SDPA, a Qwen-VL / GLM-4V tower's attention reads the packed images' lengths to the
+    host (a device sync) once per boundaries tensor, not three times in every block; images of one
+    size go to one batched attention call; output and every gradient are the unpatched tower's.
+    Under eager attention the module's own forward runs."""
+    model = tiny_vlm(model_type)
+    visual = model.model.visual
+    visual.config._attn_implementation = "sdpa"
+    grid = torch.tensor(grids)
+    gen = torch.Generator().manual_seed(5)
+    pixels = torch.randn(int(grid.prod(1).sum()), vlm_batch(model_type)["pixel_values"].shape[1], generator=gen)
+    reads, calls = [], []
+    tolist, sdpa = torch.Tensor.tolist, torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or tolist(self))
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q, *a, **k: calls.append(q.shape[0]) or sdpa(q, *a, **k))
+
+    def run():
+        visual.zero_grad(set_to_none=True)
+        reads.clear()
+        calls.clear()
+        out = visual(pixels, grid_thw=grid)
+        out = getattr(out, "pooler_output", out)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(6)))
+        # (Qwen3-VL's deepstack mergers feed the language model, not the pooled output: no gradient)
+        return out.detach(), {n: p.grad for n, p in visual.named_parameters() if p.grad is not None}, len(reads), list(calls)
+
+    want, want_grads, want_reads, want_calls = run()
+    assert "vision_attention" in tigon.patch(model).applied
+    got, grads, got_reads, got_calls = run()
+    assert_close(got, want, name="output")
+    assert grads.keys() == want_grads.keys() and any("blocks.0.attn.qkv" in name for name in grads)
+    for name, grad in grads.items():
+        assert_close(grad, want_grads[name], name=name)
+    blocks = len(visual.blocks)
+    boundaries = 2 if model_type == "qwen2_5_vl" else 1  # its windowed blocks' and its whole-image ones'
+    assert want_reads - got_reads == 3 * blocks - boundaries
+    assert sum(got_calls) == sum(want_calls) == len(want_calls)  # every segment attended, each alone before
+    if len(grids) == 2 and model_type != "qwen2_5_vl":
+        assert got_calls == [2] * blocks
+    elif len(grids) == 3:
+        assert len(got_calls) == len(want_calls)
+    visual.config._attn_implementation = "eager"
+    eager, *_ = run()
+    assert_close(eager, want, name="eager attention's output")
+    assert not calls
+
+
 def test_class_patch_of_a_vlm_over_a_text_family_says_what_to_do():
     with pytest.raises(ValueError, match="patch the model instance"):
         tigon.patch("llava")

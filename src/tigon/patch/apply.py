@@ -356,6 +356,11 @@ def _plan(
     if embed_cls is not None:
         plan.append(_Replacement("patch_embed", embed_cls, "forward",
                                  vision.patch_embed_forward(family.patch_embed, _original(embed_cls, "forward"))))
+    attention_cls = (find(family.vision_attention) if family.vision_attention is not None and switches["vision_attention"]
+                     else None)
+    if attention_cls is not None:
+        plan.append(_Replacement("vision_attention", attention_cls, "forward", vision.vision_attention_forward(
+            family.vision_attention, _original(attention_cls, "forward")), planned=True))
     loss_switch = next((name for name in ("linear_cross_entropy", "cross_entropy") if switches[name]), None)
     causal_lm = find(family.causal_lm, head_module)
     aux_loss = find(family.head.aux_loss) if family.head.aux_loss else None
@@ -705,6 +710,7 @@ def patch(
     moe_experts: bool = True,
     gelu_mlp: bool = True,
     patch_embed: bool = True,
+    vision_attention: bool = True,
     role: str | None = None,
     fp8: str | None = None,
     fp8_all_gather: bool = False,
@@ -735,7 +741,8 @@ def patch(
             (its config's setting, restored by :func:`unpatch`). `gelu_mlp` runs a vision tower's
             GELU MLPs (``fc2(gelu(fc1(x)))``, ViT, SigLIP and CLIP blocks) as one op, and
             `patch_embed` a Qwen-VL or GLM-4V tower's patch embedding (a Conv3d whose stride is its
-            kernel) as the one GEMM it is, where cuDNN's 3-D convolution is many times slower
+            kernel) as the one GEMM it is, and `vision_attention` their attention with the images'
+            lengths read to the host once per tower forward instead of once per block
             (:mod:`tigon.patch.vision`).
         role: what the logged line calls the model besides its class, for a second model of one
             run (``"the frozen reference"``), whose line would otherwise read as the first's again.
@@ -770,7 +777,7 @@ def patch(
         add_rms_norm=add_rms_norm, qkv_group=qkv_group, linear_cross_entropy=linear_cross_entropy,
         cross_entropy=cross_entropy, trl_log_probs=trl_log_probs, lora=lora, offload_activations=offload_activations,
         tiled_mlp=tiled_mlp, recompute_mlp=recompute_mlp, moe_experts=moe_experts, gelu_mlp=gelu_mlp,
-        patch_embed=patch_embed,
+        patch_embed=patch_embed, vision_attention=vision_attention,
     ))
     if isinstance(target, str):
         result = _patch_classes(target, switches)

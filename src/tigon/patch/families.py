@@ -240,6 +240,9 @@ class Family:
         patch_embed: a vision tower's patch-embedding class whose ``proj`` is a Conv3d with its
             stride equal to its kernel over patches the processor already cut (Qwen-VL, GLM-4V):
             one GEMM over the flattened patches, on switch ``patch_embed``.
+        vision_attention: a vision tower's attention class over images packed into one sequence
+            (``cu_seqlens`` bounds each image's tokens; Qwen-VL, GLM-4V), on switch
+            ``vision_attention``.
     """
 
     module: str
@@ -255,6 +258,7 @@ class Family:
     other_mlps: tuple[MLP, ...] = ()
     head_module: str | None = None
     patch_embed: str | None = None
+    vision_attention: str | None = None
 
     @property
     def mlps(self) -> tuple[MLP, ...]:
@@ -303,6 +307,7 @@ def _family(
     experts: bool = False,
     other_mlps: tuple[MLP, ...] = (),
     patch_embed: str | None = None,
+    vision_attention: str | None = None,
     **layer,
 ) -> Family:
     return Family(
@@ -318,6 +323,7 @@ def _family(
         experts=f"{prefix}Experts" if experts else None,
         other_mlps=other_mlps,
         patch_embed=patch_embed,
+        vision_attention=vision_attention,
     )
 
 
@@ -487,18 +493,18 @@ VLM_FAMILIES: dict[str, Family] = {
     "qwen2_vl": _family(
         "qwen2_vl", "Qwen2VL", mlp=MLP("Qwen2MLP"), causal_lm="Qwen2VLForConditionalGeneration",
         rope=(Rope(), VISION_ROPE), head=M_ROPE_HEAD, other_norms=(LAYER_NORM,),
-        other_mlps=(_gelu_mlp("VisionMlp", act="act"),), patch_embed="PatchEmbed",
+        other_mlps=(_gelu_mlp("VisionMlp", act="act"),), patch_embed="PatchEmbed", vision_attention="VisionAttention",
     ),
     "qwen2_5_vl": _family(
         "qwen2_5_vl", "Qwen2_5_VL", mlp=MLP("Qwen2MLP"), causal_lm="Qwen2_5_VLForConditionalGeneration",
         rope=(Rope(), VISION_ROPE), head=M_ROPE_HEAD, other_mlps=(MLP("Qwen2_5_VLMLP"),),
-        patch_embed="Qwen2_5_VisionPatchEmbed",
+        patch_embed="Qwen2_5_VisionPatchEmbed", vision_attention="Qwen2_5_VLVisionAttention",
     ),
     "qwen3_vl": _family(
         "qwen3_vl", "Qwen3VLText", causal_lm="Qwen3VLForConditionalGeneration", rope=(Rope(), VISION_ROPE),
         head=M_ROPE_HEAD, other_norms=(LAYER_NORM,),
         other_mlps=(_gelu_mlp("Qwen3VLVisionMLP", act="act_fn", fc=("linear_fc1", "linear_fc2")),),
-        patch_embed="Qwen3VLVisionPatchEmbed",
+        patch_embed="Qwen3VLVisionPatchEmbed", vision_attention="Qwen3VLVisionAttention",
     ),
     # Qwen3-VL's language model with Qwen3-MoE's sparse layers (experts through transformers'
     # experts interface, as qwen3_moe's; the dense MLP of its `mlp_only_layers`).
@@ -506,7 +512,7 @@ VLM_FAMILIES: dict[str, Family] = {
         "qwen3_vl_moe", "Qwen3VLMoeText", causal_lm="Qwen3VLMoeForConditionalGeneration", rope=(Rope(), VISION_ROPE),
         head=Head(aux_loss="load_balancing_loss_func", positions=False), experts=True, other_norms=(LAYER_NORM,),
         other_mlps=(_gelu_mlp("Qwen3VLMoeVisionMLP", act="act_fn", fc=("linear_fc1", "linear_fc2")),),
-        patch_embed="Qwen3VLMoeVisionPatchEmbed",
+        patch_embed="Qwen3VLMoeVisionPatchEmbed", vision_attention="Qwen3VLMoeVisionAttention",
     ),
     # Llama 3.2 Vision: self-attention decoder layers (their forward, which carries the
     # cross-attention inputs along, stays HF's: no add + norm fused) between cross-attention ones,
@@ -522,6 +528,7 @@ VLM_FAMILIES: dict[str, Family] = {
         mlp=MLP("Glm4vTextMLP", act="activation_fn", projections=("gate_up_proj", "down_proj")),
         rope=(Rope(interleaved=True, cos="pairs"), VISION_ROPE), head=M_ROPE_HEAD, other_norms=(LAYER_NORM,),
         other_mlps=(MLP("Glm4VisionMlp"),), patch_embed="Glm4vVisionPatchEmbed",
+        vision_attention="Glm4vVisionAttention",
         norms=("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"),
     ),
     # (Its multimodal head applies no final-logit softcap, as the text-only one does.)

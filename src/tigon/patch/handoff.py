@@ -18,6 +18,11 @@ a value, and two patched models never see each other's. A relay holds, for one f
 ``accuracy``
     a list lent by :func:`tigon.patch.token_accuracy` for one loss, to which the causal-LM forward
     appends ``(hits, count)`` from the loss kernel's pass.
+``segments``
+    the last two ``(cu_seqlens, lengths)`` a vision tower's attention read: the boundaries of the
+    images packed into its sequence, and their lengths as host integers. Every block of one tower
+    forward is given the same ``cu_seqlens`` tensor; the first block reads it to the host (a
+    device sync), the others find it here. (Qwen2.5-VL alternates two: windows and whole images.)
 
 A reader finding nothing computes the value itself: a hand-off that does not happen costs time,
 never a different result.
@@ -69,12 +74,13 @@ def capturing() -> bool:
 class Relay:
     """The in-flight hand-offs of one patched model's forward (see the module docstring)."""
 
-    __slots__ = ("normed", "normed_input", "accuracy")
+    __slots__ = ("normed", "normed_input", "accuracy", "segments")
 
     def __init__(self) -> None:
         self.normed: tuple[torch.Tensor, torch.nn.Module, torch.Tensor] | None = None
         self.normed_input: tuple[torch.Tensor, Any] | None = None
         self.accuracy: list | None = None
+        self.segments: tuple[tuple[torch.Tensor, list[int]], ...] = ()
 
     def take_normed(self, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor | None:
         """`norm`'s output for `x` if the layer before formed it, no longer held; else None."""
@@ -85,6 +91,16 @@ class Relay:
             return None
         self.normed = None
         return held[2] if held[0] is x else None
+
+    def segment_lengths(self, cu_seqlens: torch.Tensor) -> list[int]:
+        """The lengths of the segments `cu_seqlens` bounds, as host integers: read from the device
+        once per tensor (the two last kept)."""
+        for held, lengths in self.segments:
+            if held is cu_seqlens:
+                return lengths
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        self.segments = ((cu_seqlens, lengths), *self.segments[:1])
+        return lengths
 
     def normed_input_of(self, x: torch.Tensor) -> Any:
         """The NormedInput `x` was made from, if the layer passing it said so; else None."""

@@ -68,6 +68,8 @@ TABLE: tuple[Switch, ...] = (
            "activation", ("gelu_mlp", "gelu")),
     Switch("patch_embed", True, "a Qwen-VL / GLM-4V vision tower's patch embedding, a Conv3d whose stride is its "
            "kernel, as the GEMM over the flattened patches it is"),
+    Switch("vision_attention", True, "a Qwen-VL / GLM-4V vision tower's attention: the images' lengths read to the "
+           "host once per tower forward, not in every block, and images of one size in one attention call"),
 )
 
 SWITCHES: tuple[str, ...] = tuple(switch.name for switch in TABLE)
