@@ -161,14 +161,22 @@ def test_the_browser_uploads_an_image_to_the_chat_and_sees_thumbnails(ui, client
     assert widths and max(widths) <= THUMBNAIL_SIDE, widths
     page.screenshot(path=artifacts / "train-image-preview.png", full_page=True)
 
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
     page.get_by_role("tab", name="Chat").click()
     chosen = page.locator("#chat-model input")
     # the tab fills in the newest model when it opens: the choice is made after that
     page.wait_for_function("() => document.querySelector('#chat-model input')?.value.length > 0", timeout=30_000)
-    chosen.fill("vlm/final")
-    page.get_by_role("option", name="vlm/final", exact=True).click()
-    page.wait_for_function("() => document.querySelector('#chat-model input')?.value === 'vlm/final'",
-                           timeout=30_000)
+    for attempt in range(3):  # a refresh of the choices landing after the click can put the newest back
+        chosen.fill("vlm/final")
+        page.get_by_role("option", name="vlm/final", exact=True).click()
+        try:
+            page.wait_for_function("() => document.querySelector('#chat-model input')?.value === 'vlm/final'",
+                                   timeout=20_000)
+            break
+        except PlaywrightTimeout:
+            if attempt == 2:
+                raise
     page.locator("#chat-image input[type=file]").set_input_files(str(place["picture"]))
     page.wait_for_function("() => document.querySelector('#chat-image')?.innerText.includes('shape.png')",
                            timeout=30_000)
