@@ -9,7 +9,8 @@ forwards the decoders' use.)
 A Qwen-VL tower embeds patches the processor has already cut and flattened with a Conv3d whose
 kernel is the whole patch and whose stride is that kernel: each output is one dot product of a
 flattened patch with a flattened filter, a GEMM, but it reaches cuDNN as a 3-D convolution, whose
-kernels for this shape (and their weight gradient above all) run many times slower than the GEMM.
+kernels for this shape (their weight gradient above all) can be far slower than that GEMM, by
+cuDNN version and card.
 
 Those towers pack every image of a batch into one sequence and give each block's attention the
 images' boundaries (``cu_seqlens``) on the device. Without flash-attention each block reads the
