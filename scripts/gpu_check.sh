@@ -111,7 +111,7 @@ for stage in "${stages[@]}"; do
              --out "$RES/embed" > "$RES/embed.txt" 2>&1
            tail -6 "$RES/embed.txt" ;;
     # PPO's step (scoring and updates): eager, tigon, torch.compile (slowest to start: last); PPO_ARGS: more options.
-    ppo)   timeout ${!limit_var:-150} python3 -m tigon.bench.ppo --impls eager tigon compile ${PPO_ARGS:-} --out "$RES/ppo" > "$RES/ppo.txt" 2>&1
+    ppo)   timeout ${!limit_var:-150} python3 -m tigon.bench.ppo ${PPO_ARGS:-} --out "$RES/ppo" > "$RES/ppo.txt" 2>&1
            tail -8 "$RES/ppo.txt" ;;
     # LoRA against Unsloth (UNSLOTH_ARGS: more tigon.bench.e2e options, e.g. the 8B QLoRA case).
     unsloth) if compgen -G ".whl-peers/*.whl" > /dev/null && [ ! -d /tmp/peer-site ]; then

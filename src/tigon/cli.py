@@ -73,7 +73,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.ppo:
         from tigon.bench.ppo import run_ppo_bench
 
-        records = run_ppo_bench(impls=("eager", "tigon"), out_dir=Path(args.out) if args.out else None)
+        records = run_ppo_bench(impls=("eager", "tigon", "compile"), out_dir=Path(args.out) if args.out else None)
         return 1 if any("error" in r for r in records) else 0
     if args.host:
         from tigon.bench.host import run_host
@@ -324,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "tok/s, its spread and the largest peak (run-to-run drift then cannot decide a comparison)")
     bench.add_argument("--ppo", action="store_true",
                        help="PPO's training step without sampling (8 prompts x 256 new tokens, 1B Llama shape, LoRA): "
-                            "eager and tigon; torch.compile, full fine-tuning and more knobs: python -m tigon.bench.ppo "
+                            "eager, tigon and torch.compile; full fine-tuning and more knobs: python -m tigon.bench.ppo "
                             "--help")
     bench.add_argument("--max-context", nargs="*", type=int, metavar="TOKENS",
                        help="long-context LoRA: peak memory and s/step by length (default 65536 ... 524288), "
