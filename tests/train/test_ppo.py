@@ -63,7 +63,7 @@ def test_gae_equals_a_hand_computed_example():
     torch.testing.assert_close(returns, torch.tensor([[1.0, 1.0, 1.0], [2.0, 2.0, 0.0]]))
 
 
-@pytest.mark.parametrize("tokens", [1, 5, 127, 128, 129, 300])
+@pytest.mark.parametrize("tokens", [0, 1, 5, 127, 128, 129, 300])
 @pytest.mark.parametrize("gamma, lam", [(1.0, 0.95), (0.99, 0.9), (1.0, 1.0), (0.5, 0.0)])
 def test_gae_equals_the_token_by_token_recurrence(tokens, gamma, lam):
     """Across and inside the chunks the closed form takes: A_t = delta_t + gamma lam A_{t+1},

@@ -42,7 +42,7 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     deltas = (rewards + gamma * following - values).double()
     decay = torch.tensor(gamma * lam, dtype=torch.float64, device=values.device)
     tokens = values.shape[1]
-    span = min(GAE_CHUNK, tokens)
+    span = max(min(GAE_CHUNK, tokens), 1)  # (no tokens: no chunk, nothing to sum)
     steps = torch.arange(span, device=values.device, dtype=torch.float64)
     # powers[j, i] = decay^(j - i) for j >= i: how much the TD error j tokens on adds to A_i
     lag = steps[:, None] - steps[None, :]
