@@ -73,6 +73,15 @@ def test_bench_rejects_unknown_op(capsys):
     assert "unknown op(s) nope" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs them for real")
+@pytest.mark.parametrize("mode, bench", [("--ppo", "the PPO step benchmark"), ("--e2e", "the end-to-end benchmark"),
+                                         ("--reward", "tigon bench --reward"), ("--max-context", "the max-context benchmark")])
+def test_gpu_benches_without_a_gpu_say_so_in_one_line(capsys, tmp_path, mode, bench):
+    assert main(["bench", mode, "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"tigon bench: error: {bench} needs a CUDA GPU\n"
+    assert not (tmp_path / "out").exists()
+
+
 def help_entries(capsys, argv):
     """Each option's --help entry (flags, metavar and help text as one line), by its long flag."""
     with pytest.raises(SystemExit):

@@ -57,6 +57,18 @@ def _cmd_env(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    from tigon.bench.e2e import NeedsGPU
+
+    try:
+        return _bench(args)
+    except NeedsGPU as err:
+        if args.debug:
+            raise
+        print(f"tigon bench: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _bench(args: argparse.Namespace) -> int:
     if args.max_context is not None:
         from tigon.bench.max_context import SEQS, run_max_context
 

@@ -245,10 +245,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class NeedsGPU(RuntimeError):
+    """A benchmark was asked for where no CUDA GPU is visible."""
+
+
 def current_cuda_device(bench: str) -> torch.device:
-    """The current CUDA device, or a RuntimeError saying that `bench` needs one."""
+    """The current CUDA device, or :class:`NeedsGPU` saying that `bench` needs one."""
     if not torch.cuda.is_available():
-        raise RuntimeError(f"{bench} needs a CUDA GPU")
+        raise NeedsGPU(f"{bench} needs a CUDA GPU")
     return torch.device("cuda", torch.cuda.current_device())
 
 

@@ -44,7 +44,7 @@ import torch
 
 import tigon
 import tigon.functional as TF
-from tigon.bench.e2e import LLAMA_1B, build_model, release_memory
+from tigon.bench.e2e import LLAMA_1B, build_model, current_cuda_device, release_memory
 from tigon.bench.harness import environment
 from tigon.patch import HIDDEN, add_hidden_output
 from tigon.train.advantages import gae, token_rewards, value_loss, whiten
@@ -253,10 +253,7 @@ def run_ppo_bench(modes: Sequence[str] = ("lora",), impls: Sequence[str] = IMPLS
                   log: Callable[[str], None] = print, device: torch.device | None = None) -> list[dict[str, Any]]:
     """Every (mode, impl) pair on the current CUDA device (or `device`: a CPU run of a small
     `shape` checks the pipeline, not speed); a table, ``ppo.json`` in `out_dir`, the records."""
-    if device is None:
-        if not torch.cuda.is_available():
-            raise RuntimeError("the PPO step benchmark needs a CUDA GPU")
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = device or current_cuda_device("the PPO step benchmark")
     settings = dict(prompts=prompts, prompt_len=prompt_len, new_tokens=new_tokens, epochs=epochs, steps=steps,
                     warmup=warmup, lora_rank=lora_rank)
     log(f"PPO step bench: {prompts} prompts x ({prompt_len} + up to {new_tokens}) tokens, {epochs} update(s) a step, "
