@@ -7,6 +7,8 @@ import base64
 import io
 import json
 import logging
+import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +20,10 @@ from tigon.train import tiny, tiny_vlm
 from tigon.train import vision_run
 from tigon.train.data import Sample
 from tigon.train.template import IGNORE
-from tigon.train.vision import (VisionCollator, VisionEncoder, freeze, load_processor, model_config, model_parts,
-                                vision_token_ids)
-from tigon.train.vision_data import load_vision_samples, open_image
+from tigon.train.batching import pack
+from tigon.train.vision import (VisionCollator, VisionEncoder, freeze, load_processor, model_config,
+                                model_parts, pack_positions, vision_token_ids)
+from tigon.train.vision_data import VideoRef, VisionSample, load_vision_samples, open_image
 
 pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -318,6 +321,8 @@ def test_freeze_vision_leaves_the_tower_without_gradients(processor):
 
 def _bad_rows(tmp_path: Path) -> None:
     (tmp_path / "ok.png").write_bytes(_png())
+    (tmp_path / "wide.png").write_bytes(_png(size=(40, 20)))
+    (tmp_path / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")
     (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
     chat = [{"role": "user", "content": "<image>What colour?"}, {"role": "assistant", "content": "red"}]
     files = {
@@ -329,6 +334,15 @@ def _bad_rows(tmp_path: Path) -> None:
             {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, {"type": "text", "text": "?"}]},
             chat[1]]},
         "video": {"messages": [{"role": "user", "content": "<video>What happens?"}, chat[1]], "videos": [["ok.png"]]},
+        "video_file": {"messages": [{"role": "user", "content": "<video>What happens?"}, chat[1]], "videos": ["clip.mp4"]},
+        "video_frame_missing": {"messages": [{"role": "user", "content": [
+            {"type": "video", "video": ["ok.png", "nope.png"]}, {"type": "text", "text": "?"}]}, chat[1]]},
+        "video_sizes": {"messages": [{"role": "user", "content": "<video>What happens?"}, chat[1]],
+                        "videos": [["ok.png", "ok.png", "wide.png"]]},
+        "more_videos": {"messages": [{"role": "user", "content": "<video>What happens?"}, chat[1]],
+                        "videos": [["ok.png"], ["ok.png"]]},
+        "video_fps": {"messages": [{"role": "user", "content": [
+            {"type": "video", "video": ["ok.png"], "fps": 0}, {"type": "text", "text": "?"}]}, chat[1]]},
         "text_only": {"conversations": [{"from": "human", "value": "<image>What colour?"}, {"from": "gpt", "value": "red"}],
                       "images": ["ok.png"]},
     }
@@ -348,12 +362,22 @@ def _bad_rows(tmp_path: Path) -> None:
     ("qwen2_vl", ["--dataset", "{tmp}/remote.jsonl"], "{tmp}/remote.jsonl line 2: image 1 (https://example.com/cat.png): "
                                                       "a remote URL: tigon fetches nothing"),
     ("llava", ["--dataset", "{tmp}/video.jsonl"], "{tmp}/video.jsonl line 2: a video, but llava models take no video"),
-    ("qwen2_vl", ["--dataset", "{tmp}/video.jsonl"], "{tmp}/video.jsonl line 2: a video: tigon sft trains qwen2_vl on "
-                                                     "images only for now"),
+    ("gemma3", ["--dataset", "{tmp}/video.jsonl"], "{tmp}/video.jsonl line 2: a video, but gemma3 models take no video"),
+    ("qwen2_vl", ["--dataset", "{tmp}/video_file.jsonl"], "{tmp}/video_file.jsonl line 2: video 1: a video file; tigon "
+                                                          "decodes no video: give its frames"),
+    ("qwen2_vl", ["--dataset", "{tmp}/video_frame_missing.jsonl"],
+     "{tmp}/video_frame_missing.jsonl line 2: video 1, frame 2 (nope.png): no such file"),
+    ("qwen2_5_vl", ["--dataset", "{tmp}/video_sizes.jsonl"], "{tmp}/video_sizes.jsonl line 2: video 1: its frames differ "
+                                                             "in size (frame 1 is 30x20, frame 3 is 40x20)"),
+    ("qwen2_vl", ["--dataset", "{tmp}/more_videos.jsonl"],
+     "{tmp}/more_videos.jsonl line 2: has 1 <video> placeholder (or video parts) but 2 videos"),
+    ("qwen2_vl", ["--dataset", "{tmp}/video_fps.jsonl"],
+     "{tmp}/video_fps.jsonl line 2: messages[0].content[0].fps must be a positive number of frames per second, got 0"),
     (None, ["--dataset", "{tmp}/text_only.jsonl"], "{tmp}/text_only.jsonl line 1: has images: a text-only model cannot "
                                                    "train on images"),
     (None, ["--max-pixels", "1000"], "--max-pixels: only for vision-language models"),
-    ("qwen2_vl", ["--packing"], "--packing: rows with images cannot be packed exactly for qwen2_vl"),
+    ("gemma3", ["--packing"], "--packing: rows with images cannot be packed exactly for gemma3 yet (packing takes "
+                              "qwen2_vl, qwen2_5_vl"),
     ("llava", ["--min-pixels", "100"], "--min-pixels: llava's image processor resizes every image to its own size"),
     ("qwen2_vl", ["--max-pixels", "0"], "--max-pixels must be > 0, got 0"),
 ])
@@ -380,6 +404,100 @@ def test_large_images_are_scaled_down_and_said_once(models, tmp_path, caplog):
     assert said == [f"data: 3 images larger than --max-pixels {56 * 56}: scaled down to it (aspect kept)"]
     encoder = VisionEncoder(tiny_vlm.build_processor(), max_pixels=56 * 56)
     assert encoder.images([tmp_path / "big.png"])[0].size[0] * encoder.images([tmp_path / "big.png"])[0].size[1] <= 56 * 56
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_sft_trains_on_videos_given_as_frames(models, tmp_path, family, caplog):
+    """Rows with a video (frames listed, or a folder of them in name order) beside an image:
+    `tigon sft` reads, lays out and trains on them; a video's tokens are its frames' patches, two
+    frames to each (an odd last frame repeated)."""
+    rng = random.Random(0)
+    (tmp_path / "clip").mkdir()
+    for i in (10, 1, 2):
+        (tmp_path / "clip" / f"frame_{i}.png").write_bytes(tiny_vlm.draw("circle", "red", rng))
+    for name in ("a", "b", "s"):
+        (tmp_path / f"{name}.png").write_bytes(tiny_vlm.draw("square", "blue", rng))
+    rows = [{"messages": [{"role": "user", "content": [{"type": "video", "video": "clip", "fps": 4},
+                                                       {"type": "text", "text": "What moves?"}]},
+                          {"role": "assistant", "content": "a red circle"}]},
+            {"messages": [{"role": "user", "content": "<video>then <image>Which?"},
+                          {"role": "assistant", "content": "a blue square"}],
+             "videos": [["a.png", "b.png"]], "images": ["s.png"]}]
+    (tmp_path / "video.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) * 2)
+    samples = load_vision_samples([str(tmp_path / "video.jsonl")], seed=0)
+    clip = next(s.images[0] for s in samples if len(s.images) == 1)
+    assert [f.name for f in clip.frames] == ["frame_1.png", "frame_2.png", "frame_10.png"] and clip.fps == 4
+    processor = load_processor(str(models[family]), model_config(str(models[family])))
+    encoder = VisionEncoder(processor, family=family)
+    batch = VisionCollator(encoder)([encoder.encode(s, 512) for s in samples[:2]])
+    per_step = 56 * 56 // (28 * 28)  # a 56-pixel frame: 4 x 4 patches, merged 2 x 2
+    steps = sorted(batch["video_grid_thw"][:, 0].tolist())
+    assert steps == [1, 2] and (batch["input_ids"] == processor.video_token_id).sum() == per_step * 3
+    if family == "qwen2_5_vl":  # two frames a temporal patch: 0.5 s at 4 fps, 1 s at the default 2
+        assert sorted(batch["second_per_grid_ts"].tolist()) == [0.5, 1.0]
+    caplog.set_level(logging.INFO, logger="tigon.train")
+    out = tmp_path / "out"
+    assert main(["sft", "--model", str(models[family]), "--dataset", str(tmp_path / "video.jsonl"), "--max-steps", "2",
+                 "--batch-size", "2", "--samples", "1", "--max-new-tokens", "2", "--save-steps", "0",
+                 "--output-dir", str(out)]) == 0
+    losses = [r["loss"] for r in _metrics(out) if "loss" in r]
+    assert len(losses) == 2 and all(0 < loss < 100 for loss in losses)
+    assert "4 rows, messages with images, 2 images, 4 videos" in caplog.text
+
+
+def _packing_samples(tmp_path: Path, video: bool) -> list:
+    """Three chats of different lengths: two images, one image, and (for a family with video) a
+    video's frames beside an image."""
+    rng = random.Random(1)
+    shapes = [tiny_vlm.draw(s, "red", rng) for s in ("circle", "square", "triangle", "circle")]
+    ask = lambda parts, answer: ({"role": "user", "content": [*parts, {"type": "text", "text": QUESTION}]},
+                                 {"role": "assistant", "content": [{"type": "text", "text": answer}]})
+    image = {"type": "image"}
+    samples = [VisionSample("a", ask([image, image], "red and red, a longer answer"), tuple(shapes[:2])),
+               VisionSample("b", ask([image], "red"), (shapes[2],))]
+    if video:
+        samples.append(VisionSample("c", ask([{"type": "video"}, image], "a red circle"),
+                                    (VideoRef(tuple(shapes[:3]), 1.0), shapes[3]), 1))
+    return samples
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "llava"])
+def test_packed_rows_give_the_loss_and_gradients_of_their_samples_alone(models, tmp_path, family):
+    """Samples packed end to end in one row (Qwen-VL's 3-D positions too, a video's among them)
+    train exactly as the same samples in a padded batch of their own rows."""
+    path = str(models[family])
+    processor = load_processor(path, model_config(path))
+    encoder = VisionEncoder(processor, family=family)
+    rows = [encoder.encode(s, 512) for s in _packing_samples(tmp_path, video=family != "llava")]
+    packed = pack(rows, 512, seed=0, keep=("text", "images"))
+    assert len(packed) == 1 and len(packed[0]["samples"]) == len(rows)
+    model = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    pack_positions(model)
+    grads = []
+    for batch in (VisionCollator(encoder)(rows), VisionCollator(encoder)(packed)):
+        batch.pop("num_tokens")
+        model.zero_grad()
+        loss = model(**batch).loss
+        loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    (alone, alone_grads), (together, together_grads) = grads
+    assert "attention_mask" not in batch and batch["input_ids"].shape[0] == 1
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)
+    assert len(alone_grads) == len(together_grads)
+    for a, b in zip(alone_grads, together_grads):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
+def test_sft_packs_vlm_rows(models, shapes_file, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="tigon.train")
+    out = tmp_path / "out"
+    assert main(["sft", "--model", str(models["qwen2_5_vl"]), "--dataset", str(shapes_file), "--packing",
+                 "--max-length", "128", "--max-steps", "2", "--batch-size", "2", "--samples", "0", "--save-steps", "0",
+                 "--output-dir", str(out)]) == 0
+    losses = [r["loss"] for r in _metrics(out) if "loss" in r]
+    assert len(losses) == 2 and all(0 < loss < 100 for loss in losses)
+    packed = re.search(r"packing: into (\d+) rows of up to 128 tokens", caplog.text)
+    assert packed and int(packed.group(1)) < 8  # the file's 8 rows, a few to each packed row
 
 
 def test_builtin_vision_default_learns_the_shapes(tmp_path, monkeypatch, caplog):

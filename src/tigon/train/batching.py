@@ -30,23 +30,30 @@ class TokenDataset(torch.utils.data.Dataset):
         return sum(len(r["input_ids"]) for r in self.rows)
 
 
-def pack(examples: list[dict[str, list[int]]], max_length: int, seed: int) -> list[dict[str, list[int]]]:
+def pack(examples: list[dict[str, Any]], max_length: int, seed: int, keep: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """Concatenate samples (in a seeded random order) into rows of at most `max_length` tokens,
     with ``position_ids`` restarting at 0 at each sample. Every sample is already truncated to
-    `max_length`, so each fits in a row; a sample never straddles two rows."""
+    `max_length`, so each fits in a row; a sample never straddles two rows. With `keep`, each row
+    also lists its samples' values of those keys (and their lengths) under ``samples``, in order."""
     order = list(range(len(examples)))
     random.Random(seed).shuffle(order)
-    rows: list[dict[str, list[int]]] = []
-    row: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
+
+    def empty() -> dict[str, Any]:
+        return {"input_ids": [], "labels": [], "position_ids": [], **({"samples": []} if keep else {})}
+
+    rows: list[dict[str, Any]] = []
+    row = empty()
     for i in order:
         ex = examples[i]
         n = len(ex["input_ids"])
         if row["input_ids"] and len(row["input_ids"]) + n > max_length:
             rows.append(row)
-            row = {"input_ids": [], "labels": [], "position_ids": []}
+            row = empty()
         row["input_ids"] += ex["input_ids"]
         row["labels"] += ex["labels"]
         row["position_ids"] += list(range(n))
+        if keep:
+            row["samples"].append({**{k: ex[k] for k in keep}, "length": n})
     if row["input_ids"]:
         rows.append(row)
     return rows

@@ -24,6 +24,7 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
     "{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif p['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

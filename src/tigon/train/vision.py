@@ -23,7 +23,8 @@ import torch
 from tigon.train.batching import NUM_TOKENS
 from tigon.train.config import SFTConfig, SFTError
 from tigon.train.template import IGNORE
-from tigon.train.vision_data import ImageRef, VisionSample, bounded, image_ref, open_image
+from tigon.train.vision_data import ImageRef, VideoRef, VisionSample, bounded, image_ref, open_image
+from tigon.train.vision_video import video_inputs
 
 log = logging.getLogger("tigon.train")
 
@@ -191,19 +192,25 @@ class VisionEncoder:
     processor: Any
     max_pixels: int | None = None
     image_size: int | None = None
+    family: str | None = None  # the model type: how a video's frames are laid out (`vision_video`)
 
     def __post_init__(self) -> None:
         self.unscored = vision_token_ids(self.processor)
 
-    def images(self, refs: tuple[ImageRef, ...] | list[ImageRef]) -> list[Any]:
-        return [bounded(open_image(ref), self.max_pixels, self.image_size) for ref in refs]
+    def images(self, refs: tuple[Any, ...] | list[Any]) -> list[Any]:
+        """`refs` (images, and videos as `VideoRef`s of frames) opened and bounded."""
+        return [VideoRef(tuple(self.images(ref.frames)), ref.fps) if isinstance(ref, VideoRef)
+                else bounded(open_image(ref), self.max_pixels, self.image_size) for ref in refs]
 
     def render(self, messages: Any, add_generation_prompt: bool) -> str:
         return self.processor.apply_chat_template(list(messages), tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
 
     def inputs(self, texts: list[str], images: list[list[Any]]) -> Any:
-        """The processor's batch of `texts` with their `images` (right-padded)."""
+        """The processor's batch of `texts` with their `images` (right-padded); with videos, the
+        same batch with the videos' frames laid out by `vision_video`."""
+        if any(isinstance(m, VideoRef) for row in images for m in row):
+            return video_inputs(self.processor, self.family, texts, images)
         nested = images if any(images) else None
         return self.processor(text=texts, images=nested, padding=True, return_tensors="pt")
 
@@ -266,7 +273,8 @@ class VisionEncoder:
 
 
 def _count_images(message: dict[str, Any]) -> int:
-    return sum(p.get("type") == "image" for p in message["content"])
+    """The images and videos in `message` (a sample's `images` holds both, in order)."""
+    return sum(p.get("type") in ("image", "video") for p in message["content"])
 
 
 def _common(a: list[int], b: list[int]) -> int:
@@ -287,6 +295,8 @@ class VisionCollator:
         self.encoder = encoder
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        if "samples" in rows[0]:
+            return self.packed(rows)
         batch = dict(self.encoder.inputs([r["text"] for r in rows], [self.encoder.images(r["images"]) for r in rows]))
         lengths = [len(r["input_ids"]) for r in rows]
         width = max(lengths)
@@ -303,6 +313,40 @@ class VisionCollator:
         batch["input_ids"] = torch.where(mask, batch["input_ids"], self.encoder.processor.tokenizer.pad_token_id)
         batch["labels"] = torch.tensor([r["labels"] + [IGNORE] * (width - n) for r, n in zip(rows, lengths)])
         batch[NUM_TOKENS] = sum(lengths)
+        return batch
+
+    def packed(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        """Packed rows (`batching.pack` with their samples kept): the processor run over every
+        sample, each sample's tokens cut back to its length and laid end to end in its row, the
+        rows right-padded with the padding as one more sample, ``position_ids`` restarting at
+        each, and no attention mask: from those positions the model builds a block-diagonal
+        causal mask (`pack_positions` adds Qwen-VL's 3-D ones)."""
+        samples = [s for r in rows for s in r["samples"]]
+        batch = dict(self.encoder.inputs([s["text"] for s in samples], [self.encoder.images(s["images"]) for s in samples]))
+        ids = batch.pop("input_ids")
+        batch.pop("attention_mask", None)
+        per_token = {k: batch.pop(k) for k in [k for k, v in batch.items() if isinstance(v, torch.Tensor) and
+                                               v.shape[:2] == ids.shape]}
+        width = max(len(r["input_ids"]) for r in rows)
+        pad_id = self.encoder.processor.tokenizer.pad_token_id
+        laid: dict[str, list[torch.Tensor]] = {k: [] for k in ("input_ids", *per_token)}
+        at = 0
+        for i, row in enumerate(rows):
+            spans = range(at, at + len(row["samples"]))
+            at += len(row["samples"])
+            short = width - len(row["input_ids"])
+            for key, values in (("input_ids", ids), *per_token.items()):
+                cut = [values[j, : samples[j]["length"]] for j in spans]
+                laid[key].append(torch.cat([*cut, values.new_full((short, *values.shape[2:]),
+                                                                  pad_id if key == "input_ids" else 0)]))
+            if laid["input_ids"][-1][: len(row["input_ids"])].tolist() != row["input_ids"]:
+                raise ValueError(f"the processor tokenized packed row {i} of this batch otherwise than when the data "
+                                 "was read")
+        batch.update({k: torch.stack(v) for k, v in laid.items()})
+        batch["labels"] = torch.tensor([r["labels"] + [IGNORE] * (width - len(r["labels"])) for r in rows])
+        batch["position_ids"] = torch.tensor([r["position_ids"] + list(range(width - len(r["position_ids"])))
+                                              for r in rows])
+        batch[NUM_TOKENS] = sum(len(r["input_ids"]) for r in rows)
         return batch
 
 
@@ -405,7 +449,8 @@ def pick_vision_prompts(samples: list[VisionSample], n: int, label: Any = None) 
         if not messages:
             continue
         images = s.images[:count]
-        names = label(s) if label else ", ".join(r.name if isinstance(r, Path) else "image" for r in images)
+        names = label(s) if label else ", ".join(r.name if isinstance(r, Path) else "video" if isinstance(r, VideoRef)
+                                                 else "image" for r in images)
         text = " ".join("".join(p.get("text", "") for p in m["content"] if p["type"] == "text") for m in messages)
         prompt = VisionPrompt(messages, images, f"[{names}] {text.strip()}" if names else text.strip())
         if all(p.shown != prompt.shown for p in prompts):
@@ -499,6 +544,48 @@ def answer_about_images(model_id: str, prompts: list[str], images: list[str], dt
                             max_new_tokens) for prompt in prompts]
 
 
+# How a family's packed rows take their positions: "text", 1-D, restarting at each sample (the
+# model builds its block-diagonal mask from them); "mrope", Qwen-VL's 3-D ones as well, under
+# those (`pack_positions`). A family not here is refused --packing.
+PACKING = {"qwen2_vl": "mrope", "qwen2_5_vl": "mrope", "qwen3_vl": "mrope", "qwen3_vl_moe": "mrope", "llava": "text"}
+
+
 def packing_refusal(family: str) -> SFTError:
-    return SFTError(f"--packing: rows with images cannot be packed exactly for {family} yet (each image's tokens "
-                    "and, for Qwen-VL, its 3-D positions belong to one sample): train without --packing")
+    return SFTError(f"--packing: rows with images cannot be packed exactly for {family} yet (packing takes "
+                    f"{', '.join(PACKING)}): train without --packing")
+
+
+def pack_positions(model: torch.nn.Module) -> Any:
+    """Make `model` (of a family in PACKING) take packed rows: a forward pre-hook on its inner
+    model runs a packed batch (1-D ``position_ids`` restarting at each sample) without a cache,
+    which would keep the model from building the block-diagonal mask from those positions; for
+    Qwen-VL ("mrope") it also puts them over the 3-D positions, as Qwen-VL takes packed rows. The
+    3-D ones are the model's own for the whole row, each sample's shifted back by its first
+    token's: exactly the sample's alone, since the model starts every sample after the last one's
+    largest position. Steps aside in generation (a cache) and where positions are not 1-D.
+    Returns the hook's handle."""
+    import inspect
+
+    inner = next(m for m in model.modules() if hasattr(m, "language_model") and m is not model and
+                 not hasattr(m, "lm_head"))
+    mrope = PACKING[model.config.model_type] == "mrope"
+    takes = set(inspect.signature(inner.get_rope_index).parameters) if mrope else set()
+
+    def packed(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
+        text = kwargs.get("position_ids")
+        if text is None or text.ndim != 2 or kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+            return None
+        if not mrope:
+            return args, {**kwargs, "use_cache": False}
+        given = {k: kwargs.get(k) for k in ("input_ids", "image_grid_thw", "video_grid_thw", "second_per_grid_ts",
+                                            "mm_token_type_ids") if k in takes}
+        if given.get("image_grid_thw") is None and given.get("video_grid_thw") is None:
+            row = text[None].expand(3, -1, -1)
+        else:
+            row = inner.get_rope_index(**given, attention_mask=None)[0].to(text.device)
+        tokens = torch.arange(text.shape[1], device=text.device).expand_as(text)
+        starts = torch.where(text == 0, tokens, 0).cummax(-1).values  # each token's sample's first token
+        own = row - row.gather(-1, starts[None].expand_as(row))
+        return args, {**kwargs, "position_ids": torch.cat([text[None], own]), "use_cache": False}
+
+    return inner.register_forward_pre_hook(packed, with_kwargs=True)

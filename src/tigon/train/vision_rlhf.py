@@ -39,7 +39,7 @@ from tigon.train.rlhf import (KTO_METRICS, PAIRED_METRICS, TigonDPOTrainer, Tigo
                               trl_arguments)
 from tigon.train.run import Built, Job, split_off, start, train
 from tigon.train.vision import VisionEncoder, bound_pixels, load_processor, pick_vision_prompts, vision_generate
-from tigon.train.vision_data import (VisionSample, content_parts, count_parts, listed_media, matched_images,
+from tigon.train.vision_data import (VideoRef, VisionSample, content_parts, count_parts, listed_media, matched_images,
                                      resolve_images)
 from tigon.train.vision_run import build_vision_model, vision_settings
 
@@ -126,8 +126,9 @@ def prompt_images(row: dict, prompt: list[dict[str, Any]], sources: list[Any]) -
     """The images of `row`'s `prompt` (its image parts' `sources`, or the row's images list, put
     before the first user turn's text when the prompt has no placeholder: `prompt` is changed in
     place) and its number of videos; a RowError when they do not match."""
-    listed, videos = listed_media(row)
-    videos += count_parts(prompt, "video")
+    listed, listed_videos = listed_media(row)
+    videos = len(listed_videos) + count_parts(prompt, "video")
+    sources = [s for s in sources if not isinstance(s, VideoRef)]  # counted above, refused by the caller
     slots = count_parts(prompt, "image")
     if not slots and (listed or sources):
         first = next((i for i, m in enumerate(prompt) if m["role"] == "user"), None)

@@ -14,14 +14,15 @@ from typing import Any
 import torch
 
 from tigon.train import tiny_vlm
-from tigon.train.batching import TokenDataset
+from tigon.train.batching import TokenDataset, pack
 from tigon.train.config import VISION_KEYS, SFTConfig, SFTError, check_sequence_parallel
 from tigon.train.run import (BASE_DIR, Built, Job, split_off, start, train, training_arguments)
 from tigon.train.trainer import TOKEN_ACCURACY, TigonTrainer
 from tigon.train.vision import (VisionCollator, VisionEncoder, bound_pixels, freeze, is_vision_config, load_processor,
-                                load_vision_model, lora_targets, model_config, model_parts, packing_refusal,
+                                load_vision_model, lora_targets, model_config, model_parts, PACKING, pack_positions, packing_refusal,
                                 pick_vision_prompts, takes_video, vision_generate)
 from tigon.train.vision_data import VisionSample, check_videos, load_vision_samples
+from tigon.train.vision_video import VIDEO_LAYOUTS
 
 log = logging.getLogger("tigon.train")
 
@@ -75,7 +76,7 @@ def vision_settings(cfg: SFTConfig) -> tuple[Any, str, Any]:
 def check_vision_settings(cfg: SFTConfig, family: str) -> None:
     """Refuse, in one line, the settings a vision-language run does not take."""
     check_sequence_parallel(cfg)
-    if cfg.packing:
+    if cfg.packing and family not in PACKING:
         raise packing_refusal(family)
     if cfg.quant is not None:
         raise SFTError(f"--quant {cfg.quant}: tigon sft does not quantise vision-language models yet; train without "
@@ -141,6 +142,8 @@ def build_vision_model(cfg: SFTConfig, processor: Any, dtype: torch.dtype, args:
     log.info("model: %s, %s, %s tuning%s: %.2fM of %.2fM parameters trainable", cfg.model or BUILTIN_NAME,
              str(dtype).replace("torch.", ""), cfg.tuner, f" ({' and '.join(frozen)} frozen)" if frozen else "",
              trainable / 1e6, total / 1e6)
+    if cfg.packing:
+        pack_positions(model)
     apply_kernels(model, cfg)  # (a family tigon.patch lacks trains without them, said in one line)
     model.to(args.device)
     if copied is not None:
@@ -158,12 +161,18 @@ def run_vision(cfg: SFTConfig) -> Path:
     samples, eval_samples = _data(cfg)
     processor = tiny_vlm.build_processor() if builtin else load_processor(cfg.model, config)
     bound_pixels(processor, family, cfg.min_pixels, cfg.max_pixels)
-    check_videos(samples + eval_samples, family, takes_video(processor))
-    encoder = VisionEncoder(processor, cfg.max_pixels, cfg.image_size)
-    train_data = TokenDataset(encoder.encode_all(samples, cfg.max_length, "training data"))
-    eval_data = TokenDataset(encoder.encode_all(eval_samples, cfg.max_length, "evaluation data")) if eval_samples else None
-    log.info("tokens: %d training rows, %d images, %d tokens, max length %d", len(train_data),
-             sum(len(r["images"]) for r in train_data.rows), train_data.num_tokens(), cfg.max_length)
+    check_videos(samples + eval_samples, family, takes_video(processor), tuple(VIDEO_LAYOUTS))
+    encoder = VisionEncoder(processor, cfg.max_pixels, cfg.image_size, family)
+    train_rows = encoder.encode_all(samples, cfg.max_length, "training data")
+    eval_rows = encoder.encode_all(eval_samples, cfg.max_length, "evaluation data") if eval_samples else None
+    log.info("tokens: %d training rows, %d images and videos, %d tokens, max length %d", len(train_rows),
+             sum(len(r["images"]) for r in train_rows), sum(len(r["input_ids"]) for r in train_rows), cfg.max_length)
+    if cfg.packing:
+        train_rows, eval_rows = (pack(rows, cfg.max_length, cfg.seed, keep=("text", "images")) if rows else rows
+                                 for rows in (train_rows, eval_rows))
+        log.info("packing: into %d rows of up to %d tokens", len(train_rows), cfg.max_length)
+    train_data = TokenDataset(train_rows)
+    eval_data = TokenDataset(eval_rows) if eval_rows else None
     collator = VisionCollator(encoder)
 
     def trainer(built: Built, args: Any) -> TigonTrainer:
