@@ -10,7 +10,8 @@ import torch
 
 from tigon.train import tiny_vlm
 from tigon.train.config import SFTError
-from tigon.train.vision import VisionCollator, VisionEncoder, image_only
+from tigon.train.batching import pack
+from tigon.train.vision import VisionCollator, VisionEncoder, image_only, pack_positions
 from tigon.train.vision_data import VideoRef, VisionSample, check_videos
 from tigon.train.vision_video import VIDEO_LAYOUTS, clip_pixels, frame_times
 
@@ -78,10 +79,9 @@ def _chat(kinds: str) -> tuple:
             {"role": "assistant", "content": [{"type": "text", "text": "a red circle"}]})
 
 
-def test_qwen3_vl_reads_a_batch_of_timestamped_frames(processor):
-    """Qwen3-VL's layout: each temporal patch between its own vision start and end after its time.
-    Its model takes the batch (it checks the video tokens against the clip's features, and gives
-    each temporal patch its own positions) and learns from it."""
+@pytest.fixture(scope="module")
+def qwen3(processor):
+    """A tiny random Qwen3-VL with a Qwen3-VL processor (the built-in tokenizer and image processor)."""
     tokenizer = processor.tokenizer
     qwen3 = image_only(transformers.Qwen3VLProcessor)(image_processor=processor.image_processor, tokenizer=tokenizer,
                                                       chat_template=processor.chat_template)
@@ -96,20 +96,58 @@ def test_qwen3_vl_reads_a_batch_of_timestamped_frames(processor):
                            spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[1],
                            num_position_embeddings=16), **ids)
     torch.manual_seed(0)
-    model = transformers.Qwen3VLForConditionalGeneration(config)
-    encoder = VisionEncoder(qwen3, family="qwen3_vl")
-    rows = [encoder.encode(VisionSample("r1", _chat("vi"), (VideoRef(_png(_frames(3)), 2.0), *_png(_frames(1, 1))), 1),
+    return qwen3, transformers.Qwen3VLForConditionalGeneration(config)
+
+
+def _qwen3_rows(encoder) -> list:
+    return [encoder.encode(VisionSample("r1", _chat("vi"), (VideoRef(_png(_frames(3)), 2.0), *_png(_frames(1, 1))), 1),
                            512),
-            encoder.encode(VisionSample("r2", _chat("v"), (VideoRef(_png(_frames(2, 2)), 1.0),), 1), 512)]
+            encoder.encode(VisionSample("r2", _chat("v"), (VideoRef(_png(_frames(2, 2)), 1.0),), 1), 512),
+            encoder.encode(VisionSample("r3", _chat("ii"), _png(_frames(2, 5))), 512)]
+
+
+def test_qwen3_vl_reads_a_batch_of_timestamped_frames(qwen3):
+    """Qwen3-VL's layout: each temporal patch between its own vision start and end after its time.
+    Its model takes the batch (it checks the video tokens against the clip's features, and gives
+    each temporal patch its own positions) and learns from it."""
+    qwen3, model = qwen3
+    tokenizer = qwen3.tokenizer
+    encoder = VisionEncoder(qwen3, family="qwen3_vl")
+    rows = _qwen3_rows(encoder)[:2]
     text = tokenizer.decode(rows[0]["input_ids"])
     assert "<0.2 seconds><|vision_start|>" in text and "<1.0 seconds><|vision_start|>" in text
     assert "<0.5 seconds><|vision_start|>" in tokenizer.decode(rows[1]["input_ids"])
     batch = VisionCollator(encoder)(rows)
     batch.pop("num_tokens")
     assert batch["video_grid_thw"].tolist() == [[2, 4, 4], [1, 4, 4]] and "second_per_grid_ts" not in batch
+    model.zero_grad()
     loss = model(**batch).loss
     loss.backward()
     assert torch.isfinite(loss) and model.model.visual.patch_embed.proj.weight.grad.abs().sum() > 0
+
+
+def test_qwen3_vl_packed_rows_train_as_their_samples_alone(qwen3):
+    """Qwen3-VL rows packed end to end (videos' timestamped frames among them) give the loss and
+    gradients of the same samples in rows of their own."""
+    qwen3, model = qwen3
+    encoder = VisionEncoder(qwen3, family="qwen3_vl")
+    rows = _qwen3_rows(encoder)
+    handle = pack_positions(model)
+    try:
+        results = []
+        for batch in (VisionCollator(encoder)(rows), VisionCollator(encoder)(pack(rows, 512, 0, ("text", "images")))):
+            batch.pop("num_tokens")
+            model.zero_grad()
+            loss = model(**batch).loss
+            loss.backward()
+            results.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    finally:
+        handle.remove()
+    assert batch["input_ids"].shape[0] == 1 and batch["position_ids"].shape[0] == 1
+    (alone, alone_grads), (together, together_grads) = results
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)
+    for a, b in zip(alone_grads, together_grads, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
 
 
 def test_a_video_for_a_family_tigon_does_not_lay_out_is_one_line():
