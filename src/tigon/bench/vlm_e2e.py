@@ -1,5 +1,6 @@
 """End-to-end fine-tuning benchmark of a Qwen-VL-shaped vision-language model: eager, the peer
-(Liger-Kernel's patch of the instance) and tigon, same model, images, text and steps.
+(Liger-Kernel's patch of the instance), tigon and torch.compile of the eager model, same model,
+images, text and steps.
 
 Each sample is one 448 x 448 image (a 32 x 32 grid of 14-pixel patches, merged 2 x 2 into 256
 visual tokens, between the vision start and end tokens) and random text filling the rest of
@@ -40,7 +41,7 @@ MODES = ("lora", "full")
 QWEN_SPECIALS = dict(image=151655, start=151652, end=151653, first=151643)
 TINY_SPECIALS = dict(image=1021, start=1018, end=1019, first=1016)
 GRID = 32  # patches per side of a 448-pixel image (the tiny shapes': 8)
-IMPLS = ("eager", "peer", "tigon")
+IMPLS = ("eager", "peer", "tigon", "compile")  # compile: last, the slowest to start
 QWEN2_5_VL_VISION = dict(
     depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14, spatial_merge_size=2,
     temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31], in_chans=3,
@@ -119,9 +120,11 @@ def image_batch(device: torch.device, batch: int, grid: int) -> tuple[torch.Tens
     return pixels, torch.tensor([[1, grid, grid]] * batch, device=device)
 
 
-def image_step(model: torch.nn.Module, device: torch.device, batch: int, shape: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Forward + backward of `model` on random text ids with one image per row: ids from the
-    text vocabulary, the image's tokens after the first, the loss on the text."""
+def image_step(model: torch.nn.Module, device: torch.device, batch: int, shape: str,
+               run: torch.nn.Module | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Forward + backward of `model` (through `run`, its compiled form, when given) on random text
+    ids with one image per row: ids from the text vocabulary, the image's tokens after the first,
+    the loss on the text."""
     side, specials = SHAPES[shape]["grid"], SHAPES[shape]["specials"]
     pixels, grid = image_batch(device, batch, side)
     tokens = side * side // 4
@@ -134,7 +137,7 @@ def image_step(model: torch.nn.Module, device: torch.device, batch: int, shape: 
         extra = {}
         if "mm_token_type_ids" in _forward_parameters(model):
             extra["mm_token_type_ids"] = (ids == specials["image"]).int()
-        loss = model(input_ids=ids, labels=labels, pixel_values=pixels, image_grid_thw=grid, **extra).loss
+        loss = (run or model)(input_ids=ids, labels=labels, pixel_values=pixels, image_grid_thw=grid, **extra).loss
         loss.backward()
         return loss.detach()
 
@@ -153,10 +156,13 @@ def _inner(model: torch.nn.Module) -> torch.nn.Module:
     return base.model
 
 
-def time_vision(model: torch.nn.Module, device: torch.device, batch: int, reps: int, grid: int) -> float:
+def time_vision(model: torch.nn.Module, device: torch.device, batch: int, reps: int, grid: int,
+                compiled: bool = False) -> float:
     """Median ms of one forward + backward of the vision tower alone (patch embedding, blocks,
-    merger) on the batch's pixels, synchronised around each; a fixed random gradient flows back."""
+    merger; torch.compile'd with `compiled`) on the batch's pixels, synchronised around each; a
+    fixed random gradient flows back."""
     visual = _inner(model).visual
+    visual = torch.compile(visual) if compiled else visual
     pixels, grid_thw = image_batch(device, batch, grid)
     grad = None
     times = []
@@ -188,9 +194,12 @@ def run_vlm_case(mode: str, impl: str, device: torch.device, *, batch: int, seq:
             record["applied"] = str(tigon.patch(model))
             log(record["applied"])
         vocab = SHAPES[shape]["text"]["vocab_size"]
-        record.update(measure_training(model, image_step(model, device, batch, shape), vocab, batch, seq, warmup, steps))
+        run = torch.compile(model) if impl == "compile" else None
+        record.update(measure_training(model, image_step(model, device, batch, shape, run), vocab, batch, seq, warmup,
+                                       steps))
         if vision_reps and mode == "full":
-            record["vision_ms"] = time_vision(model, device, batch, vision_reps, SHAPES[shape]["grid"])
+            record["vision_ms"] = time_vision(model, device, batch, vision_reps, SHAPES[shape]["grid"],
+                                              compiled=impl == "compile")
     except Exception as err:  # one failing case must not hide the others' numbers
         record["error"] = f"{type(err).__name__}: {err}"
     finally:
