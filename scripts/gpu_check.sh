@@ -2,7 +2,7 @@
 # One device-machine call: gpu-marked tests, op benchmarks at their headline shapes, the linear-CE
 # chunk-budget sweep and the end-to-end benchmark. Everything lands in $OUT/results.tar.gz (the
 # device tool returns at most 8 files) plus the text logs.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|moetests|ab|ops|opsab|norms|rope|sweep|e2e|small|host|serve|moe|vlm|vlmprof|ppo|unsloth|vlmtests|zoo|newops|tasks|rl|dpo|sft|profile|dpoprof|dpomem|maxctx ...]
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|moetests|ab|ops|opsab|norms|rope|sweep|e2e|small|host|serve|moe|vlm|vlmprof|vlmdata|ppo|unsloth|vlmtests|zoo|newops|tasks|rl|dpo|sft|profile|dpoprof|dpomem|maxctx ...]
 # (host: per-call host time of the small ops; small: the host-bound 1x1024 e2e with CUDA-graph replay;
 # rl: the GRPO loss against TRL's own log-prob path; dpo: tigon rlhf against TRL's DPOTrainer; dpoprof: where a `tigon rlhf --method dpo` step goes;
 # dpomem: what is live at its memory peak; DPO_ARGS: more tigon rlhf options for both)
@@ -125,6 +125,12 @@ for stage in "${stages[@]}"; do
     # Where the vision tower's fwd+bwd goes, unpatched and patched (the 2b shape's tower).
     vlmprof) timeout ${!limit_var:-150} python3 scripts/profile_vision_tower.py ${VLMPROF_ARGS:-} > "$RES/vlm_profile.txt" 2>&1
            grep -E "^==|kernel span" "$RES/vlm_profile.txt" ;;
+    # Video as frames and VLM packing under this machine's transformers, with its torchvision: the
+    # clip batch against transformers' own video processor (a gpu-marked test) among them.
+    vlmdata) TRITON_INTERPRET=1 timeout ${!limit_var:-200} python3 -m pytest -q -p no:cacheprovider -n 8 \
+             tests/train/test_vision_video.py tests/train/test_vision.py -k "video or packed or packs" \
+             > "$RES/vlm_data_tests.txt" 2>&1
+           tail -15 "$RES/vlm_data_tests.txt" ;;
     # The VLM patch tests under this machine's transformers (its class names), kernels interpreted.
     vlmtests) TRITON_INTERPRET=1 timeout ${!limit_var:-300} python3 -m pytest -q -p no:cacheprovider -n 8 \
              tests/patch/test_vlm.py > "$RES/vlm_tests.txt" 2>&1
