@@ -62,9 +62,20 @@ def test_vlm_bench_compile_column_runs_the_step_and_the_tower_through_torch_comp
     the CPU compile being minutes)."""
     compiled = []
 
+    class Compiled(torch.nn.Module):  # as torch.compile's wrapper, it answers len() from the module it wraps
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
+        def __len__(self):
+            return len(self.module)
+
     def record(module, **kwargs):
         compiled.append(type(module).__name__)
-        return module
+        return Compiled(module)
 
     monkeypatch.setattr(torch, "compile", record)
     records = run_vlm_e2e(["full"], ["eager", "compile"], batch=1, seq=300, steps=1, warmup=0, shape="tiny-2b",

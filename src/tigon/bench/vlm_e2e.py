@@ -137,7 +137,7 @@ def image_step(model: torch.nn.Module, device: torch.device, batch: int, shape: 
         extra = {}
         if "mm_token_type_ids" in _forward_parameters(model):
             extra["mm_token_type_ids"] = (ids == specials["image"]).int()
-        loss = (run or model)(input_ids=ids, labels=labels, pixel_values=pixels, image_grid_thw=grid, **extra).loss
+        loss = (model if run is None else run)(input_ids=ids, labels=labels, pixel_values=pixels, image_grid_thw=grid, **extra).loss
         loss.backward()
         return loss.detach()
 
