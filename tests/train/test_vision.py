@@ -578,3 +578,33 @@ def test_merge_folds_a_vlm_adapter_into_a_model_that_loads_with_its_processor(mo
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
         torch.testing.assert_close(folded(input_ids=ids).logits, adapted(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_with_a_media_root_images_and_frames_outside_it_are_refused(tmp_path, monkeypatch):
+    """Under the web UI (TIGON_MEDIA_ROOT: its runs folder) a data file's images and video frames
+    are read only from inside that folder: a path up and out of it, an absolute one elsewhere, a
+    link out of it and a folder of frames elsewhere are each one line; inside, all is read."""
+    from tigon.train.config import SFTError
+    from tigon.train.vision_data import MEDIA_ROOT_ENV
+
+    root, elsewhere = tmp_path / "runs", tmp_path / "private"
+    (root / "clip").mkdir(parents=True)
+    (elsewhere / "clip").mkdir(parents=True)
+    for folder in (root, elsewhere):
+        (folder / "a.png").write_bytes(_png())
+        (folder / "clip" / "f1.png").write_bytes(_png())
+    (root / "link.png").symlink_to(elsewhere / "a.png")
+    monkeypatch.setenv(MEDIA_ROOT_ENV, str(root))
+    chat = [{"role": "user", "content": "<image>What colour?"}, {"role": "assistant", "content": "red"}]
+    video = [{"role": "user", "content": "<video>What happens?"}, {"role": "assistant", "content": "red"}]
+    ok = [{"messages": chat, "images": ["a.png"]}, {"messages": video, "videos": ["clip"]}]
+    (root / "ok.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ok))
+    assert len(load_vision_samples([str(root / "ok.jsonl")], seed=0)) == 2
+    for name, row, where in (("up", {"messages": chat, "images": ["../private/a.png"]}, "image 1"),
+                             ("absolute", {"messages": chat, "images": [str(elsewhere / "a.png")]}, "image 1"),
+                             ("link", {"messages": chat, "images": ["link.png"]}, "image 1"),
+                             ("frames", {"messages": video, "videos": [str(elsewhere / "clip")]}, "video 1"),
+                             ("frame", {"messages": video, "videos": [["../private/clip/f1.png"]]}, "video 1, frame 1")):
+        (root / f"{name}.jsonl").write_text(json.dumps(row) + "\n")
+        with pytest.raises(SFTError, match=rf"line 1: {where} \(.*\): outside the runs folder \({re.escape(str(root))}\)$"):
+            load_vision_samples([str(root / f"{name}.jsonl")], seed=0)

@@ -242,3 +242,12 @@ def test_a_damaged_final_is_no_finished_run_and_a_cut_record_no_crash(tmp_path):
     for cut in (0, 1, len(whole) // 2, len(whole) - 1):
         record.write_bytes(whole[:cut])
         assert store.names() == ["run"] and store.info("run").status == INCOMPLETE
+
+
+def test_runs_started_by_the_ui_read_media_only_from_its_folder(tmp_path):
+    """The UI's child processes get the runs folder as the one folder their data files' images and
+    video frames may come from (`tigon.train.vision_data.confined`)."""
+    from tigon.train.vision_data import MEDIA_ROOT_ENV
+    from tigon.webui.runs import _child_env
+
+    assert _child_env(tmp_path)[MEDIA_ROOT_ENV] == str(tmp_path)

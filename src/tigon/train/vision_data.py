@@ -23,6 +23,7 @@ import base64
 import binascii
 import io
 import logging
+import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -39,6 +40,9 @@ _IMAGE_PARTS = ("image", "image_url")
 _VIDEO_PARTS = ("video", "video_url")
 
 ImageRef = Path | bytes  # a file, or the encoded bytes of one
+# Set (by the web UI, for the runs it starts) to a folder: data files' images and frames are then
+# read only from inside it, symbolic links followed.
+MEDIA_ROOT_ENV = "TIGON_MEDIA_ROOT"
 DEFAULT_VIDEO_FPS = 2.0
 FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
@@ -312,11 +316,20 @@ def bounded(image: Any, max_pixels: int | None, image_size: int | None) -> Any:
     return image.resize((max(1, int(width * scale)), max(1, int(height * scale))))
 
 
+def confined(ref: ImageRef, root: str | Path | None = None) -> ImageRef:
+    """`ref`, where a file of it lies inside `root` (default: ``$TIGON_MEDIA_ROOT``; no bound when
+    neither is set), symbolic links followed; a ValueError where it does not."""
+    root = root if root is not None else os.environ.get(MEDIA_ROOT_ENV)
+    if isinstance(ref, Path) and root and not Path(os.path.realpath(ref)).is_relative_to(os.path.realpath(root)):
+        raise ValueError(f"outside the runs folder ({root})")
+    return ref
+
+
 def _checked_image(source: Any, folder: Path, what: str) -> tuple[ImageRef, tuple[int, int]]:
     """The file or bytes of `source` and its size, opened once to check it decodes; an SFTError
-    starting with `what` when it does not."""
+    starting with `what` when it does not (or lies outside `confined`'s folder)."""
     try:
-        ref = image_ref(source, folder)
+        ref = confined(image_ref(source, folder))
     except ValueError as err:
         raise SFTError(f"{what}: {err}") from None
     if isinstance(ref, Path) and not ref.is_file():
@@ -344,7 +357,10 @@ def _frame_sources(video: VideoRef, folder: Path, what: str) -> list[Any]:
     if not isinstance(frames, str) or frames.startswith(("http://", "https://", "data:")):
         raise SFTError(f"{what}: a video must be a list of frames or a folder of them, got "
                        f"{_shown_source(frames) if isinstance(frames, str) else type(frames).__name__}")
-    path = image_ref(frames, folder)
+    try:
+        path = confined(image_ref(frames, folder))
+    except ValueError as err:
+        raise SFTError(f"{what} ({_shown_source(frames)}): {err}") from None
     if path.is_dir():
         files = sorted((f for f in path.iterdir() if f.suffix.lower() in FRAME_SUFFIXES and f.is_file()), key=_name_order)
         if not files:

@@ -104,10 +104,8 @@ def preview_images(dataset: str, root: Path, seed: int = 42) -> tuple[list[tuple
     layouts), each captioned with its row, and a line saying what was shown or left out; none
     for a text-only file. An image file is read only inside `root` (the runs folder), each bounded
     in bytes and pixels before it is decoded."""
-    import os
-
     from tigon.train.data import read_file, split_spec
-    from tigon.train.vision_data import VISION_FORMATS, image_ref, open_untrusted
+    from tigon.train.vision_data import VISION_FORMATS, VideoRef, confined, image_ref, open_untrusted
 
     try:
         if split_spec(dataset)[0].stat().st_size > PREVIEW_MAX_BYTES:
@@ -115,27 +113,26 @@ def preview_images(dataset: str, root: Path, seed: int = 42) -> tuple[list[tuple
         samples, _ = read_file(dataset, seed, VISION_FORMATS)
     except (ValueError, OSError):  # not image + text rows: the text preview says what it is
         return [], ""
-    folder, root = split_spec(dataset)[0].parent, Path(os.path.realpath(root))
+    folder = split_spec(dataset)[0].parent
     shown: list[tuple[Any, str]] = []
     skipped: list[str] = []
-    total = sum(len(s.images) for s in samples)
+    total = sum(len(s.images) - s.videos for s in samples)
+    videos = sum(s.videos for s in samples)
     for sample in samples:
-        for k, source in enumerate(sample.images):
+        for k, source in enumerate(s for s in sample.images if not isinstance(s, VideoRef)):
             if len(shown) + len(skipped) == THUMBNAILS:
                 break
             row = sample.where.rsplit(" ", 2)[-2:]
             caption = f"{' '.join(row)}, image {k + 1}"
             try:
-                ref = image_ref(source, folder)
-                if isinstance(ref, Path) and not Path(os.path.realpath(ref)).is_relative_to(root):
-                    raise ValueError("outside the runs folder")
-                image = open_untrusted(ref)
+                image = open_untrusted(confined(image_ref(source, folder), root))
             except (ValueError, OSError) as err:
                 skipped.append(f"{caption}: {str(err).splitlines()[0]}")
                 continue
             image.thumbnail((THUMBNAIL_SIDE, THUMBNAIL_SIDE))
             shown.append((image, caption))
-    line = f"{total} images in {len(samples)} rows; the first {len(shown)} shown"
+    line = (f"{total} images in {len(samples)} rows; the first {len(shown)} shown"
+            + (f"; {videos} videos (frames), not shown" if videos else ""))
     return shown, line + "".join(f"; {s}" for s in skipped)
 
 

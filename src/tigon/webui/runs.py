@@ -31,6 +31,7 @@ from tigon.train.checkpoint import list_checkpoints, written_atomically
 from tigon.train.config import METHODS, RLHFConfig, SFTConfig, add_sft_arguments
 from tigon.train.rewards import BUILTIN, builtin_names
 from tigon.train.run import finished
+from tigon.train.vision_data import MEDIA_ROOT_ENV
 
 RUN_FILE = "tigon-webui.json"  # the command, pid and exit of a run the UI started
 LOG_FILE = "tigon-webui.log"  # the process's stdout and stderr, interleaved as written
@@ -230,11 +231,13 @@ def _median_speed(records: list[dict[str, Any]]) -> float | None:
     return round(statistics.median(rates), 1) if rates else None
 
 
-def _child_env() -> dict[str, str]:
+def _child_env(root: Path) -> dict[str, str]:
     """The UI's environment, so that the child runs this same tigon (a source checkout on
     PYTHONPATH or the installed one) and writes its log as it goes (Python block-buffers output
-    to a file otherwise)."""
+    to a file otherwise), reading the images and frames its data files name only from inside the
+    runs folder `root`."""
     env = dict(os.environ)
+    env[MEDIA_ROOT_ENV] = str(root)
     package_root = str(Path(tigon.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
     env["PYTHONUNBUFFERED"] = "1"
@@ -482,7 +485,7 @@ class RunStore:
             # terminal; it is stopped from the UI (or by its pid). It works in its own folder, so
             # that what a library writes to the working directory (mlflow's mlruns/) stays there.
             proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    env=_child_env(), start_new_session=True, cwd=run_dir)
+                                    env=_child_env(self.root), start_new_session=True, cwd=run_dir)
         self._procs[name] = proc
         self._update(name, pid=proc.pid)
         threading.Thread(target=self._wait, args=(name, proc), daemon=True, name=f"tigon-webui-{name}").start()
@@ -606,6 +609,6 @@ class RunStore:
         # The export folder is the UI's own, named by it: exporting again replaces it.
         argv = ["export", str(model), "--to", to, "--output", str(out), "--dtype", dtype, "--overwrite"]
         done = subprocess.run([sys.executable, "-m", "tigon.cli", *argv], stdin=subprocess.DEVNULL,
-                              capture_output=True, text=True, env=_child_env(), timeout=timeout)
+                              capture_output=True, text=True, env=_child_env(self.root), timeout=timeout)
         line = _ended_line(_terminal_lines(done.stdout + "\n" + done.stderr), done.returncode)
         return done.returncode == 0, line
