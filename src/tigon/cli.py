@@ -297,7 +297,9 @@ def _add_train_commands(sub: argparse._SubParsersAction) -> None:
         p.set_defaults(run=_cmd_infer if name == "infer" else _cmd_chat)
 
 
+@functools.cache  # parsing leaves no state in it; a process that calls main() often builds it once
 def build_parser() -> argparse.ArgumentParser:
+    """The `tigon` command line: every subcommand and its options."""
     parser = _Parser(prog="tigon", description="Fused Triton kernels for LLM fine-tuning.")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks")
     sub = parser.add_subparsers(dest="command", required=True,
@@ -356,6 +358,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _torchao_import_noise(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(("Failed to load", "Skipping import of cpp extensions"))
+
+
+def _pytree_enum_noise(record: logging.LogRecord) -> bool:
+    # ... and torchao registers enums as pytree constants, which newer torch deprecates, once per enum.
+    return "is an Enum subclass and is now natively supported" not in record.getMessage()
+
+
 def main(argv: list[str] | None = None) -> int:
     from tigon.train.config import Interrupted
 
@@ -371,11 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     # torchao (transformers imports it wherever it is installed) warns at import that its compiled
     # extensions do not match this torch: none of them is what --fp8 uses, and it would open every
     # command's output.
-    logging.getLogger("torchao").addFilter(
-        lambda record: not record.getMessage().startswith(("Failed to load", "Skipping import of cpp extensions")))
-    # ... and registers enums as pytree constants, which newer torch deprecates, once per enum.
-    logging.getLogger("torch.utils._pytree").addFilter(
-        lambda record: "is an Enum subclass and is now natively supported" not in record.getMessage())
+    logging.getLogger("torchao").addFilter(_torchao_import_noise)  # added once however often main runs
+    logging.getLogger("torch.utils._pytree").addFilter(_pytree_enum_noise)
     run: Callable[[argparse.Namespace], int] = args.run
     # A line of its own, also when Ctrl-C arrives at chat's "you> " prompt.
     start = "\n" if args.command == "chat" else ""

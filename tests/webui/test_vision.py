@@ -177,9 +177,16 @@ def test_the_browser_uploads_an_image_to_the_chat_and_sees_thumbnails(ui, client
         except PlaywrightTimeout:
             if attempt == 2:
                 raise
-    page.locator("#chat-image input[type=file]").set_input_files(str(place["picture"]))
-    page.wait_for_function("() => document.querySelector('#chat-image')?.innerText.includes('shape.png')",
-                           timeout=30_000)
+    for attempt in range(3):  # on a loaded machine an upload has once vanished without a trace: send it again
+        page.locator("#chat-image input[type=file]").set_input_files(str(place["picture"]))
+        try:
+            page.wait_for_function("() => document.querySelector('#chat-image')?.innerText.includes('shape.png')",
+                                   timeout=60_000)
+            break
+        except PlaywrightTimeout:
+            page.screenshot(path=artifacts / f"chat-image-upload-{attempt}.png", full_page=True)
+            if attempt == 2:
+                raise
     page.locator("#chat-message textarea").fill(QUESTION)
     page.locator("#chat-message textarea").press("Enter")
     try:

@@ -207,6 +207,13 @@ def release_collected() -> None:
     _release_all(_collected_holds)
 
 
+def holds_shared_functions() -> bool:
+    """Whether a patched model, alive or awaiting the collector, still holds a replaced class or
+    module function (a family's RoPE, TRL's log-probs): when not, no collection can change what
+    the next model runs."""
+    return bool(_shared)
+
+
 _instance_patches: "weakref.WeakKeyDictionary[torch.nn.Module, _Undo]" = weakref.WeakKeyDictionary()
 
 

@@ -514,12 +514,15 @@ def apply_kernels(model: torch.nn.Module, cfg: SFTConfig, role: str | None = Non
     tigon.patch cannot handle (an unsupported family) trains unpatched, with a warning: the run
     is still worth having; not under ``--fp8``, which is then refused."""
     import tigon
+    from tigon.patch.apply import holds_shared_functions
 
     if not cfg.kernels:
         # A model of its family that this process patched and dropped leaves the family's module
         # functions (its RoPE) swapped until it is collected and the next patch or unpatch call
-        # comes: both now, before this model's first forward.
-        gc.collect()
+        # comes: both now, before this model's first forward (a full collection only when
+        # something is still swapped: it costs a large process a good part of a second).
+        if holds_shared_functions():
+            gc.collect()
         tigon.unpatch(model)
         line = "tigon: kernels off (--no-kernels): plain PyTorch / transformers code"
         log.info("%s", line)
