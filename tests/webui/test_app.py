@@ -53,8 +53,9 @@ GOOD_ROW = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant
 def started(client, runs_dir):
     """Every run the tests look at, started at once from the Train tab's API, so that their
     start-ups (imports, mostly) overlap: the built-in default (no model, bundled data), one on a
-    file with a bad line 12 (in the runs folder, where the UI reads data), one on a hub model that
-    does not exist (the hub is offline here), and a long one to stop."""
+    file with a bad line 12 (in the runs folder, where the UI reads data) and one on a hub model that
+    does not exist (the hub is offline here). (The run the stop test stops starts there: until then
+    it would train beside these.)"""
     bad = runs_dir / "uploads" / "data.jsonl"
     bad.parent.mkdir(exist_ok=True)
     bad.write_text(GOOD_ROW * 11 + BAD_ROW)
@@ -62,7 +63,6 @@ def started(client, runs_dir):
         "default": client.predict(max_steps=STEPS, api_name="/start"),
         "bad data": client.predict(dataset=str(bad), max_steps=3, api_name="/start"),
         "no model": client.predict(model="no-such-org/no-such-model", tuner="lora", max_steps=3, api_name="/start"),
-        "to stop": client.predict(max_steps=5000, save_steps=5, extra="--samples 0 --save-limit 2", api_name="/start"),
     }
     for what, (name, status, summary, *_) in runs.items():
         assert name and summary["status"] == "running", (what, status)
@@ -76,28 +76,6 @@ def default_run(client, runs_dir, started):
     status, summary, plot, log = wait_until_ended(client, name, seen=seen)
     return {"name": name, "dir": runs_dir / name, "status": status, "summary": summary, "plot": plot, "log": log,
             "seen": seen}
-
-
-# First of the tests: the run it stops would otherwise train on beside the others until it came.
-def test_stop_ends_the_run_and_keeps_its_last_checkpoint(client, runs_dir, started):
-    name = started["to stop"]
-    deadline = time.monotonic() + 240
-    while (summary := client.predict(name, api_name="/run_status")[1])["status"] == "running" and \
-            (summary["step"] or 0) <= 6:
-        assert time.monotonic() < deadline
-        time.sleep(0.3)
-    assert summary["status"] == "running", summary
-    assert "stopping (SIGINT)" in client.predict(name, api_name="/stop")
-    _, summary, _, _ = wait_until_ended(client, name)
-    run_dir = runs_dir / name
-    assert summary["status"] == "stopped" and summary["step"] < 5000, summary
-    kept = list_checkpoints(run_dir)
-    assert kept and (kept[-1] / "trainer_state.json").is_file() and summary["checkpoint"] == kept[-1].name
-    lines = log_tail(run_dir / LOG_FILE)
-    # tigon sft saves a checkpoint on SIGINT and says so
-    assert summary["exit_code"] == 130 and summary["message"] in lines and summary["message"].startswith("tigon sft:")
-    state = json.loads((kept[-1] / "trainer_state.json").read_text())
-    assert state["global_step"] == summary["step"]
 
 
 def test_default_run_completes_and_reports_its_final_loss(default_run):
@@ -139,6 +117,29 @@ def test_bad_data_and_missing_model_show_the_cli_line(client, started):
             assert last == line
         else:
             assert last.startswith("tigon sft: error: ") and "no-such-org/no-such-model" in last
+
+
+def test_stop_ends_the_run_and_keeps_its_last_checkpoint(client, runs_dir):
+    name, _, summary, *_ = client.predict(max_steps=5000, save_steps=5, extra="--samples 0 --save-limit 2",
+                                          api_name="/start")
+    assert name and summary["status"] == "running", summary
+    deadline = time.monotonic() + 240
+    while (summary := client.predict(name, api_name="/run_status")[1])["status"] == "running" and \
+            (summary["step"] or 0) <= 6:
+        assert time.monotonic() < deadline
+        time.sleep(0.3)
+    assert summary["status"] == "running", summary
+    assert "stopping (SIGINT)" in client.predict(name, api_name="/stop")
+    _, summary, _, _ = wait_until_ended(client, name)
+    run_dir = runs_dir / name
+    assert summary["status"] == "stopped" and summary["step"] < 5000, summary
+    kept = list_checkpoints(run_dir)
+    assert kept and (kept[-1] / "trainer_state.json").is_file() and summary["checkpoint"] == kept[-1].name
+    lines = log_tail(run_dir / LOG_FILE)
+    # tigon sft saves a checkpoint on SIGINT and says so
+    assert summary["exit_code"] == 130 and summary["message"] in lines and summary["message"].startswith("tigon sft:")
+    state = json.loads((kept[-1] / "trainer_state.json").read_text())
+    assert state["global_step"] == summary["step"]
 
 
 def test_export_merged_calls_tigon_export(client, default_run):
