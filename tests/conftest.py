@@ -1,5 +1,6 @@
 """Test set-up: without a GPU the real Triton kernels run in Triton's CPU interpreter."""
 
+import gc
 import os
 import signal
 
@@ -20,12 +21,21 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):
+    # What the collected modules imported (torch, transformers, ...: half a million objects) is
+    # left out of later garbage collections, which transformers' Trainer runs at the start of every
+    # training loop: each such collection then scans what the tests made since, not the whole heap.
+    gc.collect()
+    gc.freeze()
     if torch.cuda.is_available() and not ops.INTERPRET:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU with compiled Triton kernels")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_unconfigure(config):
+    gc.unfreeze()  # finalised at exit as usual (frozen, Triton's bindings report them as leaked)
 
 
 @pytest.fixture
