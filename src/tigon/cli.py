@@ -359,11 +359,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _torchao_import_noise(record: logging.LogRecord) -> bool:
+    """False for torchao's import-time lines (transformers imports it wherever it is installed):
+    its compiled extensions do not match this torch, and none of them is what --fp8 uses."""
     return not record.getMessage().startswith(("Failed to load", "Skipping import of cpp extensions"))
 
 
 def _pytree_enum_noise(record: logging.LogRecord) -> bool:
-    # ... and torchao registers enums as pytree constants, which newer torch deprecates, once per enum.
+    """False for torch's deprecation line, once per enum, as torchao registers its enums as pytree
+    constants."""
     return "is an Enum subclass and is now natively supported" not in record.getMessage()
 
 
@@ -379,10 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     # Its kernel loader then warns, with HF_HUB_OFFLINE set, that it cannot check a hub kernel's
     # publisher: bitsandbytes' own business, and the first line a user would see.
     logging.getLogger("kernels._internals.hf_hub").setLevel(logging.ERROR)
-    # torchao (transformers imports it wherever it is installed) warns at import that its compiled
-    # extensions do not match this torch: none of them is what --fp8 uses, and it would open every
-    # command's output.
-    logging.getLogger("torchao").addFilter(_torchao_import_noise)  # added once however often main runs
+    # torchao's import lines would open every command's output. (One filter object each: a process
+    # that calls main() often adds each once.)
+    logging.getLogger("torchao").addFilter(_torchao_import_noise)
     logging.getLogger("torch.utils._pytree").addFilter(_pytree_enum_noise)
     run: Callable[[argparse.Namespace], int] = args.run
     # A line of its own, also when Ctrl-C arrives at chat's "you> " prompt.
