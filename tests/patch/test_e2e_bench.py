@@ -155,6 +155,29 @@ def test_rounds_take_turns_and_rows_report_median_spread_and_max_peak():
                 out_dir=None, out_name="", log=lines.append, device=torch.device("cpu"), rounds=0)
 
 
+def test_lora_targets_reach_every_case_in_process_and_isolated(monkeypatch, tmp_path):
+    """--lora-targets puts adapters on those projections only, in this process and in a case
+    process (whose command line is replayed here in-process)."""
+    import tigon.bench.e2e as e2e
+
+    record = run_e2e(modes=["lora"], impls=["tigon"], batch=1, seq=8, steps=1, warmup=1, shape=TINY,
+                     lora_targets=["q_proj", "v_proj"], device=torch.device("cpu"), log=lambda line: None)[0]
+    assert "error" not in record, record.get("error")
+    assert record["lora"].startswith("tigon: fused LoRA on 4 of 4 LoRA layers"), record["lora"]
+
+    def in_process(module, argv, record, **kwargs):
+        out = tmp_path / "record.json"
+        assert e2e.main([*argv, "--record", str(out)]) == 0
+        return {**record, **json.loads(out.read_text())}
+
+    monkeypatch.setattr(e2e, "run_isolated", in_process)
+    records = run_e2e(modes=["lora"], impls=["tigon"], batch=1, seq=8, steps=1, warmup=1, shape=TINY, rounds=2,
+                      lora_targets=["down_proj"], device=torch.device("cpu"), out_dir=tmp_path, log=lambda line: None)
+    assert records[0]["lora"].startswith("tigon: fused LoRA on 2 of 2 LoRA layers"), records[0]["lora"]
+    assert json.loads((tmp_path / "e2e.json").read_text())["settings"]["lora_targets"] == ["down_proj"]
+    tigon.unpatch()
+
+
 def test_out_of_memory_while_building_a_model_is_that_cases_row(monkeypatch):
     import tigon.bench.e2e as e2e
 

@@ -147,9 +147,10 @@ def _quantized(shape: dict, seq: int, device: torch.device, checkpointing: bool,
 
 
 def build_unsloth(mode: str, seq: int, device: torch.device, *, shape: dict, lora_rank: int, checkpointing: bool | str,
-                  seed: int = 0, **options: Any) -> torch.nn.Module:
+                  seed: int = 0, lora_targets: Sequence[str] = LORA_TARGETS, **options: Any) -> torch.nn.Module:
     """Unsloth's LoRA (`mode` "lora", bf16 base) or QLoRA ("qlora", its NF4 with double
-    quantisation) model of the saved random model, with the adapters :func:`build_model` gives.
+    quantisation) model of the saved random model, with the adapters :func:`build_model` gives
+    (rank `lora_rank` on the `lora_targets` projections).
     `checkpointing`: Unsloth's ``use_gradient_checkpointing`` (True, False or "unsloth", its own
     with activations offloaded to host memory); `options` go to ``from_pretrained`` (such as
     ``unsloth_tiled_mlp``). Raises ImportError where Unsloth cannot be imported."""
@@ -172,16 +173,18 @@ def build_unsloth(mode: str, seq: int, device: torch.device, *, shape: dict, lor
     )
     model.config.use_cache = False
     return FastLanguageModel.get_peft_model(
-        model, r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, bias="none", target_modules=list(LORA_TARGETS),
+        model, r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, bias="none", target_modules=list(lora_targets),
         use_gradient_checkpointing=checkpointing, random_state=seed, max_seq_length=seq,
     )
 
 
 def build_model(
-    mode: str, seq: int, device: torch.device, *, shape: dict, lora_rank: int, checkpointing: bool, seed: int = 0
+    mode: str, seq: int, device: torch.device, *, shape: dict, lora_rank: int, checkpointing: bool, seed: int = 0,
+    lora_targets: Sequence[str] = LORA_TARGETS,
 ):
     """A Llama of `shape` on `device`, in bf16, random weights from `seed`; in "qlora" mode its
-    linear layers quantised to NF4 by bitsandbytes."""
+    linear layers quantised to NF4 by bitsandbytes; in the LoRA modes with rank-`lora_rank`
+    adapters on the `lora_targets` projections."""
     from tigon.train.tiny import random_model
 
     if mode == "qlora":
@@ -201,7 +204,7 @@ def build_model(
         torch.manual_seed(seed)  # the adapters' initialisation, the same for every implementation
         model = get_peft_model(
             model,
-            LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, target_modules=list(LORA_TARGETS)),
+            LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, target_modules=list(lora_targets)),
         )
         if checkpointing:
             model.enable_input_require_grads()
@@ -385,6 +388,7 @@ def run_case(
     sync_steps: bool = False,
     memory_snapshot: Path | None = None,
     log: Callable[[str], None] = print,
+    lora_targets: Sequence[str] = LORA_TARGETS,
 ) -> dict[str, Any]:
     """Train one model for `warmup` + `steps` AdamW steps; throughput, peak memory (CUDA only)
     and losses. A failure (out of memory included) is the record's ``error``; an implementation
@@ -403,17 +407,22 @@ def run_case(
                 saved_model(shape, seq, device)  # written first: making it is not the case's peak
             peak = PeakRecord(batch * seq * (warmup + steps)).__enter__()
         if impl == "unsloth":
-            model = build_unsloth(mode, seq, device, shape=shape, lora_rank=lora_rank, checkpointing=checkpointing)
+            model = build_unsloth(mode, seq, device, shape=shape, lora_rank=lora_rank, checkpointing=checkpointing,
+                                  lora_targets=lora_targets)
         else:
-            model = build_model(mode, seq, device, shape=shape, lora_rank=lora_rank, checkpointing=checkpointing)
+            model = build_model(mode, seq, device, shape=shape, lora_rank=lora_rank, checkpointing=checkpointing,
+                                lora_targets=lora_targets)
         if impl == "peer":
             undo_peer = apply_peer(model)
         if impl in fp8.IMPLS:
             record["applied"] = fp8.prepare(model, impl)
             log(record["applied"])
         elif impl.startswith("tigon"):
-            record["applied"] = str(tigon.patch(model))
+            patched = tigon.patch(model)
+            record["applied"] = str(patched)
             log(record["applied"])
+            if patched.lora is not None:
+                record["lora"] = str(patched.lora)
         if impl == "tigon+graphs":
             step = captured_micro_step(model)
         else:
@@ -510,6 +519,7 @@ def run_e2e(
     steps: int = 10,
     warmup: int = 3,
     lora_rank: int = 16,
+    lora_targets: Sequence[str] = LORA_TARGETS,
     checkpointing: bool = False,
     sync_steps: bool = False,
     rounds: int = 1,
@@ -527,8 +537,8 @@ def run_e2e(
     always does), given `case_timeout_s` at most."""
     cadence = "synchronised around each step" if sync_steps else "each loss read after its backward, as the HF Trainer does"
     settings = dict(
-        batch=batch, seq=seq, steps=steps, warmup=warmup, lora_rank=lora_rank, checkpointing=checkpointing,
-        sync_steps=sync_steps, shape=shape, rounds=rounds,
+        batch=batch, seq=seq, steps=steps, warmup=warmup, lora_rank=lora_rank, lora_targets=list(lora_targets),
+        checkpointing=checkpointing, sync_steps=sync_steps, shape=shape, rounds=rounds,
     )
 
     def run_one(mode: str, impl: str, device: torch.device) -> dict[str, Any]:
@@ -536,9 +546,11 @@ def run_e2e(
             return run_case(
                 mode, impl, device, batch=batch, seq=seq, steps=steps, warmup=warmup, shape=shape, lora_rank=lora_rank,
                 checkpointing=checkpointing, sync_steps=sync_steps, memory_snapshot=memory_snapshot, log=log,
+                lora_targets=lora_targets,
             )
         argv = ["--case", mode, impl, "--device", str(device), "--shape", json.dumps(shape), "--batch", str(batch),
-                "--seq", str(seq), "--steps", str(steps), "--warmup", str(warmup), "--lora-rank", str(lora_rank)]
+                "--seq", str(seq), "--steps", str(steps), "--warmup", str(warmup), "--lora-rank", str(lora_rank),
+                "--lora-targets", *lora_targets]
         argv += ["--checkpointing"] * checkpointing + ["--sync-steps"] * sync_steps
         argv += ["--memory-snapshot", str(memory_snapshot)] if memory_snapshot is not None else []
         return run_isolated("tigon.bench.e2e", argv, {"mode": mode, "impl": impl, "batch": batch, "seq": seq},
@@ -632,6 +644,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--lora-targets", nargs="+", choices=LORA_TARGETS, default=list(LORA_TARGETS),
+                        help="the projections that get adapters (default: every linear of a layer)")
     parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing (long context)")
     parser.add_argument("--sync-steps", action="store_true",
                         help="synchronise around every step instead of reading each loss after its backward")
@@ -657,12 +671,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         record = run_case(mode, impl, device or current_cuda_device("the end-to-end benchmark"), batch=args.batch,
                           seq=args.seq, steps=args.steps, warmup=args.warmup, shape=args.shape, lora_rank=args.lora_rank,
                           checkpointing=args.checkpointing, sync_steps=args.sync_steps, memory_snapshot=snapshot,
-                          log=lambda line: None)
+                          log=lambda line: None, lora_targets=args.lora_targets)
         Path(args.record).write_text(json.dumps(record))
         return 0
     records = run_e2e(
         args.modes, args.impls, batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup,
-        lora_rank=args.lora_rank, checkpointing=args.checkpointing, sync_steps=args.sync_steps, rounds=args.rounds,
+        lora_rank=args.lora_rank, lora_targets=args.lora_targets, checkpointing=args.checkpointing,
+        sync_steps=args.sync_steps, rounds=args.rounds,
         memory_snapshot=snapshot, case_timeout_s=args.case_timeout, shape=args.shape, device=device,
         out_dir=Path(args.out) if args.out else None,
     )
