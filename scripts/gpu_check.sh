@@ -2,7 +2,7 @@
 # One device-machine call: gpu-marked tests, op benchmarks at their headline shapes, the linear-CE
 # chunk-budget sweep and the end-to-end benchmark. Everything lands in $OUT/results.tar.gz (the
 # device tool returns at most 8 files) plus the text logs.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|moetests|ab|ops|opsab|norms|rope|sweep|e2e|small|host|serve|moe|vlm|vlmprof|vlmdata|ppo|unsloth|vlmtests|zoo|newops|tasks|rl|dpo|sft|profile|dpoprof|dpomem|maxctx ...]
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|moetests|ab|ops|opsab|norms|rope|sweep|e2e|small|host|serve|moe|vlm|vlmprof|vlmdata|ppo|unsloth|unslothprof|vlmtests|zoo|newops|tasks|rl|dpo|sft|profile|dpoprof|dpomem|maxctx ...]
 # (host: per-call host time of the small ops; small: the host-bound 1x1024 e2e with CUDA-graph replay;
 # rl: the GRPO loss against TRL's own log-prob path; dpo: tigon rlhf against TRL's DPOTrainer; dpoprof: where a `tigon rlhf --method dpo` step goes;
 # dpomem: what is live at its memory peak; DPO_ARGS: more tigon rlhf options for both)
@@ -34,6 +34,12 @@ stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(tests ops sweep e2e)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$RES/env.txt"
 python3 -m tigon.cli env >> "$RES/env.txt" 2>&1
+# Unsloth and the trl/datasets it pins, installed once into their own folder (the unsloth stages put it first on the path).
+peer_site() {
+  if compgen -G ".whl-peers/*.whl" > /dev/null && [ ! -d /tmp/peer-site ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/peer-site .whl-peers/*.whl
+  fi
+}
 for stage in "${stages[@]}"; do
   start=$(date +%s)
   limit_var="TIMEOUT_$stage"
@@ -114,12 +120,15 @@ for stage in "${stages[@]}"; do
     ppo)   timeout ${!limit_var:-150} python3 -m tigon.bench.ppo ${PPO_ARGS:-} --out "$RES/ppo" > "$RES/ppo.txt" 2>&1
            tail -8 "$RES/ppo.txt" ;;
     # LoRA against Unsloth (UNSLOTH_ARGS: more tigon.bench.e2e options, e.g. the 8B QLoRA case).
-    unsloth) if compgen -G ".whl-peers/*.whl" > /dev/null && [ ! -d /tmp/peer-site ]; then
-             python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/peer-site .whl-peers/*.whl
-           fi
+    unsloth) peer_site
            PYTHONPATH=/tmp/peer-site:$PYTHONPATH timeout ${!limit_var:-420} python3 -m tigon.bench.e2e \
              ${UNSLOTH_ARGS:---modes lora --impls peer unsloth tigon} --out "$RES/unsloth" > "$RES/unsloth.txt" 2>&1
            tail -12 "$RES/unsloth.txt" ;;
+    # Where Unsloth's LoRA step goes (scripts/profile_e2e.py's report of its step, 1B shape, 4 x 2048).
+    unslothprof) peer_site
+           PYTHONPATH=/tmp/peer-site:$PYTHONPATH timeout ${!limit_var:-200} python3 scripts/profile_e2e.py lora --unsloth \
+             > "$RES/profile_unsloth.txt" 2>&1
+           tail -45 "$RES/profile_unsloth.txt" ;;
     vlm)   timeout ${!limit_var:-420} python3 -m tigon.bench.vlm_e2e ${VLM_ARGS:-} --out "$RES/vlm" > "$RES/vlm_e2e.txt" 2>&1
            tail -9 "$RES/vlm_e2e.txt" ;;
     # Where the vision tower's fwd+bwd goes, unpatched and patched (the 2b shape's tower).

@@ -1,8 +1,10 @@
 """Where one end-to-end training step (tigon bench --e2e's model and batch) spends GPU time and
 what is alive at its memory peak.
 
-Usage (GPU): PYTHONPATH=src python3 scripts/profile_e2e.py [full|lora] [--eager]
+Usage (GPU): PYTHONPATH=src python3 scripts/profile_e2e.py [full|lora] [--eager|--unsloth]
     [--graphs|--reduce-overhead] [--off SWITCH ...] [--ops]
+With --unsloth the step is Unsloth's (`FastLanguageModel`, as `tigon.bench.e2e` builds it; its
+wheels on the path first, as `scripts/gpu_check.sh unsloth` puts them).
 With --graphs each forward + backward replays from a CUDA graph, and AdamW's update from another
 (`tigon sft --cuda-graphs`); with --reduce-overhead the model runs under torch.compile's CUDA-graph
 mode. The step reads its loss after backward, as `tigon bench --e2e` does. Prints the host's time in each phase of the step, the
@@ -18,7 +20,7 @@ import time
 import torch
 
 import tigon
-from tigon.bench.e2e import LLAMA_1B, build_model, captured_micro_step, micro_step
+from tigon.bench.e2e import LLAMA_1B, build_model, build_unsloth, captured_micro_step, micro_step
 from tigon.cuda_graphs import CapturedOptimizer
 from tigon.patch import SWITCHES
 
@@ -28,6 +30,7 @@ from tigon.bench.memory import PeakRecord
 parser = argparse.ArgumentParser()
 parser.add_argument("mode", choices=("full", "lora"), nargs="?", default="full")
 parser.add_argument("--eager", action="store_true", help="profile the unpatched model")
+parser.add_argument("--unsloth", action="store_true", help="profile Unsloth's model (lora mode)")
 parser.add_argument("--off", nargs="+", default=[], choices=SWITCHES,
                     help="tigon.patch switches to turn off")
 parser.add_argument("--graphs", action="store_true",
@@ -41,8 +44,9 @@ parser.add_argument("--ops", action="store_true",
 args = parser.parse_args()
 
 device = torch.device("cuda")
-model = build_model(args.mode, args.seq, device, shape=LLAMA_1B, lora_rank=16, checkpointing=False)
-if not args.eager:
+build = build_unsloth if args.unsloth else build_model
+model = build(args.mode, args.seq, device, shape=LLAMA_1B, lora_rank=16, checkpointing=False)
+if not (args.eager or args.unsloth):
     print(tigon.patch(model, **dict.fromkeys(args.off, False)))
 model.train()
 optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
