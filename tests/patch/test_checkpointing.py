@@ -52,6 +52,44 @@ def test_every_layer_is_checkpointed_once_and_results_hold(model_type, reentrant
     assert_same_run(got, want)
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("recompute_mlp", [False, True])
+def test_a_replayed_layer_forms_only_what_its_mlp_keeps(reentrant, recompute_mlp, monkeypatch):
+    """Checkpointing replays each layer in backward for what its ops save; there the fused MLP's
+    output only joins the residual sum that torch throws away, so the replay skips the activation
+    and the down projection (and, with recompute_mlp, gate and up too). The loss and gradients are
+    those of a replay that forms everything (bit for bit) and HF's. Gemma 2's post-MLP norm reads
+    the output: it is formed there."""
+    from tigon.ops.composite import glu_mlp
+    from tigon.patch import forwards
+
+    formed = []
+    real_forward = glu_mlp.glu_mlp_forward
+    monkeypatch.setattr(glu_mlp, "glu_mlp_forward", lambda *args: formed.append(1) or real_forward(*args))
+    for model_type, replay_forms in (("llama", False), ("gemma2", True)):
+        plain = tiny_model(model_type).train()
+        plain.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        want = run(plain)
+        model = tiny_model(model_type).train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        tigon.patch(model, recompute_mlp=recompute_mlp)
+        layers = len(model.model.layers)
+        formed.clear()
+        skipped = run(model)
+        assert len(formed) == layers * (2 if replay_forms else 1), (model_type, len(formed))
+        assert_same_run(skipped, want)
+        if replay_forms:
+            continue
+        with monkeypatch.context() as patches:
+            patches.setattr(forwards, "replaying", lambda layer: False)
+            formed_again = run(model)
+        assert len(formed) == 3 * layers
+        assert torch.equal(skipped[0], formed_again[0])
+        for name, grad in skipped[2].items():
+            assert torch.equal(grad, formed_again[2][name]), name
+        tigon.unpatch()
+
+
 @pytest.mark.parametrize("model_type", ["llama", "gemma2"])
 def test_non_reentrant_early_stop_is_not_a_kernel_failure(model_type, monkeypatch):
     """Non-reentrant checkpointing stops a layer's recomputation by raising from the pack hook of

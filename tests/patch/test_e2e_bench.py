@@ -257,6 +257,25 @@ def test_unsloth_gets_the_saved_random_model_and_the_cases_adapters(monkeypatch,
         e2e.build_unsloth("full", 16, torch.device("cpu"), shape=TINY, lora_rank=4, checkpointing=False)
 
 
+@pytest.mark.parametrize("checkpointing, unsloths", [(False, False), (True, "unsloth")])
+def test_unsloth_checkpoints_its_own_recommended_way(monkeypatch, checkpointing, unsloths):
+    """With --checkpointing the Unsloth row runs under use_gradient_checkpointing="unsloth", the
+    mode Unsloth recommends, and gets the case's adapter targets."""
+    import tigon.bench.e2e as e2e
+
+    asked = {}
+
+    def build(*args, **kwargs):
+        asked.update(kwargs)
+        raise ImportError("no GPU here", name="unsloth")
+
+    monkeypatch.setattr(e2e, "build_unsloth", build)
+    record = e2e.run_case("lora", "unsloth", torch.device("cpu"), batch=1, seq=8, steps=1, warmup=1, shape=TINY,
+                          checkpointing=checkpointing, lora_targets=["q_proj"])
+    assert record["skipped"].startswith("unsloth cannot be imported here")
+    assert asked["checkpointing"] == unsloths and asked["lora_targets"] == ["q_proj"]
+
+
 def test_qlora_mode_trains_tigon_like_peft_and_bitsandbytes(monkeypatch, tmp_path):
     pytest.importorskip("bitsandbytes")
     import tempfile

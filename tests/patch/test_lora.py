@@ -168,6 +168,46 @@ def test_gradient_checkpointing():
     _assert_same_step(ours, theirs, _ids())
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_checkpointed_replay_skips_the_down_projections_output(reentrant, early_stop, monkeypatch):
+    """Checkpointing replays each layer in backward for what its ops save; there the fused LoRA
+    MLP's output only joins the residual sum that torch throws away, so its down projection's
+    output GEMMs run once per layer and step instead of twice. The loss and every gradient are
+    those of a run that forms the output again (bit for bit) and PEFT's."""
+    from tigon.ops.composite import lora_mlp
+    from tigon.patch import forwards
+
+    ours, theirs = _models()
+    for model in (ours, theirs):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    tigon.patch(ours)
+    outputs = []
+    formed = lora_mlp.lora_forward
+    monkeypatch.setattr(lora_mlp, "lora_forward", lambda *args, **kwargs: outputs.append(1) or formed(*args, **kwargs))
+    layers, ids = len(ours.base_model.model.model.layers), _ids()
+
+    def run(model):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+        model.zero_grad(set_to_none=True)
+        return loss.detach(), grads
+
+    with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
+        skipped = run(ours)
+        assert len(outputs) == layers, "the down projection's output was formed again in the replay"
+        monkeypatch.setattr(forwards, "replaying", lambda layer: False)
+        formed_again = run(ours)
+        assert len(outputs) == 3 * layers
+        want = run(theirs)
+    assert torch.equal(skipped[0], formed_again[0])
+    assert_close(skipped[0], want[0], torch.float32, "loss")
+    for name, grad in skipped[1].items():
+        assert torch.equal(grad, formed_again[1][name]), name
+        assert_close(grad, want[1][name], torch.float32, name)
+
+
 def test_dropout_uses_peft_in_training_and_fuses_in_eval(spy):
     ours, theirs = _models(lora_dropout=0.1)
     summary = apply_lora(ours)

@@ -40,7 +40,8 @@ bitsandbytes. ``--shape 8b`` is the Llama-3-8B shape (hidden 4096, 32 layers, un
 
 ``unsloth`` is Unsloth's ``FastLanguageModel`` (its own kernels, compiled regions and LoRA wrapping)
 on the same saved random model, LoRA or 4-bit QLoRA with the same rank, alpha, targets, steps and
-data, trained by the same AdamW loop; it runs where the package is importable (it needs a GPU at
+data, trained by the same AdamW loop (with ``--checkpointing``, under its own recommended
+``use_gradient_checkpointing="unsloth"``); it runs where the package is importable (it needs a GPU at
 import) and is a skipped row otherwise. Unsloth patches transformers when imported, so it always runs
 in a process of its own.
 
@@ -407,8 +408,8 @@ def run_case(
                 saved_model(shape, seq, device)  # written first: making it is not the case's peak
             peak = PeakRecord(batch * seq * (warmup + steps)).__enter__()
         if impl == "unsloth":
-            model = build_unsloth(mode, seq, device, shape=shape, lora_rank=lora_rank, checkpointing=checkpointing,
-                                  lora_targets=lora_targets)
+            model = build_unsloth(mode, seq, device, shape=shape, lora_rank=lora_rank,
+                                  checkpointing="unsloth" if checkpointing else False, lora_targets=lora_targets)
         else:
             model = build_model(mode, seq, device, shape=shape, lora_rank=lora_rank, checkpointing=checkpointing,
                                 lora_targets=lora_targets)

@@ -23,7 +23,7 @@ from tigon.ops import autocast_dtype
 from tigon.ops.rms_norm import NormedInput
 from tigon.patch import lora
 from tigon.patch.families import MLP, Attention, Layer, Norm
-from tigon.patch.handoff import LayerPlan, live, recomputing, sharded
+from tigon.patch.handoff import LayerPlan, live, recomputing, replaying, sharded
 from tigon.patch.modules import forward_attr, has_hooks, module_activation, plain_linear, readable, zero3_partitioned
 
 
@@ -105,16 +105,18 @@ def _summands(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, to
 
 def _add_norm(
     norm: Norm, module: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor, mlp_weights: tuple | None = None,
-    activation: str | None = None, recompute: bool = False,
+    activation: str | None = None, recompute: bool = False, discarded: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(module(residual + x), residual + x)`` in one kernel; with `mlp_weights`, the gated MLP of
-    that norm's output instead of the norm's output, as one op."""
+    that norm's output instead of the norm's output, as one op (which, if `discarded`, forms only
+    what it keeps for backward: its output is not read)."""
     x, residual = _summands(x, residual)
     eps = norm_eps(norm, module)
     if mlp_weights is None:
         return F.add_rms_norm(x, residual, module.weight, eps, offset=norm.offset, casting=norm.casting)
     return F.add_rms_norm_glu_mlp(x, residual, module.weight, eps, *mlp_weights, offset=norm.offset,
-                                  casting=norm.casting, activation=activation, recompute=recompute)
+                                  casting=norm.casting, activation=activation, recompute=recompute,
+                                  output_discarded=discarded)
 
 
 def _normed_from(norm: Norm, module: torch.nn.Module, source: torch.Tensor) -> NormedInput:
@@ -173,6 +175,10 @@ def decoder_layer_forward(
     input_norm, fused_norm = layer.norms[0], layer.norms[2 if sandwich else 1]
     norm_forward = rms_norm_forward(norm)  # the norms' own forward when tigon patched them: not a hook
 
+    # The MLP's output goes straight to the residual add: no post-norm, dropout or scale reads it.
+    plain_second_branch = not sandwich and layer.dropout is None and layer.scale is None and (
+        mlp is None or mlp.dropout is None)
+
     def branch(self: torch.nn.Module, out: torch.Tensor, index: int) -> torch.Tensor:
         if sandwich:
             return getattr(self, layer.norms[1 + 2 * index])(out)
@@ -205,16 +211,20 @@ def decoder_layer_forward(
     def mixer(self: torch.nn.Module) -> torch.nn.Module:
         return next(getattr(self, name) for name in layer.mixers if hasattr(self, name))
 
-    def lent(x: torch.Tensor, made_from: NormedInput | None, call: Callable[[], Any]) -> torch.Tensor:
+    def lent(
+        x: torch.Tensor, made_from: NormedInput | None, call: Callable[[], Any], discarded: bool = False
+    ) -> torch.Tensor:
         """``call()``'s hidden states, while the relay says which input tigon's norm kernel made `x`
-        from (`made_from`; None: nothing to say)."""
-        if made_from is None:
+        from (`made_from`; None: nothing to say) and, if `discarded`, that the layer will not read
+        what the call returns."""
+        if made_from is None and not discarded:
             return _first(call())
-        relay.normed_input = (x, made_from)
+        relay.normed_input = None if made_from is None else (x, made_from)
+        relay.discarded = x if discarded else None
         try:
             return _first(call())
         finally:
-            relay.normed_input = None
+            relay.normed_input = relay.discarded = None
 
     def fused(self: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         first_norm = getattr(self, input_norm)
@@ -235,14 +245,18 @@ def decoder_layer_forward(
         hidden_states = branch(self, lent(normed, made_from, lambda: mixer(self)(hidden_states=normed, **kwargs)), 0)
         feed_forward = getattr(self, layer.feed_forward)
         weights, activation = _fusable_mlp(feed_forward)
+        # Replayed, the layer only adds the MLP's output to the residual stream, whose sum torch
+        # throws away: what the MLP saves is all that counts (unless a hook reads the output).
+        discarded = (handing and plain_second_branch and replaying(self)
+                     and not has_hooks(feed_forward, own_forward=patched_mlp_forward))
         if weights is not None:
             hidden_states, residual = _add_norm(norm, norm_module, hidden_states, residual, weights, activation,
-                                                recompute_mlp)
+                                                recompute_mlp, discarded)
             hidden_states = mlp_dropout(mlp, feed_forward, hidden_states)
         else:
             normed, residual = _add_norm(norm, norm_module, hidden_states, residual)
             made_from = _normed_from(norm, norm_module, residual) if handing else None
-            hidden_states = lent(normed, made_from, lambda: feed_forward(normed))
+            hidden_states = lent(normed, made_from, lambda: feed_forward(normed), discarded)
         # (Llama 4's expert block returns its output flattened to tokens x hidden.)
         out = branch(self, hidden_states, 1).view(residual.shape)
         next_norm = _next_norm(plan, self, residual, norm_forward) if handing else None
@@ -375,13 +389,14 @@ def mlp_forward(
                 projections = _lora_projections(layers, x)
                 if projections is not None:
                     return F.lora_gated_mlp(x, *projections, activation=activation, recompute=recompute,
-                                            normed_input=relay and relay.normed_input_of(x))
+                                            normed_input=relay and relay.normed_input_of(x),
+                                            output_discarded=relay is not None and relay.discards_output_of(x))
         if not glu_ops:
             return None
         weights = _glu_mlp_weights(mlp, self) if mlp.multipliers is None else None
         if weights is not None:
             return F.glu_mlp(x, *weights, activation=activation, normed_input=relay and relay.normed_input_of(x),
-                             recompute=recompute)
+                             recompute=recompute, output_discarded=relay is not None and relay.discards_output_of(x))
         return projected(self, x, activation)
 
     def forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,10 @@ a value, and two patched models never see each other's. A relay holds, for one f
     ``(normed tensor, NormedInput)`` while a fused layer calls its attention or MLP: which tensor
     and weight tigon's RMSNorm made it from (read by ``glu_mlp``, ``lora_gated_mlp``,
     ``lora_linear_group``).
+``discarded``
+    the input of the call whose output a decoder layer will not read: its MLP's, while the layer
+    is :func:`replaying` and adds that output to the residual stream and nothing else. The MLP may
+    skip what only its output needs (``lora_gated_mlp``'s down projection GEMMs).
 ``accuracy``
     a list lent by :func:`tigon.patch.token_accuracy` for one loss, to which the causal-LM forward
     appends ``(hits, count)`` from the loss kernel's pass.
@@ -32,7 +36,8 @@ What varies from call to call is asked here, and nowhere else on this floor:
 * :func:`live`: not in torch.compile's tracing, where every hand-off is off (no identity test of a
   tensor baked into guards; each fusion's ops run unfused across modules, with the same results).
 * :func:`recomputing`: a layer under gradient checkpointing, whose replay in backward must save
-  what its first pass saved: nothing may cross to the next layer.
+  what its first pass saved: nothing may cross to the next layer. :func:`replaying`: this call is
+  that replay.
 * :func:`sharded`: a distributed run, where FSDP gathers a layer's weights for its own forward only.
 * :func:`capturing`: a CUDA-graph capture (the ops that keep buffers ask :func:`tigon.ops.capturing`).
 
@@ -61,6 +66,14 @@ def recomputing(layer: torch.nn.Module) -> bool:
     return bool(getattr(layer, "gradient_checkpointing", False)) and layer.training
 
 
+def replaying(layer: torch.nn.Module) -> bool:
+    """Whether this call of `layer` is gradient checkpointing's replay of its forward in backward:
+    a layer that trains under checkpointing, called while autograd runs a backward pass (torch's
+    checkpointing, reentrant or not, replays there). The replay is run for what its ops save;
+    torch throws its outputs away."""
+    return recomputing(layer) and torch._C._current_graph_task_id() != -1
+
+
 def sharded() -> bool:
     """Whether this is a distributed run (FSDP or DDP process group initialised)."""
     return torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -74,11 +87,12 @@ def capturing() -> bool:
 class Relay:
     """The in-flight hand-offs of one patched model's forward (see the module docstring)."""
 
-    __slots__ = ("normed", "normed_input", "accuracy", "segments")
+    __slots__ = ("normed", "normed_input", "discarded", "accuracy", "segments")
 
     def __init__(self) -> None:
         self.normed: tuple[torch.Tensor, torch.nn.Module, torch.Tensor] | None = None
         self.normed_input: tuple[torch.Tensor, Any] | None = None
+        self.discarded: torch.Tensor | None = None
         self.accuracy: list | None = None
         self.segments: tuple[tuple[torch.Tensor, list[int]], ...] = ()
 
@@ -101,6 +115,10 @@ class Relay:
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
         self.segments = ((cu_seqlens, lengths), *self.segments[:1])
         return lengths
+
+    def discards_output_of(self, x: torch.Tensor) -> bool:
+        """Whether the layer passing `x` to a sublayer will not read that sublayer's output."""
+        return live() and self.discarded is x
 
     def normed_input_of(self, x: torch.Tensor) -> Any:
         """The NormedInput `x` was made from, if the layer passing it said so; else None."""

@@ -113,6 +113,41 @@ def test_glu_mlp_recompute_keeps_neither_gate_nor_up_and_gives_the_same_numbers(
         assert torch.equal(default, recomputed)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("op", ["glu_mlp", "add_rms_norm_glu_mlp"])
+def test_a_discarded_output_is_nan_and_the_gradients_are_the_same(device, dtype, recompute, op):
+    """output_discarded=True (a checkpointed layer's replay) forms only what the op keeps: the MLP's
+    output is NaN; what is saved and every gradient equal the default's, bit for bit; the
+    add_rms_norm_glu_mlp sum is formed as ever."""
+    tokens, hidden, intermediate = 11, 24, 40
+    x, weights, biases = _mlp_args((tokens,), hidden, intermediate, dtype, device, True)
+    residual = torch.randn_like(x)
+    norm_weight = torch.randn(hidden, dtype=dtype, device=device)
+    grad = torch.randn(tokens, hidden, dtype=dtype, device=device)
+    results, saved_shapes = [], []
+    for discarded in (False, True):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, residual, norm_weight, *weights, *biases)]
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            if op == "glu_mlp":
+                outs = (F.glu_mlp(leaves[0], *_split(leaves[3:]), recompute=recompute, output_discarded=discarded),)
+            else:
+                outs = F.add_rms_norm_glu_mlp(leaves[0], leaves[1], leaves[2], 1e-6, *_split(leaves[3:]),
+                                              recompute=recompute, output_discarded=discarded)
+        saved_shapes.append([tuple(t.shape) for t in saved])
+        torch.autograd.backward(outs, [grad] * len(outs))
+        results.append((outs, [leaf.grad for leaf in leaves if leaf.grad is not None]))
+    (outs, grads), (discarded_outs, discarded_grads) = results
+    assert not outs[0].isnan().any() and discarded_outs[0].isnan().all()
+    assert discarded_outs[0].dtype == outs[0].dtype and discarded_outs[0].shape == outs[0].shape
+    assert all(torch.equal(a, b) for a, b in zip(outs[1:], discarded_outs[1:]))
+    assert saved_shapes[0] == saved_shapes[1]
+    assert len(grads) == len(discarded_grads)
+    for default, skipped in zip(grads, discarded_grads):
+        assert torch.equal(default, skipped)
+
+
 def test_glu_mlp_normed_input_bad_arguments():
     x, weights, _ = _mlp_args((4,), 8, 12, torch.float32, torch.device("cpu"), False)
     with pytest.raises(ValueError, match="normed_input must be a tigon.ops.NormedInput"):

@@ -122,6 +122,34 @@ def test_recompute_keeps_no_gate_or_up_and_gives_the_same_numbers(device):
         assert torch.equal(default, recomputed)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("trainable_base", [False, True])
+def test_a_discarded_output_is_nan_and_the_gradients_are_the_same(device, dtype, trainable_base):
+    """output_discarded=True (a checkpointed layer's replay) skips the down projection's output:
+    the output is NaN, what the op saves and every gradient equal the default's, bit for bit. A
+    DoRA down projection, which saves its output's z, still forms it."""
+    n, hidden, intermediate = 21, 24, 50
+    projections = _mlp(hidden, intermediate, (3, 5, 2), dtype, device, bias=True, trainable_base=trainable_base)
+    leaves = [t for p in projections for t in (p.weight, p.lora_a, p.lora_b, p.bias) if t.requires_grad]
+    x = torch.randn(n, hidden, dtype=dtype, device=device, requires_grad=True)
+    grad = torch.randn(n, hidden, dtype=dtype, device=device)
+    results, saved_shapes = [], []
+    for discarded in (False, True):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = lora_gated_mlp(x, *projections, output_discarded=discarded)
+        saved_shapes.append([tuple(t.shape) for t in saved])
+        results.append((out, *torch.autograd.grad(out, [x, *leaves], grad)))
+    assert not results[0][0].isnan().any() and results[1][0].isnan().all()
+    assert saved_shapes[0] == saved_shapes[1]
+    for default, skipped in zip(results[0][1:], results[1][1:]):
+        assert torch.equal(default, skipped)
+
+    gate, up, down = projections
+    dora = down._replace(magnitude=torch.rand(hidden, dtype=dtype, device=device) + 0.5)
+    assert torch.equal(lora_gated_mlp(x, gate, up, dora, output_discarded=True), lora_gated_mlp(x, gate, up, dora))
+
+
 def test_autocast(device):
     x = torch.randn(5, 32, device=device, requires_grad=True)
     projections = _mlp(32, 48, (4, 4, 4), torch.float32, device)

@@ -6,6 +6,9 @@ The three projections are torch matmuls around the kernels of :mod:`tigon.ops.gl
 the MLP input, `gate` and `up` only: the down projection's input ``act(gate) * up`` is recomputed
 in backward, by the same pass that computes the gradients of `gate` and `up`. With ``recompute``
 it saves the input alone, and backward forms `gate` and `up` again (:func:`recomputed_projections`).
+With ``output_discarded`` (gradient checkpointing's replay of a layer in backward, which runs the
+forward again for what it saves) it forms only what it saves: no activation, no down projection,
+and its output is NaN.
 """
 
 from __future__ import annotations
@@ -44,6 +47,21 @@ def glu_mlp_forward(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, 
     gate = torch_f.linear(x, gate_weight, gate_bias)
     up = torch_f.linear(x, up_weight, up_bias)
     return torch_f.linear(glu_forward(gate, up, activation), down_weight, down_bias), gate, up
+
+
+def kept_forward(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, recompute,
+                 discarded):
+    """:func:`glu_mlp_forward` for the Functions: ``(out, gate, up)`` with gate and up None under
+    `recompute`. With `discarded` only what is kept is formed, and the output is NaN (in the dtype
+    the projections would give it), so that a caller that did read it would know at once."""
+    if not discarded:
+        out, gate, up = glu_mlp_forward(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias,
+                                        activation)
+        return (out, None, None) if recompute else (out, gate, up)
+    out = x.new_full((*x.shape[:-1], down_weight.shape[0]), float("nan"), dtype=autocast_dtype(x) or x.dtype)
+    if recompute:
+        return out, None, None
+    return out, torch_f.linear(x, gate_weight, gate_bias), torch_f.linear(x, up_weight, up_bias)
 
 
 def recomputed_projections(x2d, gate_weight, up_weight, gate_bias, up_bias) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,10 +132,9 @@ class _GLUMLPFunction(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation,
-                normed, recompute):
-        out, gate, up = glu_mlp_forward(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation)
-        if recompute:
-            gate = up = None
+                normed, recompute, discarded):
+        out, gate, up = kept_forward(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation,
+                                     recompute, discarded)
         ctx.save_for_backward(gate, up, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias,
                               *keep_normed(ctx, x, normed))
         ctx.activation = activation
@@ -142,7 +159,7 @@ class _GLUMLPFunction(torch.autograd.Function):
         )
         if grads[0] is not None:
             grads[0] = grads[0].view(*grad_out.shape[:-1], grads[0].shape[-1])
-        return (*grads, None, None, None)
+        return (*grads, None, None, None, None)
 
 
 def check_glu_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation) -> str | None:
@@ -180,14 +197,15 @@ def check_glu_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, do
 
 
 def _glu_mlp_kernel(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, normed_input,
-                    recompute):
+                    recompute, discarded):
     return _GLUMLPFunction.apply(
-        x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, normed_input, recompute
+        x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, normed_input, recompute,
+        discarded,
     )
 
 
 def _glu_mlp_reference(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, normed_input,
-                       recompute):
+                       recompute, discarded):
     return glu_mlp_reference(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation)
 
 
@@ -249,9 +267,10 @@ _forward_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 def glu_mlp_compiled(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, normed_input,
-                     recompute):
+                     recompute, discarded):
     """glu_mlp inside torch.compile: the forward library op (add_rms_norm_glu_mlp's too)."""
-    # normed_input and recompute are not used: what a compiled graph keeps is the compiler's choice.
+    # normed_input, recompute and discarded are not used: what a compiled graph keeps and forms is
+    # the compiler's choice.
     dtype = autocast_dtype(x)
     if dtype is None:
         return _forward_op(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation)[0]
@@ -276,6 +295,7 @@ def glu_mlp(
     activation: str = "silu",
     normed_input: NormedInput | None = None,
     recompute: bool = False,
+    output_discarded: bool = False,
 ) -> torch.Tensor:
     """The gated MLP ``down(act(gate(x)) * up(x))`` of Llama / Gemma, saving less for backward.
 
@@ -295,6 +315,9 @@ def glu_mlp(
         recompute: keep neither ``gate(x)`` nor ``up(x)``: backward forms them again (two more
             GEMMs, the same values), two intermediate-sized tensors less per call. Inside
             torch.compile the compiler decides what is kept.
+        output_discarded: the caller never reads the output, only the gradients backward will
+            give (gradient checkpointing's replay of a layer in backward): only what is kept for
+            backward is formed, and the output is NaN. (The reference path forms it all the same.)
 
     Returns:
         ``(..., hidden)``.
@@ -303,4 +326,4 @@ def glu_mlp(
     unsupported = check_glu_mlp(*args)
     if normed_input is not None:
         check_normed_input(x, normed_input)
-    return GLU_MLP(unsupported, *args, normed_input, bool(recompute))
+    return GLU_MLP(unsupported, *args, normed_input, bool(recompute), bool(output_discarded))

@@ -18,7 +18,11 @@ activation that saves ``act(gate)``, ``up`` and the product for backward. Here:
 * with ``recompute=True``, gate and up are not kept either: backward forms them again from x and
   the kept ``x Aᵀ`` (the same GEMMs on the same operands, so the same values), which costs the gate
   and up base GEMMs once more and saves two intermediate-sized tensors per layer, about half of
-  what a decoder layer keeps for backward.
+  what a decoder layer keeps for backward;
+* with ``output_discarded=True`` (gradient checkpointing's replay of a layer in backward, which
+  runs the forward again only for what it saves), the down projection's two output GEMMs are
+  skipped: its input and ``h A_downᵀ`` are all backward needs of it. The output is then NaN, so
+  that a caller that did read it would see at once that it should not have.
 
 Quantised bases and DoRA projections work as in :mod:`tigon.ops.composite.lora`. A DoRA gate or up
 projection saves its unscaled output z in place of its output (which backward rescales again, a
@@ -64,8 +68,10 @@ def lora_gated_mlp_reference(x: torch.Tensor, activation: str, *flat) -> torch.T
     return lora_linear_reference(h, *down)
 
 
-def _reference(x: torch.Tensor, activation: str, recompute: bool, normed: NormedInput | None, *flat) -> torch.Tensor:
-    """The reference in the op's argument order (what the fused op keeps changes no value)."""
+def _reference(x: torch.Tensor, activation: str, recompute: bool, normed: NormedInput | None, discarded: bool,
+               *flat) -> torch.Tensor:
+    """The reference in the op's argument order (what the fused op keeps changes no value; a
+    discarded output is computed all the same)."""
     return lora_gated_mlp_reference(x, activation, *flat)
 
 
@@ -73,7 +79,8 @@ def _reference_point(ctx, saved):
     (*rows, _, _, _, _), projections, _ = load_projections(ctx, saved)
     x2d = rows_view(restore_normed(ctx, *rows))
     x = x2d.view(*ctx.lead_shape, x2d.shape[1])
-    return LORA_GATED_MLP, _reference, (x, ctx.activation, ctx.recompute, None, *flatten_projections(projections))
+    return LORA_GATED_MLP, _reference, (x, ctx.activation, ctx.recompute, None, False,
+                                        *flatten_projections(projections))
 
 
 def _kept(output: torch.Tensor, dora: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -90,14 +97,17 @@ def _output(kept: torch.Tensor, projection: LoraProjection, dora: tuple[torch.Te
 
 class _LoraGatedMLPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, activation, recompute, normed, *flat):
+    def forward(ctx, x, activation, recompute, normed, discarded, *flat):
         own = unflatten_projections(flat)
         (gate_proj, up_proj, down_proj), ctx.adapter_dtypes = adapters_in(x.dtype, own)
         x2d = rows_view(x)
         (gate, up), xa, gate_up_doras = lora_group_forward(x2d, [gate_proj, up_proj], own[:2])
         h = glu_forward(gate, up, activation)
         ha = torch.mm(h, down_proj.lora_a.t())
-        out, down_dora = lora_forward(h, ha, down_proj, own[2])
+        if discarded and down_proj.magnitude is None:
+            out, down_dora = h.new_full((h.shape[0], down_proj.weight.shape[0]), float("nan")), None
+        else:  # (a DoRA down projection saves its z: formed all the same)
+            out, down_dora = lora_forward(h, ha, down_proj, own[2])
         del h  # recomputed in backward
         # A DoRA gate or up keeps its z: its weight norm comes from the adapters in their own
         # dtype, which backward no longer has.
@@ -119,7 +129,7 @@ class _LoraGatedMLPFunction(torch.autograd.Function):
             (gate, up), _, _ = lora_group_forward(x2d, [gate_proj, up_proj], xa=xa)
         gate, up = _output(gate, gate_proj, gate_dora), _output(up, up_proj, up_dora)
         width = len(LoraProjection._fields)
-        needs = (ctx.needs_input_grad[0], *ctx.needs_input_grad[4:])  # x's, then the projections' fields'
+        needs = (ctx.needs_input_grad[0], *ctx.needs_input_grad[5:])  # x's, then the projections' fields'
         gate_up_needs = needs[: 1 + 2 * width]
         down_needs = (True, *needs[1 + 2 * width :])
         dy = rows_view(grad_out)
@@ -141,10 +151,10 @@ class _LoraGatedMLPFunction(torch.autograd.Function):
         )
         if grad_x is not None:
             grad_x = grad_x.view(*ctx.lead_shape, x2d.shape[1])
-        return (grad_x, None, None, None, *adapter_grads_back(gate_up_grads + down_grads, ctx.adapter_dtypes))
+        return (grad_x, None, None, None, None, *adapter_grads_back(gate_up_grads + down_grads, ctx.adapter_dtypes))
 
 
-def _lora_gated_mlp_compiled(x, activation, recompute, normed, *flat):
+def _lora_gated_mlp_compiled(x, activation, recompute, normed, discarded, *flat):
     # Inside torch.compile: the LoRA projections trace their references around the GLU kernel
     # (what is saved for backward is the compiler's choice).
     gate, up, down = unflatten_projections(flat)
@@ -165,6 +175,7 @@ def lora_gated_mlp(
     activation: str = "silu",
     recompute: bool = False,
     normed_input: NormedInput | None = None,
+    output_discarded: bool = False,
 ) -> torch.Tensor:
     """``down(act(gate(x)) * up(x))`` with a LoRA adapter on each projection, as one op that saves
     only x, the gate and up outputs and rank-sized products (see the module docstring).
@@ -182,6 +193,10 @@ def lora_gated_mlp(
             layer's post-attention norm), what it was computed from: that input is saved instead
             of `x`, and `x` is renormalised in backward (the same values), one hidden-sized
             tensor less per call.
+        output_discarded: the caller never reads the output, only the gradients backward will
+            give (gradient checkpointing's replay of a layer in backward): the down projection's
+            output GEMMs are skipped and the output is NaN. (The reference path, and a DoRA down
+            projection, compute it all the same.)
 
     Each projection may have its own rank and scaling, and a bias. All tensors share x's device;
     weights and biases share x's dtype, the adapters may have another float dtype (cast inside the
@@ -209,4 +224,5 @@ def lora_gated_mlp(
     if normed_input is not None:
         check_normed_input(x, normed_input)
     x, flat = projections_for_autocast(x, [gate, up, down], dtype)
-    return LORA_GATED_MLP.without_autocast(dtype, None, x, activation, bool(recompute), normed_input, *flat)
+    return LORA_GATED_MLP.without_autocast(dtype, None, x, activation, bool(recompute), normed_input,
+                                           bool(output_discarded), *flat)

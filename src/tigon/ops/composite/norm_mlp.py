@@ -11,7 +11,8 @@ training step on a fast GPU waits for the host to issue each layer, so this is t
 Saved for backward: the sum ``x + r`` (the residual stream, kept anyway), one fp32 rstd per row,
 and the MLP's gate and up projections (not those with ``recompute``: backward forms them again from
 the normed input); the normed input is recomputed from the sum (the same kernel on the same rows,
-so bit for bit the forward's).
+so bit for bit the forward's). With ``output_discarded`` the MLP forms only what it keeps, as
+:func:`~tigon.ops.composite.glu_mlp.glu_mlp`'s does.
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ import torch
 from tigon.ops._checks import rows_view
 from tigon.ops._dispatch import Op, backward_fallback
 from tigon.ops.composite.glu_mlp import (
-    GLU_MLP, check_glu_mlp, glu_mlp_backward, glu_mlp_compiled, glu_mlp_forward, glu_mlp_reference,
-    recomputed_projections,
+    GLU_MLP, check_glu_mlp, glu_mlp_backward, glu_mlp_compiled, glu_mlp_reference, kept_forward, recomputed_projections,
 )
 from tigon.ops.rms_norm import (
     ADD_RMS_NORM, add_rms_norm_compiled, add_rms_norm_reference, check_rms_norm, rms_norm_backward,
@@ -42,8 +42,9 @@ def add_rms_norm_glu_mlp_reference(
 
 
 def _reference_in_op_order(x, residual, norm_weight, eps, gate_weight, up_weight, down_weight, gate_bias, up_bias,
-                           down_bias, offset, casting, activation, recompute):
-    """The reference with the op's argument order (what the fused op keeps changes no value)."""
+                           down_bias, offset, casting, activation, recompute, discarded):
+    """The reference with the op's argument order (what the fused op keeps changes no value; a
+    discarded output is formed all the same)."""
     return add_rms_norm_glu_mlp_reference(
         x, residual, norm_weight, eps, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias,
         offset, casting, activation,
@@ -51,16 +52,16 @@ def _reference_in_op_order(x, residual, norm_weight, eps, gate_weight, up_weight
 
 
 def _reference_in_function_order(x, residual, norm_weight, gate_weight, up_weight, down_weight, gate_bias, up_bias,
-                            down_bias, eps, offset, casting, activation, recompute):
+                            down_bias, eps, offset, casting, activation, recompute, discarded):
     """The reference with the Function's argument order."""
     return _reference_in_op_order(x, residual, norm_weight, eps, gate_weight, up_weight, down_weight, gate_bias,
-                                  up_bias, down_bias, offset, casting, activation, recompute)
+                                  up_bias, down_bias, offset, casting, activation, recompute, discarded)
 
 
 def _reference_point(ctx, saved):
     total, _, norm_weight, _, _, *weights_and_biases = saved
     # x and the residual enter only through their sum, so (sum, 0) stands in for them.
-    inputs = (total, torch.zeros_like(total), norm_weight, *weights_and_biases, *ctx.config, False)
+    inputs = (total, torch.zeros_like(total), norm_weight, *weights_and_biases, *ctx.config, False, False)
     return ADD_RMS_NORM_GLU_MLP, _reference_in_function_order, inputs
 
 
@@ -69,11 +70,10 @@ class _AddNormGLUMLPFunction(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, x, residual, norm_weight, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias,
-                eps, offset, casting, activation, recompute):
+                eps, offset, casting, activation, recompute, discarded):
         normed, total, rstd = rms_norm_rows(x, residual, norm_weight, eps, offset, casting)
-        out, gate, up = glu_mlp_forward(normed, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation)
-        if recompute:
-            gate = up = None
+        out, gate, up = kept_forward(normed, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias,
+                                     activation, recompute, discarded)
         ctx.save_for_backward(
             total, rstd, norm_weight, gate, up, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias
         )
@@ -106,24 +106,24 @@ class _AddNormGLUMLPFunction(torch.autograd.Function):
             grad_sum = grad_sum.view(total.shape)
         return (
             grad_sum if needs[0] else None, grad_sum if needs[1] else None, grad_norm_weight if needs[2] else None,
-            *(g if need else None for g, need in zip(mlp_grads[1:], needs[3:9])), None, None, None, None, None,
+            *(g if need else None for g, need in zip(mlp_grads[1:], needs[3:9])), None, None, None, None, None, None,
         )
 
 
 def _kernel(x, residual, norm_weight, eps, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias,
-            offset, casting, activation, recompute):
+            offset, casting, activation, recompute, discarded):
     return _AddNormGLUMLPFunction.apply(
         x, residual, norm_weight, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias,
-        float(eps), float(offset), casting, activation, recompute,
+        float(eps), float(offset), casting, activation, recompute, discarded,
     )
 
 
 def _compiled(x, residual, norm_weight, eps, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias,
-              offset, casting, activation, recompute):
+              offset, casting, activation, recompute, discarded):
     # Inside torch.compile: the two ops' library ops, one after the other.
     normed, total = add_rms_norm_compiled(x, residual, norm_weight, eps, offset, casting)
     out = glu_mlp_compiled(normed, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation,
-                            None, recompute)
+                            None, recompute, discarded)
     return out, total
 
 
@@ -148,6 +148,7 @@ def add_rms_norm_glu_mlp(
     casting: str = "llama",
     activation: str = "silu",
     recompute: bool = False,
+    output_discarded: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add + RMSNorm, then the gated MLP on the normed sum, as one op: returns
     ``(glu_mlp(rms_norm(x + residual)), x + residual)``.
@@ -160,6 +161,9 @@ def add_rms_norm_glu_mlp(
             MLP's, as for :func:`tigon.ops.composite.glu_mlp.glu_mlp`.
         recompute: keep neither the gate nor the up projection for backward, which forms them
             again from the normed input (as :func:`~tigon.ops.composite.glu_mlp.glu_mlp`'s).
+        output_discarded: the caller never reads the MLP's output (gradient checkpointing's
+            replay of a layer in backward): the MLP forms only what it keeps, and that output is
+            NaN; the sum is formed as ever. (The reference path forms it all the same.)
 
     Returns:
         The MLP's output ``(..., hidden)`` and the sum (the residual stream after the add). Works
@@ -172,4 +176,5 @@ def add_rms_norm_glu_mlp(
     unsupported = check_rms_norm(x, norm_weight, eps, casting, residual) or check_glu_mlp(
         x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation
     )
-    return ADD_RMS_NORM_GLU_MLP(unsupported, *args, offset, casting, activation, bool(recompute))
+    return ADD_RMS_NORM_GLU_MLP(unsupported, *args, offset, casting, activation, bool(recompute),
+                                bool(output_discarded))
