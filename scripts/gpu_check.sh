@@ -119,11 +119,16 @@ for stage in "${stages[@]}"; do
     # PPO's step (scoring and updates): eager, tigon, torch.compile (slowest to start: last); PPO_ARGS: more options.
     ppo)   timeout ${!limit_var:-150} python3 -m tigon.bench.ppo ${PPO_ARGS:-} --out "$RES/ppo" > "$RES/ppo.txt" 2>&1
            tail -8 "$RES/ppo.txt" ;;
-    # LoRA against Unsloth (UNSLOTH_ARGS: more tigon.bench.e2e options, e.g. the 8B QLoRA case).
+    # LoRA against Unsloth (UNSLOTH_ARGS: tigon.bench.e2e options, e.g. the 8B QLoRA case).
+    # UNSLOTH_ARGS may hold several runs split by '|': each gets TIMEOUT_unsloth (or 420 s) and its own
+    # unsloth-N output.
     unsloth) peer_site
-           PYTHONPATH=/tmp/peer-site:$PYTHONPATH timeout ${!limit_var:-420} python3 -m tigon.bench.e2e \
-             ${UNSLOTH_ARGS:---modes lora --impls peer unsloth tigon} --out "$RES/unsloth" > "$RES/unsloth.txt" 2>&1
-           tail -12 "$RES/unsloth.txt" ;;
+           IFS='|' read -ra unsloth_runs <<< "${UNSLOTH_ARGS:---modes lora --impls peer unsloth tigon}"
+           for n in "${!unsloth_runs[@]}"; do
+             PYTHONPATH=/tmp/peer-site:$PYTHONPATH timeout ${!limit_var:-420} python3 -m tigon.bench.e2e \
+               ${unsloth_runs[$n]} --out "$RES/unsloth-$n" > "$RES/unsloth-$n.txt" 2>&1
+             tail -12 "$RES/unsloth-$n.txt"
+           done ;;
     # Where Unsloth's LoRA step goes (scripts/profile_e2e.py's report of its step, 1B shape, 4 x 2048).
     unslothprof) peer_site
            PYTHONPATH=/tmp/peer-site:$PYTHONPATH timeout ${!limit_var:-200} python3 scripts/profile_e2e.py lora --unsloth \
