@@ -123,7 +123,8 @@ def glu_mlp_backward(
 
 def _reference_point(ctx, saved):
     gate_weight, up_weight, down_weight, *biases = saved[2:8]
-    inputs = (restore_normed(ctx, *saved[8:]), gate_weight, up_weight, down_weight, *biases, ctx.activation, None, None)
+    inputs = (restore_normed(ctx, *saved[8:]), gate_weight, up_weight, down_weight, *biases, ctx.activation, None, None,
+              None)
     return GLU_MLP, lambda *args: glu_mlp_reference(*args[:8]), inputs
 
 
