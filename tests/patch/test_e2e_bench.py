@@ -178,6 +178,19 @@ def test_lora_targets_reach_every_case_in_process_and_isolated(monkeypatch, tmp_
     tigon.unpatch()
 
 
+def test_rows_without_an_eager_row_print_dashes_not_nan():
+    """A run without eager (Unsloth against tigon+graphs, say) has no speed-up, memory ratio or
+    loss difference to print: its columns say '-', not 'nan'."""
+    from tigon.bench.e2e import compare, format_table
+
+    records = [{"mode": "lora", "impl": impl, "tokens_per_s": speed, "step_ms": 10.0, "peak_gib": 3.5,
+                "losses": [12.17, 11.9]} for impl, speed in (("unsloth", 11334.0), ("tigon+graphs", 66598.0))]
+    compare(records)
+    table = format_table(records)
+    assert "nan" not in table, table
+    assert table.splitlines()[2].split()[:9] == ["lora", "tigon+graphs", "66598", "-", "10.0", "3.50", "-", "-", "5.88x"]
+
+
 def test_out_of_memory_while_building_a_model_is_that_cases_row(monkeypatch):
     import tigon.bench.e2e as e2e
 

@@ -500,9 +500,11 @@ def format_table(records: list[dict[str, Any]]) -> str:
         spread = f"{r['spread_pct']:.1f}%" if "spread_pct" in r else "-"
         lines.append(
             f"{head}{r['tokens_per_s']:>10.0f}{spread:>8}{r['step_ms']:>9.1f}{r['peak_gib']:>10.2f}"
-            f"{r.get('vs_eager_speed', float('nan')):>9.2f}x{r.get('vs_eager_peak', float('nan')):>11.2f}"
+            + (f"{r['vs_eager_speed']:>9.2f}x{r['vs_eager_peak']:>11.2f}" if "vs_eager_speed" in r
+               else f"{'-':>10}{'-':>11}")
             + (f"{r['vs_unsloth_speed']:>10.2f}x" if "vs_unsloth_speed" in r else f"{'-':>11}")
-            + f"{r['losses'][0]:>11.4f}{r.get('max_loss_diff', float('nan')):>12.4f}"
+            + f"{r['losses'][0]:>11.4f}"
+            + (f"{r['max_loss_diff']:>12.4f}" if "max_loss_diff" in r else f"{'-':>12}")
             + (f"{r['gpu_busy_pct']:>8.0f}%" if "gpu_busy_pct" in r else f"{'-':>9}")
             + (f"{r['floor_pct']:>6.0f}%" if "floor_pct" in r else f"{'-':>7}")
             + (f"  ({len(r['failed_rounds'])} of {r['rounds']} rounds failed: {r['failed_rounds'][0]})"
