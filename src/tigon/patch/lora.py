@@ -35,7 +35,7 @@ import functools
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -119,13 +119,41 @@ def _dropout_is_identity(dropout: nn.Module) -> bool:
     return type(dropout) is nn.Dropout and (dropout.p == 0 or not dropout.training)
 
 
-def active_adapter(layer: nn.Module) -> tuple[str | None, str | None]:
-    """(the single active adapter of a PEFT LoRA linear, None) or (None, why PEFT's path must run)."""
+class _Adapter(NamedTuple):
+    """A PEFT LoRA linear's single active adapter, the modules its fused path reads."""
+
+    name: str
+    base: nn.Module
+    lora_a: nn.Module
+    lora_b: nn.Module
+    magnitude: nn.Module | None
+
+
+def _submodules(module: nn.Module, name: str) -> dict[str, nn.Module]:
+    """The modules a ModuleDict attribute of `module` holds, read from the dicts that hold them:
+    every forward of every LoRA linear asks, and nn.Module's __getattr__ (the path `module.name`
+    takes for a submodule) costs about a microsecond a call."""
+    return module._modules[name]._modules
+
+
+def _base_of(layer: nn.Module) -> nn.Module:
+    """PEFT's ``layer.get_base_layer()`` (the innermost ``base_layer`` of nested tuner layers),
+    walking the submodule dicts instead of testing ``hasattr``, which raises and catches inside
+    nn.Module's __getattr__ at the innermost layer."""
+    base = layer
+    while (inner := base._modules.get("base_layer")) is not None:
+        base = inner
+    return base
+
+
+def _checked(layer: nn.Module) -> tuple[_Adapter | None, str | None]:
+    """(the layer's adapter, None), or (None, why PEFT's path must run): see :func:`active_adapter`."""
     if layer.disable_adapters:
         return None, "adapters disabled"
     if layer.merged:
         return None, "merged"
-    active = [name for name in layer.active_adapters if name in layer.lora_A]
+    lora_as = _submodules(layer, "lora_A")
+    active = [name for name in layer.active_adapters if name in lora_as]
     if len(active) != 1:
         return None, f"{len(active)} active adapters"
     name = active[0]
@@ -136,35 +164,44 @@ def active_adapter(layer: nn.Module) -> tuple[str | None, str | None]:
         return None, "lora_bias"
     if getattr(layer, "fan_in_fan_out", False):
         return None, "fan_in_fan_out"
-    if not _dropout_is_identity(layer.lora_dropout[name]):
+    if not _dropout_is_identity(_submodules(layer, "lora_dropout")[name]):
         return None, "lora_dropout > 0 in training"
-    base = layer.get_base_layer()
+    base = _base_of(layer)
     if quantized.is_quantized_linear(base):
         reason = quantized.why_not(base)
         if reason is not None:
             return None, reason
     elif type(base) is not nn.Linear:
         return None, f"base layer is {type(base).__name__}, not nn.Linear"
-    modules = [base, layer.lora_A[name], layer.lora_B[name]] + ([layer.lora_magnitude_vector[name]] if dora else [])
-    if any(has_hooks(m) for m in modules):
+    adapter = _Adapter(name, base, lora_as[name], _submodules(layer, "lora_B")[name],
+                       _submodules(layer, "lora_magnitude_vector").get(name))
+    if dora and adapter.magnitude is None:
+        return None, "a DoRA adapter without its magnitude vector"
+    if any(has_hooks(m) for m in adapter if isinstance(m, nn.Module)):
         return None, "hooks on the base or adapter modules"
-    return name, None
+    return adapter, None
+
+
+def active_adapter(layer: nn.Module) -> tuple[str | None, str | None]:
+    """(the single active adapter of a PEFT LoRA linear, None) or (None, why PEFT's path must run)."""
+    adapter, reason = _checked(layer)
+    return (None, reason) if adapter is None else (adapter.name, None)
 
 
 def projection(layer: nn.Module, x: torch.Tensor) -> LoraProjection | None:
     """The layer's weights for the fused path on input `x`, or None when PEFT's path must run."""
-    name, _ = active_adapter(layer)
-    if name is None or not x.is_floating_point():
+    adapter, _ = _checked(layer)
+    if adapter is None or not x.is_floating_point():
         return None
-    scaling = layer.scaling[name]
+    scaling = layer.scaling[adapter.name]
     if isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
         return None
-    base = layer.get_base_layer()
+    base = adapter.base
     weight, bias = base.weight, base.bias
-    lora_a, lora_b = layer.lora_A[name].weight, layer.lora_B[name].weight
-    magnitude = layer.lora_magnitude_vector[name].weight if name in layer.lora_magnitude_vector else None
-    tensors = [t for t in (weight, lora_a, lora_b, bias, magnitude) if t is not None]
-    if any(t.device != x.device for t in tensors):
+    lora_a, lora_b = adapter.lora_a._parameters["weight"], adapter.lora_b._parameters["weight"]
+    magnitude = None if adapter.magnitude is None else adapter.magnitude.weight
+    device = x.device
+    if any(t is not None and t.device != device for t in (weight, lora_a, lora_b, bias, magnitude)):
         return None
     autocast = autocast_dtype(x) is not None
     if quantized.is_quantized_linear(base):
