@@ -383,6 +383,7 @@ def mlp_forward(
         return down(glu(activation, gate, up, gate_multiplier)) * down_multiplier
 
     def computed(self: torch.nn.Module, x: torch.Tensor, activation: str) -> torch.Tensor | None:
+        discarded = relay is not None and relay.discards_output_of(x)
         if lora_forward is not None and mlp.multipliers is None:
             layers = [getattr(self, name) for name in mlp.projections]
             if all(lora.runs(layer, lora_forward) and not has_hooks(layer, own_forward=lora_forward) for layer in layers):
@@ -390,13 +391,13 @@ def mlp_forward(
                 if projections is not None:
                     return F.lora_gated_mlp(x, *projections, activation=activation, recompute=recompute,
                                             normed_input=relay and relay.normed_input_of(x),
-                                            output_discarded=relay is not None and relay.discards_output_of(x))
+                                            output_discarded=discarded)
         if not glu_ops:
             return None
         weights = _glu_mlp_weights(mlp, self) if mlp.multipliers is None else None
         if weights is not None:
             return F.glu_mlp(x, *weights, activation=activation, normed_input=relay and relay.normed_input_of(x),
-                             recompute=recompute, output_discarded=relay is not None and relay.discards_output_of(x))
+                             recompute=recompute, output_discarded=discarded)
         return projected(self, x, activation)
 
     def forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

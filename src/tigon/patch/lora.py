@@ -177,7 +177,7 @@ def _checked(layer: nn.Module) -> tuple[_Adapter | None, str | None]:
                        _submodules(layer, "lora_magnitude_vector").get(name))
     if dora and adapter.magnitude is None:
         return None, "a DoRA adapter without its magnitude vector"
-    if any(has_hooks(m) for m in adapter if isinstance(m, nn.Module)):
+    if any(m is not None and has_hooks(m) for m in (base, adapter.lora_a, adapter.lora_b, adapter.magnitude)):
         return None, "hooks on the base or adapter modules"
     return adapter, None
 

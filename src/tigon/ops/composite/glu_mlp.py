@@ -5,7 +5,7 @@
 The three projections are torch matmuls around the kernels of :mod:`tigon.ops.glu`. The op saves
 the MLP input, `gate` and `up` only: the down projection's input ``act(gate) * up`` is recomputed
 in backward, by the same pass that computes the gradients of `gate` and `up`. With ``recompute``
-it saves the input alone, and backward forms `gate` and `up` again (:func:`recomputed_projections`).
+it saves the input alone, and backward forms `gate` and `up` again (:func:`gate_and_up`).
 With ``output_discarded`` (gradient checkpointing's replay of a layer in backward, which runs the
 forward again for what it saves) it forms only what it saves: no activation, no down projection,
 and its output is NaN.
@@ -44,8 +44,7 @@ def glu_mlp_reference(
 def glu_mlp_forward(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation):
     """The gated MLP outside autograd: ``(out, gate, up)``; gate and up are what
     :func:`glu_mlp_backward` takes."""
-    gate = torch_f.linear(x, gate_weight, gate_bias)
-    up = torch_f.linear(x, up_weight, up_bias)
+    gate, up = gate_and_up(x, gate_weight, up_weight, gate_bias, up_bias)
     return torch_f.linear(glu_forward(gate, up, activation), down_weight, down_bias), gate, up
 
 
@@ -59,16 +58,14 @@ def kept_forward(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, dow
                                         activation)
         return (out, None, None) if recompute else (out, gate, up)
     out = x.new_full((*x.shape[:-1], down_weight.shape[0]), float("nan"), dtype=autocast_dtype(x) or x.dtype)
-    if recompute:
-        return out, None, None
-    return out, torch_f.linear(x, gate_weight, gate_bias), torch_f.linear(x, up_weight, up_bias)
+    return (out, None, None) if recompute else (out, *gate_and_up(x, gate_weight, up_weight, gate_bias, up_bias))
 
 
-def recomputed_projections(x2d, gate_weight, up_weight, gate_bias, up_bias) -> tuple[torch.Tensor, torch.Tensor]:
-    """`gate` and `up` again from the MLP's input rows, for a backward that did not keep them: the
-    forward's GEMMs on the same operands (under the forward's autocast state, which the Functions'
-    custom_bwd restores), so the forward's values."""
-    return torch_f.linear(x2d, gate_weight, gate_bias), torch_f.linear(x2d, up_weight, up_bias)
+def gate_and_up(x, gate_weight, up_weight, gate_bias, up_bias) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up projections of the MLP's input `x` (any leading shape). A backward that did
+    not keep them forms them again here: the forward's GEMMs on the same operands (under the
+    forward's autocast state, which the Functions' custom_bwd restores), so the forward's values."""
+    return torch_f.linear(x, gate_weight, gate_bias), torch_f.linear(x, up_weight, up_bias)
 
 
 def glu_mlp_backward(
@@ -153,7 +150,7 @@ class _GLUMLPFunction(torch.autograd.Function):
             return x.reshape(-1, x.shape[-1])
 
         if gate is None:  # recompute
-            gate, up = recomputed_projections(input_rows(), gate_weight, up_weight, gate_bias, up_bias)
+            gate, up = gate_and_up(input_rows(), gate_weight, up_weight, gate_bias, up_bias)
         grads = glu_mlp_backward(
             grad_out, input_rows, gate, up, gate_weight, up_weight, down_weight, ctx.activation,
             ctx.needs_input_grad[:7],

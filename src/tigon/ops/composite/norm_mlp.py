@@ -24,7 +24,7 @@ import torch
 from tigon.ops._checks import rows_view
 from tigon.ops._dispatch import Op, backward_fallback
 from tigon.ops.composite.glu_mlp import (
-    GLU_MLP, check_glu_mlp, glu_mlp_backward, glu_mlp_compiled, glu_mlp_reference, kept_forward, recomputed_projections,
+    GLU_MLP, check_glu_mlp, glu_mlp_backward, glu_mlp_compiled, glu_mlp_reference, gate_and_up, kept_forward,
 )
 from tigon.ops.rms_norm import (
     ADD_RMS_NORM, add_rms_norm_compiled, add_rms_norm_reference, check_rms_norm, rms_norm_backward,
@@ -93,7 +93,7 @@ class _AddNormGLUMLPFunction(torch.autograd.Function):
             return rms_norm_rows(rows_view(total), None, norm_weight, eps, offset, casting)[0]
 
         if gate is None:  # recompute
-            gate, up = recomputed_projections(normed_rows(), gate_weight, up_weight, gate_bias, up_bias)
+            gate, up = gate_and_up(normed_rows(), gate_weight, up_weight, gate_bias, up_bias)
 
         mlp_grads = glu_mlp_backward(
             grad_out, normed_rows, gate, up, gate_weight, up_weight, down_weight, activation, (need_normed, *needs[3:9]),
