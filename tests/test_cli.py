@@ -2,6 +2,7 @@ import argparse
 import dataclasses
 import json
 import re
+import sys
 
 import pytest
 import torch
@@ -79,6 +80,25 @@ def test_bench_rejects_unknown_op(capsys):
 def test_gpu_benches_without_a_gpu_say_so_in_one_line(capsys, tmp_path, mode, bench):
     assert main(["bench", mode, "--out", str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err == f"tigon bench: error: {bench} needs a CUDA GPU\n"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the benchmarks run on a GPU here")
+@pytest.mark.parametrize("module", ["e2e", "max_context", "ppo", "moe_e2e", "vlm_e2e", "embed_e2e", "reward"])
+def test_gpu_bench_modules_without_a_gpu_say_so_in_one_line(module, capsys, monkeypatch, tmp_path):
+    """`python -m tigon.bench.<module>` (the README's commands) on a machine without a GPU: one
+    line and exit status 2, not a traceback."""
+    import runpy
+    import warnings
+
+    monkeypatch.setattr(sys, "argv", [f"tigon.bench.{module}", "--out", str(tmp_path / "out")])
+    with warnings.catch_warnings(), pytest.raises(SystemExit) as stop:
+        warnings.simplefilter("ignore", RuntimeWarning)  # runpy's note when the module was imported before
+        runpy.run_module(f"tigon.bench.{module}", run_name="__main__")
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"python -m tigon.bench.{module}: error: ") and err.endswith("needs a CUDA GPU\n"), err
+    assert err.count("\n") == 1 and "Traceback" not in err
     assert not (tmp_path / "out").exists()
 
 

@@ -57,15 +57,9 @@ def _cmd_env(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from tigon.bench.e2e import NeedsGPU
+    from tigon.bench.e2e import exit_status
 
-    try:
-        return _bench(args)
-    except NeedsGPU as err:
-        if args.debug:
-            raise
-        print(f"tigon bench: error: {err}", file=sys.stderr)
-        return 2
+    return _bench(args) if args.debug else exit_status(lambda: _bench(args), "tigon bench")
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -71,6 +71,7 @@ import hashlib
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -251,6 +252,16 @@ def _sync(device: torch.device) -> None:
 
 class NeedsGPU(RuntimeError):
     """A benchmark was asked for where no CUDA GPU is visible."""
+
+
+def exit_status(main: Callable[[], int], prog: str) -> int:
+    """`main()`'s exit status for a benchmark module run as ``python -m``: where it needs a GPU
+    this machine lacks, one line (``prog: error: ...``) and 2, not a traceback."""
+    try:
+        return main()
+    except NeedsGPU as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
 
 
 def current_cuda_device(bench: str) -> torch.device:
@@ -688,4 +699,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(exit_status(main, "python -m tigon.bench.e2e"))

@@ -184,4 +184,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from tigon.bench.e2e import exit_status
+
+    raise SystemExit(exit_status(main, "python -m tigon.bench.reward"))
