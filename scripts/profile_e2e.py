@@ -1,8 +1,11 @@
 """Where one end-to-end training step (tigon bench --e2e's model and batch) spends GPU time and
 what is alive at its memory peak.
 
-Usage (GPU): PYTHONPATH=src python3 scripts/profile_e2e.py [full|lora] [--eager|--unsloth]
-    [--graphs|--reduce-overhead] [--off SWITCH ...] [--ops]
+Usage (GPU): PYTHONPATH=src python3 scripts/profile_e2e.py [full|lora|qlora|lora-fp8] [--eager|--unsloth]
+    [--graphs|--reduce-overhead] [--off SWITCH ...] [--ops] [--shape 1b|8b] [--lora-rank R]
+    [--lora-targets q_proj v_proj ...] [--checkpointing]
+The model, adapters and batch are `python -m tigon.bench.e2e`'s with the same options (e.g. the 8B
+r=64 q,v step: `lora --shape 8b --lora-rank 64 --lora-targets q_proj v_proj`).
 With --unsloth the step is Unsloth's (`FastLanguageModel`, as `tigon.bench.e2e` builds it; its
 wheels on the path first, as `scripts/gpu_check.sh unsloth` puts them).
 With --graphs each forward + backward replays from a CUDA graph, and AdamW's update from another
@@ -20,7 +23,8 @@ import time
 import torch
 
 import tigon
-from tigon.bench.e2e import LLAMA_1B, build_model, build_unsloth, captured_micro_step, micro_step
+from tigon.bench.e2e import (LLAMA_1B, LORA_TARGETS, MODES, build_model, build_unsloth, captured_micro_step, micro_step,
+                             shape_arg)
 from tigon.cuda_graphs import CapturedOptimizer
 from tigon.patch import SWITCHES
 
@@ -28,9 +32,9 @@ from kernel_report import idle_gaps, kernel_spans
 from tigon.bench.memory import PeakRecord
 
 parser = argparse.ArgumentParser()
-parser.add_argument("mode", choices=("full", "lora"), nargs="?", default="full")
+parser.add_argument("mode", choices=MODES, nargs="?", default="full")
 parser.add_argument("--eager", action="store_true", help="profile the unpatched model")
-parser.add_argument("--unsloth", action="store_true", help="profile Unsloth's model (lora mode)")
+parser.add_argument("--unsloth", action="store_true", help="profile Unsloth's model (lora and qlora modes)")
 parser.add_argument("--off", nargs="+", default=[], choices=SWITCHES,
                     help="tigon.patch switches to turn off")
 parser.add_argument("--graphs", action="store_true",
@@ -38,6 +42,10 @@ parser.add_argument("--graphs", action="store_true",
 parser.add_argument("--reduce-overhead", action="store_true", help="under torch.compile(mode='reduce-overhead')")
 parser.add_argument("--batch", type=int, default=4)
 parser.add_argument("--seq", type=int, default=2048)
+parser.add_argument("--shape", type=shape_arg, default=LLAMA_1B, help="1b (default) or 8b: the Llama shape")
+parser.add_argument("--lora-rank", type=int, default=16)
+parser.add_argument("--lora-targets", nargs="+", choices=LORA_TARGETS, default=list(LORA_TARGETS))
+parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing")
 parser.add_argument("--trace", metavar="FILE", help="also write a Chrome trace of one step (CPU + GPU, Python stacks)")
 parser.add_argument("--ops", action="store_true",
                     help="also list the aten ops by GPU time with their input shapes (which GEMM is which)")
@@ -45,14 +53,16 @@ args = parser.parse_args()
 
 device = torch.device("cuda")
 build = build_unsloth if args.unsloth else build_model
-model = build(args.mode, args.seq, device, shape=LLAMA_1B, lora_rank=16, checkpointing=False)
+checkpointing = ("unsloth" if args.unsloth else True) if args.checkpointing else False
+model = build(args.mode, args.seq, device, shape=args.shape, lora_rank=args.lora_rank, checkpointing=checkpointing,
+              lora_targets=args.lora_targets)
 if not (args.eager or args.unsloth):
     print(tigon.patch(model, **dict.fromkeys(args.off, False)))
 model.train()
 optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
 if args.graphs:
     optimizer = CapturedOptimizer(optimizer, device=device)
-ids = torch.randint(0, LLAMA_1B["vocab_size"], (args.batch, args.seq), device=device)
+ids = torch.randint(0, args.shape["vocab_size"], (args.batch, args.seq), device=device)
 if args.graphs:
     forward_backward = captured_micro_step(model)
 else:
