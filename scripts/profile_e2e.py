@@ -3,9 +3,11 @@ what is alive at its memory peak.
 
 Usage (GPU): PYTHONPATH=src python3 scripts/profile_e2e.py [full|lora|qlora|lora-fp8] [--eager|--unsloth]
     [--graphs|--reduce-overhead] [--off SWITCH ...] [--ops] [--shape 1b|8b] [--lora-rank R]
-    [--lora-targets q_proj v_proj ...] [--checkpointing]
+    [--lora-targets q_proj v_proj ...] [--checkpointing] [--fp8 tensorwise|rowwise]
 The model, adapters and batch are `python -m tigon.bench.e2e`'s with the same options (e.g. the 8B
-r=64 q,v step: `lora --shape 8b --lora-rank 64 --lora-targets q_proj v_proj`).
+r=64 q,v step: `lora --shape 8b --lora-rank 64 --lora-targets q_proj v_proj`). With --fp8 the
+patched model's projections are torchao's FP8 linears (`tigon.patch(model, fp8=...)`, torchao on the
+path), as the e2e bench's `tigon+fp8` rows.
 With --unsloth the step is Unsloth's (`FastLanguageModel`, as `tigon.bench.e2e` builds it; its
 wheels on the path first, as `scripts/gpu_check.sh unsloth` puts them).
 With --graphs each forward + backward replays from a CUDA graph, and AdamW's update from another
@@ -46,10 +48,13 @@ parser.add_argument("--shape", type=shape_arg, default=LLAMA_1B, help="1b (defau
 parser.add_argument("--lora-rank", type=int, default=16)
 parser.add_argument("--lora-targets", nargs="+", choices=LORA_TARGETS, default=list(LORA_TARGETS))
 parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing")
+parser.add_argument("--fp8", choices=("tensorwise", "rowwise"), help="the patched model's projections in FP8 (torchao)")
 parser.add_argument("--trace", metavar="FILE", help="also write a Chrome trace of one step (CPU + GPU, Python stacks)")
 parser.add_argument("--ops", action="store_true",
                     help="also list the aten ops by GPU time with their input shapes (which GEMM is which)")
 args = parser.parse_args()
+if args.fp8 and (args.eager or args.unsloth):
+    parser.error("--fp8 is tigon's patch option: not with --eager or --unsloth")
 
 device = torch.device("cuda")
 build = build_unsloth if args.unsloth else build_model
@@ -57,7 +62,7 @@ checkpointing = ("unsloth" if args.unsloth else True) if args.checkpointing else
 model = build(args.mode, args.seq, device, shape=args.shape, lora_rank=args.lora_rank, checkpointing=checkpointing,
               lora_targets=args.lora_targets)
 if not (args.eager or args.unsloth):
-    print(tigon.patch(model, **dict.fromkeys(args.off, False)))
+    print(tigon.patch(model, fp8=args.fp8, **dict.fromkeys(args.off, False)))
 model.train()
 optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
 if args.graphs:
