@@ -76,6 +76,28 @@ def test_quantize_rows_checks(device):
         quantize_rows(x.t())
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (5, 200), (130, 7), (257, 300)])
+def test_transpose_bytes_bit_for_bit(device, shape):
+    """The input gradient's weight transpose: every payload byte (NaN codes included) lands at its
+    transposed place, partial tiles on both sides, into a fresh tensor and into a poisoned `out`."""
+    data = torch.randint(0, 256, shape, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+    want = data.view(torch.uint8).t().contiguous()
+    assert torch.equal(fp8.transpose_bytes(data).view(torch.uint8), want)
+    out = torch.full((shape[1], shape[0]), 0x7F, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+    assert fp8.transpose_bytes(data, out) is out
+    assert torch.equal(out.view(torch.uint8), want)
+
+
+def test_transpose_bytes_checks(device):
+    data = torch.zeros(4, 6, dtype=torch.float8_e4m3fn, device=device)
+    with pytest.raises(ValueError, match="one-byte elements"):
+        fp8.transpose_bytes(torch.zeros(4, 6, device=device))
+    with pytest.raises(ValueError, match="contiguous"):
+        fp8.transpose_bytes(data.t())
+    with pytest.raises(ValueError, match=r"out must be a contiguous .*\(6, 4\)"):
+        fp8.transpose_bytes(data, torch.zeros(4, 6, dtype=torch.float8_e4m3fn, device=device))
+
+
 def test_dequantize_fp8_blocks():
     """Block scales as HF's checkpoints lay them out: one per (bo, bi) block, the last ones partial."""
     data = torch.randn(10, 19).to(torch.float8_e4m3fn)
@@ -122,11 +144,15 @@ def test_fp8_linear_checks(device):
 
 
 @pytest.mark.parametrize("dora", [False, True])
-def test_lora_group_on_fp8_bases_matches_dequantised_math(poison_outputs, device, dora):
-    """q/k/v-like projections (one with a bias) on FP8 bases: outputs, dx and the adapters'
+@pytest.mark.parametrize("mixed", [False, True])
+def test_lora_group_on_fp8_bases_matches_dequantised_math(poison_outputs, device, dora, mixed):
+    """q/k/v-like projections (one with a bias) on FP8 bases (`mixed`: the middle one on a plain
+    weight, whose input gradient accumulates onto the FP8 ones'): outputs, dx and the adapters'
     gradients equal those of the same LoRA on the dequantised weights."""
     widths = (64, 32, 32)
     weights = [_weight(w, 48, device) for w in widths]
+    if mixed:
+        weights[1] = dequantize_fp8(weights[1], torch.float32)
     bias = torch.randn(32, device=device)
     x = torch.randn(2, 7, 48, device=device, requires_grad=True)
     adapters = []
@@ -139,7 +165,7 @@ def test_lora_group_on_fp8_bases_matches_dequantised_math(poison_outputs, device
         return [LoraProjection(weight, a, b, 0.75, bias if i == 1 else None, m)
                 for i, (weight, (a, b, m)) in enumerate(zip(base, zip(*[iter(tensors)] * 3)))]
 
-    dequantised = [dequantize_fp8(w, torch.float32) for w in weights]
+    dequantised = [dequantize_fp8(w, torch.float32) if isinstance(w, Fp8Weight) else w for w in weights]
     compare_fwd_bwd(
         lambda x, *t: F.lora_linear_group(x, projections(weights, t)),
         lambda x, *t: [lora_linear_reference(x, *p._replace(bias=None if p.bias is None else p.bias.to(x.dtype)))

@@ -211,20 +211,56 @@ def dequantize_fp8(weight: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
     return (weight.data.float() * scale).to(dtype)
 
 
+@triton.jit
+def _transpose_kernel(src_ptr, dst_ptr, n_rows, n_cols, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    # A tile read along the source's rows and written along the destination's: both sides
+    # coalesced, the exchange in between done on chip (torch's strided copy of one-byte elements
+    # writes one byte per thread, far from the memory's bandwidth).
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    tile = tl.load(src_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask)
+    tl.store(dst_ptr + cols[:, None] * n_rows + rows[None, :], tl.trans(tile), mask=tl.trans(mask))
+
+
+TRANSPOSE_TILE = 128  # bytes of a tile's side: one 128-byte line per row, read and written
+TRANSPOSE_WARPS = 8
+
+
+def transpose_bytes(data: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``data.t()`` made contiguous by a tiled kernel: a contiguous 2-D tensor of one-byte elements
+    (the FP8 payloads) written, transposed, to `out` (``(cols, rows)``, contiguous; a fresh tensor
+    when None), bit for bit."""
+    rows, cols = data.shape
+    if data.element_size() != 1 or not data.is_contiguous():
+        raise ValueError(f"data must be a contiguous 2-D tensor of one-byte elements, got {data.dtype} "
+                         f"{tuple(data.shape)} with strides {data.stride()}")
+    if out is None:
+        out = torch.empty((cols, rows), dtype=data.dtype, device=data.device)
+    elif out.dtype != data.dtype or tuple(out.shape) != (cols, rows) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {data.dtype} ({cols}, {rows}) tensor, got {out.dtype} "
+                         f"{tuple(out.shape)} with strides {out.stride()}")
+    if data.numel():
+        grid = (cdiv(rows, TRANSPOSE_TILE), cdiv(cols, TRANSPOSE_TILE))
+        _transpose_kernel[grid](data.view(torch.uint8), out.view(torch.uint8), rows, cols,
+                                BLOCK_ROWS=TRANSPOSE_TILE, BLOCK_COLS=TRANSPOSE_TILE, num_warps=TRANSPOSE_WARPS)
+    return out
+
+
 _workspaces: dict[torch.device, torch.Tensor] = {}
 
 
 def _transposed(data: torch.Tensor) -> torch.Tensor:
-    """``data.t()`` made contiguous in this device's reused fp8 buffer (see the module docstring);
-    a fresh tensor while a CUDA graph is captured."""
+    """``data.t()`` made contiguous (:func:`transpose_bytes`) in this device's reused fp8 buffer
+    (see the module docstring); a fresh tensor while a CUDA graph is captured."""
     rows, cols = data.shape
     if capturing(data.device):
-        return data.t().contiguous()
+        return transpose_bytes(data)
     buffer = _workspaces.get(data.device)
     if buffer is None or buffer.numel() < data.numel():
         _workspaces.pop(data.device, None)  # freed before its replacement is allocated
         buffer = _workspaces[data.device] = torch.empty(data.numel(), dtype=data.dtype, device=data.device)
-    return buffer[: data.numel()].view(cols, rows).copy_(data.t())
+    return transpose_bytes(data, buffer[: data.numel()].view(cols, rows))
 
 
 def release_workspaces() -> None:

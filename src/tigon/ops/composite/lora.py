@@ -359,14 +359,17 @@ def lora_backward_without_input(
 
     grad_x = None
     if need_x:
-        # dx = Σ dxaᵢ Aᵢ + Σ dzᵢ Wᵢ: the K = Σr GEMM writes dx, each base GEMM accumulates into it.
-        grad_x = torch.mm(grad_xa, stacked(lora_as))
+        # dx = Σ dzᵢ Wᵢ + Σ dxaᵢ Aᵢ. An FP8 GEMM cannot accumulate into its output: the FP8 bases'
+        # terms come first (the first one writes dx), then the K = Σr GEMM accumulates onto them
+        # and each other base GEMM onto that.
         for projection, dz in zip(projections, grads_z):
-            if dz is None:
-                continue
-            if isinstance(projection.weight, Fp8Weight):
-                grad_x.add_(fp8_matmul_grad(dz, projection.weight))
-            else:
+            if dz is not None and isinstance(projection.weight, Fp8Weight):
+                part = fp8_matmul_grad(dz, projection.weight)
+                grad_x = part if grad_x is None else grad_x.add_(part)
+        lora_a = stacked(lora_as)
+        grad_x = torch.mm(grad_xa, lora_a) if grad_x is None else grad_x.addmm_(grad_xa, lora_a)
+        for projection, dz in zip(projections, grads_z):
+            if dz is not None and not isinstance(projection.weight, Fp8Weight):
                 grad_x = base_gemm(dz, projection.weight, backward=True, add=grad_x)
     return grad_x, grad_xa, flat_grads, grads_z
 
