@@ -174,6 +174,88 @@ def test_lora_group_on_fp8_bases_matches_dequantised_math(poison_outputs, device
     )
 
 
+def _gated_mlp_on_fp8_bases(device, dtype):
+    """A run of the LoRA gated MLP on FP8 bases: a function returning its output and gradients."""
+    hidden, intermediate, rank = 48, 80, 4
+    weights = [_weight(intermediate, hidden, device), _weight(intermediate, hidden, device),
+               _weight(hidden, intermediate, device)]
+    x = torch.randn(3, 11, hidden, device=device, dtype=dtype)
+    adapters = [(torch.randn(rank, w.shape[1], device=device) / 7, torch.randn(w.shape[0], rank, device=device) / 2)
+                for w in weights]
+    grad = torch.randn(3, 11, hidden, device=device, dtype=dtype)
+
+    def run():
+        leaves = [x.clone().requires_grad_()] + [t.clone().requires_grad_() for pair in adapters for t in pair]
+        projections = [LoraProjection(w, a, b, 0.5, None, None) for w, (a, b) in zip(weights, zip(*[iter(leaves[1:])] * 2))]
+        out = F.lora_gated_mlp(leaves[0], *projections)
+        out.backward(grad)
+        return [out.detach()] + [leaf.grad for leaf in leaves]
+
+    return run
+
+
+def _spy_quantize_rows(monkeypatch):
+    """The shapes of the rows tigon.ops.fp8's GEMMs quantise themselves, as a list filled from now on."""
+    shapes, quantize = [], fp8.quantize_rows
+    monkeypatch.setattr(fp8, "quantize_rows", lambda t, *args: shapes.append(tuple(t.shape)) or quantize(t, *args))
+    return shapes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_down_projection_reads_h_from_the_activation_kernel(device, monkeypatch, dtype):
+    """The LoRA gated MLP on FP8 bases: the down projection's FP8 GEMM takes h as the activation
+    kernel quantised it in its own pass (no row quantisation of h before the GEMM), with the
+    scales the quantisation kernel gives h; the payloads are compared on the GPU (the next test:
+    the interpreter's own e4m3 cast rounds otherwise). The FP8 GEMM path is forced on here, on
+    torch's CPU ``_scaled_mm`` where there is no GPU."""
+    from tigon.ops.composite import lora as lora_ops, lora_mlp
+
+    for module in (fp8, lora_ops, lora_mlp):
+        monkeypatch.setattr(module, "fp8_gemm_reason", lambda x, weight: None)
+    handed = []
+    real_operand = lora_mlp.rows_operand
+    monkeypatch.setattr(lora_mlp, "rows_operand", lambda rows: handed.append(rows) or real_operand(rows))
+    run = _gated_mlp_on_fp8_bases(device, dtype)
+    quantized = _spy_quantize_rows(monkeypatch)
+    try:
+        run()
+    except (RuntimeError, NotImplementedError) as err:
+        pytest.skip(f"torch._scaled_mm does not run here: {err}")
+    # The GEMMs' first quantisation is then backward's, of the down projection's dy (33 × 48).
+    assert quantized[0] == (33, 48), "h was quantised apart before the down projection's FP8 GEMM"
+    assert len(handed) == 1 and handed[0].data is not None
+    torch.manual_seed(0)
+    gate, up = torch.randn(2, 33, 80, device=device, dtype=dtype)
+    from tigon.ops._fp8 import fp8_rows_buffers
+    from tigon.ops.glu import glu_forward
+
+    rows = fp8_rows_buffers(gate, "rowwise")
+    h = glu_forward(gate, up, "silu", fp8="rowwise", fp8_rows=rows)
+    q, scale = fp8.rows_operand(rows)
+    want_q, want_scale = quantize_rows(h)
+    assert q.shape == want_q.shape and q.dtype == want_q.dtype and torch.equal(scale, want_scale)
+
+
+@pytest.mark.gpu
+def test_fp8_down_projection_from_the_activation_kernel_is_bit_for_bit_on_gpu(monkeypatch):
+    """On a GPU with FP8: the gated MLP whose activation kernel quantises h for the down
+    projection gives the output and gradients of the path that quantises h apart, bit for bit."""
+    from tigon.ops.composite import lora_mlp
+
+    device = _fp8_gpu()
+    torch.manual_seed(0)
+    run = _gated_mlp_on_fp8_bases(device, torch.bfloat16)
+    quantized = _spy_quantize_rows(monkeypatch)
+    fused = run()
+    assert quantized[0] == (33, 48)  # backward's dy: h was not quantised apart
+    monkeypatch.setattr(lora_mlp, "fp8_rows_buffers", lambda like, mode: None)  # the activation writes h alone
+    quantized.clear()
+    apart = run()
+    assert quantized[0] == (33, 80)
+    for got, want in zip(fused, apart):
+        assert torch.equal(got, want)
+
+
 def test_cpu_fallback_is_said_once(fresh_dispatch, caplog, device):
     if device.type != "cpu":
         pytest.skip("the CPU's fallback")

@@ -42,6 +42,7 @@ import torch
 
 from tigon.ops._checks import check_float
 from tigon.ops._dispatch import INTERPRET, Op, capturing, tl, triton
+from tigon.ops._fp8 import Float8Rows
 from tigon.ops._launch import cdiv, next_power_of_2
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -147,6 +148,16 @@ def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tup
                          f"{col_scale.dtype} {tuple(col_scale.shape)} on {col_scale.device}")
     unsupported = f"rows of {x.shape[1]} > {MAX_ROW} columns run on the reference" if x.shape[1] > MAX_ROW else None
     return QUANTIZE_ROWS(unsupported, x, col_scale)
+
+
+def rows_operand(rows: Float8Rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a kernel's rowwise FP8 epilogue wrote (:mod:`tigon.ops._fp8`, mode ``"rowwise"``) as
+    the ``(q, scale)`` pair :func:`quantize_rows` returns, 2-D, for :func:`fp8_matmul`'s `x_fp8`:
+    the same payload (both multiply by the correctly rounded 448 / amax), and amax / 448 (amax
+    floored as there) as the scale that undoes it."""
+    amax = rows.amax.reshape(-1)
+    amax = torch.where(amax.isnan(), amax, amax.clamp_min(AMAX_FLOOR))
+    return rows.data.reshape(-1, rows.data.shape[-1]), amax / amax.new_tensor(FP8_MAX)  # tensor / tensor: rounded once
 
 
 class Fp8Weight(NamedTuple):

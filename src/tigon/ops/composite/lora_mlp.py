@@ -55,7 +55,9 @@ from tigon.ops.composite.lora import (
     save_projections,
     unflatten_projections,
 )
+from tigon.ops._fp8 import fp8_rows_buffers
 from tigon.ops.dora import DORA_SCALE
+from tigon.ops.fp8 import Fp8Weight, fp8_gemm_reason, rows_operand
 from tigon.ops.glu import ACTIVATIONS, glu_backward, glu_forward, glu_op, glu_reference
 from tigon.ops.rms_norm import NormedInput, check_normed_input, keep_normed, restore_normed
 
@@ -102,13 +104,17 @@ class _LoraGatedMLPFunction(torch.autograd.Function):
         (gate_proj, up_proj, down_proj), ctx.adapter_dtypes = adapters_in(x.dtype, own)
         x2d = rows_view(x)
         (gate, up), xa, gate_up_doras = lora_group_forward(x2d, [gate_proj, up_proj], own[:2])
-        h = glu_forward(gate, up, activation)
+        down_runs = not discarded or down_proj.magnitude is not None  # (a DoRA down projection saves its z)
+        # An FP8 down projection's GEMM takes h quantised per row: the activation kernel writes it.
+        h_rows = (fp8_rows_buffers(gate, "rowwise") if down_runs and isinstance(down_proj.weight, Fp8Weight)
+                  and fp8_gemm_reason(gate, down_proj.weight) is None else None)
+        h = glu_forward(gate, up, activation, fp8=None if h_rows is None else "rowwise", fp8_rows=h_rows)
         ha = torch.mm(h, down_proj.lora_a.t())
-        if discarded and down_proj.magnitude is None:
+        if down_runs:
+            out, down_dora = lora_forward(h, ha, down_proj, own[2], None if h_rows is None else rows_operand(h_rows))
+        else:
             out, down_dora = h.new_full((h.shape[0], down_proj.weight.shape[0]), float("nan")), None
-        else:  # (a DoRA down projection saves its z: formed all the same)
-            out, down_dora = lora_forward(h, ha, down_proj, own[2])
-        del h  # recomputed in backward
+        del h, h_rows  # h is recomputed in backward
         # A DoRA gate or up keeps its z: its weight norm comes from the adapters in their own
         # dtype, which backward no longer has.
         ctx.recompute = recompute and gate_up_doras == [None, None]
