@@ -204,10 +204,10 @@ def _spy_quantize_rows(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_down_projection_reads_h_from_the_activation_kernel(device, monkeypatch, dtype):
     """The LoRA gated MLP on FP8 bases: the down projection's FP8 GEMM takes h as the activation
-    kernel quantised it in its own pass (no row quantisation of h before the GEMM), with the
-    scales the quantisation kernel gives h; the payloads are compared on the GPU (the next test:
-    the interpreter's own e4m3 cast rounds otherwise). The FP8 GEMM path is forced on here, on
-    torch's CPU ``_scaled_mm`` where there is no GPU."""
+    kernel quantised it in its own pass (no row quantisation of h before the GEMM), the payload
+    and scales the quantisation kernel gives h: output and every gradient bit for bit those of
+    the path that quantises h apart. The FP8 GEMM path is forced on here, on torch's CPU
+    ``_scaled_mm`` where there is no GPU (the next test runs it unforced on one)."""
     from tigon.ops.composite import lora as lora_ops, lora_mlp
 
     for module in (fp8, lora_ops, lora_mlp):
@@ -224,16 +224,13 @@ def test_fp8_down_projection_reads_h_from_the_activation_kernel(device, monkeypa
     # The GEMMs' first quantisation is then backward's, of the down projection's dy (33 × 48).
     assert quantized[0] == (33, 48), "h was quantised apart before the down projection's FP8 GEMM"
     assert len(handed) == 1 and handed[0].data is not None
-    torch.manual_seed(0)
-    gate, up = torch.randn(2, 33, 80, device=device, dtype=dtype)
-    from tigon.ops._fp8 import fp8_rows_buffers
-    from tigon.ops.glu import glu_forward
-
-    rows = fp8_rows_buffers(gate, "rowwise")
-    h = glu_forward(gate, up, "silu", fp8="rowwise", fp8_rows=rows)
-    q, scale = fp8.rows_operand(rows)
-    want_q, want_scale = quantize_rows(h)
-    assert q.shape == want_q.shape and q.dtype == want_q.dtype and torch.equal(scale, want_scale)
+    fused = run()
+    monkeypatch.setattr(lora_mlp, "fp8_rows_buffers", lambda like, mode: None)  # the activation writes h alone
+    quantized.clear()
+    apart = run()
+    assert quantized[0] == (33, 80)  # the path compared against quantised h apart
+    for got, want in zip(fused, apart):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.gpu

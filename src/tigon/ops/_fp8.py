@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from tigon.ops._dispatch import tl, triton
+from tigon.ops._dispatch import INTERPRET, tl, triton
 
 FP8_MODES = ("rowwise", "rowwise_pow2", "amax")
 FP8_DTYPE = torch.float8_e4m3fn
@@ -46,6 +46,11 @@ _EPS64 = torch.tensor(AMAX_EPS, dtype=torch.float64)
 _EPS32 = _EPS64.float()
 SMALL_AMAX = float(_EPS32 if _EPS32.double() < _EPS64 else torch.nextafter(_EPS32, torch.zeros(())))
 SMALL_AMAX_SCALE = float((FP8_MAX / _EPS64).float())
+
+# Triton's interpreter (the CPU tests) casts fp32 to e4m3 with rounding of its own (half away from
+# zero, and a carry out of the mantissa lost: 127.99 becomes 64): there the payload is rounded on
+# the bits instead (e4m3_bits), to the GPU's results.
+ROUND_ON_BITS = tl.constexpr(INTERPRET)
 
 # The kernels' FP8 constexpr: 0 writes nothing, else the mode's index + 1.
 MODE_CODES = {None: 0, **{mode: i + 1 for i, mode in enumerate(FP8_MODES)}}
@@ -108,6 +113,34 @@ def fp8_kernel_args(rows: Float8Rows | None, fallback: torch.Tensor) -> tuple:
 
 
 @triton.jit
+def e4m3_bits(v):
+    """fp32 `v` (|v| <= 448 or NaN) as float8_e4m3fn bits (uint8, in int32), rounded to nearest even."""
+    bits = v.to(tl.uint32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    magnitude = bits & 0x7FFFFFFF
+    # Normal e4m3 (|v| >= 2**-6): drop 20 of fp32's 23 mantissa bits, rounding half to even
+    # (a carry moves into the exponent), and rebias the exponent from 127 to 7.
+    normal = ((magnitude + 0x7FFFF + ((magnitude >> 20) & 1)) >> 20).to(tl.int32) - 960
+    # Subnormal e4m3 (multiples of 2**-9): |v| * 512 rounded to an integer, half to even, by the
+    # 2**23 trick (exact in fp32 for values below 8).
+    scaled = tl.abs(v) * 512.0
+    subnormal = ((scaled + 8388608.0) - 8388608.0).to(tl.int32)
+    code = tl.where(magnitude < 0x3C800000, subnormal, normal)  # 0x3C800000: fp32 bits of 2**-6
+    code = tl.where(v != v, 0x7F, code)
+    return code | sign.to(tl.int32)
+
+
+@triton.jit
+def store_e4m3(data_ptr, offsets, values, mask):
+    """Store fp32 `values` (in e4m3's range, or NaN) as e4m3 at ``data_ptr + offsets``, rounded to
+    nearest even: the GPU's cast, or :func:`e4m3_bits` under the interpreter."""
+    if ROUND_ON_BITS:
+        tl.store(data_ptr.to(tl.pointer_type(tl.uint8)) + offsets, e4m3_bits(values).to(tl.uint8), mask=mask)
+    else:
+        tl.store(data_ptr + offsets, values.to(data_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def max_keeping_nan(a, b):
     """max(a, b), NaN if either is: the GPU's plain max drops a NaN, torch's amax keeps it."""
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
@@ -144,8 +177,7 @@ def store_fp8_rows(
     if MODE != 3:
         scale = amax_to_scale(amax, small_amax, small_amax_scale, MODE)
         tl.store(scale_ptr + rows, scale, mask=row_mask)
-        data = quantize(values, scale[:, None]).to(data_ptr.dtype.element_ty)
-        tl.store(data_ptr + rows[:, None] * data_row_stride + cols[None, :], data, mask=mask)
+        store_e4m3(data_ptr, rows[:, None] * data_row_stride + cols[None, :], quantize(values, scale[:, None]), mask)
 
 
 @triton.jit
@@ -162,4 +194,4 @@ def quantize_row(src_ptr, src_row_stride, data_ptr, scale_ptr, amax_ptr, row, am
             cols = start + tl.arange(0, BLOCK)
             mask = cols < n_cols
             values = tl.load(src_ptr + row * src_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(data_ptr + row * n_cols + cols, quantize(values, scale).to(data_ptr.dtype.element_ty), mask=mask)
+            store_e4m3(data_ptr, row * n_cols + cols, quantize(values, scale), mask)

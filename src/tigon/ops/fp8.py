@@ -42,7 +42,7 @@ import torch
 
 from tigon.ops._checks import check_float
 from tigon.ops._dispatch import INTERPRET, Op, capturing, tl, triton
-from tigon.ops._fp8 import Float8Rows
+from tigon.ops._fp8 import Float8Rows, e4m3_bits
 from tigon.ops._launch import cdiv, next_power_of_2
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -50,24 +50,6 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 AMAX_FLOOR = 1e-12
 MAX_ROW = 32768  # widest row the one-pass kernel keeps in registers; wider rows run the reference
 ROW_TILE = 4096  # elements of a program's tile when rows are shorter than this
-
-
-@triton.jit
-def _e4m3_bits(v):
-    """fp32 `v` (|v| <= 448 or NaN) as float8_e4m3fn bits (uint8, in int32), rounded to nearest even."""
-    bits = v.to(tl.uint32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    magnitude = bits & 0x7FFFFFFF
-    # Normal e4m3 (|v| >= 2**-6): drop 20 of fp32's 23 mantissa bits, rounding half to even
-    # (a carry moves into the exponent), and rebias the exponent from 127 to 7.
-    normal = ((magnitude + 0x7FFFF + ((magnitude >> 20) & 1)) >> 20).to(tl.int32) - 960
-    # Subnormal e4m3 (multiples of 2**-9): |v| * 512 rounded to an integer, half to even, by the
-    # 2**23 trick (exact in fp32 for values below 8).
-    scaled = tl.abs(v) * 512.0
-    subnormal = ((scaled + 8388608.0) - 8388608.0).to(tl.int32)
-    code = tl.where(magnitude < 0x3C800000, subnormal, normal)  # 0x3C800000: fp32 bits of 2**-6
-    code = tl.where(v != v, 0x7F, code)
-    return code | sign.to(tl.int32)
 
 
 @triton.jit
@@ -87,7 +69,7 @@ def _quantize_rows_kernel(x_ptr, m_ptr, q_ptr, scale_ptr, n_rows, n_cols, stride
     inv = tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax)
     clamped = tl.clamp(x * inv[:, None], -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
     if ROUND_ON_BITS:  # the interpreter's fp8 cast is wrong (see the module docstring)
-        q = _e4m3_bits(clamped).to(tl.uint8)
+        q = e4m3_bits(clamped).to(tl.uint8)
     else:
         q = clamped.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     tl.store(q_ptr + rows[:, None] * n_cols + cols[None, :], q, mask=mask)
