@@ -211,9 +211,10 @@ def _transpose_kernel(src_ptr, dst_ptr, n_rows, n_cols, BLOCK_ROWS: tl.constexpr
     # writes one byte per thread, far from the memory's bandwidth).
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
-    tile = tl.load(src_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask)
-    tl.store(dst_ptr + cols[:, None] * n_rows + rows[None, :], tl.trans(tile), mask=tl.trans(mask))
+    tile = tl.load(src_ptr + rows[:, None] * n_cols + cols[None, :],
+                   mask=(rows < n_rows)[:, None] & (cols < n_cols)[None, :])
+    tl.store(dst_ptr + cols[:, None] * n_rows + rows[None, :], tl.trans(tile),
+             mask=(cols < n_cols)[:, None] & (rows < n_rows)[None, :])
 
 
 TRANSPOSE_TILE = 128  # bytes of a tile's side: one 128-byte line per row, read and written
