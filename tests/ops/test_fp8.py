@@ -94,6 +94,8 @@ def test_transpose_bytes_checks(device):
         fp8.transpose_bytes(torch.zeros(4, 6, device=device))
     with pytest.raises(ValueError, match="contiguous"):
         fp8.transpose_bytes(data.t())
+    with pytest.raises(ValueError, match="2-D"):
+        fp8.transpose_bytes(data.view(-1))
     with pytest.raises(ValueError, match=r"out must be a contiguous .*\(6, 4\)"):
         fp8.transpose_bytes(data, torch.zeros(4, 6, dtype=torch.float8_e4m3fn, device=device))
 

@@ -225,10 +225,10 @@ def transpose_bytes(data: torch.Tensor, out: torch.Tensor | None = None) -> torc
     """``data.t()`` made contiguous by a tiled kernel: a contiguous 2-D tensor of one-byte elements
     (the FP8 payloads) written, transposed, to `out` (``(cols, rows)``, contiguous; a fresh tensor
     when None), bit for bit."""
-    rows, cols = data.shape
-    if data.element_size() != 1 or not data.is_contiguous():
+    if data.dim() != 2 or data.element_size() != 1 or not data.is_contiguous():
         raise ValueError(f"data must be a contiguous 2-D tensor of one-byte elements, got {data.dtype} "
                          f"{tuple(data.shape)} with strides {data.stride()}")
+    rows, cols = data.shape
     if out is None:
         out = torch.empty((cols, rows), dtype=data.dtype, device=data.device)
     elif out.dtype != data.dtype or tuple(out.shape) != (cols, rows) or not out.is_contiguous():
