@@ -41,8 +41,8 @@ from typing import NamedTuple
 import torch
 
 from tigon.ops._checks import check_float
-from tigon.ops._dispatch import INTERPRET, Op, capturing, tl, triton
-from tigon.ops._fp8 import Float8Rows, e4m3_bits
+from tigon.ops._dispatch import Op, capturing, tl, triton
+from tigon.ops._fp8 import Float8Rows, store_e4m3
 from tigon.ops._launch import cdiv, next_power_of_2
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -54,7 +54,7 @@ ROW_TILE = 4096  # elements of a program's tile when rows are shorter than this
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, m_ptr, q_ptr, scale_ptr, n_rows, n_cols, stride_x,
-                          HAS_M: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, ROUND_ON_BITS: tl.constexpr):
+                          HAS_M: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     # ROWS whole rows per program, one per row of the tile: the row's absmax is a reduction along it.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
@@ -68,12 +68,13 @@ def _quantize_rows_kernel(x_ptr, m_ptr, q_ptr, scale_ptr, n_rows, n_cols, stride
     amax = tl.maximum(amax, 1e-12, propagate_nan=tl.PropagateNan.ALL)  # AMAX_FLOOR
     inv = tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax)
     clamped = tl.clamp(x * inv[:, None], -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
-    if ROUND_ON_BITS:  # the interpreter's fp8 cast is wrong (see the module docstring)
-        q = e4m3_bits(clamped).to(tl.uint8)
-    else:
-        q = clamped.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    tl.store(q_ptr + rows[:, None] * n_cols + cols[None, :], q, mask=mask)
+    store_e4m3(q_ptr, rows[:, None] * n_cols + cols[None, :], clamped, mask)
     tl.store(scale_ptr + rows, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), mask=rows < n_rows)
+
+
+def _floored(amax: torch.Tensor) -> torch.Tensor:
+    """Row absmaxes raised to :data:`AMAX_FLOOR` (a NaN kept), as the kernel takes its scales from them."""
+    return torch.where(amax.isnan(), amax, amax.clamp_min(AMAX_FLOOR))
 
 
 def quantize_rows_reference(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,8 +83,7 @@ def quantize_rows_reference(x: torch.Tensor, col_scale: torch.Tensor | None = No
     x = x.float()
     if col_scale is not None:
         x = x * col_scale.float()
-    amax = x.abs().amax(dim=-1, keepdim=True)
-    amax = torch.where(amax.isnan(), amax, amax.clamp_min(AMAX_FLOOR))
+    amax = _floored(x.abs().amax(dim=-1, keepdim=True))
     # Tensor over tensor, both ways: torch takes a number over a tensor as the tensor's reciprocal
     # times the number (and on CUDA a tensor over a number as a product with its reciprocal), an ulp
     # off the correctly rounded quotients the kernel's div_rn computes.
@@ -99,8 +99,8 @@ def _quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None) -> tuple[tor
     block = next_power_of_2(n_cols)
     rows = max(1, ROW_TILE // block)  # short rows share a program (a weight's quantisation, the CPU tests)
     _quantize_rows_kernel[(cdiv(n_rows, rows),)](
-        x, x if col_scale is None else col_scale, q.view(torch.uint8), scale, n_rows, n_cols, x.stride(0),
-        HAS_M=col_scale is not None, ROWS=rows, BLOCK=block, ROUND_ON_BITS=INTERPRET,
+        x, x if col_scale is None else col_scale, q, scale, n_rows, n_cols, x.stride(0),
+        HAS_M=col_scale is not None, ROWS=rows, BLOCK=block,
         num_warps=min(16, max(4, block * rows // 1024)),
     )
     return q, scale
@@ -137,8 +137,7 @@ def rows_operand(rows: Float8Rows) -> tuple[torch.Tensor, torch.Tensor]:
     the ``(q, scale)`` pair :func:`quantize_rows` returns, 2-D, for :func:`fp8_matmul`'s `x_fp8`:
     the same payload (both multiply by the correctly rounded 448 / amax), and amax / 448 (amax
     floored as there) as the scale that undoes it."""
-    amax = rows.amax.reshape(-1)
-    amax = torch.where(amax.isnan(), amax, amax.clamp_min(AMAX_FLOOR))
+    amax = _floored(rows.amax.reshape(-1))
     return rows.data.reshape(-1, rows.data.shape[-1]), amax / amax.new_tensor(FP8_MAX)  # tensor / tensor: rounded once
 
 
