@@ -55,6 +55,8 @@ parser.add_argument("--ops", action="store_true",
 args = parser.parse_args()
 if args.fp8 and (args.eager or args.unsloth):
     parser.error("--fp8 is tigon's patch option: not with --eager or --unsloth")
+if not torch.cuda.is_available():
+    parser.exit(2, "profile_e2e.py: needs a CUDA GPU (none is visible here)\n")
 
 device = torch.device("cuda")
 build = build_unsloth if args.unsloth else build_model
