@@ -68,6 +68,7 @@ from tigon.ops.fp8 import (Fp8Weight, check_fp8_weight, dequantize_fp8, fp8_gemm
                            quantize_rows, unit_stride_rows)
 from tigon.ops.dora import DORA_NORM, DORA_SCALE, DORA_SCALE_BACKWARD, dora_norm_reference, dora_scale_reference
 from tigon.ops.gemm_4bit import base_gemm
+from tigon.ops.low_rank import add_low_rank_
 from tigon.ops.rms_norm import NormedInput, check_normed_input, keep_normed, restore_normed
 
 
@@ -233,8 +234,8 @@ def lora_forward(
     """
     weight, _, lora_b, scaling, bias, magnitude = projection
     if isinstance(weight, Fp8Weight):
-        # The FP8 GEMM cannot accumulate: it writes z, and the K = r GEMM accumulates onto it.
-        z = fp8_matmul(x2d, weight, x_fp8).addmm_(xa, lora_b.t(), alpha=scaling)
+        # The FP8 GEMM cannot accumulate: it writes z, and the rank-r product is added onto it.
+        z = add_low_rank_(fp8_matmul(x2d, weight, x_fp8), xa, lora_b, scaling)
         if magnitude is None:
             return z if bias is None else z.add_(bias), None
     elif magnitude is None:
@@ -360,14 +361,14 @@ def lora_backward_without_input(
     grad_x = None
     if need_x:
         # dx = Σ dzᵢ Wᵢ + Σ dxaᵢ Aᵢ. An FP8 GEMM cannot accumulate into its output: the FP8 bases'
-        # terms come first (the first one writes dx), then the K = Σr GEMM accumulates onto them
-        # and each other base GEMM onto that.
+        # terms come first (the first one writes dx), then the rank-Σr product is added onto them
+        # and each other base GEMM accumulates onto that.
         for projection, dz in zip(projections, grads_z):
             if dz is not None and isinstance(projection.weight, Fp8Weight):
                 part = fp8_matmul_grad(dz, projection.weight)
                 grad_x = part if grad_x is None else grad_x.add_(part)
         lora_a = stacked(lora_as)
-        grad_x = torch.mm(grad_xa, lora_a) if grad_x is None else grad_x.addmm_(grad_xa, lora_a)
+        grad_x = torch.mm(grad_xa, lora_a) if grad_x is None else add_low_rank_(grad_x, grad_xa, lora_a.t())
         for projection, dz in zip(projections, grads_z):
             if dz is not None and not isinstance(projection.weight, Fp8Weight):
                 grad_x = base_gemm(dz, projection.weight, backward=True, add=grad_x)
