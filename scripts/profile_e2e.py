@@ -3,7 +3,7 @@ what is alive at its memory peak.
 
 Usage (GPU): PYTHONPATH=src python3 scripts/profile_e2e.py [full|lora|qlora|lora-fp8] [--eager|--unsloth]
     [--graphs|--reduce-overhead] [--off SWITCH ...] [--ops] [--shape 1b|8b] [--lora-rank R]
-    [--lora-targets q_proj v_proj ...] [--checkpointing] [--fp8 tensorwise|rowwise]
+    [--lora-targets q_proj v_proj ...] [--checkpointing] [--fp8 tensorwise|rowwise] [--host]
 The model, adapters and batch are `python -m tigon.bench.e2e`'s with the same options (e.g. the 8B
 r=64 q,v step: `lora --shape 8b --lora-rank 64 --lora-targets q_proj v_proj`). With --fp8 the
 patched model's projections are torchao's FP8 linears (`tigon.patch(model, fp8=...)`, torchao on the
@@ -20,6 +20,8 @@ tigon/transformers/peft/torch.optim frames that made them (scripts/memory_peak_g
 
 import argparse
 import collections
+import cProfile
+import pstats
 import time
 
 import torch
@@ -50,6 +52,8 @@ parser.add_argument("--lora-targets", nargs="+", choices=LORA_TARGETS, default=l
 parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing")
 parser.add_argument("--fp8", choices=("tensorwise", "rowwise"), help="the patched model's projections in FP8 (torchao)")
 parser.add_argument("--trace", metavar="FILE", help="also write a Chrome trace of one step (CPU + GPU, Python stacks)")
+parser.add_argument("--host", action="store_true",
+                    help="also profile one step's host (cProfile): the functions by own time, and tigon's by total")
 parser.add_argument("--ops", action="store_true",
                     help="also list the aten ops by GPU time with their input shapes (which GEMM is which)")
 args = parser.parse_args()
@@ -157,6 +161,18 @@ if args.ops:
     for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:30]:
         per_call = e.self_device_time_total / e.count
         print(f"  {e.self_device_time_total / 1e3:8.2f} ms x{e.count:<4} {per_call:8.1f} us  {e.key:<28} {e.input_shapes}")
+
+if args.host:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    step()
+    profiler.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(profiler)
+    print("host, one step under cProfile (its own overhead included), by own time:")
+    stats.sort_stats("tottime").print_stats(30)
+    print("host, by total time, tigon's and transformers' functions:")
+    stats.sort_stats("cumulative").print_stats(r"tigon|transformers", 40)
 
 if args.trace:
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]

@@ -118,7 +118,8 @@ def _weight(out_features, in_features, device, block=None):
     if block is None:
         return quantize_weight(torch.randn(out_features, in_features, device=device) / in_features**0.5)
     blocks = (-(-out_features // block[0]), -(-in_features // block[1]))
-    data = (torch.randn(out_features, in_features, device=device) * 100).to(torch.float8_e4m3fn)
+    # Clamped: e4m3fn has no inf, and torch's cast makes a value past 448 NaN.
+    data = (torch.randn(out_features, in_features, device=device) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
     return Fp8Weight(data, torch.rand(blocks, device=device) / 1000 + 1e-4, block)
 
 

@@ -43,7 +43,7 @@ import torch
 from tigon.ops._checks import check_float
 from tigon.ops._dispatch import Op, capturing, tl, triton
 from tigon.ops._fp8 import Float8Rows, store_e4m3
-from tigon.ops._launch import cdiv, next_power_of_2
+from tigon.ops._launch import cdiv, launched, next_power_of_2
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # The smallest absmax a row's scale is taken from: a row of zeros gets this scale, not 0/0.
@@ -52,6 +52,7 @@ MAX_ROW = 32768  # widest row the one-pass kernel keeps in registers; wider rows
 ROW_TILE = 4096  # elements of a program's tile when rows are shorter than this
 
 
+@launched
 @triton.jit
 def _quantize_rows_kernel(x_ptr, m_ptr, q_ptr, scale_ptr, n_rows, n_cols, stride_x,
                           HAS_M: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
@@ -203,6 +204,7 @@ def dequantize_fp8(weight: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
     return (weight.data.float() * scale).to(dtype)
 
 
+@launched
 @triton.jit
 def _transpose_kernel(src_ptr, dst_ptr, n_rows, n_cols, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
     # A tile read along the source's rows and written along the destination's: both sides

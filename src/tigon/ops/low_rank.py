@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from tigon.ops._dispatch import Op, tl, triton
-from tigon.ops._launch import cdiv, next_power_of_2
+from tigon.ops._launch import cdiv, launched, next_power_of_2
 
 MAX_RANK = 128  # widest a (columns) the kernel takes in one tile; wider runs addmm
 BLOCK_ROWS = 64
@@ -27,6 +27,7 @@ BLOCK_COLS = 128
 NUM_WARPS = 4
 
 
+@launched
 @triton.jit
 def _add_low_rank_kernel(out_ptr, a_ptr, b_ptr, n_rows, n_cols, rank, stride_out, stride_a, stride_b_col, stride_b_rank,
                          alpha, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, BLOCK_RANK: tl.constexpr,
