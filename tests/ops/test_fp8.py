@@ -256,6 +256,29 @@ def test_fp8_down_projection_from_the_activation_kernel_is_bit_for_bit_on_gpu(mo
         assert torch.equal(got, want)
 
 
+@pytest.mark.gpu
+def test_lora_on_fp8_bases_never_waits_for_the_gpu():
+    """A forward and backward of the LoRA gated MLP and a q/k/v-like group on FP8 bases queue
+    their kernels without one host sync (a sync a layer left the GPU idle while the host caught
+    up: the 8B step's forward ran at the host's pace)."""
+    from tests.helpers import run_without_host_sync
+
+    device = _fp8_gpu()
+    torch.manual_seed(0)
+    mlp = _gated_mlp_on_fp8_bases(device, torch.bfloat16)
+    weights = [_weight(64, 48, device), _weight(16, 48, device), _weight(16, 48, device)]
+    x = torch.randn(33, 48, device=device, dtype=torch.bfloat16, requires_grad=True)
+    projections = [LoraProjection(w, torch.randn(4, 48, device=device, requires_grad=True),
+                                  torch.randn(w.shape[0], 4, device=device, requires_grad=True), 0.5, None, None)
+                   for w in weights]
+
+    def step():
+        mlp()
+        sum(out.float().sum() for out in F.lora_linear_group(x, projections)).backward()
+
+    run_without_host_sync(step)
+
+
 def test_cpu_fallback_is_said_once(fresh_dispatch, caplog, device):
     if device.type != "cpu":
         pytest.skip("the CPU's fallback")

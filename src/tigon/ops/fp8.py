@@ -88,7 +88,7 @@ def quantize_rows_reference(x: torch.Tensor, col_scale: torch.Tensor | None = No
     # Tensor over tensor, both ways: torch takes a number over a tensor as the tensor's reciprocal
     # times the number (and on CUDA a tensor over a number as a product with its reciprocal), an ulp
     # off the correctly rounded quotients the kernel's div_rn computes.
-    fp8_max = amax.new_tensor(FP8_MAX)
+    fp8_max = amax.new_full((), FP8_MAX)
     q = (x * (fp8_max / amax)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, (amax / fp8_max).view(-1)
 
@@ -139,7 +139,9 @@ def rows_operand(rows: Float8Rows) -> tuple[torch.Tensor, torch.Tensor]:
     the same payload (both multiply by the correctly rounded 448 / amax), and amax / 448 (amax
     floored as there) as the scale that undoes it."""
     amax = _floored(rows.amax.reshape(-1))
-    return rows.data.reshape(-1, rows.data.shape[-1]), amax / amax.new_tensor(FP8_MAX)  # tensor / tensor: rounded once
+    # Tensor over tensor: rounded once. The 448 is filled in on the device: a tensor made from a
+    # host number is copied over, which waits for every kernel queued before it.
+    return rows.data.reshape(-1, rows.data.shape[-1]), amax / amax.new_full((), FP8_MAX)
 
 
 class Fp8Weight(NamedTuple):
@@ -258,9 +260,24 @@ def _transposed(data: torch.Tensor) -> torch.Tensor:
     return transpose_bytes(data, buffer[: data.numel()].view(cols, rows))
 
 
+_ones: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _unit_scales(n: int, device: torch.device) -> torch.Tensor:
+    """A ``(1, n)`` float32 tensor of ones on `device` (the input gradient GEMM's column scales),
+    kept per width (a fresh one while a CUDA graph is captured, whose pool it would live in)."""
+    if capturing(device):
+        return torch.ones((1, n), dtype=torch.float32, device=device)
+    ones = _ones.get((n, device))
+    if ones is None:
+        ones = _ones[(n, device)] = torch.ones((1, n), dtype=torch.float32, device=device)
+    return ones
+
+
 def release_workspaces() -> None:
-    """Free the reused transpose buffers (allocated again when next needed)."""
+    """Free the reused transpose buffers and unit scales (made again when next needed)."""
     _workspaces.clear()
+    _ones.clear()
 
 
 @functools.lru_cache(maxsize=None)  # asked before every GEMM
@@ -311,8 +328,8 @@ def fp8_matmul_grad_reference(grad: torch.Tensor, weight: Fp8Weight) -> torch.Te
 
 def _fp8_matmul_grad(grad: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     q, scale = quantize_rows(unit_stride_rows(grad), weight.scale.view(-1))
-    ones = torch.ones((1, weight.shape[1]), dtype=torch.float32, device=grad.device)
-    return torch._scaled_mm(q, _transposed(weight.data).t(), scale_a=scale.view(-1, 1), scale_b=ones,
+    return torch._scaled_mm(q, _transposed(weight.data).t(), scale_a=scale.view(-1, 1),
+                            scale_b=_unit_scales(weight.shape[1], grad.device),
                             out_dtype=grad.dtype)
 
 
