@@ -164,10 +164,13 @@ CASES = {
     ),
     "info_nce": (lambda q, d: F.info_nce(q, d, temperature=0.1), lambda q, d: ops.info_nce_reference(q, d, 0.1),
                  lambda: (_t(5, 24), _t(9, 24))),
+    "add_low_rank": (lambda o, a, b: F.add_low_rank_(o.clone(), a, b, 0.5),
+                     lambda o, a, b: ops.add_low_rank_reference(o.clone(), a, b, 0.5),
+                     lambda: (_t(9, 24, grad=False), _t(9, 4, grad=False), _t(24, 4, grad=False))),
     "fp8_quantize": (lambda x: [t.float() for t in F.quantize_rows(x)],
                      lambda x: [t.float() for t in ops.quantize_rows_reference(x)], lambda: (_t(9, 24, grad=False),)),
 }
-NO_GRADIENT = ("dequantize", "gemm_4bit", "dora_norm", "dora_scale_backward", "fp8_quantize")  # ops whose outputs have no gradient
+NO_GRADIENT = ("dequantize", "gemm_4bit", "dora_norm", "dora_scale_backward", "fp8_quantize", "add_low_rank")  # ops whose outputs have no gradient
 
 
 def test_every_op_with_kernels_has_a_case():

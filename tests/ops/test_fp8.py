@@ -44,6 +44,33 @@ def test_quantize_rows_bit_for_bit(device, dtype, shape, with_col_scale):
     assert (q.float().abs().amax(1) == FP8_MAX).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_glu_gradient_rows_with_column_scales_are_quantize_rows(device, dtype, in_place):
+    """The SwiGLU backward kernel's FP8 rows of d gate and d up, each times its column scales (an
+    FP8 weight's row scales), are what quantize_rows makes of the returned gradients with those
+    scales, bit for bit (as rows_operand hands them to the input-gradient GEMM); the bf16
+    gradients themselves are not scaled. A NaN row stays NaN."""
+    from tigon.ops._fp8 import fp8_rows_buffers
+    from tigon.ops.glu import glu_backward
+
+    gate, up = (torch.randn(9, 300, device=device, dtype=dtype) * 3 for _ in range(2))
+    grad_out = torch.randn(9, 300, device=device, dtype=dtype)
+    grad_out[4, 7] = float("nan")
+    scales = [torch.rand(300, device=device) / 100 + 1e-4 for _ in range(2)]
+    want_gate, want_up, _ = glu_backward(grad_out, gate.clone(), up.clone(), "silu", False, False)
+    buffers = (fp8_rows_buffers(gate, "rowwise"), fp8_rows_buffers(gate, "rowwise"))
+    grad_gate, grad_up, _ = glu_backward(grad_out, gate, up, "silu", False, in_place, fp8="rowwise",
+                                         fp8_grads=buffers, fp8_column_scales=tuple(scales))
+    for grad, want, rows, scale in zip((grad_gate, grad_up), (want_gate, want_up), buffers, scales):
+        assert torch.equal(grad.nan_to_num(), want.nan_to_num()) and torch.equal(grad.isnan(), want.isnan())
+        q, row_scale = fp8.rows_operand(rows)
+        want_q, want_scale = quantize_rows(grad, scale)
+        finite = ~want_scale.isnan()
+        assert not finite[4] and row_scale[4].isnan()
+        _assert_same_rows((q[finite], row_scale[finite]), (want_q[finite], want_scale[finite]))
+
+
 def test_quantize_rows_rounds_half_to_even_and_subnormals(device):
     """A row whose absmax is 448 is its own payload (scale 1): every midpoint between two e4m3
     values, normal and subnormal, rounds as torch's cast rounds it (half to even)."""
@@ -205,11 +232,12 @@ def _spy_quantize_rows(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp8_down_projection_reads_h_from_the_activation_kernel(device, monkeypatch, dtype):
+def test_fp8_gemms_read_the_activation_kernels_fp8_rows(device, monkeypatch, dtype):
     """The LoRA gated MLP on FP8 bases: the down projection's FP8 GEMM takes h as the activation
-    kernel quantised it in its own pass (no row quantisation of h before the GEMM), the payload
-    and scales the quantisation kernel gives h: output and every gradient bit for bit those of
-    the path that quantises h apart. The FP8 GEMM path is forced on here, on torch's CPU
+    kernel quantised it in its forward pass, and the gate and up input-gradient GEMMs their output
+    gradients as its backward pass quantised them (the weights' row scales folded in): no row
+    quantisation of those before the GEMMs, and output and every gradient bit for bit those of the
+    path that quantises them apart. The FP8 GEMM path is forced on here, on torch's CPU
     ``_scaled_mm`` where there is no GPU (the next test runs it unforced on one)."""
     from tigon.ops.composite import lora as lora_ops, lora_mlp
 
@@ -221,25 +249,27 @@ def test_fp8_down_projection_reads_h_from_the_activation_kernel(device, monkeypa
     run = _gated_mlp_on_fp8_bases(device, dtype)
     quantized = _spy_quantize_rows(monkeypatch)
     try:
-        run()
+        fused = run()
     except (RuntimeError, NotImplementedError) as err:
         pytest.skip(f"torch._scaled_mm does not run here: {err}")
-    # The GEMMs' first quantisation is then backward's, of the down projection's dy (33 × 48).
-    assert quantized[0] == (33, 48), "h was quantised apart before the down projection's FP8 GEMM"
-    assert len(handed) == 1 and handed[0].data is not None
-    fused = run()
-    monkeypatch.setattr(lora_mlp, "fp8_rows_buffers", lambda like, mode: None)  # the activation writes h alone
+    # The GEMMs quantise only backward's dy of the down projection (33 × 48) themselves.
+    assert quantized == [(33, 48)], "h or the gate/up gradients were quantised apart"
+    assert len(handed) == 3 and all(rows.data is not None for rows in handed)  # h, then d gate and d up
+    # The kernels write bf16 alone.
+    monkeypatch.setattr(lora_mlp, "fp8_rows_buffers", lambda like, mode: None)
+    monkeypatch.setattr(lora_mlp, "_fp8_output_grad_buffers", lambda gate, gate_proj, up_proj: None)
     quantized.clear()
     apart = run()
-    assert quantized[0] == (33, 80)  # the path compared against quantised h apart
+    assert quantized == [(33, 80), (33, 48), (33, 80), (33, 80)]  # the path compared against
     for got, want in zip(fused, apart):
         assert torch.equal(got, want)
 
 
 @pytest.mark.gpu
-def test_fp8_down_projection_from_the_activation_kernel_is_bit_for_bit_on_gpu(monkeypatch):
+def test_fp8_rows_from_the_activation_kernel_are_bit_for_bit_on_gpu(monkeypatch):
     """On a GPU with FP8: the gated MLP whose activation kernel quantises h for the down
-    projection gives the output and gradients of the path that quantises h apart, bit for bit."""
+    projection, and the gate and up gradients for their input-gradient GEMMs, gives the output and
+    gradients of the path that quantises them apart, bit for bit."""
     from tigon.ops.composite import lora_mlp
 
     device = _fp8_gpu()
@@ -247,16 +277,17 @@ def test_fp8_down_projection_from_the_activation_kernel_is_bit_for_bit_on_gpu(mo
     run = _gated_mlp_on_fp8_bases(device, torch.bfloat16)
     quantized = _spy_quantize_rows(monkeypatch)
     fused = run()
-    assert quantized[0] == (33, 48)  # backward's dy: h was not quantised apart
-    monkeypatch.setattr(lora_mlp, "fp8_rows_buffers", lambda like, mode: None)  # the activation writes h alone
+    assert quantized == [(33, 48)]  # backward's dy: h and the gate/up gradients were not quantised apart
+    # The kernels write bf16 alone.
+    monkeypatch.setattr(lora_mlp, "fp8_rows_buffers", lambda like, mode: None)
+    monkeypatch.setattr(lora_mlp, "_fp8_output_grad_buffers", lambda gate, gate_proj, up_proj: None)
     quantized.clear()
     apart = run()
-    assert quantized[0] == (33, 80)
+    assert quantized == [(33, 80), (33, 48), (33, 80), (33, 80)]
     for got, want in zip(fused, apart):
         assert torch.equal(got, want)
 
 
-@pytest.mark.gpu
 def test_lora_on_fp8_bases_never_waits_for_the_gpu():
     """A forward and backward of the LoRA gated MLP and a q/k/v-like group on FP8 bases queue
     their kernels without one host sync (a sync a layer left the GPU idle while the host caught

@@ -39,6 +39,7 @@ OP_MODULES: dict[str, tuple[str, ...]] = {
     "dequantize": ("dequantize",),
     "gemm_4bit": ("linear_4bit",),
     "dora": ("dora_norm", "dora_scale"),
+    "low_rank": ("add_low_rank_",),
     "composite.lora": ("lora_linear", "lora_linear_group"),
     "composite.lora_mlp": ("lora_gated_mlp",),
     "composite.norm_mlp": ("add_rms_norm_glu_mlp",),
@@ -72,6 +73,7 @@ from tigon.ops.cross_entropy import LossOptions, LossOutput, check_flags, check_
 from tigon.ops.dequantize import QuantizedWeight, dequantize_reference
 from tigon.ops.fp8 import Fp8Weight, dequantize_fp8, fp8_linear_reference, quantize_rows_reference, quantize_weight
 from tigon.ops.dora import dora_norm_reference, dora_scale_reference
+from tigon.ops.low_rank import add_low_rank_reference
 from tigon.ops._fp8 import FP8_MODES, Float8Rows, fp8_rows_reference
 from tigon.ops.gelu import gelu_reference
 from tigon.ops.glu import geglu_reference, swiglu_reference
@@ -86,7 +88,8 @@ __all__ = [
     "FP8_MODES", "FUNCTIONS", "Float8Rows", "INTERPRET", "OP_MODULES", "Fp8Weight", "LoraProjection", "LossOptions", "LossOutput", "NormedInput", "QuantizedWeight", "autocast_dtype",
     "check_flags", "check_loss_options",
     "disabled", "op_names", "placement", "reset", "why_not_triton",
-    "add_rms_norm_glu_mlp_reference", "add_rms_norm_reference", "cross_entropy_reference", "dequantize_reference",
+    "add_low_rank_reference", "add_rms_norm_glu_mlp_reference", "add_rms_norm_reference", "cross_entropy_reference",
+    "dequantize_reference",
     "dequantize_fp8", "dora_norm_reference", "dora_scale_reference", "fp8_linear_reference", "fp8_rows_reference", "geglu_reference", "gelu_mlp_reference", "gelu_reference",
     "glu_mlp_reference", "info_nce_reference", "layer_norm_reference", "linear_cross_entropy_reference",
     "linear_group_reference", "lora_gated_mlp_reference", "lora_linear_group_reference", "lora_linear_reference",

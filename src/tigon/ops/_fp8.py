@@ -182,9 +182,12 @@ def store_fp8_rows(
 
 @triton.jit
 def quantize_row(src_ptr, src_row_stride, data_ptr, scale_ptr, amax_ptr, row, amax, n_cols, small_amax,
-                 small_amax_scale, MODE: tl.constexpr, BLOCK: tl.constexpr):
+                 small_amax_scale, MODE: tl.constexpr, BLOCK: tl.constexpr, m_ptr=None, HAS_M: tl.constexpr = False):
     """The FP8 epilogue for a row longer than a program holds: given its amax (over a first pass
-    that wrote the row to `src_ptr`), cast it from there in BLOCK chunks."""
+    that wrote the row to `src_ptr`), cast it from there in BLOCK chunks. With HAS_M each column is
+    multiplied by the fp32 ``m_ptr[col]`` first (in fp32, the amax taken of those products): an FP8
+    weight's row scales folded into an output gradient, as :func:`tigon.ops.fp8.quantize_rows`
+    folds them."""
     tl.store(amax_ptr + row, amax)
     if MODE != 3:
         scale = amax_to_scale(amax, small_amax, small_amax_scale, MODE)
@@ -194,4 +197,6 @@ def quantize_row(src_ptr, src_row_stride, data_ptr, scale_ptr, amax_ptr, row, am
             cols = start + tl.arange(0, BLOCK)
             mask = cols < n_cols
             values = tl.load(src_ptr + row * src_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_M:
+                values = values * tl.load(m_ptr + cols, mask=mask, other=0.0)
             store_e4m3(data_ptr, row * n_cols + cols, quantize(values, scale), mask)

@@ -321,13 +321,13 @@ def _fp8_matmul(x: torch.Tensor, weight: Fp8Weight, x_fp8: tuple | None = None) 
                             out_dtype=x.dtype, use_fast_accum=True)
 
 
-def fp8_matmul_grad_reference(grad: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+def fp8_matmul_grad_reference(grad: torch.Tensor, weight: Fp8Weight, grad_fp8: tuple | None = None) -> torch.Tensor:
     """``dy W`` with the weight dequantised to dy's dtype: the oracle and fallback of :func:`fp8_matmul_grad`."""
     return torch.mm(grad, dequantize_fp8(weight, grad.dtype))
 
 
-def _fp8_matmul_grad(grad: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
-    q, scale = quantize_rows(unit_stride_rows(grad), weight.scale.view(-1))
+def _fp8_matmul_grad(grad: torch.Tensor, weight: Fp8Weight, grad_fp8: tuple | None = None) -> torch.Tensor:
+    q, scale = grad_fp8 if grad_fp8 is not None else quantize_rows(unit_stride_rows(grad), weight.scale.view(-1))
     return torch._scaled_mm(q, _transposed(weight.data).t(), scale_a=scale.view(-1, 1),
                             scale_b=_unit_scales(weight.shape[1], grad.device),
                             out_dtype=grad.dtype)
@@ -354,10 +354,15 @@ def fp8_matmul(x: torch.Tensor, weight: Fp8Weight, x_fp8: tuple[torch.Tensor, to
     return FP8_MATMUL(fp8_gemm_reason(x, weight), x, weight, x_fp8)
 
 
-def fp8_matmul_grad(grad: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+def fp8_matmul_grad(
+    grad: torch.Tensor, weight: Fp8Weight, grad_fp8: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> torch.Tensor:
     """``dy W`` of the 2-D output gradient `grad` (``(rows, out)``) and a frozen FP8 weight
-    (``(out, in)``), as :func:`fp8_matmul` runs: ``(rows, in)`` in grad's dtype. No autograd."""
-    return FP8_MATMUL_GRAD(fp8_gemm_reason(grad, weight), grad, weight)
+    (``(out, in)``), as :func:`fp8_matmul` runs: ``(rows, in)`` in grad's dtype. No autograd.
+    `grad_fp8` is `grad` already quantised with the weight's row scales folded in,
+    ``quantize_rows(grad, weight.scale.view(-1))`` (a kernel that made `grad` wrote it); unused
+    on the reference path."""
+    return FP8_MATMUL_GRAD(fp8_gemm_reason(grad, weight), grad, weight, grad_fp8)
 
 
 def fp8_linear_reference(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

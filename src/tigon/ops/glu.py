@@ -153,6 +153,7 @@ def _glu_bwd_block(
 def _glu_bwd_kernel(
     grad_out_ptr, gate_ptr, up_ptr, grad_gate_ptr, grad_up_ptr, product_ptr,
     gate_fp8_ptr, gate_fp8_scale_ptr, gate_fp8_amax_ptr, up_fp8_ptr, up_fp8_scale_ptr, up_fp8_amax_ptr,
+    gate_m_ptr, up_m_ptr,
     n_cols, n_col_blocks,
     grad_out_row_stride, gate_row_stride, up_row_stride,
     grad_gate_row_stride, grad_up_row_stride, product_row_stride,
@@ -160,6 +161,7 @@ def _glu_bwd_kernel(
     ACTIVATION: tl.constexpr,
     STORE_PRODUCT: tl.constexpr,
     FP8: tl.constexpr,
+    HAS_M: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     if FP8 == 0:
@@ -182,12 +184,17 @@ def _glu_bwd_kernel(
                 grad_out_row_stride, gate_row_stride, up_row_stride, grad_gate_row_stride, grad_up_row_stride,
                 product_row_stride, gate_multiplier, out_multiplier, ACTIVATION, STORE_PRODUCT,
             )
+            if HAS_M:  # the gradients times the multipliers are what gets quantised
+                grad_gate = grad_gate * tl.load(gate_m_ptr + cols, mask=mask, other=0.0)
+                grad_up = grad_up * tl.load(up_m_ptr + cols, mask=mask, other=0.0)
             gate_amax = max_keeping_nan(gate_amax, tl.abs(grad_gate))
             up_amax = max_keeping_nan(up_amax, tl.abs(grad_up))
         quantize_row(grad_gate_ptr, grad_gate_row_stride, gate_fp8_ptr, gate_fp8_scale_ptr, gate_fp8_amax_ptr, row,
-                     tl.reduce(gate_amax, 0, max_keeping_nan), n_cols, small_amax, small_amax_scale, FP8, BLOCK)
+                     tl.reduce(gate_amax, 0, max_keeping_nan), n_cols, small_amax, small_amax_scale, FP8, BLOCK,
+                     gate_m_ptr, HAS_M)
         quantize_row(grad_up_ptr, grad_up_row_stride, up_fp8_ptr, up_fp8_scale_ptr, up_fp8_amax_ptr, row,
-                     tl.reduce(up_amax, 0, max_keeping_nan), n_cols, small_amax, small_amax_scale, FP8, BLOCK)
+                     tl.reduce(up_amax, 0, max_keeping_nan), n_cols, small_amax, small_amax_scale, FP8, BLOCK,
+                     up_m_ptr, HAS_M)
 
 
 def activation_reference(gate: torch.Tensor, activation: str) -> torch.Tensor:
@@ -285,11 +292,16 @@ def glu_backward(
     out_multiplier: float = 1.0,
     fp8: str | None = None,
     fp8_grads: tuple[Float8Rows, Float8Rows] | None = None,
+    fp8_column_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(grad_gate, grad_up, the forward's output or None) by the backward kernel, for the
     multipliers of :func:`glu_forward`. With `fp8` the kernel also fills `fp8_grads` (two
     :func:`tigon.ops._fp8.fp8_rows_buffers`) for grad_gate and grad_up: the gate and up
-    projections' output gradients, quantised for their backward GEMMs.
+    projections' output gradients, quantised for their backward GEMMs; with
+    `fp8_column_scales` (two contiguous fp32 vectors, one value per column) each gradient is
+    multiplied by its vector before it is quantised (an FP8 weight's row scales, folded into the
+    gradient as :func:`tigon.ops.fp8.quantize_rows` folds them; the bf16 gradients are returned
+    as they are).
 
     With `in_place` (for an op whose `gate`, `up` and `grad_out` are its own intermediates, which
     no caller sees) grad_gate overwrites gate, grad_up overwrites up and the product overwrites
@@ -313,9 +325,11 @@ def glu_backward(
     product2d = views[5] if store_product else grad_up2d  # unused by the kernel when not stored
     n_programs, n_col_blocks = _grid(gate2d, whole_rows=fp8 is not None)
     gate_rows, up_rows = fp8_grads if fp8 is not None else (None, None)
+    has_m = fp8 is not None and fp8_column_scales is not None
+    gate_m, up_m = fp8_column_scales if has_m else (grad_gate2d, grad_up2d)  # unread without HAS_M
     _glu_bwd_kernel[(n_programs,)](
         grad_out2d, gate2d, up2d, grad_gate2d, grad_up2d, product2d,
-        *fp8_kernel_args(gate_rows, grad_gate2d), *fp8_kernel_args(up_rows, grad_up2d),
+        *fp8_kernel_args(gate_rows, grad_gate2d), *fp8_kernel_args(up_rows, grad_up2d), gate_m, up_m,
         gate2d.shape[1], n_col_blocks,
         grad_out2d.stride(0), gate2d.stride(0), up2d.stride(0),
         grad_gate2d.stride(0), grad_up2d.stride(0), product2d.stride(0),
@@ -323,6 +337,7 @@ def glu_backward(
         ACTIVATION=activation,
         STORE_PRODUCT=store_product,
         FP8=MODE_CODES[fp8],
+        HAS_M=has_m,
         BLOCK=BLOCK_SIZE,
         num_warps=NUM_WARPS,
     )

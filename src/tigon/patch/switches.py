@@ -57,7 +57,7 @@ TABLE: tuple[Switch, ...] = (
            "logits; only when TRL is imported", ("linear_log_probs",)),
     Switch("lora", True, "PEFT LoRA linears (DoRA, 4-/8-bit and FP8 bases too), gated MLPs and q/k/v groups on the fused LoRA ops",
            ("lora_linear", "lora_linear_group", "lora_gated_mlp", "dequantize", "gemm_4bit", "dora_norm", "dora_scale",
-            "dora_scale_backward", "fp8_quantize", "fp8_matmul", "fp8_matmul_grad")),
+            "dora_scale_backward", "fp8_quantize", "fp8_matmul", "fp8_matmul_grad", "add_low_rank")),
     Switch("offload_activations", False, "under gradient checkpointing, the checkpointed hidden states in host memory"),
     Switch("tiled_mlp", False, "the MLP over chunks of tokens: its intermediates never exist whole"),
     Switch("recompute_mlp", False, "gated MLPs keep only their input for backward, which forms gate and up again "

@@ -286,15 +286,17 @@ def lora_group_backward(
     projections: Sequence[LoraProjection],
     needs_grad: Sequence[bool],
     doras: Sequence | None = None,
+    grads_fp8: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
     """Gradients of a group of LoRA projections sharing the input rows `x2d`.
 
     `grads` are the 2-D output gradients (None for an output that got none); `needs_grad` is
     ``[x, then the LoraProjection fields of each projection]``; `doras` the projections' DoRA
-    states from forward (None: no DoRA). Returns dx and the per-projection gradients in the same
-    flat order (None where not needed).
+    states from forward (None: no DoRA); `grads_fp8` as :func:`lora_backward_without_input` takes
+    it. Returns dx and the per-projection gradients in the same flat order (None where not needed).
     """
-    grad_x, grad_xa, flat_grads, grads = lora_backward_without_input(xa, grads, projections, needs_grad, doras)
+    grad_x, grad_xa, flat_grads, grads = lora_backward_without_input(xa, grads, projections, needs_grad, doras,
+                                                                      grads_fp8)
     lora_backward_from_input(x2d, grad_xa, grads, projections, needs_grad, flat_grads)
     return grad_x, flat_grads
 
@@ -310,6 +312,7 @@ def lora_backward_without_input(
     projections: Sequence[LoraProjection],
     needs_grad: Sequence[bool],
     doras: Sequence | None = None,
+    grads_fp8: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
     """The part of :func:`lora_group_backward` that does not read the group's input: dx,
     ``dxa = [s₁ dz₁ B₁, s₂ dz₂ B₂, …]`` (None when neither dx nor any dA needs it), the flat
@@ -318,6 +321,8 @@ def lora_backward_without_input(
     DoRA, ``dy · m / ‖·‖`` with it), which :func:`lora_backward_from_input` takes.
 
     A gated MLP needs dx of its down projection before it can recompute that projection's input.
+    `grads_fp8` gives, per projection, its output gradient as the FP8 base's input-gradient GEMM
+    takes it (:func:`tigon.ops.fp8.fp8_matmul_grad`'s `grad_fp8`), or None: quantised here.
     """
     width = len(LoraProjection._fields)
     needs = _split_needs(projections, needs_grad)
@@ -363,9 +368,9 @@ def lora_backward_without_input(
         # dx = Σ dzᵢ Wᵢ + Σ dxaᵢ Aᵢ. An FP8 GEMM cannot accumulate into its output: the FP8 bases'
         # terms come first (the first one writes dx), then the rank-Σr product is added onto them
         # and each other base GEMM accumulates onto that.
-        for projection, dz in zip(projections, grads_z):
+        for projection, dz, dz_fp8 in zip(projections, grads_z, grads_fp8 or [None] * len(projections)):
             if dz is not None and isinstance(projection.weight, Fp8Weight):
-                part = fp8_matmul_grad(dz, projection.weight)
+                part = fp8_matmul_grad(dz, projection.weight, dz_fp8)
                 grad_x = part if grad_x is None else grad_x.add_(part)
         lora_a = stacked(lora_as)
         grad_x = torch.mm(grad_xa, lora_a) if grad_x is None else add_low_rank_(grad_x, grad_xa, lora_a.t())

@@ -24,7 +24,10 @@ activation that saves ``act(gate)``, ``up`` and the product for backward. Here:
   skipped: its input and ``h A_downᵀ`` are all backward needs of it. The output is then NaN, so
   that a caller that did read it would see at once that it should not have.
 
-Quantised bases and DoRA projections work as in :mod:`tigon.ops.composite.lora`. A DoRA gate or up
+Quantised bases and DoRA projections work as in :mod:`tigon.ops.composite.lora`. On FP8 bases the
+activation kernel quantises what the next FP8 GEMMs take in the pass that makes it: h for the down
+projection in forward, and in backward the gate and up output gradients (their weights' row scales
+folded in) for the input gradient's GEMMs. A DoRA gate or up
 projection saves its unscaled output z in place of its output (which backward rescales again, a
 cheap pass, for the activation's gradient), so DoRA adds nothing of the intermediate size to what
 the op keeps; a DoRA down projection saves its z (N × hidden).
@@ -97,6 +100,14 @@ def _output(kept: torch.Tensor, projection: LoraProjection, dora: tuple[torch.Te
     return DORA_SCALE(None, kept, projection.magnitude, dora[1], projection.bias)
 
 
+def _fp8_output_grad_buffers(gate: torch.Tensor, gate_proj: LoraProjection, up_proj: LoraProjection) -> tuple | None:
+    """Buffers for the FP8 rows of the gate and up output gradients (shaped like `gate`) when both
+    bases run FP8 GEMMs for the input gradient, else None."""
+    if not all(isinstance(p.weight, Fp8Weight) and fp8_gemm_reason(gate, p.weight) is None for p in (gate_proj, up_proj)):
+        return None
+    return fp8_rows_buffers(gate, "rowwise"), fp8_rows_buffers(gate, "rowwise")
+
+
 class _LoraGatedMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, activation, recompute, normed, discarded, *flat):
@@ -147,13 +158,23 @@ class _LoraGatedMLPFunction(torch.autograd.Function):
         )
         needs_h = down_needs[1] or down_needs[2]  # the down projection's dW or dA reads h
         # Under DoRA gate and up are fresh rescalings, ours to overwrite like the kept ones.
-        grad_gate, grad_up, h = glu_backward(grad_h, gate, up, ctx.activation, store_product=needs_h, in_place=True)
+        # FP8 gate and up bases take their output gradients quantised, with their row scales folded
+        # in, for dx's GEMMs: the activation's backward writes them in its pass.
+        fp8_grads = (_fp8_output_grad_buffers(gate, gate_proj, up_proj)
+                     if gate_up_needs[0] and gate_dora is None and up_dora is None else None)
+        grad_gate, grad_up, h = glu_backward(
+            grad_h, gate, up, ctx.activation, store_product=needs_h, in_place=True,
+            fp8=None if fp8_grads is None else "rowwise", fp8_grads=fp8_grads,
+            fp8_column_scales=None if fp8_grads is None else (gate_proj.weight.scale.view(-1),
+                                                              up_proj.weight.scale.view(-1)),
+        )
         if needs_h:
             lora_backward_from_input(h, grad_ha, down_grads_z, [down_proj], down_needs, down_grads)
         del h, grad_h
 
         grad_x, gate_up_grads = lora_group_backward(
-            x2d, xa, [grad_gate, grad_up], [gate_proj, up_proj], gate_up_needs, [gate_dora, up_dora]
+            x2d, xa, [grad_gate, grad_up], [gate_proj, up_proj], gate_up_needs, [gate_dora, up_dora],
+            None if fp8_grads is None else [rows_operand(rows) for rows in fp8_grads],
         )
         if grad_x is not None:
             grad_x = grad_x.view(*ctx.lead_shape, x2d.shape[1])
