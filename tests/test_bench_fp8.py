@@ -75,6 +75,20 @@ def test_floor_counts_fp8_linears_at_the_fp8_rate():
     assert floor_tokens_per_s(model, 8, (1e12, 2e12)) == pytest.approx(1 / ((total - in_fp8) / 1e12 + in_fp8 / 2e12))
 
 
+def test_floor_counts_frozen_fp8_bases_forward_and_input_gradient():
+    """LoRA on an FP8 base: a row-scaled frozen base's forward and input-gradient GEMMs count at the
+    FP8 rate; a block-scaled one (dequantised for bf16 GEMMs) and the trained linears at bf16's."""
+    from tigon.bench.fp8 import floor_tokens_per_s
+    from tigon.nn import Fp8Linear
+
+    model = torch.nn.Sequential(Fp8Linear(32, 16, bias=False), torch.nn.Linear(16, 8),
+                                Fp8Linear(32, 16, bias=False, block_size=(16, 16)))
+    total = 4.0 * (512 + 512) + 6.0 * 128  # frozen: forward and input gradient; trained: its weight gradient too
+    in_fp8 = 4.0 * 512
+    assert floor_tokens_per_s(model, 8, (1e12, 2e12)) == pytest.approx(1 / ((total - in_fp8) / 1e12 + in_fp8 / 2e12))
+    assert floor_tokens_per_s(model, 8, (1e12, None)) == pytest.approx(1e12 / total)  # a GPU without FP8
+
+
 def test_accuracy_script_reports_relative_differences_and_plots(tmp_path, monkeypatch, capsys):
     import tigon.bench.fp8_accuracy as accuracy
 

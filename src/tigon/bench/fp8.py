@@ -14,7 +14,8 @@ Implementations (``--e2e-impls``), each on a fresh model as the bf16 rows:
 Every CUDA row (the bf16 ones too) reports ``floor %``: its tokens/s over the matmul floor, the
 model's training FLOPs per token (:func:`tigon.train.modeling.flops_per_token`) at the dense
 matmul rates measured in the same run, bf16 (``a @ b``, as the op benchmarks' roofline) for
-everything but the FP8 linears, FP8 (``torch._scaled_mm``, e4m3) for those.
+everything but the FP8 GEMMs, FP8 (``torch._scaled_mm``, e4m3) for those (:func:`fp8_flops_per_token`:
+the FP8 linears', and the frozen FP8 bases' of LoRA on an FP8 base).
 """
 
 from __future__ import annotations
@@ -139,13 +140,29 @@ def is_fp8_linear(module: torch.nn.Module) -> bool:
     return isinstance(module, torch.nn.Linear) and type(module).__name__ in ("Float8Linear", "ScaledMMLinear")
 
 
+def fp8_flops_per_token(model: torch.nn.Module) -> float:
+    """The FLOPs per token of `model`'s step that run in FP8: the three GEMMs of each trained FP8
+    linear, and the forward and input-gradient GEMMs of each frozen FP8 base with one scale per
+    row (:class:`tigon.nn.Fp8Linear`, LoRA on an FP8 base; a block-scaled one is dequantised for
+    bf16 GEMMs)."""
+    from tigon.nn import Fp8Linear
+
+    flops = 0.0
+    for module in model.modules():
+        if is_fp8_linear(module):
+            flops += 6.0 * module.weight.numel()
+        elif isinstance(module, Fp8Linear) and module.block_size == (1, module.in_features):
+            flops += 4.0 * module.weight.numel()
+    return flops
+
+
 def floor_tokens_per_s(model: torch.nn.Module, seq: int, rates: tuple[float, float | None]) -> float:
-    """Tokens/s at which `model`'s training step would run its FLOPs at `rates` (bf16, FP8): its
-    FP8 linears' three GEMMs at the FP8 rate, the rest at bf16's."""
+    """Tokens/s at which `model`'s training step would run its FLOPs at `rates` (bf16, FP8): what
+    :func:`fp8_flops_per_token` counts at the FP8 rate, the rest at bf16's."""
     from tigon.train.modeling import flops_per_token
 
     total = flops_per_token(model, seq)
-    in_fp8 = sum(6.0 * m.weight.numel() for m in model.modules() if is_fp8_linear(m))
+    in_fp8 = fp8_flops_per_token(model) if rates[1] else 0.0
     return 1.0 / ((total - in_fp8) / rates[0] + (in_fp8 / rates[1] if in_fp8 else 0.0))
 
 
