@@ -122,3 +122,44 @@ def test_e2e_bench_lora_fp8_mode_runs():
                       device=torch.device("cpu"), log=lambda line: None)
     assert not [r["error"] for r in records if "error" in r]
     assert "lora" in records[-1]["applied"] and records[-1]["max_loss_diff"] < 0.02
+
+
+def test_norms_write_the_fp8_rows_that_the_lora_groups_take(monkeypatch):
+    """LoRA on FP8 bases, fully patched, the FP8 GEMM path forced on (torch's CPU ``_scaled_mm``
+    where there is no GPU): the input norm and the add + norm before the MLP write their output's
+    FP8 rows in their own pass, and the q/k/v and gate/up groups' FP8 GEMMs take them, quantising
+    no input themselves; the loss and every adapter gradient bit for bit those of the path that
+    quantises the inputs apart."""
+    from tigon.ops import fp8 as fp8_ops
+    from tigon.ops.composite import lora as lora_ops, lora_mlp
+    from tigon.patch import lora as patch_lora
+
+    for module in (fp8_ops, lora_ops, lora_mlp, patch_lora):
+        monkeypatch.setattr(module, "fp8_gemm_reason", lambda x, weight: None)
+    quantized, quantize = [], lora_ops.quantize_rows
+    monkeypatch.setattr(lora_ops, "quantize_rows", lambda t, *args: quantized.append(tuple(t.shape)) or quantize(t, *args))
+    model, _ = _lora_pair()
+    tigon.patch(model)
+    ids = _ids()
+
+    def run():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+        model.zero_grad(set_to_none=True)
+        return loss.detach(), grads
+
+    try:
+        handed = run()
+    except (RuntimeError, NotImplementedError) as err:
+        pytest.skip(f"torch._scaled_mm does not run here: {err}")
+    # Two layers: only the o projections' inputs (the attention's output, which no norm makes).
+    assert quantized == [(26, 64)] * 2
+    monkeypatch.setattr(patch_lora, "takes_fp8_rows", lambda module, x: False)
+    quantized.clear()
+    apart = run()
+    assert quantized == [(26, 64)] * 6  # and the q/k/v and gate/up inputs: the path compared against
+    assert torch.equal(handed[0], apart[0])
+    assert handed[1].keys() == apart[1].keys() and len(handed[1]) == 28
+    for name in handed[1]:
+        assert torch.equal(handed[1][name], apart[1][name]), name

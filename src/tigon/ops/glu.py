@@ -31,8 +31,8 @@ import torch.nn.functional as torch_f
 from tigon.ops._checks import check_choice, check_device, check_float, rows_view
 from tigon.ops._dispatch import Op, backward_fallback, library_op, tl, triton
 from tigon.ops._fp8 import (
-    MODE_CODES, SMALL_AMAX, SMALL_AMAX_SCALE, Float8Rows, check_fp8_mode, fp8_kernel_args, fp8_rows_buffers,
-    fp8_rows_reference, max_keeping_nan, quantize_row,
+    MODE_CODES, SMALL_AMAX, SMALL_AMAX_SCALE, Float8Rows, amax_keeping_nan, check_fp8_mode, fp8_kernel_args,
+    fp8_rows_buffers, fp8_rows_reference, max_keeping_nan, quantize_row,
 )
 from tigon.ops._launch import cdiv, launched
 
@@ -123,7 +123,7 @@ def _glu_fwd_kernel(
                                  out_row_stride, gate_multiplier, out_multiplier, ACTIVATION)
             amax = max_keeping_nan(amax, tl.abs(out))
         quantize_row(out_ptr, out_row_stride, fp8_ptr, fp8_scale_ptr, fp8_amax_ptr, row,
-                     tl.reduce(amax, 0, max_keeping_nan), n_cols, small_amax, small_amax_scale, FP8, BLOCK)
+                     amax_keeping_nan(amax, 0), n_cols, small_amax, small_amax_scale, FP8, BLOCK)
 
 
 @triton.jit
@@ -190,10 +190,10 @@ def _glu_bwd_kernel(
             gate_amax = max_keeping_nan(gate_amax, tl.abs(grad_gate))
             up_amax = max_keeping_nan(up_amax, tl.abs(grad_up))
         quantize_row(grad_gate_ptr, grad_gate_row_stride, gate_fp8_ptr, gate_fp8_scale_ptr, gate_fp8_amax_ptr, row,
-                     tl.reduce(gate_amax, 0, max_keeping_nan), n_cols, small_amax, small_amax_scale, FP8, BLOCK,
+                     amax_keeping_nan(gate_amax, 0), n_cols, small_amax, small_amax_scale, FP8, BLOCK,
                      gate_m_ptr, HAS_M)
         quantize_row(grad_up_ptr, grad_up_row_stride, up_fp8_ptr, up_fp8_scale_ptr, up_fp8_amax_ptr, row,
-                     tl.reduce(up_amax, 0, max_keeping_nan), n_cols, small_amax, small_amax_scale, FP8, BLOCK,
+                     amax_keeping_nan(up_amax, 0), n_cols, small_amax, small_amax_scale, FP8, BLOCK,
                      up_m_ptr, HAS_M)
 
 
