@@ -124,23 +124,21 @@ def test_e2e_bench_lora_fp8_mode_runs():
     assert "lora" in records[-1]["applied"] and records[-1]["max_loss_diff"] < 0.02
 
 
-def test_norms_write_the_fp8_rows_that_the_lora_groups_take(monkeypatch):
-    """LoRA on FP8 bases, fully patched, the FP8 GEMM path forced on (torch's CPU ``_scaled_mm``
-    where there is no GPU): the input norm and the add + norm before the MLP write their output's
-    FP8 rows in their own pass, and the q/k/v and gate/up groups' FP8 GEMMs take them, quantising
-    no input themselves; the loss and every adapter gradient bit for bit those of the path that
-    quantises the inputs apart."""
-    from tigon.ops import fp8 as fp8_ops
-    from tigon.ops.composite import lora as lora_ops, lora_mlp
+def _handed_and_apart(monkeypatch, dtype, device):
+    """One step of a fully patched model with LoRA on FP8 bases, its norms handing their FP8 rows
+    to the q/k/v and gate/up groups, and one with them quantising their inputs apart: (loss and
+    adapter gradients) of each, and the shapes the groups quantised themselves in each."""
+    from tigon.ops.composite import lora as lora_ops
     from tigon.patch import lora as patch_lora
 
-    for module in (fp8_ops, lora_ops, lora_mlp, patch_lora):
-        monkeypatch.setattr(module, "fp8_gemm_reason", lambda x, weight: None)
     quantized, quantize = [], lora_ops.quantize_rows
     monkeypatch.setattr(lora_ops, "quantize_rows", lambda t, *args: quantized.append(tuple(t.shape)) or quantize(t, *args))
-    model, _ = _lora_pair()
+    base = _fp8_model(dtype, device)
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
+    model = peft.get_peft_model(base, config, autocast_adapter_dtype=False).train()
     tigon.patch(model)
-    ids = _ids()
+    ids = _ids(device)
 
     def run():
         loss = model(input_ids=ids, labels=ids).loss
@@ -149,17 +147,47 @@ def test_norms_write_the_fp8_rows_that_the_lora_groups_take(monkeypatch):
         model.zero_grad(set_to_none=True)
         return loss.detach(), grads
 
-    try:
-        handed = run()
-    except (RuntimeError, NotImplementedError) as err:
-        pytest.skip(f"torch._scaled_mm does not run here: {err}")
-    # Two layers: only the o projections' inputs (the attention's output, which no norm makes).
-    assert quantized == [(26, 64)] * 2
+    handed, handed_shapes = run(), list(quantized)
     monkeypatch.setattr(patch_lora, "takes_fp8_rows", lambda module, x: False)
     quantized.clear()
-    apart = run()
-    assert quantized == [(26, 64)] * 6  # and the q/k/v and gate/up inputs: the path compared against
+    return handed, run(), handed_shapes, quantized
+
+
+def _assert_bit_for_bit(handed, apart):
     assert torch.equal(handed[0], apart[0])
     assert handed[1].keys() == apart[1].keys() and len(handed[1]) == 28
     for name in handed[1]:
         assert torch.equal(handed[1][name], apart[1][name]), name
+
+
+def test_norms_write_the_fp8_rows_that_the_lora_groups_take(monkeypatch):
+    """LoRA on FP8 bases, fully patched, the FP8 GEMM path forced on (torch's CPU ``_scaled_mm``
+    where there is no GPU): the input norm, the add + norm before the MLP and the closing add +
+    norm (for the next layer) write their output's FP8 rows in their own pass, and the q/k/v and
+    gate/up groups' FP8 GEMMs take them, quantising no input themselves; the loss and every
+    adapter gradient bit for bit those of the path that quantises the inputs apart."""
+    from tigon.ops import fp8 as fp8_ops
+    from tigon.ops.composite import lora as lora_ops, lora_mlp
+    from tigon.patch import lora as patch_lora
+
+    for module in (fp8_ops, lora_ops, lora_mlp, patch_lora):
+        monkeypatch.setattr(module, "fp8_gemm_reason", lambda x, weight: None)
+    try:
+        handed, apart, handed_shapes, apart_shapes = _handed_and_apart(monkeypatch, torch.float32, "cpu")
+    except (RuntimeError, NotImplementedError) as err:
+        pytest.skip(f"torch._scaled_mm does not run here: {err}")
+    # Two layers: only the o projections' inputs (the attention's output, which no norm makes).
+    assert handed_shapes == [(26, 64)] * 2
+    assert apart_shapes == [(26, 64)] * 6  # and the q/k/v and gate/up inputs: the path compared against
+    _assert_bit_for_bit(handed, apart)
+
+
+@pytest.mark.gpu
+def test_norms_fp8_rows_are_bit_for_bit_on_gpu(monkeypatch):
+    """On a GPU with FP8, bf16: the norms' FP8 rows give the groups' GEMMs the operands that
+    quantising the inputs apart gives, bit for bit (loss and adapter gradients)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs a GPU of compute capability 8.9+")
+    handed, apart, handed_shapes, apart_shapes = _handed_and_apart(monkeypatch, torch.bfloat16, "cuda")
+    assert len(handed_shapes) == 2 and len(apart_shapes) == 6
+    _assert_bit_for_bit(handed, apart)
