@@ -202,9 +202,6 @@ def test_bf16_norm_payload_on_gpu(mode, hidden, residual):
     r = None if r is None else torch.cat([r, torch.randn_like(x[6:])])
     out, rows = _norm(x, r, w, "llama", mode)
     _check_rows(out, rows, mode, "bf16 norm", payload=True)
-    # The output is the plain kernel's, bit for bit (a consumer recomputing it in backward runs that).
-    plain = F.rms_norm(x, w, 1e-6) if r is None else F.add_rms_norm(x, r, w, 1e-6)[0]
-    _assert_same_floats(out, plain, "bf16 norm output with and without fp8")
 
 
 @pytest.mark.gpu

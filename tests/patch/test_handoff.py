@@ -28,13 +28,11 @@ def test_relay_hands_a_value_to_its_reader_only():
     relay = handoff.Relay()
     norm, other = torch.nn.Identity(), torch.nn.Identity()
     total, normed, replaced = torch.zeros(3), torch.ones(3), torch.zeros(3)
-    relay.normed = (total, norm, normed, None)
+    relay.normed = (total, norm, normed)
     assert relay.take_normed(total, other) is None and relay.normed is not None
     assert relay.take_normed(total, norm) is normed and relay.normed is None
-    relay.normed = (total, norm, normed, None)
+    relay.normed = (total, norm, normed)
     assert relay.take_normed(replaced, norm) is None and relay.normed is None, "a hook replaced the sum"
-    relay.normed = (total, norm, normed, "rows")
-    assert relay.take_normed_rows(total, norm) == (normed, "rows") and relay.normed is None
     relay.normed_input = (normed, "made from")
     assert relay.normed_input_of(normed) == "made from" and relay.normed_input_of(total) is None
 
@@ -45,7 +43,7 @@ def test_relay_is_untouched_inside_torch_compile():
     relay = handoff.Relay()
     norm = torch.nn.Identity()
     held = torch.zeros(3)
-    relay.normed = (held, norm, held, None)
+    relay.normed = (held, norm, held)
 
     def step(x):
         assert relay.take_normed(held, norm) is None
@@ -56,7 +54,7 @@ def test_relay_is_untouched_inside_torch_compile():
         torch.compile(step, backend="eager", fullgraph=True)(torch.ones(2))
     finally:
         torch._dynamo.reset()
-    assert relay.normed == (held, norm, held, None)
+    assert relay.normed == (held, norm, held)
 
 
 def _keys(model):

@@ -212,10 +212,6 @@ class NormedInput(NamedTuple):
     for backward instead of it and recompute it there: the norm keeps `source` for its own backward
     anyway, so one hidden-sized tensor per layer is not kept twice. The recomputation runs the same kernel on
     the same rows, so it is bit for bit the tensor of the forward.
-
-    `fp8_rows`, when the norm's kernel wrote them (``fp8="rowwise"``), are the tensor's rows in
-    FP8, which an op whose FP8 GEMMs take it (LoRA on an FP8 base) uses instead of quantising the
-    tensor again.
     """
 
     source: torch.Tensor
@@ -223,11 +219,6 @@ class NormedInput(NamedTuple):
     eps: float
     offset: float
     casting: str
-    fp8_rows: Float8Rows | None = None
-
-    def output_dtype(self) -> torch.dtype:
-        """The dtype of the norm's output."""
-        return _output_dtype(self.source, self.weight, self.casting)
 
     def recompute(self) -> torch.Tensor:
         with torch.no_grad():
@@ -270,9 +261,6 @@ def check_normed_input(x: torch.Tensor, normed_input: NormedInput) -> None:
         )
     if weight is not None:
         check_vector("normed_input.weight", weight, x.shape[-1], x.device)
-    rows = normed_input.fp8_rows
-    if rows is not None and (rows.data is None or rows.data.shape != x.shape or rows.data.device != x.device):
-        raise ValueError(f"normed_input.fp8_rows must hold rowwise FP8 data of x's shape {tuple(x.shape)} on {x.device}")
 
 
 def _output_dtype(x: torch.Tensor, weight: torch.Tensor | None, casting: str) -> torch.dtype:

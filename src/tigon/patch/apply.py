@@ -494,8 +494,8 @@ def _patch_instance(
         shared = LayerPlan(undo.relay)
         layer_plans = {}
         if switches["add_rms_norm"] and family.layer.fuse is not None:
-            layer_plans = {layer: LayerPlan(undo.relay, next_norm, next_layer)
-                           for layer, next_norm, next_layer in _next_norms(model, family, module, switches["rms_norm"])}
+            layer_plans = {layer: LayerPlan(undo.relay, next_norm)
+                           for layer, next_norm in _next_norms(model, family, module, switches["rms_norm"])}
             undo.layers = list(layer_plans.values())
         bound: set[str] = set()
         for replacement in plan:
@@ -574,11 +574,10 @@ def _lora_summary(
 
 def _next_norms(
     model: torch.nn.Module, family: Family, module: types.ModuleType, final_norm: bool
-) -> list[tuple[torch.nn.Module, torch.nn.Module | None, torch.nn.Module | None]]:
+) -> list[tuple[torch.nn.Module, torch.nn.Module | None]]:
     """Each decoder layer of `model` with the norm its output goes through next (the following
     layer's input norm; after the last layer the model's final norm when the rms_norm switch
-    patched it to take what the layer leaves, else None), for its closing residual add to fuse
-    with, and the following layer (None after the last)."""
+    patched it to take what the layer leaves, else None), for its closing residual add to fuse with."""
     layer_cls, norm_cls = getattr(module, family.layer.cls), getattr(module, family.norm.cls)
     input_norm = family.layer.norms[0]
     planned = []
@@ -591,7 +590,7 @@ def _next_norms(
         final = getattr(sub, "norm", None)
         nexts = [getattr(layer, input_norm) for layer in layers[1:]]
         nexts.append(final if final_norm and isinstance(final, norm_cls) else None)
-        planned += zip(layers, nexts, [*layers[1:], None])
+        planned += zip(layers, nexts)
     return planned
 
 

@@ -19,7 +19,7 @@ import torch
 
 from tigon import functional as F
 from tigon.nn.activations import glu, glu_kind
-from tigon.ops import Float8Rows, autocast_dtype
+from tigon.ops import autocast_dtype
 from tigon.ops.rms_norm import NormedInput
 from tigon.patch import lora
 from tigon.patch.families import MLP, Attention, Layer, Norm
@@ -105,35 +105,24 @@ def _summands(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, to
 
 def _add_norm(
     norm: Norm, module: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor, mlp_weights: tuple | None = None,
-    activation: str | None = None, recompute: bool = False, discarded: bool = False, fp8: str | None = None,
-) -> tuple:
-    """``(module(residual + x), residual + x)`` in one kernel (with `fp8`, the norm's FP8 rows
-    third); with `mlp_weights`, the gated MLP of that norm's output instead of the norm's output, as
-    one op (which, if `discarded`, forms only what it keeps for backward: its output is not read)."""
+    activation: str | None = None, recompute: bool = False, discarded: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(module(residual + x), residual + x)`` in one kernel; with `mlp_weights`, the gated MLP of
+    that norm's output instead of the norm's output, as one op (which, if `discarded`, forms only
+    what it keeps for backward: its output is not read)."""
     x, residual = _summands(x, residual)
     eps = norm_eps(norm, module)
     if mlp_weights is None:
-        return F.add_rms_norm(x, residual, module.weight, eps, offset=norm.offset, casting=norm.casting, fp8=fp8)
+        return F.add_rms_norm(x, residual, module.weight, eps, offset=norm.offset, casting=norm.casting)
     return F.add_rms_norm_glu_mlp(x, residual, module.weight, eps, *mlp_weights, offset=norm.offset,
                                   casting=norm.casting, activation=activation, recompute=recompute,
                                   output_discarded=discarded)
 
 
-def _normed_from(
-    norm: Norm, module: torch.nn.Module, source: torch.Tensor, fp8_rows: Float8Rows | None = None
-) -> NormedInput:
-    """What says that a tensor is `module`'s norm of `source` (a relay's ``normed_input``), and
-    its FP8 rows if the norm wrote them."""
+def _normed_from(norm: Norm, module: torch.nn.Module, source: torch.Tensor) -> NormedInput:
+    """What says that a tensor is `module`'s norm of `source` (a relay's ``normed_input``)."""
     weight = getattr(module, "weight", None) if norm.weight else None  # as rms_norm_forward reads it
-    return NormedInput(source, weight, float(norm_eps(norm, module)), norm.offset, norm.casting, fp8_rows)
-
-
-def _norm_with_fp8_rows(made_from: NormedInput) -> tuple[torch.Tensor, NormedInput]:
-    """The norm `made_from` describes (what its module's patched forward computes), its kernel
-    writing the output's FP8 rows in the same pass; and `made_from` holding them."""
-    normed, rows = F.rms_norm(made_from.source, made_from.weight, made_from.eps, offset=made_from.offset,
-                              casting=made_from.casting, fp8="rowwise")
-    return normed, made_from._replace(fp8_rows=rows)
+    return NormedInput(source, weight, float(norm_eps(norm, module)), norm.offset, norm.casting)
 
 
 def _calls_only(module: torch.nn.Module, forward: Callable[..., Any]) -> bool:
@@ -240,7 +229,7 @@ def decoder_layer_forward(
     def fused(self: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         first_norm = getattr(self, input_norm)
         handing = relay is not None and live()
-        normed, rows = (relay.take_normed_rows(hidden_states, first_norm) if handing else None) or (None, None)
+        normed = relay.take_normed(hidden_states, first_norm) if handing else None
         norm_module = getattr(self, fused_norm)
         # The fused add reads the norm's weight without calling it: a norm it may not read runs in
         # the original layer, as a module call.
@@ -250,12 +239,9 @@ def decoder_layer_forward(
         # Made by tigon's kernel (the previous layer's add, or this norm's own forward) from the
         # layer's input: the q/k/v projections may save that input, which the norm keeps anyway.
         made_by_kernel = handing and (normed is not None or _calls_only(first_norm, norm_forward))
-        made_from = _normed_from(norm, first_norm, hidden_states, rows) if made_by_kernel else None
-        if normed is None and made_from is not None and lora.takes_fp8_rows(mixer(self), hidden_states):
-            # LoRA on FP8 bases: the q/k/v GEMMs take the normed rows in FP8, which the norm writes.
-            normed, made_from = _norm_with_fp8_rows(made_from)
-        elif normed is None:
+        if normed is None:
             normed = first_norm(hidden_states)
+        made_from = _normed_from(norm, first_norm, hidden_states) if made_by_kernel else None
         hidden_states = branch(self, lent(normed, made_from, lambda: mixer(self)(hidden_states=normed, **kwargs)), 0)
         feed_forward = getattr(self, layer.feed_forward)
         weights, activation = _fusable_mlp(feed_forward)
@@ -268,19 +254,16 @@ def decoder_layer_forward(
                                                 recompute_mlp, discarded)
             hidden_states = mlp_dropout(mlp, feed_forward, hidden_states)
         else:
-            fp8 = "rowwise" if handing and lora.takes_fp8_rows(feed_forward, hidden_states) else None
-            normed, residual, *rows = _add_norm(norm, norm_module, hidden_states, residual, fp8=fp8)
-            made_from = _normed_from(norm, norm_module, residual, *rows) if handing else None
+            normed, residual = _add_norm(norm, norm_module, hidden_states, residual)
+            made_from = _normed_from(norm, norm_module, residual) if handing else None
             hidden_states = lent(normed, made_from, lambda: feed_forward(normed), discarded)
         # (Llama 4's expert block returns its output flattened to tokens x hidden.)
         out = branch(self, hidden_states, 1).view(residual.shape)
         next_norm = _next_norm(plan, self, residual, norm_forward) if handing else None
         if next_norm is None:
             return residual + out
-        next_layer = plan.next_layer
-        fp8 = "rowwise" if next_layer is not None and lora.takes_fp8_rows(mixer(next_layer), out) else None
-        normed, total, *rows = _add_norm(norm, next_norm, out, residual, fp8=fp8)
-        relay.normed = (total, next_norm, normed, rows[0] if rows else None)
+        normed, total = _add_norm(norm, next_norm, out, residual)
+        relay.normed = (total, next_norm, normed)
         return total
 
     def forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:

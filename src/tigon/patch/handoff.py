@@ -9,9 +9,8 @@ group and the MLP may save instead of the normed tensor. :func:`tigon.patch` giv
 a value, and two patched models never see each other's. A relay holds, for one forward at most:
 
 ``normed``
-    ``(sum, norm module, that norm of the sum, its FP8 rows or None)``, from a fused layer's
-    closing add; taken by that norm's forward or the next layer's. The next write replaces it.
-    The rows are written when the next layer's q/k/v take them (LoRA on FP8 bases).
+    ``(sum, norm module, that norm of the sum)``, from a fused layer's closing add; taken by that
+    norm's forward or the next layer's. The next write replaces it.
 ``normed_input``
     ``(normed tensor, NormedInput)`` while a fused layer calls its attention or MLP: which tensor
     and weight tigon's RMSNorm made it from (read by ``glu_mlp``, ``lora_gated_mlp``,
@@ -91,7 +90,7 @@ class Relay:
     __slots__ = ("normed", "normed_input", "discarded", "accuracy", "segments")
 
     def __init__(self) -> None:
-        self.normed: tuple[torch.Tensor, torch.nn.Module, torch.Tensor, Any] | None = None
+        self.normed: tuple[torch.Tensor, torch.nn.Module, torch.Tensor] | None = None
         self.normed_input: tuple[torch.Tensor, Any] | None = None
         self.discarded: torch.Tensor | None = None
         self.accuracy: list | None = None
@@ -99,18 +98,13 @@ class Relay:
 
     def take_normed(self, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor | None:
         """`norm`'s output for `x` if the layer before formed it, no longer held; else None."""
-        taken = self.take_normed_rows(x, norm)
-        return None if taken is None else taken[0]
-
-    def take_normed_rows(self, x: torch.Tensor, norm: torch.nn.Module) -> tuple[torch.Tensor, Any] | None:
-        """:meth:`take_normed`'s output with its FP8 rows (None if none were written), or None."""
         if not live():
             return None
         held = self.normed
         if held is None or held[1] is not norm:
             return None
         self.normed = None
-        return (held[2], held[3]) if held[0] is x else None
+        return held[2] if held[0] is x else None
 
     def segment_lengths(self, cu_seqlens: torch.Tensor) -> list[int]:
         """The lengths of the segments `cu_seqlens` bounds, as host integers: read from the device
@@ -143,10 +137,7 @@ class LayerPlan:
         next_norm: the norm the layer's output goes through next (the following layer's input
             norm, or the model's final norm), with which its closing residual add runs in one
             kernel; None: the add runs alone.
-        next_layer: the following decoder layer (None after the last): whether its q/k/v take
-            their input's FP8 rows decides whether the closing add's norm writes them.
     """
 
     relay: Relay | None = None
     next_norm: torch.nn.Module | None = None
-    next_layer: torch.nn.Module | None = None

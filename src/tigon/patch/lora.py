@@ -41,9 +41,7 @@ import torch
 from torch import nn
 
 from tigon import functional as F
-from tigon.nn import Fp8Linear
 from tigon.ops import LoraProjection, autocast_dtype
-from tigon.ops.fp8 import fp8_gemm_reason
 from tigon.patch import quantized
 from tigon.patch.modules import forward_attr, has_hooks
 
@@ -215,19 +213,6 @@ def projection(layer: nn.Module, x: torch.Tensor) -> LoraProjection | None:
     elif not autocast and (weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype)):
         return None  # F.linear would refuse it: let PEFT's path raise its own error
     return LoraProjection(weight, lora_a, lora_b, scaling, bias, magnitude)
-
-
-def takes_fp8_rows(module: nn.Module, x: torch.Tensor) -> bool:
-    """Whether a child of `module` (an attention's q/k/v, an MLP's gate and up) is a LoRA linear
-    on an FP8 base whose GEMM runs on `x` quantised per row (:func:`tigon.ops.fp8.fp8_gemm_reason`):
-    the norm that makes `x` then writes those rows in its own pass."""
-    for child in module._modules.values():
-        if child is None or "lora_A" not in child._modules:
-            continue
-        base = _base_of(child)
-        if type(base) is Fp8Linear and fp8_gemm_reason(x, base.fp8_weight()) is None:
-            return True
-    return False
 
 
 def runs(module: nn.Module, forward: Callable[..., Any]) -> bool:

@@ -63,10 +63,9 @@ import torch
 
 from tigon.ops._checks import check_device, check_float, check_input, check_vector, rows_view
 from tigon.ops._dispatch import Op, autocast_dtype
-from tigon.ops._fp8 import Float8Rows
 from tigon.ops.dequantize import QuantizedWeight, check_quantized, dequantize_reference, dequantized
 from tigon.ops.fp8 import (Fp8Weight, check_fp8_weight, dequantize_fp8, fp8_gemm_reason, fp8_matmul, fp8_matmul_grad,
-                           quantize_rows, rows_operand, unit_stride_rows)
+                           quantize_rows, unit_stride_rows)
 from tigon.ops.dora import DORA_NORM, DORA_SCALE, DORA_SCALE_BACKWARD, dora_norm_reference, dora_scale_reference
 from tigon.ops.gemm_4bit import base_gemm
 from tigon.ops.low_rank import add_low_rank_
@@ -213,24 +212,12 @@ def base_weight(weight: torch.Tensor | QuantizedWeight | Fp8Weight, dtype: torch
     return dequantize_fp8(weight, dtype) if isinstance(weight, Fp8Weight) else dequantized(weight, dtype)
 
 
-def fp8_rows(
-    x2d: torch.Tensor, projections: Sequence[LoraProjection], handed: Float8Rows | None = None
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+def fp8_rows(x2d: torch.Tensor, projections: Sequence[LoraProjection]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`x2d` quantised per row (:func:`tigon.ops.fp8.quantize_rows`) once for every FP8 GEMM of
-    the group, or None when none of its projections runs one. `handed`: those rows as the kernel
-    that made `x2d` wrote them (:func:`handed_fp8_rows`), taken instead of quantising again."""
+    the group, or None when none of its projections runs one."""
     if any(isinstance(p.weight, Fp8Weight) and fp8_gemm_reason(x2d, p.weight) is None for p in projections):
-        return rows_operand(handed) if handed is not None else quantize_rows(unit_stride_rows(x2d))
+        return quantize_rows(unit_stride_rows(x2d))
     return None
-
-
-def handed_fp8_rows(x: torch.Tensor, normed: NormedInput | None) -> Float8Rows | None:
-    """The FP8 rows of `x` that the norm which made it wrote (`normed.fp8_rows`), or None: none
-    written, or `x` no longer in the norm's output dtype (an autocast cast it), whose rows they
-    are not."""
-    if normed is None or normed.fp8_rows is None or x.dtype != normed.output_dtype():
-        return None
-    return normed.fp8_rows
 
 
 def lora_forward(
@@ -276,17 +263,17 @@ def stacked(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def lora_group_forward(
     x2d: torch.Tensor, projections: Sequence[LoraProjection], adapters: Sequence[LoraProjection] | None = None,
-    xa: torch.Tensor | None = None, handed: Float8Rows | None = None,
+    xa: torch.Tensor | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor, list]:
     """Every projection's output of the rows `x2d`, ``x [A₁; A₂; …]ᵀ`` (N × Σr) for backward, and
     each one's DoRA state (see :func:`lora_forward`). Given `xa` (that product, from an earlier
     pass over the same rows), it is not formed again: the outputs are then the earlier pass's, bit
-    for bit. `handed`: x's FP8 rows as its norm wrote them (see :func:`fp8_rows`)."""
+    for bit."""
     lora_as = [p.lora_a for p in projections]
     if xa is None:
         xa = torch.mm(x2d, stacked(lora_as).t())
     adapters = adapters or projections
-    x_fp8 = fp8_rows(x2d, projections, handed)
+    x_fp8 = fp8_rows(x2d, projections)
     results = [lora_forward(x2d, xa[:, cols], p, own, x_fp8)
                for p, own, cols in zip(projections, adapters, lora_rank_slices(lora_as))]
     return [out for out, _ in results], xa, [state for _, state in results]
@@ -422,7 +409,7 @@ class _LoraGroupFunction(torch.autograd.Function):
         own = unflatten_projections(flat)
         projections, ctx.adapter_dtypes = adapters_in(x.dtype, own)
         x2d = rows_view(x)
-        outs, xa, doras = lora_group_forward(x2d, projections, own, handed=handed_fp8_rows(x, normed))
+        outs, xa, doras = lora_group_forward(x2d, projections, own)
         save_projections(ctx, (*keep_normed(ctx, x2d, normed), xa), projections, dora_saved(doras))
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not a zero tensor
         ctx.lead_shape = x.shape[:-1]

@@ -47,7 +47,6 @@ from tigon.ops.composite.lora import (
     dora_restored,
     dora_saved,
     flatten_projections,
-    handed_fp8_rows,
     load_projections,
     lora_backward_from_input,
     lora_backward_without_input,
@@ -115,8 +114,7 @@ class _LoraGatedMLPFunction(torch.autograd.Function):
         own = unflatten_projections(flat)
         (gate_proj, up_proj, down_proj), ctx.adapter_dtypes = adapters_in(x.dtype, own)
         x2d = rows_view(x)
-        (gate, up), xa, gate_up_doras = lora_group_forward(x2d, [gate_proj, up_proj], own[:2],
-                                                           handed=handed_fp8_rows(x, normed))
+        (gate, up), xa, gate_up_doras = lora_group_forward(x2d, [gate_proj, up_proj], own[:2])
         down_runs = not discarded or down_proj.magnitude is not None  # (a DoRA down projection saves its z)
         # An FP8 down projection's GEMM takes h quantised per row: the activation kernel writes it.
         h_rows = (fp8_rows_buffers(gate, "rowwise") if down_runs and isinstance(down_proj.weight, Fp8Weight)
