@@ -27,10 +27,10 @@ activation that saves ``act(gate)``, ``up`` and the product for backward. Here:
 Quantised bases and DoRA projections work as in :mod:`tigon.ops.composite.lora`. On FP8 bases the
 activation kernel quantises what the next FP8 GEMMs take in the pass that makes it: h for the down
 projection in forward, and in backward the gate and up output gradients (their weights' row scales
-folded in) for the input gradient's GEMMs. A DoRA gate or up
-projection saves its unscaled output z in place of its output (which backward rescales again, a
-cheap pass, for the activation's gradient), so DoRA adds nothing of the intermediate size to what
-the op keeps; a DoRA down projection saves its z (N × hidden).
+folded in) for the input gradient's GEMMs. A DoRA gate or up projection saves its unscaled output
+z in place of its output (which backward rescales again, a cheap pass, for the activation's
+gradient), so DoRA adds nothing of the intermediate size to what the op keeps; a DoRA down
+projection saves its z (N × hidden).
 """
 
 from __future__ import annotations
