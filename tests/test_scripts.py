@@ -1,10 +1,17 @@
 """The scripts in ``scripts/`` use tigon's public names only: a private name they reach into can
-change or go with no caller in ``src/`` or ``tests/`` noticing."""
+change or go with no caller in ``src/`` or ``tests/`` noticing. The GPU-only ones refuse a machine
+without a GPU in one line."""
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
@@ -52,3 +59,18 @@ def test_private_imports_and_attributes_are_found():
         "rope._launch(1)\nharness.fwd_bwd_step\ntorch.cuda._sleep(1)\n"
     )
     assert private_uses(source) == ["line 2: from tigon.ops import _checks", "line 4: rope._launch"]
+
+
+@pytest.mark.parametrize("script,args", [("fp8_transpose_bench.py", []), ("low_rank_bench.py", []),
+                                         ("profile_e2e.py", ["lora-fp8", "--host"])])
+def test_gpu_scripts_refuse_without_a_gpu_in_one_line(script, args):
+    """Run as a user would on a machine without a CUDA GPU: one line naming the need, a non-zero
+    exit, no traceback."""
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible here")
+    env = {**os.environ, "PYTHONPATH": str(SCRIPTS.parent / "src")}
+    done = subprocess.run([sys.executable, str(SCRIPTS / script), *args], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode != 0
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert lines == [f"{script}: needs a CUDA GPU (none is visible here)"], lines
