@@ -18,10 +18,14 @@ TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atten
 
 def test_e2e_fp8_rows_run_and_follow_eager(fp8_anywhere):
     from tigon.bench import fp8
-    from tigon.bench.e2e import run_e2e
+    from tigon.bench.e2e import COMPILE_MODES, run_e2e
 
+    # torchao-fp8+compile is torchao-fp8's model under the compile impls' torch.compile (a minute
+    # of inductor on this CPU): run on the GPU.
+    assert "torchao-fp8+compile" in COMPILE_MODES and fp8.IMPLS["torchao-fp8+compile"] == fp8.IMPLS["torchao-fp8"]
     lines = []
-    records = run_e2e(modes=["full"], impls=["eager", *fp8.IMPLS], batch=2, seq=8, steps=2, warmup=1, shape=TINY,
+    impls = [impl for impl in fp8.IMPLS if impl not in COMPILE_MODES]
+    records = run_e2e(modes=["full"], impls=["eager", *impls], batch=2, seq=8, steps=2, warmup=1, shape=TINY,
                       device=torch.device("cpu"), log=lines.append)
     assert not [r["error"] for r in records if "error" in r]
     by = {r["impl"]: r for r in records}
@@ -108,6 +112,21 @@ def test_accuracy_script_reports_relative_differences_and_plots(tmp_path, monkey
     assert "fp8 rowwise      final loss 0.9800  (-2.00% vs bf16)" in out
     assert png.stat().st_size > 1000
 
+
+
+def test_accuracy_script_trains_the_random_1b_shape_when_asked(tmp_path, monkeypatch, capsys):
+    import tigon.bench.fp8_accuracy as accuracy
+
+    trained = []
+    monkeypatch.setattr(accuracy, "smollm2", lambda: pytest.fail("--random-1b must not build SmolLM2"))
+    monkeypatch.setattr(accuracy, "random_1b", lambda folder: folder)
+    monkeypatch.setattr(accuracy, "train", lambda model, out, recipe, args: trained.append(model.name) or [2.0, 1.0])
+    assert accuracy.main(["--random-1b", "--recipes", "rowwise", "--steps", "2", "--png", str(tmp_path / "c.png")]) == 0
+    assert trained == ["random-1b", "random-1b"]
+    assert "the 1B Llama shape, random weights, 2 steps" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        accuracy.main(["--random-1b", "--model", str(tmp_path)])
+    assert "--model and --random-1b name two models" in capsys.readouterr().err
 
 @pytest.mark.gpu
 def test_gpu_e2e_fp8_rows_report_their_floor():

