@@ -103,6 +103,7 @@ def test_accuracy_script_reports_relative_differences_and_plots(tmp_path, monkey
         return [3.0, 2.0, 1.0] if recipe is None else [3.0, 2.0, 1.01 if recipe == "tensorwise" else 0.98]
 
     monkeypatch.setattr(accuracy, "train", train)
+    monkeypatch.setattr(accuracy, "unsupported", lambda: None)
     png = tmp_path / "curves.png"
     assert accuracy.main(["--model", str(tmp_path), "--steps", "3", "--last", "1", "--png", str(png)]) == 0
     assert runs == [(tmp_path, "bf16", None, 3), (tmp_path, "fp8-tensorwise", "tensorwise", 3),
@@ -118,6 +119,7 @@ def test_accuracy_script_trains_the_random_1b_shape_when_asked(tmp_path, monkeyp
     import tigon.bench.fp8_accuracy as accuracy
 
     trained = []
+    monkeypatch.setattr(accuracy, "unsupported", lambda: None)
     monkeypatch.setattr(accuracy, "smollm2", lambda: pytest.fail("--random-1b must not build SmolLM2"))
     monkeypatch.setattr(accuracy, "random_1b", lambda folder: folder)
     monkeypatch.setattr(accuracy, "train", lambda model, out, recipe, args: trained.append(model.name) or [2.0, 1.0])
@@ -127,6 +129,22 @@ def test_accuracy_script_trains_the_random_1b_shape_when_asked(tmp_path, monkeyp
     with pytest.raises(SystemExit):
         accuracy.main(["--random-1b", "--model", str(tmp_path)])
     assert "--model and --random-1b name two models" in capsys.readouterr().err
+
+
+def test_accuracy_script_refuses_without_fp8_and_names_a_failed_run(tmp_path, monkeypatch, capsys):
+    import tigon.bench.fp8_accuracy as accuracy
+
+    monkeypatch.setattr(accuracy, "train", lambda *args: pytest.fail("nothing may train without FP8"))
+    if torch.cuda.is_available():
+        monkeypatch.setattr(accuracy, "unsupported", lambda: "FP8 matmuls need compute capability >= 8.9")
+    assert accuracy.main(["--model", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("fp8 accuracy: FP8 matmuls need")
+    # A run that fails (here the real tigon sft, refusing a folder that holds no model): one line, exit 1.
+    monkeypatch.undo()
+    monkeypatch.setattr(accuracy, "unsupported", lambda: None)
+    assert accuracy.main(["--model", str(tmp_path), "--steps", "1", "--png", str(tmp_path / "c.png")]) == 1
+    assert "fp8 accuracy: the bf16 run of tigon sft failed (exit " in capsys.readouterr().err
+    assert not (tmp_path / "c.png").exists()
 
 @pytest.mark.gpu
 def test_gpu_e2e_fp8_rows_report_their_floor():

@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-from tigon.patch.fp8 import RECIPES
+from tigon.patch.fp8 import RECIPES, unsupported
 
 
 def smollm2() -> Path | None:
@@ -61,6 +61,10 @@ def random_1b(folder: Path) -> Path:
     return folder
 
 
+class RunFailed(RuntimeError):
+    """A ``tigon sft`` run ended with a non-zero exit."""
+
+
 def train(model: Path, out: Path, recipe: str | None, args: argparse.Namespace) -> list[float]:
     """The per-step losses of one ``tigon sft`` run (`recipe`: its --fp8, None for bf16)."""
     command = [sys.executable, "-m", "tigon.cli", "sft", "--model", str(model), "--tuner", "full", "--dtype", "bf16",
@@ -69,7 +73,10 @@ def train(model: Path, out: Path, recipe: str | None, args: argparse.Namespace) 
                "--output-dir", str(out), "--overwrite"]
     command += ["--dataset", *args.dataset] if args.dataset else []
     command += ["--fp8", recipe] if recipe else []
-    subprocess.run(command, check=True)
+    finished = subprocess.run(command)
+    if finished.returncode:
+        raise RunFailed(f"fp8 accuracy: the {recipe or 'bf16'} run of tigon sft failed (exit {finished.returncode}); "
+                        "its output is above")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [r["loss"] for r in records if "loss" in r]
 
@@ -110,6 +117,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.model and args.random_1b:
         parser.error("--model and --random-1b name two models: give one")
+    if unsupported() is not None:
+        print(f"fp8 accuracy: {unsupported()}", file=sys.stderr)
+        return 2
+    try:
+        return _compare(args)
+    except RunFailed as err:
+        print(err, file=sys.stderr)
+        return 1
+
+
+def _compare(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.out) if args.out else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
