@@ -280,6 +280,7 @@ def test_builtin_default_trains_a_reward_model_after_an_sft_stage(tmp_path, monk
     from tigon.train import builtin
 
     monkeypatch.setattr(builtin, "SFT_STAGE_STEPS", 2)
+    monkeypatch.setattr(builtin, "DEMO_SFT", tmp_path / "no-demo" / "final")  # not a `make demo` run's
     out = tmp_path / "out"
     with caplog.at_level("INFO", logger="tigon.train"):
         assert main(["rlhf", "--method", "rm", "--max-steps", "3", "--no-kernels", "--output-dir", str(out)]) == 0
