@@ -139,10 +139,14 @@ def test_accuracy_script_refuses_without_fp8_and_names_a_failed_run(tmp_path, mo
         monkeypatch.setattr(accuracy, "unsupported", lambda: "FP8 matmuls need compute capability >= 8.9")
     assert accuracy.main(["--model", str(tmp_path)]) == 2
     assert capsys.readouterr().err.startswith("fp8 accuracy: FP8 matmuls need")
-    # A run that fails (here the real tigon sft, refusing a folder that holds no model): one line, exit 1.
+    # A tigon sft run that fails (its own message printed above): one line, exit 1.
     monkeypatch.undo()
     monkeypatch.setattr(accuracy, "unsupported", lambda: None)
+    commands = []
+    monkeypatch.setattr(accuracy.subprocess, "run", lambda command: commands.append(command) or
+                        accuracy.subprocess.CompletedProcess(command, 3))
     assert accuracy.main(["--model", str(tmp_path), "--steps", "1", "--png", str(tmp_path / "c.png")]) == 1
+    assert len(commands) == 1 and commands[0][1:4] == ["-m", "tigon.cli", "sft"] and "--fp8" not in commands[0]
     assert "fp8 accuracy: the bf16 run of tigon sft failed (exit " in capsys.readouterr().err
     assert not (tmp_path / "c.png").exists()
 
