@@ -187,6 +187,22 @@ def test_training_with_fp8_linears_follows_bf16(fp8_anywhere, recipe):
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
 
+def test_every_projection_stays_compiled_over_changing_batch_shapes(fp8_anywhere, caplog):
+    """Each weight shape's projections have a compiled function of their own: Dynamo's limit of 8
+    graphs a function, shared by the model's 4 shapes, was passed by batches of changing length and
+    size (unpacked rows), and the projections after it ran uncompiled."""
+    model = _bf16_llama(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    tigon.patch(model, fp8="tensorwise")
+    swapped = [m for m in model.modules() if _float8(m)]
+    codes = {(m.in_features, m.out_features): m.forward.__func__.__code__ for m in swapped}
+    assert len(codes) == 4 and len(set(codes.values())) == 4
+    with caplog.at_level(logging.WARNING, logger="torch._dynamo"):
+        for batch, seq in ((2, 16), (2, 24), (3, 16)):
+            ids = torch.randint(0, 100, (batch, seq))
+            model(input_ids=ids, labels=ids).loss.backward()
+    assert not [r.getMessage() for r in caplog.records if "recompile_limit" in r.getMessage()]
+
+
 def test_save_pretrained_writes_the_plain_bf16_weights(fp8_anywhere, tmp_path):
     from safetensors.torch import load_file
 

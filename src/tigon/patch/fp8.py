@@ -132,6 +132,18 @@ def _aligned_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return padded_rows(functools.partial(type(self).forward, self), x, self.out_features)
 
 
+@functools.cache
+def _shape_forward(in_features: int, out_features: int) -> Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]:
+    """:func:`_aligned_forward` as a function of its own for the projections of one weight shape.
+    Dynamo keeps compiled graphs, and counts recompiles against its ``recompile_limit`` (8), per
+    code object: shared by every projection, a model's weight shapes times the token counts, batch
+    sizes and grad modes it runs went past the limit, and the projections after it ran uncompiled,
+    torchao's casts as separate kernels."""
+    name = f"_aligned_forward_{in_features}x{out_features}"
+    code = _aligned_forward.__code__.replace(co_name=name)
+    return types.FunctionType(code, _aligned_forward.__globals__, name)
+
+
 def convert(
     model: torch.nn.Module, layers: list[torch.nn.Module], mixers: tuple[str, ...], mlp_cls: type | None,
     recipe: str, all_gather: bool = False, what: str = "tigon.patch(fp8=...)",
@@ -166,7 +178,7 @@ def convert(
     done = Conversion(recipe, left=left)
     for parent, attr, linear in chosen:
         swapped = getattr(parent, attr)
-        swapped.forward = types.MethodType(_aligned_forward, swapped)
+        swapped.forward = types.MethodType(_shape_forward(swapped.in_features, swapped.out_features), swapped)
         # Eagerly, torchao's amax, scale and cast are separate kernels over every operand, which cost
         # more than the FP8 GEMMs save; compiled, each linear a region of its own (one graph per
         # projection shape), they fuse (BENCHMARKS.md has both). Off a GPU, FP8 only runs as the
