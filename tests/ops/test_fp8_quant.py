@@ -203,10 +203,6 @@ def test_bf16_norm_payload_on_gpu(mode, hidden, residual):
     r = None if r is None else torch.cat([r, torch.randn_like(x[6:])])
     out, rows = _norm(x, r, w, "llama", mode)
     _check_rows(out, rows, mode, "bf16 norm", payload=True)
-    # The kernel variant that writes FP8 writes the plain variant's output, which a backward that
-    # recomputes the output (LoRA's discarded normed input) reruns.
-    plain = F.rms_norm(x, w, 1e-6, casting="llama") if r is None else F.add_rms_norm(x, r, w, 1e-6, casting="llama")[0]
-    _assert_same_floats(out, plain, "normed output with fp8 against without")
     if mode == "rowwise":  # what an FP8-base GEMM takes: the same as quantising the output apart
         data, scale = rows_operand(rows)
         want_data, want_scale = quantize_rows(out.view(-1, hidden))

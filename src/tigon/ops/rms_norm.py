@@ -548,6 +548,10 @@ def rms_norm(
             :mod:`tigon.ops._fp8`. Inside torch.compile this runs the reference, which inductor
             fuses: inductor does not round the output to its dtype before taking the amax, so
             there the scales are those of the unrounded row (within one rounding of torchao's).
+            The FP8 payload is always torchao's quantisation of the output returned, but that
+            output is not always bit for bit the one a call without `fp8` returns: on the GPU
+            the kernel that also writes FP8 may sum a row's squares in another order (an H100
+            at widths 2048 and 4096), so a consumer must not recompute it without `fp8`.
 
     Returns:
         A tensor of the shape of `x`; dtype of `x` (``"llama"``/``"none"`` promote with the
