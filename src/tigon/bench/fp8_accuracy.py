@@ -81,21 +81,43 @@ def train(model: Path, out: Path, recipe: str | None, args: argparse.Namespace) 
     return [r["loss"] for r in records if "loss" in r]
 
 
-def plot(curves: dict[str, list[float]], title: str, path: Path) -> None:
+def running_mean(values: Sequence[float], window: int) -> list[float]:
+    """The mean of each value and the up to ``window - 1`` before it."""
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot(curves: dict[str, list[float]], title: str, path: Path, window: int = 20) -> None:
+    """Two panels: each run's losses (faint) and their running mean over `window` steps; and
+    each FP8 run's relative difference to the first run's (bf16) losses on the same steps, as a
+    running mean. The step losses of small batches scatter far more than FP8 moves them."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, losses in curves.items():
-        ax.plot(range(1, len(losses) + 1), losses, label=name, linewidth=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    ax.set_title(title)
-    ax.legend()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(3, 2))
+    reference = next(iter(curves.values()))
+    for index, (name, losses) in enumerate(curves.items()):
+        steps, color = range(1, len(losses) + 1), f"C{index}"
+        top.plot(steps, losses, color=color, linewidth=0.5, alpha=0.3)
+        top.plot(steps, running_mean(losses, window), color=color, linewidth=1.5, label=name)
+        if index:
+            relative = [100 * (mine - theirs) / theirs for mine, theirs in zip(losses, reference)]
+            bottom.plot(steps[:len(relative)], running_mean(relative, window), color=color, label=name)
+    top.set_ylabel(f"training loss ({window}-step mean)")
+    top.set_title(title)
+    top.legend()
+    bottom.axhline(0, color="black", linewidth=0.5)
+    for bound in (-1, 1):
+        bottom.axhline(bound, color="gray", linewidth=0.5, linestyle="--")
+    bottom.set_xlabel("step")
+    bottom.set_ylabel(f"vs {next(iter(curves))}, % ({window}-step mean)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -147,7 +169,7 @@ def _compare(args: argparse.Namespace) -> int:
     for label, final in finals.items():
         relative = (final - finals["bf16"]) / finals["bf16"]
         print(f"  {label:<16} final loss {final:.4f}" + ("" if label == "bf16" else f"  ({100 * relative:+.2f}% vs bf16)"))
-    plot(curves, f"{name}: tigon sft, bf16 vs --fp8", Path(args.png))
+    plot(curves, f"{name}: tigon sft, bf16 vs --fp8", Path(args.png), window=args.last)
     print(f"wrote {args.png}")
     if args.out:
         (Path(args.out) / "fp8_accuracy.json").write_text(json.dumps({"model": name, "losses": curves, "final": finals}))
