@@ -42,7 +42,7 @@ import torch
 
 from tigon.ops._checks import check_float
 from tigon.ops._dispatch import Op, capturing, tl, triton
-from tigon.ops._fp8 import Float8Rows, store_e4m3
+from tigon.ops._fp8 import Float8Rows, amax_keeping_nan, store_e4m3
 from tigon.ops._launch import cdiv, launched, next_power_of_2
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -63,9 +63,7 @@ def _quantize_rows_kernel(x_ptr, m_ptr, q_ptr, scale_ptr, n_rows, n_cols, stride
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_M:
         x = x * tl.load(m_ptr + cols, mask=cols < n_cols, other=0.0)[None, :]
-    amax = tl.max(tl.abs(x), axis=1)
-    # A NaN anywhere makes the row's scale NaN, as torch's amax does (tl.max may skip it).
-    amax = tl.where(tl.max((x != x).to(tl.int32), axis=1) > 0, float("nan"), amax)
+    amax = amax_keeping_nan(x, 1)  # a NaN anywhere makes the row's scale NaN, as torch's amax does
     amax = tl.maximum(amax, 1e-12, propagate_nan=tl.PropagateNan.ALL)  # AMAX_FLOOR
     inv = tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax)
     clamped = tl.clamp(x * inv[:, None], -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
