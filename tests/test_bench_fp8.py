@@ -150,6 +150,40 @@ def test_accuracy_script_refuses_without_fp8_and_names_a_failed_run(tmp_path, mo
     assert "fp8 accuracy: the bf16 run of tigon sft failed (exit " in capsys.readouterr().err
     assert not (tmp_path / "c.png").exists()
 
+
+def test_accuracy_script_never_overwrites_without_being_told(tmp_path, monkeypatch, capsys):
+    import tigon.bench.fp8_accuracy as accuracy
+
+    monkeypatch.setattr(accuracy, "unsupported", lambda: None)
+    monkeypatch.setattr(accuracy, "train", lambda *args: pytest.fail("nothing may train"))
+    png, out = tmp_path / "curves.png", tmp_path / "runs"
+    png.write_text("the user's picture")
+    (out / "bf16").mkdir(parents=True)
+    (out / "bf16" / "notes.txt").write_text("the user's notes")
+    cases = [(["--png", str(png)], f"{png} already exists: pass --overwrite"),
+             (["--png", str(tmp_path / "new.png"), "--out", str(out)], f"{out / 'bf16'} already exists"),
+             (["--png", str(tmp_path / "missing" / "c.png")], "its folder does not exist"),
+             (["--png", str(tmp_path / "new.png"), "--out", str(png)], "is a file, not a folder")]
+    for extra, words in cases:
+        assert accuracy.main(["--model", str(tmp_path), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("fp8 accuracy: ") and words in err and err.count("\n") == 1
+    assert png.read_text() == "the user's picture" and (out / "bf16" / "notes.txt").read_text() == "the user's notes"
+    assert not (tmp_path / "new.png").exists()
+
+
+def test_accuracy_script_ctrl_c_is_one_line(tmp_path, monkeypatch, capsys):
+    import tigon.bench.fp8_accuracy as accuracy
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(accuracy, "unsupported", lambda: None)
+    monkeypatch.setattr(accuracy, "train", interrupted)
+    assert accuracy.main(["--model", str(tmp_path), "--png", str(tmp_path / "c.png")]) == 130
+    assert capsys.readouterr().err == "fp8 accuracy: stopped (Ctrl-C); nothing was compared\n"
+    assert not (tmp_path / "c.png").exists()
+
 @pytest.mark.gpu
 def test_gpu_e2e_fp8_rows_report_their_floor():
     """On an FP8 GPU: every FP8 row runs, follows tigon's bf16 losses, and reports a % of its

@@ -136,17 +136,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--png", metavar="PATH", default="fp8_accuracy.png", help="where the loss curves go")
     parser.add_argument("--out", metavar="DIR", help="keep the runs' folders (and a JSON of the losses) here")
+    parser.add_argument("--overwrite", action="store_true", help="replace what --png and --out's runs would overwrite")
     args = parser.parse_args(argv)
     if args.model and args.random_1b:
         parser.error("--model and --random-1b name two models: give one")
-    if unsupported() is not None:
-        print(f"fp8 accuracy: {unsupported()}", file=sys.stderr)
+    refusal = unsupported() or _unwritable(args)
+    if refusal is not None:
+        print(f"fp8 accuracy: {refusal}", file=sys.stderr)
         return 2
     try:
         return _compare(args)
     except RunFailed as err:
         print(err, file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("fp8 accuracy: stopped (Ctrl-C); nothing was compared", file=sys.stderr)
+        return 130
+
+
+def _unwritable(args: argparse.Namespace) -> str | None:
+    """Why the outputs cannot be written without losing what is there, or None. The runs write
+    ``--out``'s run folders (with ``tigon sft --overwrite``) and the losses' JSON, the end ``--png``."""
+    png = Path(args.png)
+    if not png.parent.is_dir():
+        return f"--png {args.png}: its folder does not exist"
+    taken = [png] if png.exists() else []
+    if args.out:
+        out = Path(args.out)
+        if out.exists() and not out.is_dir():
+            return f"--out {args.out} is a file, not a folder"
+        runs = ["bf16", *(f"fp8-{recipe}" for recipe in args.recipes), "random-1b", "fp8_accuracy.json"]
+        taken += [out / name for name in runs if (out / name).exists()]
+    if taken and not args.overwrite:
+        return f"{taken[0]} already exists: pass --overwrite to replace it"
+    return None
 
 
 def _compare(args: argparse.Namespace) -> int:
