@@ -2,7 +2,10 @@
 
 import collections
 import contextlib
+import functools
 import sys
+
+import pytest
 
 import torch
 
@@ -221,3 +224,21 @@ def record_offload_sessions(monkeypatch) -> list:
 
     monkeypatch.setattr(offload, "ActivationOffload", Recording)
     return opened
+
+
+@functools.cache
+def _cpu_rowwise_scaled_mm_error() -> str | None:
+    e4m3 = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(e4m3, e4m3.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError) as err:
+        return (str(err).splitlines() or [type(err).__name__])[0][:200]
+    return None
+
+
+def skip_without_cpu_rowwise_scaled_mm() -> None:
+    """Skip the calling test where this torch's CPU ``torch._scaled_mm`` takes no scale per row
+    (FP8's rowwise recipe emulated on the CPU; older torch releases have tensorwise scales only)."""
+    error = _cpu_rowwise_scaled_mm_error()
+    if error is not None:
+        pytest.skip(f"this torch's CPU _scaled_mm refuses row scales: {error}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import skip_without_cpu_rowwise_scaled_mm
 from tests.patch.test_fp8 import fp8_anywhere  # noqa: F401  (a fixture)
 from tigon.patch import fp8 as patch_fp8
 
@@ -18,13 +19,15 @@ TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atten
 
 def test_e2e_fp8_rows_run_and_follow_eager(fp8_anywhere):
     from tigon.bench import fp8
-    from tigon.bench.e2e import COMPILE_MODES, run_e2e
+    from tigon.bench.e2e import COMPILE_MODES, GRAPHS_IMPLS, run_e2e
 
+    skip_without_cpu_rowwise_scaled_mm()
     # torchao-fp8+compile is torchao-fp8's model under the compile impls' torch.compile (a minute
-    # of inductor on this CPU): run on the GPU.
+    # of inductor on this CPU) and tigon+fp8+graphs tigon+fp8's replayed from CUDA graphs: run on the GPU.
     assert "torchao-fp8+compile" in COMPILE_MODES and fp8.IMPLS["torchao-fp8+compile"] == fp8.IMPLS["torchao-fp8"]
+    assert "tigon+fp8+graphs" in GRAPHS_IMPLS and fp8.IMPLS["tigon+fp8+graphs"] == fp8.IMPLS["tigon+fp8"]
     lines = []
-    impls = [impl for impl in fp8.IMPLS if impl not in COMPILE_MODES]
+    impls = [impl for impl in fp8.IMPLS if impl not in COMPILE_MODES and impl not in GRAPHS_IMPLS]
     records = run_e2e(modes=["full"], impls=["eager", *impls], batch=2, seq=8, steps=2, warmup=1, shape=TINY,
                       device=torch.device("cpu"), log=lines.append)
     assert not [r["error"] for r in records if "error" in r]
@@ -44,6 +47,7 @@ def test_scaled_mm_linear_computes_what_torchao_rowwise_does():
     GEMMs, so the same outputs and gradients (up to the GEMM's summation order)."""
     from tigon.bench.fp8 import ScaledMMLinear
 
+    skip_without_cpu_rowwise_scaled_mm()
     float8 = patch_fp8.torchao_float8()
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48, bias=False, dtype=torch.bfloat16)

@@ -320,12 +320,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "python -m tigon.bench.e2e --help")
     bench.add_argument("--e2e-impls", nargs="+", metavar="IMPL",
                        choices=["eager", "tigon", "compile", "tigon+compile", "tigon+graphs", "tigon+reduce-overhead",
-                                "peer", "unsloth", "torchao-fp8", "torchao-fp8-rowwise", "tigon+fp8", "tigon+fp8-rowwise",
-                                "tigon+scaled-mm"],
+                                "peer", "unsloth", "torchao-fp8", "torchao-fp8-rowwise", "torchao-fp8+compile", "tigon+fp8",
+                                "tigon+fp8-rowwise", "tigon+fp8+graphs", "tigon+scaled-mm"],
                        help="with --e2e: what to run (default eager tigon; tigon+graphs: the steps replayed from "
                             "CUDA graphs, as --cuda-graphs does; tigon+reduce-overhead: torch.compile's CUDA-graph mode; "
                             "unsloth: Unsloth's FastLanguageModel, LoRA modes only, where it is installed; "
-                            "FP8 linears: torchao-fp8[-rowwise] on the unpatched model, tigon+fp8[-rowwise], "
+                            "FP8 linears: torchao-fp8[-rowwise][+compile] on the unpatched model, tigon+fp8[-rowwise], "
+                            "tigon+fp8+graphs, "
                             "tigon+scaled-mm: torch._scaled_mm rowwise without torchao)")
     bench.add_argument("--rounds", type=int, default=1, metavar="N",
                        help="with --e2e: run each case N times in turn, each in its own process, and report the median "

@@ -100,6 +100,16 @@ def test_bench_e2e_runs_each_shape_given(tmp_path, monkeypatch, capsys):
     assert "--e2e takes batch x tokens shapes such as 1x1024, got 1x1024x3" in capsys.readouterr().err
 
 
+def test_bench_e2e_impls_are_the_benchmarks_own():
+    """`tigon bench --e2e-impls` offers every implementation the benchmark has, and no other."""
+    from tigon.bench.e2e import IMPLS
+    from tigon.cli import build_parser
+
+    bench = build_parser()._subparsers._group_actions[0].choices["bench"]
+    (impls,) = [action for action in bench._actions if action.dest == "e2e_impls"]
+    assert sorted(impls.choices) == sorted(IMPLS)
+
+
 @pytest.mark.gpu
 def test_gpu_e2e_graph_replay_trains_like_plain_and_reports_busy():
     """tigon+graphs (the patched model's micro-steps and AdamW's update replayed from CUDA graphs)

@@ -93,6 +93,8 @@ DEFAULT_MODES = ("full", "lora")
 # mode; "tigon+graphs" replays the patched model's micro-steps from CUDA graphs (tigon sft --cuda-graphs).
 IMPLS = ("eager", "tigon", "compile", "tigon+compile", "tigon+graphs", "tigon+reduce-overhead", "peer", "unsloth",
          *fp8.IMPLS)
+# Replayed from CUDA graphs: each micro-step and AdamW's update (tigon sft --cuda-graphs).
+GRAPHS_IMPLS = ("tigon+graphs", "tigon+fp8+graphs")
 COMPILE_MODES = {"compile": None, "tigon+compile": None, "tigon+reduce-overhead": "reduce-overhead",
                  "torchao-fp8+compile": None}
 LLAMA_1B = dict(
@@ -436,12 +438,12 @@ def run_case(
             log(record["applied"])
             if patched.lora is not None:
                 record["lora"] = str(patched.lora)
-        if impl == "tigon+graphs":
+        if impl in GRAPHS_IMPLS:
             step = captured_micro_step(model)
         else:
             step = micro_step(torch.compile(model, mode=COMPILE_MODES[impl]) if impl in COMPILE_MODES else model)
         record.update(measure_training(model, step, shape["vocab_size"], batch, seq, warmup, steps, sync_steps,
-                                       captured_update=impl == "tigon+graphs"))
+                                       captured_update=impl in GRAPHS_IMPLS))
         record.update(fp8.floor_pct(model, seq, record["tokens_per_s"], device))
     except ImportError as err:  # a peer is measured where it is installed
         if impl not in ("peer", "unsloth"):

@@ -7,7 +7,8 @@ Implementations (``--e2e-impls``), each on a fresh model as the bf16 rows:
   head), what a user of torchao alone gets; ``torchao-fp8+compile`` the same model under
   ``torch.compile``, as torchao's own documentation runs it;
 * ``tigon+fp8`` / ``tigon+fp8-rowwise``: ``tigon.patch(model, fp8=...)``, tigon's kernels around
-  torchao's FP8 linears;
+  torchao's FP8 linears; ``tigon+fp8+graphs`` the tensorwise one replayed from CUDA graphs as
+  ``tigon+graphs`` is (``tigon sft --fp8 tensorwise --cuda-graphs``);
 * ``tigon+scaled-mm``: tigon's kernels around :class:`ScaledMMLinear`, rowwise scales straight
   through ``torch._scaled_mm`` with the quantisation in plain PyTorch: what the library's own
   overhead costs, measured against the same GEMMs.
@@ -37,6 +38,7 @@ IMPLS = {
     "torchao-fp8+compile": ("tensorwise", False),
     "tigon+fp8": ("tensorwise", True),
     "tigon+fp8-rowwise": ("rowwise", True),
+    "tigon+fp8+graphs": ("tensorwise", True),
     "tigon+scaled-mm": ("rowwise", True),
 }
 E4M3 = torch.float8_e4m3fn
