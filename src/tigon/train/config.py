@@ -130,7 +130,8 @@ class SFTConfig:
                              "for Python; every batch is padded to --max-length (one shape); needs a CUDA GPU")
     fp8: str | None = _opt(None, "run the decoder's linears' GEMMs in FP8 (torchao float8 training, scales per "
                            "tensor or per row; bf16 weights; --tuner full; needs a GPU of compute capability >= 8.9 "
-                           "and pip install 'tigon[fp8]') (default: off)", choices=["tensorwise", "rowwise"])
+                           "and pip install 'tigon[fp8]'; its compiled FP8 linears cost host time that "
+                           "--cuda-graphs takes away) (default: off)", choices=["tensorwise", "rowwise"])
     sequence_parallel: int = _opt(1, "split each sequence over N processes (DeepSpeed Ulysses; launch with torchrun, "
                                   "processes a multiple of N; rows padded to a multiple of N tokens)", metavar="N")
     task: str = _opt("causal_lm", "what to train: causal_lm (next tokens), or classification (a sequence "
