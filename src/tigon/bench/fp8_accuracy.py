@@ -154,6 +154,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+RANDOM_1B_FOLDER, RESULTS_FILE = "random-1b", "fp8_accuracy.json"
+
+
+def run_folders(recipes: Sequence[str]) -> dict[str | None, str]:
+    """The folder of each run under the work folder: bf16's (key None) and each FP8 recipe's."""
+    return {None: "bf16", **{recipe: f"fp8-{recipe}" for recipe in recipes}}
+
+
 def _unwritable(args: argparse.Namespace) -> str | None:
     """Why the outputs cannot be written without losing what is there, or None. The runs write
     ``--out``'s run folders (with ``tigon sft --overwrite``) and the losses' JSON, the end ``--png``."""
@@ -165,8 +173,8 @@ def _unwritable(args: argparse.Namespace) -> str | None:
         out = Path(args.out)
         if out.exists() and not out.is_dir():
             return f"--out {args.out} is a file, not a folder"
-        runs = ["bf16", *(f"fp8-{recipe}" for recipe in args.recipes), "random-1b", "fp8_accuracy.json"]
-        taken += [out / name for name in runs if (out / name).exists()]
+        written = [*run_folders(args.recipes).values(), RANDOM_1B_FOLDER, RESULTS_FILE]
+        taken += [out / name for name in written if (out / name).exists()]
     if taken and not args.overwrite:
         return f"{taken[0]} already exists: pass --overwrite to replace it"
     return None
@@ -182,10 +190,9 @@ def _compare(args: argparse.Namespace) -> int:
             name = "the 1B Llama shape, random weights"
             if not args.random_1b:
                 print(f"fp8 accuracy: SmolLM2-135M is not available; training {name} instead")
-            model = random_1b(work / "random-1b")
-        curves = {"bf16": train(model, work / "bf16", None, args)}
-        for recipe in args.recipes:
-            curves[f"fp8 {recipe}"] = train(model, work / f"fp8-{recipe}", recipe, args)
+            model = random_1b(work / RANDOM_1B_FOLDER)
+        curves = {"bf16" if recipe is None else f"fp8 {recipe}": train(model, work / folder, recipe, args)
+                  for recipe, folder in run_folders(args.recipes).items()}
     last = max(1, min(args.last, *(len(c) for c in curves.values())))
     finals = {label: sum(c[-last:]) / last for label, c in curves.items()}
     print(f"\nfp8 accuracy: {name}, {args.steps} steps, final loss = mean of the last {last} steps")
@@ -195,7 +202,7 @@ def _compare(args: argparse.Namespace) -> int:
     plot(curves, f"{name}: tigon sft, bf16 vs --fp8", Path(args.png), window=args.last)
     print(f"wrote {args.png}")
     if args.out:
-        (Path(args.out) / "fp8_accuracy.json").write_text(json.dumps({"model": name, "losses": curves, "final": finals}))
+        (Path(args.out) / RESULTS_FILE).write_text(json.dumps({"model": name, "losses": curves, "final": finals}))
     return 0
 
 
