@@ -167,7 +167,8 @@ def test_accuracy_script_never_overwrites_without_being_told(tmp_path, monkeypat
     cases = [(["--png", str(png)], f"{png} already exists: pass --overwrite"),
              (["--png", str(tmp_path / "new.png"), "--out", str(out)], f"{out / 'bf16'} already exists"),
              (["--png", str(tmp_path / "missing" / "c.png")], "its folder does not exist"),
-             (["--png", str(tmp_path / "new.png"), "--out", str(png)], "is a file, not a folder")]
+             (["--png", str(tmp_path / "new.png"), "--out", str(png)], "is a file, not a folder"),
+             (["--png", str(out), "--overwrite"], "is a folder: name the PNG file to write")]
     for extra, words in cases:
         assert accuracy.main(["--model", str(tmp_path), *extra]) == 2
         err = capsys.readouterr().err

@@ -168,6 +168,8 @@ def _unwritable(args: argparse.Namespace) -> str | None:
     png = Path(args.png)
     if not png.parent.is_dir():
         return f"--png {args.png}: its folder does not exist"
+    if png.is_dir():
+        return f"--png {args.png} is a folder: name the PNG file to write"
     taken = [png] if png.exists() else []
     if args.out:
         out = Path(args.out)
