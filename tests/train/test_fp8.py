@@ -165,6 +165,7 @@ def test_gpu_rlhf_fp8_trains(tmp_path, caplog):
     """`tigon rlhf --fp8` (DPO on the built-in model): the policy's linears in FP8, the frozen
     reference's not; the run ends with a finite loss."""
     _fp8_gpu()
+    pytest.importorskip("trl")
     with caplog.at_level(logging.INFO, logger="tigon"):
         assert main(["rlhf", "--fp8", "rowwise", "--max-steps", "4", "--samples", "0",
                      "--output-dir", str(tmp_path)]) == 0
