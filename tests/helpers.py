@@ -242,3 +242,35 @@ def skip_without_cpu_rowwise_scaled_mm() -> None:
     error = _cpu_rowwise_scaled_mm_error()
     if error is not None:
         pytest.skip(f"this torch's CPU _scaled_mm refuses row scales: {error}")
+
+
+# What a process of a multi-process test imports before it does anything (about 8 s of a CPU
+# core each, mostly transformers' Trainer): imported once, by the fork server that then forks
+# every such process of this test process. A name that does not import is passed over.
+SPAWN_PRELOAD = ["torch", "transformers", "transformers.trainer", "peft", "tigon.train.trainer", "tigon.train.run",
+                 "tigon.cli", "tests.helpers"]
+
+
+def _spawned(rank: int, fn, env: dict[str, str], args: tuple) -> None:
+    # The fork server's environment is the one it started with: the test's own now (a
+    # monkeypatched variable included), as a spawned process would have it.
+    import os
+
+    os.environ.clear()
+    os.environ.update(env)
+    fn(rank, *args)
+
+
+def spawn(fn, args: tuple = (), nprocs: int = 2) -> None:
+    """``torch.multiprocessing.spawn(fn, args, nprocs)``: `nprocs` fresh processes, each calling
+    ``fn(rank, *args)``, joined, one's exception raised here. They are forked from Python's fork
+    server, which imported SPAWN_PRELOAD once (nothing run, no thread started, no state set up),
+    instead of each starting Python and importing them again."""
+    import multiprocessing
+    import os
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(SPAWN_PRELOAD)  # before it starts; then kept
+    mp.start_processes(_spawned, args=(fn, dict(os.environ), args), nprocs=nprocs, join=True,
+                       start_method="forkserver")

@@ -15,6 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.helpers import spawn
+
 pytestmark = [
     pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"),
     pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed"),
@@ -102,10 +104,8 @@ def _worker(rank: int, world: int, port: int, out: str, packing: bool, lora: boo
 
 
 def _compare(tmp_path: Path, packing: bool, lora: bool, world: int = 2) -> None:
-    import torch.multiprocessing as mp
-
     split, whole = tmp_path / "split", tmp_path / "whole"
-    mp.spawn(_worker, args=(world, _free_port(), str(split), packing, lora), nprocs=world, join=True)
+    spawn(_worker, args=(world, _free_port(), str(split), packing, lora), nprocs=world)
     _train(str(whole), 1, packing, lora)
     got, want = (json.loads(Path(d, "losses.json").read_text()) for d in (split, whole))
     assert len(got) == 2 and got == pytest.approx(want, rel=1e-5, abs=1e-6), (got, want)
@@ -149,7 +149,6 @@ def test_sft_command_splits_packed_rows_as_one_process_trains_them(tmp_path):
     """`tigon sft --sequence-parallel 2 --packing` on the built-in model, kernels on, under two
     processes: its logged losses, evaluation loss and final weights are those of `tigon sft` in one
     process."""
-    import torch.multiprocessing as mp
     from safetensors.torch import load_file
 
     from tigon.cli import main
@@ -159,8 +158,7 @@ def test_sft_command_splits_packed_rows_as_one_process_trains_them(tmp_path):
         return ["sft", "--dataset", f"{tiny.BUNDLED_DATASET}#24", "--packing", "--max-length", "40", "--batch-size",
                 "2", "--max-steps", "2", "--save-steps", "0", "--samples", "0", "--eval-split", "0.25", "--output-dir", str(out)]
 
-    mp.spawn(_sft_worker, args=(2, _free_port(), argv(tmp_path / "split") + ["--sequence-parallel", "2"]),
-             nprocs=2, join=True)
+    spawn(_sft_worker, args=(2, _free_port(), argv(tmp_path / "split") + ["--sequence-parallel", "2"]), nprocs=2)
     assert main(argv(tmp_path / "whole")) == 0
     for key, count in (("loss", 2), ("eval_loss", 1)):  # evaluation runs each rank's rows whole
         logged = [[json.loads(line)[key] for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()

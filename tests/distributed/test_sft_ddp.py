@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from tests.helpers import spawn
+
 WORLD = 2
 
 pytestmark = pytest.mark.skipif(
@@ -52,13 +54,11 @@ def _sft_worker(rank: int, port: int, runs: list[tuple[str, str, bool | None]]) 
 
 def _run(tmp_path: Path, runs: dict[str, bool | None]) -> dict[str, tuple[list[dict], dict[int, tuple[float, float]]]]:
     """Each named run's DDP settings per rank and its logged (loss, grad_norm) per step."""
-    import torch.multiprocessing as mp
-
     paths = {name: (tmp_path / name, tmp_path / f"{name}-record") for name in runs}
     for _, record in paths.values():
         record.mkdir()
     args = [(str(out), str(record), runs[name]) for name, (out, record) in paths.items()]
-    mp.spawn(_sft_worker, args=(_free_port(), args), nprocs=WORLD, join=True)
+    spawn(_sft_worker, args=(_free_port(), args), nprocs=WORLD)
     results = {}
     for name, (out, record) in paths.items():
         wrappers = [json.loads((record / f"rank{rank}.json").read_text()) for rank in range(WORLD)]

@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.helpers import spawn
+
 WORLD = 2
 STEPS = 2
 LR = 0.5
@@ -87,9 +89,7 @@ def _oracle(model: torch.nn.Module, steps: int, device: str):
 
 
 def _spawn(worker, tmp_path, device: str, *args) -> None:
-    import torch.multiprocessing as mp
-
-    mp.spawn(worker, args=(str(tmp_path / "store"), device, *args), nprocs=WORLD, join=True)
+    spawn(worker, args=(str(tmp_path / "store"), device, *args), nprocs=WORLD)
 
 
 def _setup(rank: int, store: str, device: str) -> None:
