@@ -20,12 +20,20 @@ from tigon import ops  # noqa: E402
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+SLOW_FIRST = ("tests/distributed/", "tests/webui/", "tests/train/", "tests/serve/", "tests/patch/", "tests/test_")
+
+
 def pytest_collection_modifyitems(config, items):
     # What the collected modules imported (torch, transformers, ...: half a million objects) is
     # left out of later garbage collections, which transformers' Trainer runs at the start of every
     # training loop: each such collection then scans what the tests made since, not the whole heap.
     gc.collect()
     gc.freeze()
+    # The folders of the long tests (training runs, several processes, servers, a browser) first:
+    # xdist hands tests out in this order (after its groups), so what is left at the end is the
+    # many short kernel tests, spread over both workers, not one long test while the other idles.
+    items.sort(key=lambda item: next((i for i, folder in enumerate(SLOW_FIRST) if item.nodeid.startswith(folder)),
+                                     len(SLOW_FIRST)))
     if torch.cuda.is_available() and not ops.INTERPRET:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU with compiled Triton kernels")

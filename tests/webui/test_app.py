@@ -17,7 +17,7 @@ from tigon.train.data import read_file
 from tigon.webui.runs import LOG_FILE, METRICS_FILE, RunStore, log_tail
 
 pytestmark = [
-    pytest.mark.xdist_group("webui"),
+    pytest.mark.xdist_group("webui-app"),
     # gradio's queue, on pandas 3
     pytest.mark.filterwarnings("ignore:'future.no_silent_downcasting' is deprecated"),
     pytest.mark.filterwarnings("ignore:The copy keyword is deprecated"),

@@ -26,7 +26,7 @@ from tigon.security import is_loopback
 
 from .conftest import _free_port
 
-pytestmark = [pytest.mark.xdist_group("webui")]
+pytestmark = [pytest.mark.xdist_group("webui-security")]  # one server (a process of its own), one browser
 
 USER, PASSWORD = "alice", "correct horse battery staple"
 ROW = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "SECRET-ROW"}]}\n'

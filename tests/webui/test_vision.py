@@ -22,6 +22,9 @@ QUESTION = tiny_vlm.QUESTION
 TOKENS = 5
 UI_TOKENS = 64  # the page's default
 
+# One worker sets up the server, its models and the browser once, rather than each worker its own.
+pytestmark = [pytest.mark.xdist_group("webui-vision")]
+
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
