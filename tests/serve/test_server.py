@@ -19,6 +19,9 @@ try:  # the HTTP client under openai: httpx, renamed httpx2 from openai 3
 except ImportError:
     httpx = pytest.importorskip("httpx")
 
+# One worker sets up its server (module fixtures) once, rather than each worker its own.
+pytestmark = pytest.mark.xdist_group("serve-server")
+
 NAME = "tiny"
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 

@@ -19,6 +19,9 @@ from tigon.cli import main
 from tigon.serve.protocol import CompletionRequest
 from tigon.security import is_loopback
 
+# One worker sets up its server (module fixtures) once, rather than each worker its own.
+pytestmark = pytest.mark.xdist_group("serve-server_security")
+
 KEY = "sk-test-0123456789"
 MAX_BODY = 1 << 20  # --max-body-mb 1
 MAX_INFLIGHT = 12 << 20  # --max-inflight-mb 12

@@ -21,6 +21,9 @@ try:  # the HTTP client under openai: httpx, renamed httpx2 from openai 3
 except ImportError:
     httpx = pytest.importorskip("httpx")
 
+# One worker sets up its models and server (module fixtures) once, rather than each worker its own.
+pytestmark = pytest.mark.xdist_group("serve-vision_server")
+
 QUESTION = tiny_vlm.QUESTION
 MAX_IMAGES = 2
 

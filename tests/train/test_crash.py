@@ -21,6 +21,9 @@ from tigon.train.checkpoint import MANIFEST_FILE
 
 pytest.importorskip("peft")
 
+# One worker sets up its finished runs (module fixtures) once, rather than each worker its own.
+pytestmark = pytest.mark.xdist_group("train-crash")
+
 TEXT = {".json", ".jsonl", ".md", ".jinja"}
 SFT = [*SHORT, *RESUMABLE, "--save-steps", "3"]
 FAILED = "FAIL"

@@ -27,6 +27,9 @@ from tigon.train.vision_data import open_image
 trl = pytest.importorskip("trl")
 Image = pytest.importorskip("PIL.Image")
 
+# One worker sets up its trained runs (module fixtures) once, rather than each worker its own.
+pytestmark = pytest.mark.xdist_group("train-vision_rlhf")
+
 QUESTION = tiny_vlm.QUESTION
 
 
