@@ -14,6 +14,18 @@ os.environ.setdefault("TIGON_STRICT", "1")  # a kernel error fails the test inst
 
 from tigon import ops  # noqa: E402
 
+# An xdist worker shares the machine's cores with the other workers: its share of them as torch's
+# threads (and its subprocesses' OpenMP threads), not all of them, whose OpenMP threads then spin
+# waiting for cores the other workers hold (measured on 2 cores, -n 2: tests/train/test_vision.py
+# and tests/patch/test_patch.py 176 s -> 161 s).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _WORKERS > 1:
+    _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    _SHARE = max(1, _CORES // _WORKERS)
+    if torch.get_num_threads() > _SHARE:
+        torch.set_num_threads(_SHARE)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_SHARE))
+
 # A shell starts a background job (`nohup make test &`) with SIGINT ignored, and Python then keeps
 # it ignored, in this process and in every process it starts. The tests that send Ctrl-C (to
 # tigon sft, tigon serve, a web UI run) assume what a terminal gives: Python's own handler.
