@@ -32,6 +32,20 @@ if _WORKERS > 1:
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def _name_xdist_groups(items) -> None:
+    """What pytest-xdist's --dist loadgroup does to each test of an xdist_group: "@<group>" after
+    its node id, by which the scheduler keeps the group on one worker. xdist (3.8) writes
+    ``item._nodeid``, which pytest 9.2 no longer reads (its node id is ``item._id``): every
+    group's tests were dealt to both workers, each then setting up the group's servers and runs."""
+    from _pytest.nodeid import NodeId
+
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        if names and "@" not in item.nodeid:
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
+
+
 SLOW_FIRST = ("tests/distributed/", "tests/webui/", "tests/train/", "tests/serve/", "tests/patch/", "tests/test_")
 
 
@@ -46,6 +60,8 @@ def pytest_collection_modifyitems(config, items):
     # many short kernel tests, spread over both workers, not one long test while the other idles.
     items.sort(key=lambda item: next((i for i, folder in enumerate(SLOW_FIRST) if item.nodeid.startswith(folder)),
                                      len(SLOW_FIRST)))
+    if getattr(config.option, "loadgroup", False):
+        _name_xdist_groups(items)
     if torch.cuda.is_available() and not ops.INTERPRET:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU with compiled Triton kernels")
