@@ -36,7 +36,7 @@ demo: $(DEMO_DEPS)
 	$(BIN)/tigon sft --output-dir demo-out --overwrite
 
 # The whole suite on CPU: the real Triton kernels run in Triton's interpreter. loadgroup keeps
-# the tests of one xdist_group (tests/webui's, which share one training run) on one worker.
+# the tests of one xdist_group (a module's servers, browser or training runs, set up once) on one worker.
 test: $(TEST_DEPS)
 	TRITON_INTERPRET=1 TIGON_STRICT=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not gpu" $(PYTEST_ARGS)
 
