@@ -15,6 +15,7 @@ from tests.serve.test_server import NAME, httpx, openai, start_server
 # One worker sets up its server (module fixtures) once, rather than each worker its own.
 pytestmark = pytest.mark.xdist_group("serve-embeddings")
 
+
 @pytest.fixture(scope="module")
 def embed_dir(tiny_dir, tmp_path_factory):
     """The tiny Llama as a `tigon embed` output: its embedding.json says last-token pooling."""
