@@ -16,11 +16,15 @@ from tests.helpers import assert_close
 from tests.ops.test_dequantize import _bnb_dequantize_4bit, _quantize_4bit, bnb_functional
 
 # Tiles the interpreter runs: the default (a tile inside one quantisation block), swapped operands
-# with a tile spanning two blocks of 64, and a tile as wide as a block of 64.
+# with a tile spanning two blocks of 64, and a tile as wide as a block of 64; the weight's halves
+# interleaved or each multiplied by its own dot.
 TILES = [
     None,
-    dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SWAP=True),
-    dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=64, SWAP=False),
+    dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SWAP=True, SPLIT=False),
+    dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=64, SWAP=False, SPLIT=False),
+    dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SWAP=False, SPLIT=True),
+    dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SWAP=True, SPLIT=True),
+    dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=64, SWAP=True, SPLIT=True),
 ]
 
 
@@ -197,6 +201,53 @@ def test_bad_arguments(device):
             call()
 
 
+# --- The code lookup's PTX, run by a model of the four instructions it uses -----------------------
+
+
+def _prmt(a: int, b: int, selector: int) -> int:
+    """PTX ``prmt.b32`` (default mode): byte i of the result is byte ``s & 7`` of {b, a} for the
+    4-bit selector s at bits 4i of `selector`, or that byte's sign bit spread over 8 when s & 8."""
+    source = (a | b << 32).to_bytes(8, "little")
+    result = 0
+    for i in range(4):
+        s = selector >> (4 * i) & 15
+        byte = source[s & 7]
+        result |= ((0xFF if byte & 0x80 else 0) if s & 8 else byte) << (8 * i)
+    return result
+
+
+def _run_ptx(ptx: str, packed: int) -> list[int]:
+    """The words ``$0..$7`` after `ptx` runs on ``$8 = packed``."""
+    ops = {"shr.b32": lambda a, b: a >> b, "and.b32": lambda a, b: a & b, "or.b32": lambda a, b: a | b,
+           "prmt.b32": _prmt}
+    registers = {"$8": packed}
+    for line in ptx.splitlines():
+        line = line.strip().rstrip(";")
+        if line in ("{", "}") or line.startswith(".reg"):
+            continue
+        op, operands = line.split(None, 1)
+        out, *sources = (o.strip() for o in operands.split(","))
+        registers[out] = ops[op](*(registers[o] if o in registers else int(o, 0) for o in sources)) & 0xFFFFFFFF
+    return [registers[f"${i}"] for i in range(8)]
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_code_lookup_ptx_gives_every_codes_exact_bits(quant_type):
+    """For bitsandbytes' own NF4 and FP4 codes and every byte in each of the 4 lanes, the lookup
+    returns the high nibble's value then the low one's, bit for bit."""
+    code = bnb_functional.get_4bit_type(quant_type, device="cpu").float()
+    bits = code.view(torch.int32).tolist()
+    ptx = gemm_4bit.code_lookup_ptx(code.tolist())
+    generator = torch.Generator().manual_seed(0)
+    for lanes in [[b, 255 - b, (b * 7) % 256, (b * 13 + 5) % 256] for b in range(256)]:
+        lanes = [lanes[i] for i in torch.randperm(4, generator=generator).tolist()]
+        words = _run_ptx(ptx, int.from_bytes(bytes(lanes), "little"))
+        want = [bits[b >> 4] & 0xFFFFFFFF for b in lanes] + [bits[b & 15] & 0xFFFFFFFF for b in lanes]
+        assert words == want, lanes
+    with pytest.raises(ValueError, match="16 code values"):
+        gemm_4bit.code_lookup_ptx(code.tolist()[:8])
+
+
 # --- On the GPU: bf16 at Llama-3-8B's projection shapes -------------------------------------------
 
 SHAPES_8B = [(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096)]  # (out, in): q/o, gate/up, down, k/v
@@ -233,3 +284,53 @@ def test_bf16_dequantises_bit_for_bit_on_gpu(monkeypatch):
     want = bnb_functional.dequantize_4bit(data, state).to(torch.bfloat16)
     for got in _identity_products(weight, torch.bfloat16, "cuda"):
         assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lookup", ["registers", "memory"])
+@pytest.mark.parametrize("config", [c for c in gemm_4bit.CONFIGS if c.kwargs["BLOCK_M"] in (16, 128, 256)],
+                         ids=lambda c: "-".join(f"{k}{v}" for k, v in c.all_kwargs().items()))
+def test_every_tuned_tile_dequantises_bit_for_bit_on_gpu(monkeypatch, config, lookup):
+    """Each tile the autotuner may pick (of the swapped ones, the narrowest and widest token sides),
+    launched as it is (not only the one the tuning chose), with the codes' values from the
+    register lookup and from memory: in bf16 its products with the identity are bitsandbytes'
+    own bf16 weight, forward and input gradient, with an added term read once."""
+    _always_fused(monkeypatch)
+    monkeypatch.setattr(gemm_4bit, "_TUNED", None)
+    monkeypatch.setattr(gemm_4bit, "INTERPRETER_TILE", config.all_kwargs())
+    if lookup == "memory":
+        monkeypatch.setattr(gemm_4bit, "_code_lookup", lambda code: "")
+    weight, data, state = _weight((192, 512), "nf4" if config.kwargs["SPLIT"] else "fp4", True, 64, "cuda")
+    want = bnb_functional.dequantize_4bit(data, state).to(torch.bfloat16)
+    for got in _identity_products(weight, torch.bfloat16, "cuda"):
+        assert torch.equal(got, want)
+    a = torch.randn(19, 512, device="cuda", dtype=torch.bfloat16)
+    added = torch.randn(19, 192, device="cuda", dtype=torch.bfloat16)
+    out = base_gemm(a, weight, add=added)
+    exact = added.float() + a.float() @ want.float().t()
+    assert ((out.float() - exact).norm() / exact.norm()).item() < 4e-3
+
+
+@pytest.mark.gpu
+def test_first_use_under_cuda_graph_capture_gathers_from_memory(monkeypatch):
+    """A weight whose codes were never read, first multiplied under CUDA graph capture (where a
+    read would sync), gathers the values from memory instead; the replay is still exact, and the
+    capture leaves the codes unread."""
+    _always_fused(monkeypatch)
+    monkeypatch.setattr(gemm_4bit, "_TUNED", None)
+    monkeypatch.setattr(gemm_4bit, "INTERPRETER_TILE", gemm_4bit.CONFIGS[0].all_kwargs())
+    weight, data, state = _weight((192, 512), "nf4", True, 64, "cuda")
+    want = bnb_functional.dequantize_4bit(data, state).to(torch.bfloat16)
+    a = torch.randn(16, 512, device="cuda", dtype=torch.bfloat16)
+    with monkeypatch.context() as patch:  # compile the gathering kernel before the capture
+        patch.setattr(gemm_4bit, "_code_lookup", lambda code: "")
+        base_gemm(a, weight)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = base_gemm(a, weight)
+    assert id(weight.code) not in gemm_4bit._LOOKUPS
+    out.fill_(float("nan"))
+    graph.replay()
+    exact = a.float() @ want.float().t()
+    assert ((out.float() - exact).norm() / exact.norm()).item() < 4e-3

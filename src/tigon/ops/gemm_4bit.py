@@ -17,29 +17,47 @@ and walks out, with the tile transposed in the dot. Each may swap its operands (
 weight tile is then the left operand, so that a handful of tokens fill the MMA's narrow side
 rather than its 64-row one.
 
+On the GPU a code becomes its value without a memory access: the 16 fp32 values are immediates
+of a few byte permutes (:func:`code_lookup_ptx`), built once per code tensor; the interpreter and
+a first call under CUDA graph capture gather them from the code tensor instead.
+
 The fused GEMM pays for the dequantisation once per tile of tokens: with many tokens, dequantising
 once and running cuBLAS is faster. :func:`fused_4bit` says which runs, per shape, from one table
-(:data:`FUSED_TOKENS_UP_TO`, measured with ``python -m tigon.bench.gemm_4bit``). The fused path
-needs ``in`` to be a whole number of blocks (every real model's is); other shapes dequantise.
+(:data:`FUSED_TOKENS_UP_TO`, measured with ``python -m tigon.bench.gemm_4bit``): on the listed
+Llama-3 shapes, up to 32-128 tokens (generation, small batches); training batches dequantise.
+The first fused call at each (token bucket, shape, pass) times its candidate tiles, a few seconds;
+Triton keeps the choice on disk for later processes. The fused path needs ``in`` to be a whole
+number of blocks (every real model's is); other shapes dequantise.
 """
 
 from __future__ import annotations
 
+import struct
+import weakref
+
 import torch
 
 from tigon.ops._checks import check_input, rows_view
-from tigon.ops._dispatch import INTERPRET, TRITON_IMPORT_ERROR, Op, autocast_dtype, tl, triton
+from tigon.ops._dispatch import INTERPRET, TRITON_IMPORT_ERROR, Op, autocast_dtype, capturing, tl, triton
 from tigon.ops._launch import cdiv, next_power_of_2
 from tigon.ops.dequantize import QuantizedWeight, block_absmax, check_quantized, dequantize_reference, dequantized
 
 # --- Where the fused GEMM runs ------------------------------------------------------------------
 # (out_features, in_features) -> (forward, input gradient): the most tokens for which the fused GEMM
-# beats dequantise + cuBLAS on that weight shape. Shapes not listed take the default. Measured with
-# `python -m tigon.bench.gemm_4bit` (the "fused/tigon" ratio per token count). On Hopper the fused
-# GEMM lost to dequantise + cuBLAS at every 8B shape from 256 to 2048 tokens (BENCHMARKS.md), so no
-# shape is listed and the default sends every GEMM to cuBLAS; `tigon sft --help` (--quant) and
-# README.md say so.
-FUSED_TOKENS_UP_TO: dict[tuple[int, int], tuple[int, int]] = {}
+# beat dequantise + cuBLAS on that weight shape, measured with `python -m tigon.bench.gemm_4bit`
+# (the "fused/tigon" ratio, graph-replayed, H100; BENCHMARKS.md) at 1, 16, 32, 64, 128 and 256
+# tokens for Llama-3-8B's projections and at 1, 16, 64 and 256 for Llama-3-70B's. 0: never. Shapes
+# not listed take the default: dequantise + cuBLAS.
+FUSED_TOKENS_UP_TO: dict[tuple[int, int], tuple[int, int]] = {
+    (4096, 4096): (32, 0),  # Llama-3-8B q_proj / o_proj
+    (14336, 4096): (128, 0),  # gate_proj / up_proj
+    (4096, 14336): (64, 128),  # down_proj
+    (1024, 4096): (0, 0),  # k_proj / v_proj
+    (8192, 8192): (64, 16),  # Llama-3-70B q_proj / o_proj
+    (28672, 8192): (64, 16),  # gate_proj / up_proj
+    (8192, 28672): (64, 64),  # down_proj
+    (1024, 8192): (0, 16),  # k_proj / v_proj
+}
 DEFAULT_FUSED_TOKENS_UP_TO = (0, 0)
 
 
@@ -51,41 +69,105 @@ def fused_4bit(tokens: int, out_features: int, in_features: int, backward: bool 
     return tokens <= limits[backward]
 
 
+# --- The code lookup in registers -----------------------------------------------------------------
+
+
+def code_lookup_ptx(values: list[float]) -> str:
+    """PTX for ``tl.inline_asm_elementwise(..., pack=4)`` that turns 4 packed bytes (``$8``) into
+    the fp32 values of their 8 codes: the high nibbles' in ``$0..$3``, the low ones' in ``$4..$7``.
+
+    `values` are the 16 fp32 values of the codes 0 to 15. Byte b of every value is a 16-byte
+    table (4 registers as immediates); one ``prmt`` looks up 4 nibbles in 8 entries at a time,
+    a second the other 8, a third picks per nibble by its top bit; a 4 × 4 byte transpose turns
+    the four byte planes into four fp32 words. The values come out with their exact bits.
+    """
+    if len(values) != 16:
+        raise ValueError(f"values must be the 16 code values of a 4-bit type, got {len(values)}")
+    words = [struct.unpack("<I", struct.pack("<f", v))[0] for v in values]
+    planes = [[sum(((words[4 * reg + i] >> (8 * byte)) & 0xFF) << (8 * i) for i in range(4)) for reg in range(4)]
+              for byte in range(4)]
+    lines = ["{", ".reg .b32 nib, pairs, sel, low8, pick, lo, hi, p0, p1, p2, p3, t0, t1, t2, t3;"]
+    for first_out, shift in ((0, 4), (4, 0)):
+        # The 4 nibbles into one 16-bit selector (nibble i for byte i), then the selectors
+        # prmt needs: the entry within 8, and byte i of the low or the high table by bit 3.
+        lines += [f"shr.b32 nib, $8, {shift};", "and.b32 nib, nib, 0x0F0F0F0F;", "shr.b32 pairs, nib, 4;",
+                  "or.b32 pairs, pairs, nib;", "prmt.b32 sel, pairs, pairs, 0x0020;", "and.b32 low8, sel, 0x7777;",
+                  "shr.b32 pick, sel, 1;", "and.b32 pick, pick, 0x4444;", "or.b32 pick, pick, 0x3210;"]
+        for byte, table in enumerate(planes):
+            lines += [f"prmt.b32 lo, {table[0]:#010x}, {table[1]:#010x}, low8;",
+                      f"prmt.b32 hi, {table[2]:#010x}, {table[3]:#010x}, low8;", f"prmt.b32 p{byte}, lo, hi, pick;"]
+        out = [f"${first_out + i}" for i in range(4)]
+        lines += ["prmt.b32 t0, p0, p1, 0x5140;", "prmt.b32 t1, p0, p1, 0x7362;", "prmt.b32 t2, p2, p3, 0x5140;",
+                  "prmt.b32 t3, p2, p3, 0x7362;", f"prmt.b32 {out[0]}, t0, t2, 0x5410;",
+                  f"prmt.b32 {out[1]}, t0, t2, 0x7632;", f"prmt.b32 {out[2]}, t1, t3, 0x5410;",
+                  f"prmt.b32 {out[3]}, t1, t3, 0x7632;"]
+    return "\n".join(lines + ["}"])
+
+
+# id(code) -> (a weak reference to it, its version counter then, its lookup's PTX)
+_LOOKUPS: dict[int, tuple[weakref.ref, int, str]] = {}
+
+
+def _code_lookup(code: torch.Tensor) -> str:
+    """:func:`code_lookup_ptx` for a weight's code tensor, read (one sync) on its first use and kept
+    while it lives unchanged; "" (the kernel gathers the values from memory) under CUDA graph
+    capture before that first use, where reading it is not allowed."""
+    key = id(code)
+    known = _LOOKUPS.get(key)
+    if known is not None and known[0]() is code and known[1] == code._version:
+        return known[2]
+    if capturing(code.device):
+        return ""
+    ptx = code_lookup_ptx(code.float().tolist())
+    _LOOKUPS[key] = (weakref.ref(code, lambda _, key=key: _LOOKUPS.pop(key, None)), code._version, ptx)
+    return ptx
+
+
 # --- Kernels --------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _weight_tile(
+def _weight_halves(
     packed_ptr, code_ptr, absmax_ptr, scale_code_ptr, scale_absmax_ptr, offset_ptr,
     rows, k0, out_features, in_features,
     DTYPE: tl.constexpr, BLOCKSIZE: tl.constexpr, SCALE_BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    LOOKUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """``W[rows, k0 : k0 + BLOCK_K]`` in DTYPE (k0 a multiple of BLOCK_K; in_features a multiple of
-    BLOCKSIZE, so each row starts on a byte and on a block). Rows or columns past W's are finite."""
+    """``W[rows, k0 : k0 + BLOCK_K]`` in DTYPE as its even and its odd columns, two
+    ``[BLOCK_N, BLOCK_K / 2]`` tiles: a byte's high nibble and its low one (k0 a multiple of
+    BLOCK_K; in_features a multiple of BLOCKSIZE, so each row starts on a byte and on a block).
+    The codes' values come from LOOKUP's PTX (:func:`code_lookup_ptx`), or from code_ptr where
+    it is "". Rows or columns past W's are finite."""
     HALF: tl.constexpr = BLOCK_K // 2
     rows64 = rows.to(tl.int64)
     row_in = rows < out_features
     pairs = k0 // 2 + tl.arange(0, HALF)
     packed = tl.load(packed_ptr + rows64[:, None] * (in_features // 2) + pairs[None, :],
-                     mask=row_in[:, None] & (pairs < in_features // 2)[None, :], other=0).to(tl.int32)
-    # Codes come high nibble first: join + reshape interleaves them back into W's column order.
-    values = tl.reshape(tl.join(tl.load(code_ptr + (packed >> 4)), tl.load(code_ptr + (packed & 15))),
-                        (BLOCK_N, BLOCK_K))
+                     mask=row_in[:, None] & (pairs < in_features // 2)[None, :], other=0)
+    if LOOKUP != "":
+        even, odd = tl.inline_asm_elementwise(LOOKUP, "=r,=r,=r,=r,=r,=r,=r,=r,r", [packed],
+                                              dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+    else:
+        codes = packed.to(tl.int32)
+        even = tl.load(code_ptr + (codes >> 4))
+        odd = tl.load(code_ptr + (codes & 15))
     blocks_per_row = in_features // BLOCKSIZE
+    # A block's columns are an even count from an even one: a pair never straddles two blocks.
     if BLOCK_K > BLOCKSIZE:  # several blocks per row of the tile: one absmax per (row, block)
         GROUPS: tl.constexpr = BLOCK_K // BLOCKSIZE
         group = k0 // BLOCKSIZE + tl.arange(0, GROUPS)
         absmax = block_absmax(absmax_ptr, scale_code_ptr, scale_absmax_ptr, offset_ptr,
                               rows64[:, None] * blocks_per_row + group[None, :],
                               row_in[:, None] & (group < blocks_per_row)[None, :], SCALE_BLOCKSIZE, NESTED)
-        values = tl.reshape(tl.reshape(values, (BLOCK_N, GROUPS, BLOCKSIZE)) * absmax[:, :, None], (BLOCK_N, BLOCK_K))
+        even = tl.reshape(tl.reshape(even, (BLOCK_N, GROUPS, BLOCKSIZE // 2)) * absmax[:, :, None], (BLOCK_N, HALF))
+        odd = tl.reshape(tl.reshape(odd, (BLOCK_N, GROUPS, BLOCKSIZE // 2)) * absmax[:, :, None], (BLOCK_N, HALF))
     else:  # the tile lies inside one block per row
         absmax = block_absmax(absmax_ptr, scale_code_ptr, scale_absmax_ptr, offset_ptr,
                               rows64 * blocks_per_row + k0 // BLOCKSIZE, row_in,
                               SCALE_BLOCKSIZE, NESTED)
-        values = values * absmax[:, None]
-    return values.to(DTYPE)
+        even = even * absmax[:, None]
+        odd = odd * absmax[:, None]
+    return even.to(DTYPE), odd.to(DTYPE)
 
 
 @triton.jit
@@ -104,13 +186,16 @@ def _gemm_4bit_kernel(
     a_ptr, packed_ptr, code_ptr, absmax_ptr, scale_code_ptr, scale_absmax_ptr, offset_ptr, add_ptr, out_ptr,
     n_tokens, out_features, in_features, stride_am, stride_ak, stride_addm, stride_om, tokens_bucket,
     BACKWARD: tl.constexpr, HAS_ADD: tl.constexpr, BLOCKSIZE: tl.constexpr, SCALE_BLOCKSIZE: tl.constexpr,
-    NESTED: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr,
+    NESTED: tl.constexpr, PRECISION: tl.constexpr, LOOKUP: tl.constexpr, SWAP: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One (token tile, output tile) of ``out = (add +) a · W[cols]ᵀ`` (forward: a is x, the tile is
     BLOCK_N out features, the loop walks in by BLOCK_K) or ``out = (add +) a · W[:, cols]`` (BACKWARD:
     a is dy, the tile is BLOCK_K in features, the loop walks out by BLOCK_N). Either way W is read
-    in [BLOCK_N × BLOCK_K] tiles. `tokens_bucket` only keys the autotuner."""
+    in [BLOCK_N × BLOCK_K] tiles, as its even and odd columns. SPLIT multiplies each half by its
+    own dot (forward: against a's even and odd columns; backward: into the output's), where the
+    halves would otherwise be interleaved back into W's column order first. `tokens_bucket` only
+    keys the autotuner."""
     # Token tiles vary fastest: the programs running at once read the same tiles of W (L2 hits).
     pid = tl.program_id(0)
     m_tiles = tl.cdiv(n_tokens, BLOCK_M)
@@ -118,57 +203,96 @@ def _gemm_4bit_kernel(
     tile = pid // m_tiles
     token_in = tokens < n_tokens
     a_rows = a_ptr + tokens.to(tl.int64)[:, None] * stride_am
+    HALF: tl.constexpr = BLOCK_K // 2
     STEP: tl.constexpr = BLOCK_N if BACKWARD else BLOCK_K
     depth = out_features if BACKWARD else in_features
     WIDTH: tl.constexpr = BLOCK_K if BACKWARD else BLOCK_N
-    acc = tl.zeros((WIDTH, BLOCK_M) if SWAP else (BLOCK_M, WIDTH), dtype=tl.float32)
+    DTYPE: tl.constexpr = a_ptr.dtype.element_ty
+    if BACKWARD and SPLIT:  # the output's even and odd columns, apart until the end
+        acc = tl.zeros((HALF, BLOCK_M) if SWAP else (BLOCK_M, HALF), dtype=tl.float32)
+        acc_odd = tl.zeros((HALF, BLOCK_M) if SWAP else (BLOCK_M, HALF), dtype=tl.float32)
+    else:
+        acc = tl.zeros((WIDTH, BLOCK_M) if SWAP else (BLOCK_M, WIDTH), dtype=tl.float32)
     for start in range(0, depth, STEP):
         reduced = start + tl.arange(0, STEP)
         a = tl.load(a_rows + reduced[None, :] * stride_ak, mask=token_in[:, None] & (reduced < depth)[None, :],
                     other=0.0)
         if BACKWARD:
-            w = _weight_tile(packed_ptr, code_ptr, absmax_ptr, scale_code_ptr, scale_absmax_ptr, offset_ptr,
-                             reduced, tile * BLOCK_K, out_features, in_features,
-                             a_ptr.dtype.element_ty, BLOCKSIZE, SCALE_BLOCKSIZE, NESTED, BLOCK_N, BLOCK_K)
-            w = tl.trans(w)  # [in, out]: what multiplies dy
+            even, odd = _weight_halves(packed_ptr, code_ptr, absmax_ptr, scale_code_ptr, scale_absmax_ptr,
+                                       offset_ptr, reduced, tile * BLOCK_K, out_features, in_features,
+                                       DTYPE, BLOCKSIZE, SCALE_BLOCKSIZE, NESTED, LOOKUP, BLOCK_N, BLOCK_K)
+            if SPLIT:  # [out × in/2] halves: each multiplies dy into its own output columns
+                if SWAP:
+                    acc = tl.dot(tl.trans(even), tl.trans(a), acc, input_precision=PRECISION)
+                    acc_odd = tl.dot(tl.trans(odd), tl.trans(a), acc_odd, input_precision=PRECISION)
+                else:
+                    acc = tl.dot(a, even, acc, input_precision=PRECISION)
+                    acc_odd = tl.dot(a, odd, acc_odd, input_precision=PRECISION)
+            else:
+                w = tl.trans(tl.interleave(even, odd))  # [in, out]: what multiplies dy
+                if SWAP:
+                    acc = tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
+                else:
+                    acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
         else:
-            w = _weight_tile(packed_ptr, code_ptr, absmax_ptr, scale_code_ptr, scale_absmax_ptr, offset_ptr,
-                             tile * BLOCK_N + tl.arange(0, BLOCK_N), start, out_features, in_features,
-                             a_ptr.dtype.element_ty, BLOCKSIZE, SCALE_BLOCKSIZE, NESTED, BLOCK_N, BLOCK_K)
-        # w is now [output tile × reduced]: the tile's weights against a's columns.
+            even, odd = _weight_halves(packed_ptr, code_ptr, absmax_ptr, scale_code_ptr, scale_absmax_ptr,
+                                       offset_ptr, tile * BLOCK_N + tl.arange(0, BLOCK_N), start, out_features,
+                                       in_features, DTYPE, BLOCKSIZE, SCALE_BLOCKSIZE, NESTED, LOOKUP,
+                                       BLOCK_N, BLOCK_K)
+            if SPLIT:  # a's even columns meet the high nibbles' values, its odd ones the low
+                a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, HALF, 2)))
+                if SWAP:
+                    acc = tl.dot(even, tl.trans(a_even), acc, input_precision=PRECISION)
+                    acc = tl.dot(odd, tl.trans(a_odd), acc, input_precision=PRECISION)
+                else:
+                    acc = tl.dot(a_even, tl.trans(even), acc, input_precision=PRECISION)
+                    acc = tl.dot(a_odd, tl.trans(odd), acc, input_precision=PRECISION)
+            else:
+                w = tl.interleave(even, odd)  # [out × in], W's own column order
+                if SWAP:
+                    acc = tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
+                else:
+                    acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+    if BACKWARD and SPLIT:
         if SWAP:
-            acc = tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
+            acc = tl.interleave(tl.trans(acc), tl.trans(acc_odd))
         else:
-            acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
-    if SWAP:
+            acc = tl.interleave(acc, acc_odd)
+    elif SWAP:
         acc = tl.trans(acc)
     _epilogue(acc, out_ptr, add_ptr, tokens, tile * WIDTH + tl.arange(0, WIDTH), n_tokens,
               in_features if BACKWARD else out_features, stride_om, stride_addm, HAS_ADD)
 
 
 # --- Tile configurations ---------------------------------------------------------------------------
-# Swapped operands for a few tokens (the weight tile is the MMA's 64+-row side, the tokens its
-# narrow one), plain tiles for many. Pruned per token bucket (:func:`_prune`), then timed per
-# (bucket, shape, layout, dtypes) on first use.
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); every one within an H100's 227 KiB of shared memory.
-_SWAPPED = [(bm, bn, bk, 4, stages) for bm in (16, 32, 64)
-            for bn, bk, stages in ((64, 128, 4), (128, 64, 4), (64, 256, 3), (128, 128, 3))]
+# Swapped operands for a few tokens (the weight tile is the MMA's wide side, the tokens its narrow
+# one; 16-row weight tiles give a 4096-wide weight 256 programs); plain tiles for many tokens, their
+# halves split (Triton 3.6 fails to compile the interleaved plain tiles for Hopper). Only tiles
+# that won some shape and token count when twice as many were timed at the 8B and 70B shapes.
+# Pruned per token bucket (:func:`_prune`), then timed per (bucket, shape, layout, dtypes) on first
+# use. Swapped (BLOCK_N, BLOCK_K, SPLIT, warps, stages) at each BLOCK_M; plain (BLOCK_M, BLOCK_N,
+# BLOCK_K, warps, stages); every one within an H100's 227 KiB of shared memory.
+_SWAPPED = [(16, 128, False, 4, 4), (16, 256, False, 4, 3), (16, 256, True, 4, 3), (64, 64, False, 4, 4),
+            (64, 128, False, 4, 4), (128, 64, False, 4, 4), (128, 128, False, 8, 3)]
 _PLAIN = [(128, 128, 64, 8, 3), (256, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4)]
 # Under the interpreter (or without Triton) nothing is tuned: the kernels run one small tile.
 CONFIGS = [] if INTERPRET or TRITON_IMPORT_ERROR is not None else [
-    triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SWAP=swap), num_warps=w, num_stages=s)
-    for swap, tiles in ((True, _SWAPPED), (False, _PLAIN)) for bm, bn, bk, w, s in tiles
+    *(triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SWAP=True, SPLIT=split), num_warps=w, num_stages=s)
+      for bm in (16, 32, 64, 128) for bn, bk, split, w, s in _SWAPPED),
+    *(triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SWAP=False, SPLIT=True), num_warps=w, num_stages=s)
+      for bm, bn, bk, w, s in _PLAIN),
 ]
 _KEY = ["tokens_bucket", "out_features", "in_features", "BACKWARD", "BLOCKSIZE", "NESTED", "HAS_ADD"]
-INTERPRETER_TILE = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SWAP=False)  # few programs, dot's smallest sides
+# few programs, dot's smallest sides
+INTERPRETER_TILE = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SWAP=False, SPLIT=False)
 
 
 def _worth_timing(tile: dict, bucket: int, blocksize: int) -> bool:
-    """Up to 128 tokens, swapped tiles whose token side is the bucket (16 to 64); from 128, plain
+    """Up to 256 tokens, swapped tiles whose token side is the bucket (16 to 128); from 128, plain
     tiles whose token side the bucket fills. A tile narrower than a quantisation block must divide
     it (wider ones hold whole blocks)."""
     if tile["SWAP"]:
-        fits = bucket <= 128 and tile["BLOCK_M"] == min(64, bucket)
+        fits = bucket <= 256 and tile["BLOCK_M"] == min(128, bucket)
     else:
         fits = bucket >= 128 and tile["BLOCK_M"] <= bucket
     return fits and (tile["BLOCK_K"] % blocksize == 0 or blocksize % tile["BLOCK_K"] == 0)
@@ -218,6 +342,7 @@ def fused_gemm(a: torch.Tensor, weight: QuantizedWeight, backward: bool = False,
     def grid(meta):
         return (cdiv(tokens, meta["BLOCK_M"]) * cdiv(width, meta["BLOCK_K" if backward else "BLOCK_N"]),)
 
+    options["LOOKUP"] = _code_lookup(weight.code) if a.device.type == "cuda" and not INTERPRET else ""
     if _TUNED is None or a.device.type != "cuda":
         _gemm_4bit_kernel[grid(INTERPRETER_TILE)](*args, **options, **INTERPRETER_TILE)
     else:

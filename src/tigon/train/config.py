@@ -75,10 +75,11 @@ class SFTConfig:
     quant: str | None = _opt(None, "load the base quantised by bitsandbytes (QLoRA; --tuner lora): nf4 or fp4 "
                              "(4-bit, double quantisation, computing in --dtype) or int8 (LLM.int8); or fp8 "
                              "(e4m3 base, FP8 GEMMs; GPU of compute capability 8.9+; an FP8 checkpoint's own "
-                             "weights) (default: not quantised). A bitsandbytes base's GEMMs (forward and input "
-                             "gradient) dequantise the weight into a reused buffer and run cuBLAS "
-                             "(tigon.ops.gemm_4bit's per-shape table sends none to the fused 4-bit GEMM: it was "
-                             "slower where measured)", choices=["nf4", "fp4", "int8", "fp8"])
+                             "weights) (default: not quantised). A 4-bit base's GEMMs (forward and input gradient) "
+                             "dequantise the weight into a reused buffer and run cuBLAS for training batches; "
+                             "with few tokens (up to 32-128 per Llama-3 8B/70B shape: generation, evaluation) "
+                             "the fused 4-bit GEMM multiplies the packed weight directly "
+                             "(tigon.ops.gemm_4bit.FUSED_TOKENS_UP_TO)", choices=["nf4", "fp4", "int8", "fp8"])
     lora_variant: str = _opt("lora", "lora, or dora (weight-decomposed: a learned magnitude per output feature)",
                              choices=["lora", "dora"])
     use_rslora: bool = _opt(False, "rank-stabilised LoRA: scale the adapters by alpha / sqrt(rank), not alpha / rank")
