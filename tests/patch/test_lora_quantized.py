@@ -203,9 +203,11 @@ def test_offload_and_tiled_mlp_on_a_4bit_base_take_the_same_step(checkpoint, swi
 
 @pytest.mark.gpu
 def test_offload_and_tiled_mlp_on_a_4bit_base_in_bf16_on_gpu(tmp_path):
-    """The same on the GPU in bf16 with the fused 4-bit path: offload is exact (the same bytes
-    come back), the tiled MLP within bf16 rounding, and together they hold the peak below the
-    plain QLoRA step's at a length where the MLP's intermediates dominate."""
+    """The same on the GPU in bf16 with the fused 4-bit path: offload gives the plain step's loss
+    (the same bytes come back) and its gradients within the plain step's own run-to-run spread
+    (the bf16 backward on the GPU is not bitwise reproducible: two plain steps differ), the tiled
+    MLP within bf16 rounding, and together they hold the peak below the plain QLoRA step's at a
+    length where the MLP's intermediates dominate."""
     from tigon.train.modeling import prepare_quantized
 
     torch.manual_seed(0)
@@ -214,7 +216,7 @@ def test_offload_and_tiled_mlp_on_a_4bit_base_in_bf16_on_gpu(tmp_path):
     transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path)
     ids = torch.randint(0, 1000, (1, 8192), device="cuda")
     runs = {}
-    for switches in ({}, {"offload_activations": True}, {"offload_activations": True, "tiled_mlp": True}):
+    for switches in ({}, {"offload_activations": True}, {"offload_activations": True, "tiled_mlp": True}, {}):
         base = transformers.AutoModelForCausalLM.from_pretrained(
             tmp_path, quantization_config=_quantization("nf4-double", torch.bfloat16), dtype=torch.bfloat16,
             device_map="cuda")
@@ -227,13 +229,17 @@ def test_offload_and_tiled_mlp_on_a_4bit_base_in_bf16_on_gpu(tmp_path):
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated()
         loss, grads = _checkpointed_step(model, ids)
-        runs[tuple(switches)] = (loss, grads, torch.cuda.max_memory_allocated() - start)
+        runs[tuple(switches) if tuple(switches) not in runs else "again"] = (
+            loss, grads, torch.cuda.max_memory_allocated() - start)
         tigon.unpatch(model)
         del model, base
         torch.cuda.empty_cache()
     plain, offloaded, both = runs[()], runs[("offload_activations",)], runs[("offload_activations", "tiled_mlp")]
     assert torch.equal(offloaded[0], plain[0])
-    for name in plain[1]:
-        assert torch.equal(offloaded[1][name], plain[1][name]), name
+
+    def spread(other):  # the largest gradient difference, relative to the gradient's largest entry
+        return max(((other[1][n] - plain[1][n]).abs().max() / plain[1][n].abs().max()).item() for n in plain[1])
+
+    assert spread(offloaded) <= 3 * spread(runs["again"]), (spread(offloaded), spread(runs["again"]))
     assert_close(both[0], plain[0], torch.bfloat16, name="loss")  # per-chunk GEMMs may round differently
     assert both[2] < plain[2], (both[2], plain[2])
