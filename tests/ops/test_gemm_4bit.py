@@ -248,6 +248,21 @@ def test_code_lookup_ptx_gives_every_codes_exact_bits(quant_type):
         gemm_4bit.code_lookup_ptx(code.tolist()[:8])
 
 
+def test_code_lookup_is_built_once_per_code_tensor_and_never_on_rocm(monkeypatch):
+    """The PTX is read from the code tensor once and kept while it lives unchanged; an in-place
+    change rebuilds it; on ROCm (no PTX) the kernel gathers from memory instead."""
+    code = bnb_functional.get_4bit_type("nf4", device="cpu").float()
+    reads = []
+    real = gemm_4bit.code_lookup_ptx
+    monkeypatch.setattr(gemm_4bit, "code_lookup_ptx", lambda values: reads.append(values) or real(values))
+    first = gemm_4bit._code_lookup(code)
+    assert gemm_4bit._code_lookup(code) == first and len(reads) == 1
+    code[0] = -0.5
+    assert gemm_4bit._code_lookup(code) != first and len(reads) == 2
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    assert gemm_4bit._code_lookup(code.clone()) == ""
+
+
 # --- On the GPU: bf16 at Llama-3-8B's projection shapes -------------------------------------------
 
 SHAPES_8B = [(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096)]  # (out, in): q/o, gate/up, down, k/v

@@ -111,7 +111,9 @@ _LOOKUPS: dict[int, tuple[weakref.ref, int, str]] = {}
 def _code_lookup(code: torch.Tensor) -> str:
     """:func:`code_lookup_ptx` for a weight's code tensor, read (one sync) on its first use and kept
     while it lives unchanged; "" (the kernel gathers the values from memory) under CUDA graph
-    capture before that first use, where reading it is not allowed."""
+    capture before that first use, where reading it is not allowed, and on ROCm (PTX is NVIDIA's)."""
+    if torch.version.hip is not None:
+        return ""
     key = id(code)
     known = _LOOKUPS.get(key)
     if known is not None and known[0]() is code and known[1] == code._version:
