@@ -24,7 +24,7 @@ a first call under CUDA graph capture gather them from the code tensor instead.
 The fused GEMM pays for the dequantisation once per tile of tokens: with many tokens, dequantising
 once and running cuBLAS is faster. :func:`fused_4bit` says which runs, per shape, from one table
 (:data:`FUSED_TOKENS_UP_TO`, measured with ``python -m tigon.bench.gemm_4bit``): on the listed
-Llama-3 shapes, up to 32-128 tokens (generation, small batches); training batches dequantise.
+Llama-3 shapes, up to 16-128 tokens (generation, small batches); training batches dequantise.
 The first fused call at each (token bucket, shape, pass) times its candidate tiles, a few seconds;
 Triton keeps the choice on disk for later processes. The fused path needs ``in`` to be a whole
 number of blocks (every real model's is); other shapes dequantise.
