@@ -18,8 +18,8 @@ weight tile is then the left operand, so that a handful of tokens fill the MMA's
 rather than its 64-row one.
 
 On the GPU a code becomes its value without a memory access: the 16 fp32 values are immediates
-of a few byte permutes (:func:`code_lookup_ptx`), built once per code tensor; the interpreter and
-a first call under CUDA graph capture gather them from the code tensor instead.
+of a few byte permutes (:func:`code_lookup_ptx`), built once per code tensor; the interpreter,
+ROCm and a first call under CUDA graph capture gather them from the code tensor instead.
 
 The fused GEMM pays for the dequantisation once per tile of tokens: with many tokens, dequantising
 once and running cuBLAS is faster. :func:`fused_4bit` says which runs, per shape, from one table
