@@ -349,3 +349,32 @@ def test_first_use_under_cuda_graph_capture_gathers_from_memory(monkeypatch):
     graph.replay()
     exact = a.float() @ want.float().t()
     assert ((out.float() - exact).norm() / exact.norm()).item() < 4e-3
+
+
+@pytest.mark.gpu
+def test_later_calls_launch_the_tuned_tile_directly(monkeypatch):
+    """A key's first call goes through the autotuner; later ones launch the tile it chose without
+    it, with the same result, and a new token bucket is tuned again."""
+    _always_fused(monkeypatch)
+    monkeypatch.setattr(gemm_4bit, "_CHOSEN", {})
+    tuned = gemm_4bit._TUNED
+    calls = []
+
+    class CountingAutotuner:
+        best_config = property(lambda self: tuned.best_config)
+
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return tuned[grid]
+
+    monkeypatch.setattr(gemm_4bit, "_TUNED", CountingAutotuner())
+    weight, data, state = _weight((384, 512), "nf4", True, 64, "cuda")
+    want = bnb_functional.dequantize_4bit(data, state).to(torch.bfloat16)
+    a = torch.randn(12, 512, device="cuda", dtype=torch.bfloat16)
+    first = base_gemm(a, weight)
+    second = base_gemm(a, weight)
+    assert len(calls) == 1 and torch.equal(first, second)
+    exact = a.float() @ want.float().t()
+    assert ((second.float() - exact).norm() / exact.norm()).item() < 4e-3
+    base_gemm(torch.randn(40, 512, device="cuda", dtype=torch.bfloat16), weight)
+    assert len(calls) == 2

@@ -39,7 +39,7 @@ import torch
 
 from tigon.ops._checks import check_input, rows_view
 from tigon.ops._dispatch import INTERPRET, TRITON_IMPORT_ERROR, Op, autocast_dtype, capturing, tl, triton
-from tigon.ops._launch import cdiv, next_power_of_2
+from tigon.ops._launch import cdiv, launched, next_power_of_2
 from tigon.ops.dequantize import QuantizedWeight, block_absmax, check_quantized, dequantize_reference, dequantized
 
 # --- Where the fused GEMM runs ------------------------------------------------------------------
@@ -311,6 +311,11 @@ def _tuned(kernel):
 
 
 _TUNED = _tuned(_gemm_4bit_kernel)
+# After a key's tuning, its calls launch the chosen tile straight to the compiled kernel: Triton's
+# autotuner and JIT dispatch cost more host time per call than a few-token GEMM takes on the GPU.
+_PREBOUND = launched(_gemm_4bit_kernel)
+# (device, dtype and the autotuner's key values) -> the tile the autotuner chose for them
+_CHOSEN: dict[tuple, "triton.Config"] = {}
 
 
 def _tokens_bucket(tokens: int) -> int:
@@ -347,8 +352,14 @@ def fused_gemm(a: torch.Tensor, weight: QuantizedWeight, backward: bool = False,
     options["LOOKUP"] = _code_lookup(weight.code) if a.device.type == "cuda" and not INTERPRET else ""
     if _TUNED is None or a.device.type != "cuda":
         _gemm_4bit_kernel[grid(INTERPRETER_TILE)](*args, **options, **INTERPRETER_TILE)
-    else:
+        return out
+    key = (a.device, a.dtype, args[-1], out_features, in_features, backward, weight.blocksize, nested, add is not None)
+    tile = _CHOSEN.get(key)
+    if tile is None:
         _TUNED[grid](*args, **options)
+        _CHOSEN[key] = _TUNED.best_config
+    else:
+        _PREBOUND[grid(tile.kwargs)](*args, **options, **tile.all_kwargs())
     return out
 
 
