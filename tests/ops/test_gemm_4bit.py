@@ -111,6 +111,26 @@ def test_tiles_and_added_term(poison_outputs, device, monkeypatch, tile, dtype):
         assert torch.equal(before, kept)
 
 
+@pytest.mark.parametrize("parts", [1, 3])
+def test_reduction_split_in_parts(poison_outputs, device, monkeypatch, parts):
+    """The reduced dimension in one part or in three uneven ones (their fp32 sums and the added
+    term added up on the host, rounded once), forward and input gradient; a NaN in one part's
+    range reaches the output."""
+    _always_fused(monkeypatch)
+    monkeypatch.setattr(gemm_4bit, "_parts", lambda programs, steps, device: min(parts, steps))
+    weight, data, state = _weight((160, 448), "nf4", True, 64, device)
+    want_w = _bnb_dequantize_4bit(data, state).to(torch.float16).float()
+    for backward, depth, width in ((False, 448, 160), (True, 160, 448)):
+        a = torch.randn(13, depth, dtype=torch.float16, device=device)
+        a[4, depth - 1] = float("nan")
+        add = torch.randn(13, width, dtype=torch.float16, device=device)
+        out = base_gemm(a, weight, backward=backward, add=add)
+        want = add.float() + a.float() @ (want_w if backward else want_w.t())
+        assert out[4].isnan().all() and not out[torch.arange(13) != 4].isnan().any()
+        assert_close(out[torch.arange(13) != 4], want.to(torch.float16)[torch.arange(13) != 4],
+                     name=f"backward={backward}")
+
+
 def test_debug_mode_checks_without_adding_twice(device, monkeypatch):
     """TIGON_DEBUG runs the reference on the op's own arguments after the kernel: the added term
     is read, never written, so neither the result nor the check is off."""

@@ -39,7 +39,7 @@ import torch
 
 from tigon.ops._checks import check_input, rows_view
 from tigon.ops._dispatch import INTERPRET, TRITON_IMPORT_ERROR, Op, autocast_dtype, capturing, tl, triton
-from tigon.ops._launch import cdiv, launched, next_power_of_2
+from tigon.ops._launch import cdiv, launched, multiprocessor_count, next_power_of_2
 from tigon.ops.dequantize import QuantizedWeight, block_absmax, check_quantized, dequantize_reference, dequantized
 
 # --- Where the fused GEMM runs ------------------------------------------------------------------
@@ -186,7 +186,7 @@ def _epilogue(acc, out_ptr, add_ptr, rows, cols, n_rows, n_cols, stride_om, stri
 @triton.jit
 def _gemm_4bit_kernel(
     a_ptr, packed_ptr, code_ptr, absmax_ptr, scale_code_ptr, scale_absmax_ptr, offset_ptr, add_ptr, out_ptr,
-    n_tokens, out_features, in_features, stride_am, stride_ak, stride_addm, stride_om, tokens_bucket,
+    partial_ptr, n_tokens, out_features, in_features, stride_am, stride_ak, stride_addm, stride_om, tokens_bucket,
     BACKWARD: tl.constexpr, HAS_ADD: tl.constexpr, BLOCKSIZE: tl.constexpr, SCALE_BLOCKSIZE: tl.constexpr,
     NESTED: tl.constexpr, PRECISION: tl.constexpr, LOOKUP: tl.constexpr, SWAP: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -197,7 +197,11 @@ def _gemm_4bit_kernel(
     in [BLOCK_N × BLOCK_K] tiles, as its even and odd columns. SPLIT multiplies each half by its
     own dot (forward: against a's even and odd columns; backward: into the output's), where the
     halves would otherwise be interleaved back into W's column order first. `tokens_bucket` only
-    keys the autotuner."""
+    keys the autotuner.
+
+    With several programs along the grid's second axis, each sums its own part of the reduced
+    dimension (whole steps) and stores that fp32 sum in ``partial[part]`` (``[tokens, width]``
+    each, contiguous) instead; the host adds the parts up."""
     # Token tiles vary fastest: the programs running at once read the same tiles of W (L2 hits).
     pid = tl.program_id(0)
     m_tiles = tl.cdiv(n_tokens, BLOCK_M)
@@ -215,7 +219,9 @@ def _gemm_4bit_kernel(
         acc_odd = tl.zeros((HALF, BLOCK_M) if SWAP else (BLOCK_M, HALF), dtype=tl.float32)
     else:
         acc = tl.zeros((WIDTH, BLOCK_M) if SWAP else (BLOCK_M, WIDTH), dtype=tl.float32)
-    for start in range(0, depth, STEP):
+    part, parts = tl.program_id(1), tl.num_programs(1)
+    per_part = tl.cdiv(tl.cdiv(depth, STEP), parts) * STEP
+    for start in range(part * per_part, tl.minimum(depth, (part + 1) * per_part), STEP):
         reduced = start + tl.arange(0, STEP)
         a = tl.load(a_rows + reduced[None, :] * stride_ak, mask=token_in[:, None] & (reduced < depth)[None, :],
                     other=0.0)
@@ -262,8 +268,14 @@ def _gemm_4bit_kernel(
             acc = tl.interleave(acc, acc_odd)
     elif SWAP:
         acc = tl.trans(acc)
-    _epilogue(acc, out_ptr, add_ptr, tokens, tile * WIDTH + tl.arange(0, WIDTH), n_tokens,
-              in_features if BACKWARD else out_features, stride_om, stride_addm, HAS_ADD)
+    cols = tile * WIDTH + tl.arange(0, WIDTH)
+    width = in_features if BACKWARD else out_features
+    if parts > 1:
+        mask = token_in[:, None] & (cols < width)[None, :]
+        sums = partial_ptr + part.to(tl.int64) * n_tokens * width
+        tl.store(sums + tokens.to(tl.int64)[:, None] * width + cols[None, :], acc, mask=mask)
+    else:
+        _epilogue(acc, out_ptr, add_ptr, tokens, cols, n_tokens, width, stride_om, stride_addm, HAS_ADD)
 
 
 # --- Tile configurations ---------------------------------------------------------------------------
@@ -318,6 +330,19 @@ _PREBOUND = launched(_gemm_4bit_kernel)
 _CHOSEN: dict[tuple, "triton.Config"] = {}
 
 
+# The reduced dimension is split in parts where the output's tiles alone give fewer programs than
+# two per multiprocessor (a few tokens, a narrow output), each part at least PART_MIN_STEPS loop
+# steps long, at most MAX_PARTS of them, and only while their fp32 sums fit PARTIAL_LIMIT bytes.
+MAX_PARTS = 8
+PART_MIN_STEPS = 4
+PARTIAL_LIMIT = 64 << 20
+
+
+def _parts(programs: int, steps: int, device: torch.device) -> int:
+    """Parts to split a reduction of `steps` loop steps into, for `programs` output tiles."""
+    return max(1, min(MAX_PARTS, 2 * multiprocessor_count(device) // programs, steps // PART_MIN_STEPS))
+
+
 def _tokens_bucket(tokens: int) -> int:
     """Token counts tuned apart: powers of two from 16 to 8192 (one tuning per bucket, not per count)."""
     return min(8192, max(16, next_power_of_2(tokens)))
@@ -331,36 +356,56 @@ def fused_gemm(a: torch.Tensor, weight: QuantizedWeight, backward: bool = False,
     `weight` 4-bit with whole blocks per row (:func:`supports_fused`)."""
     out_features, in_features = weight.shape
     tokens, width = a.shape[0], in_features if backward else out_features
+    depth = out_features if backward else in_features
     out = torch.empty((tokens, width), dtype=a.dtype, device=a.device)
+    may_split = MAX_PARTS * tokens * width * 4 <= PARTIAL_LIMIT
     nested = weight.nested
     # Unused pointers (of the plain layout, or a missing `add`) are bound to tensors the kernel
     # does not read.
     scale_code = weight.scale_code if nested else weight.absmax
     scale_absmax = weight.scale_absmax if nested else weight.absmax
     offset = weight.offset if nested else weight.absmax
-    args = (a, weight.data.reshape(-1).view(torch.uint8), weight.code, weight.absmax, scale_code, scale_absmax, offset,
-            out if add is None else add, out, tokens, out_features, in_features, a.stride(0), a.stride(1),
-            out.stride(0) if add is None else add.stride(0), out.stride(0), _tokens_bucket(tokens))
+    weights = (a, weight.data.reshape(-1).view(torch.uint8), weight.code, weight.absmax, scale_code, scale_absmax,
+               offset, out if add is None else add, out)
+    sizes = (tokens, out_features, in_features, a.stride(0), a.stride(1),
+             out.stride(0) if add is None else add.stride(0), out.stride(0), _tokens_bucket(tokens))
     # enable_fp_fusion off: the double-quantised absmax is a multiply then an add, never one FMA.
     options = dict(BACKWARD=backward, HAS_ADD=add is not None, BLOCKSIZE=weight.blocksize,
                    SCALE_BLOCKSIZE=weight.scale_blocksize, NESTED=nested,
                    PRECISION="ieee" if a.dtype == torch.float32 else "tf32", enable_fp_fusion=False)
 
     def grid(meta):
-        return (cdiv(tokens, meta["BLOCK_M"]) * cdiv(width, meta["BLOCK_K" if backward else "BLOCK_N"]),)
+        programs = cdiv(tokens, meta["BLOCK_M"]) * cdiv(width, meta["BLOCK_K" if backward else "BLOCK_N"])
+        step = meta["BLOCK_N" if backward else "BLOCK_K"]
+        return programs, _parts(programs, cdiv(depth, step), a.device) if may_split else 1
+
+    def sums(parts: int) -> torch.Tensor:  # where `parts` parts store their fp32 sums (1: none do)
+        return torch.empty((parts, tokens, width) if parts > 1 else (1,), dtype=torch.float32, device=a.device)
+
+    def add_parts(partial: torch.Tensor, parts: int) -> torch.Tensor:  # with `add`, in fp32, rounded once
+        if parts == 1:
+            return out
+        total = partial[:parts].sum(0)
+        return out.copy_(total if add is None else total.add_(add))
 
     options["LOOKUP"] = _code_lookup(weight.code) if a.device.type == "cuda" and not INTERPRET else ""
     if _TUNED is None or a.device.type != "cuda":
-        _gemm_4bit_kernel[grid(INTERPRETER_TILE)](*args, **options, **INTERPRETER_TILE)
-        return out
-    key = (a.device, a.dtype, args[-1], out_features, in_features, backward, weight.blocksize, nested, add is not None)
+        launch = grid(INTERPRETER_TILE)
+        partial = sums(launch[1])
+        _gemm_4bit_kernel[launch](*weights, partial, *sizes, **options, **INTERPRETER_TILE)
+        return add_parts(partial, launch[1])
+    key = (a.device, a.dtype, sizes[-1], out_features, in_features, backward, weight.blocksize, nested, add is not None)
     tile = _CHOSEN.get(key)
-    if tile is None:
-        _TUNED[grid](*args, **options)
-        _CHOSEN[key] = _TUNED.best_config
+    if tile is None:  # the tiles timed may split in up to MAX_PARTS parts
+        partial = sums(MAX_PARTS if may_split else 1)
+        _TUNED[grid](*weights, partial, *sizes, **options)
+        tile = _CHOSEN[key] = _TUNED.best_config
+        parts = grid(tile.kwargs)[1]
     else:
-        _PREBOUND[grid(tile.kwargs)](*args, **options, **tile.all_kwargs())
-    return out
+        launch = grid(tile.kwargs)
+        parts, partial = launch[1], sums(launch[1])
+        _PREBOUND[launch](*weights, partial, *sizes, **options, **tile.all_kwargs())
+    return add_parts(partial, parts)
 
 
 def dequantized_gemm(a: torch.Tensor, weight: QuantizedWeight, backward: bool = False,
