@@ -4,6 +4,8 @@ The kernel dequantises to the bits bitsandbytes' ``dequantize_4bit`` gives and a
 so it differs from ``x.float() @ W.float()ᵀ`` only by the order of the fp32 sums and the one
 rounding of the output."""
 
+import logging
+
 import pytest
 import torch
 
@@ -372,9 +374,9 @@ def test_first_use_under_cuda_graph_capture_gathers_from_memory(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_later_calls_launch_the_tuned_tile_directly(monkeypatch):
-    """A key's first call goes through the autotuner; later ones launch the tile it chose without
-    it, with the same result, and a new token bucket is tuned again."""
+def test_later_calls_launch_the_tuned_tile_directly(monkeypatch, caplog):
+    """A key's first call goes through the autotuner (said once, in one line); later ones launch
+    the tile it chose without it, with the same result, and a new token bucket is tuned again."""
     _always_fused(monkeypatch)
     monkeypatch.setattr(gemm_4bit, "_CHOSEN", {})
     tuned = gemm_4bit._TUNED
@@ -391,9 +393,11 @@ def test_later_calls_launch_the_tuned_tile_directly(monkeypatch):
     weight, data, state = _weight((384, 512), "nf4", True, 64, "cuda")
     want = bnb_functional.dequantize_4bit(data, state).to(torch.bfloat16)
     a = torch.randn(12, 512, device="cuda", dtype=torch.bfloat16)
-    first = base_gemm(a, weight)
-    second = base_gemm(a, weight)
+    with caplog.at_level(logging.INFO, logger="tigon"):
+        first = base_gemm(a, weight)
+        second = base_gemm(a, weight)
     assert len(calls) == 1 and torch.equal(first, second)
+    assert sum("times its tiles" in r.getMessage() for r in caplog.records) == 1
     exact = a.float() @ want.float().t()
     assert ((second.float() - exact).norm() / exact.norm()).item() < 4e-3
     base_gemm(torch.randn(40, 512, device="cuda", dtype=torch.bfloat16), weight)

@@ -38,7 +38,7 @@ import weakref
 import torch
 
 from tigon.ops._checks import check_input, rows_view
-from tigon.ops._dispatch import INTERPRET, TRITON_IMPORT_ERROR, Op, autocast_dtype, capturing, tl, triton
+from tigon.ops._dispatch import INTERPRET, TRITON_IMPORT_ERROR, Op, autocast_dtype, capturing, log, tl, triton
 from tigon.ops._launch import cdiv, launched, multiprocessor_count, next_power_of_2
 from tigon.ops.dequantize import QuantizedWeight, block_absmax, check_quantized, dequantize_reference, dequantized
 
@@ -397,6 +397,9 @@ def fused_gemm(a: torch.Tensor, weight: QuantizedWeight, backward: bool = False,
     key = (a.device, a.dtype, sizes[-1], out_features, in_features, backward, weight.blocksize, nested, add is not None)
     tile = _CHOSEN.get(key)
     if tile is None:  # the tiles timed may split in up to MAX_PARTS parts
+        if not _CHOSEN:  # said once: the first tokens of a generation wait on it
+            log.info("tigon: the fused 4-bit GEMM times its tiles at each weight shape's first use (seconds "
+                     "each, unless Triton's disk cache has the choice)")
         partial = sums(MAX_PARTS if may_split else 1)
         _TUNED[grid](*weights, partial, *sizes, **options)
         tile = _CHOSEN[key] = _TUNED.best_config
