@@ -24,7 +24,7 @@ ROCm and a first call under CUDA graph capture gather them from the code tensor 
 The fused GEMM pays for the dequantisation once per tile of tokens: with many tokens, dequantising
 once and running cuBLAS is faster. :func:`fused_4bit` says which runs, per shape, from one table
 (:data:`FUSED_TOKENS_UP_TO`, measured with ``python -m tigon.bench.gemm_4bit``): on the listed
-Llama-3 shapes, up to 16-128 tokens (generation, small batches); training batches dequantise.
+Llama-3 shapes, up to 64-128 tokens (generation, small batches); training batches dequantise.
 The first fused call at each (token bucket, shape, pass) times its candidate tiles, a few seconds;
 Triton keeps the choice on disk for later processes. The fused path needs ``in`` to be a whole
 number of blocks (every real model's is); other shapes dequantise.
@@ -49,14 +49,14 @@ from tigon.ops.dequantize import QuantizedWeight, block_absmax, check_quantized,
 # tokens for Llama-3-8B's projections and at 1, 16, 64 and 256 for Llama-3-70B's. 0: never. Shapes
 # not listed take the default: dequantise + cuBLAS.
 FUSED_TOKENS_UP_TO: dict[tuple[int, int], tuple[int, int]] = {
-    (4096, 4096): (32, 0),  # Llama-3-8B q_proj / o_proj
-    (14336, 4096): (128, 0),  # gate_proj / up_proj
-    (4096, 14336): (64, 128),  # down_proj
-    (1024, 4096): (0, 0),  # k_proj / v_proj
-    (8192, 8192): (64, 16),  # Llama-3-70B q_proj / o_proj
-    (28672, 8192): (64, 16),  # gate_proj / up_proj
-    (8192, 28672): (64, 64),  # down_proj
-    (1024, 8192): (0, 16),  # k_proj / v_proj
+    (4096, 4096): (64, 64),  # Llama-3-8B q_proj / o_proj
+    (14336, 4096): (128, 128),  # gate_proj / up_proj
+    (4096, 14336): (128, 128),  # down_proj
+    (1024, 4096): (64, 0),  # k_proj / v_proj
+    (8192, 8192): (128, 128),  # Llama-3-70B q_proj / o_proj
+    (28672, 8192): (128, 128),  # gate_proj / up_proj
+    (8192, 28672): (128, 128),  # down_proj
+    (1024, 8192): (128, 0),  # k_proj / v_proj
 }
 DEFAULT_FUSED_TOKENS_UP_TO = (0, 0)
 

@@ -77,7 +77,7 @@ class SFTConfig:
                              "(e4m3 base, FP8 GEMMs; GPU of compute capability 8.9+; an FP8 checkpoint's own "
                              "weights) (default: not quantised). A 4-bit base's GEMMs (forward and input gradient) "
                              "dequantise the weight into a reused buffer and run cuBLAS for training batches; "
-                             "with few tokens (up to 16-128 by Llama-3 8B/70B shape and pass: generation, evaluation) "
+                             "with few tokens (up to 64-128 by Llama-3 8B/70B shape and pass: generation, evaluation) "
                              "the fused 4-bit GEMM multiplies the packed weight directly "
                              "(tigon.ops.gemm_4bit.FUSED_TOKENS_UP_TO)", choices=["nf4", "fp4", "int8", "fp8"])
     lora_variant: str = _opt("lora", "lora, or dora (weight-decomposed: a learned magnitude per output feature)",
