@@ -13,7 +13,6 @@ import time
 
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from tigon.ops import gemm_4bit
 
@@ -21,30 +20,23 @@ from tigon.ops import gemm_4bit
 NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
        -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
        0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0]
-POINTERS = {"a_ptr": "*bf16", "packed_ptr": "*u8", "code_ptr": "*fp32", "absmax_ptr": "*u8", "scale_code_ptr": "*fp32",
-            "scale_absmax_ptr": "*fp32", "offset_ptr": "*fp32", "add_ptr": "*bf16", "out_ptr": "*bf16",
-            "partial_ptr": "*fp32"}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gather", action="store_true", help="the codes' values from memory, not the register lookup")
     args = parser.parse_args()
-    kernel = gemm_4bit._gemm_4bit_kernel
+    if not gemm_4bit.CONFIGS:
+        print("gemm_4bit_compile_check.py: no tiles to compile (TRITON_INTERPRET is set, or Triton is missing)")
+        return 1
+    lookup = "" if args.gather else gemm_4bit.code_lookup_ptx(NF4)
     print(f"triton {triton.__version__}: {len(gemm_4bit.CONFIGS)} tiles x forward / input gradient for sm_90")
     failures = 0
     for config in gemm_4bit.CONFIGS:
         for backward in (False, True):
-            constants = dict(BACKWARD=backward, HAS_ADD=False, BLOCKSIZE=64, SCALE_BLOCKSIZE=256, NESTED=True,
-                             PRECISION="tf32", LOOKUP="" if args.gather else gemm_4bit.code_lookup_ptx(NF4),
-                             **config.kwargs)
-            signature = {n: "constexpr" if n in constants else POINTERS.get(n, "i32") for n in kernel.arg_names}
             start = time.perf_counter()
             try:
-                triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
-                               target=GPUTarget("cuda", 90, 32),
-                               options=dict(num_warps=config.num_warps, num_stages=config.num_stages,
-                                            enable_fp_fusion=False))
+                gemm_4bit.compile_tile(config, backward, GPUTarget("cuda", 90, 32), lookup)
             except Exception as error:  # a tile this Triton cannot compile: say which, go on
                 failures += 1
                 print(f"FAILED {'input grad' if backward else 'forward'} {config}: {str(error).splitlines()[0]}")

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import struct
 import weakref
+from typing import Any
 
 import torch
 
@@ -328,6 +329,26 @@ _TUNED = _tuned(_gemm_4bit_kernel)
 _PREBOUND = launched(_gemm_4bit_kernel)
 # (device, dtype and the autotuner's key values) -> the tile the autotuner chose for them
 _CHOSEN: dict[tuple, "triton.Config"] = {}
+
+
+def compile_tile(config: "triton.Config", backward: bool, target: Any, lookup: str = "") -> Any:
+    """Compile the fused GEMM at one tile of :data:`CONFIGS` for `target` (a Triton ``GPUTarget``,
+    e.g. ``GPUTarget("cuda", 90, 32)``) without a GPU or a launch: the tile a GPU's Triton cannot
+    build fails here, on any machine with that Triton. Double-quantised blocks of 64, bf16
+    activations; `lookup` is :func:`code_lookup_ptx`'s assembly ("" gathers the codes' values from
+    memory). Returns Triton's compiled kernel; raises what Triton's compiler raises."""
+    from triton.compiler import ASTSource
+
+    pointers = dict(a_ptr="*bf16", packed_ptr="*u8", code_ptr="*fp32", absmax_ptr="*u8", scale_code_ptr="*fp32",
+                    scale_absmax_ptr="*fp32", offset_ptr="*fp32", add_ptr="*bf16", out_ptr="*bf16",
+                    partial_ptr="*fp32")
+    constants = dict(BACKWARD=backward, HAS_ADD=False, BLOCKSIZE=64, SCALE_BLOCKSIZE=256, NESTED=True,
+                     PRECISION="tf32", LOOKUP=lookup, **config.kwargs)
+    signature = {name: "constexpr" if name in constants else pointers.get(name, "i32")
+                 for name in _gemm_4bit_kernel.arg_names}
+    return triton.compile(ASTSource(fn=_gemm_4bit_kernel, signature=signature, constexprs=constants), target=target,
+                          options=dict(num_warps=config.num_warps, num_stages=config.num_stages,
+                                       enable_fp_fusion=False))
 
 
 # The reduced dimension is split in parts where the output's tiles alone give fewer programs than
