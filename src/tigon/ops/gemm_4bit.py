@@ -45,10 +45,10 @@ from tigon.ops.dequantize import QuantizedWeight, block_absmax, check_quantized,
 
 # --- Where the fused GEMM runs ------------------------------------------------------------------
 # (out_features, in_features) -> (forward, input gradient): the most tokens for which the fused GEMM
-# beat dequantise + cuBLAS on that weight shape, measured with `python -m tigon.bench.gemm_4bit`
-# (the "fused/tigon" ratio, graph-replayed, H100; BENCHMARKS.md) at 1, 16, 32, 64, 128 and 256
-# tokens for Llama-3-8B's projections and at 1, 16, 64 and 256 for Llama-3-70B's. 0: never. Shapes
-# not listed take the default: dequantise + cuBLAS.
+# took at most 0.95x the time of dequantise + cuBLAS on that weight shape (and at every smaller
+# count measured), by `python -m tigon.bench.gemm_4bit` (the "fused/tigon" ratio, graph-replayed,
+# H100; BENCHMARKS.md) at 1, 16, 64, 128 and 256 tokens. 0: never. Shapes not listed take the
+# default: dequantise + cuBLAS.
 FUSED_TOKENS_UP_TO: dict[tuple[int, int], tuple[int, int]] = {
     (4096, 4096): (64, 64),  # Llama-3-8B q_proj / o_proj
     (14336, 4096): (128, 128),  # gate_proj / up_proj
